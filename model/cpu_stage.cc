@@ -1,0 +1,230 @@
+#include "model/cpu_stage.h"
+
+#include <algorithm>
+#include <cstring>
+#include <string>
+#include <unordered_set>
+
+#include "kernels/cpu/ops.h"
+
+namespace conveyor {
+namespace {
+
+std::string seq_name(uint64_t seq_id) { return "sequence " + std::to_string(seq_id); }
+
+void check_size(const std::vector<float>& v, size_t expected, const std::string& name) {
+  if (v.size() != expected)
+    throw Error("CpuStage: weight " + name + " has " + std::to_string(v.size()) + " floats, expected " +
+                std::to_string(expected));
+}
+
+}  // namespace
+
+int64_t total_tokens(std::span<const SeqSlice> slices) {
+  int64_t n = 0;
+  for (const SeqSlice& s : slices) n += s.num_tokens;
+  return n;
+}
+
+CpuStage::CpuStage(StageWeights weights) : weights_(std::move(weights)) {
+  const ModelConfig& c = weights_.config;
+  const size_t C = size_t(c.n_embd), I = size_t(c.n_inner), V = size_t(c.vocab_size),
+               P = size_t(c.n_positions);
+  if (c.n_embd <= 0 || c.n_head <= 0 || c.n_embd % c.n_head != 0 || c.n_inner <= 0)
+    throw Error("CpuStage: invalid model shape");
+  if (weights_.layer_begin < 0 || weights_.layer_end > c.n_layer || weights_.layer_begin > weights_.layer_end ||
+      int64_t(weights_.layers.size()) != weights_.layer_end - weights_.layer_begin)
+    throw Error("CpuStage: layer range [" + std::to_string(weights_.layer_begin) + ", " +
+                std::to_string(weights_.layer_end) + ") does not match " +
+                std::to_string(weights_.layers.size()) + " layers of a " + std::to_string(c.n_layer) +
+                "-layer model");
+  if (weights_.has_embedding()) {
+    check_size(weights_.wte, V * C, "wte");
+    check_size(weights_.wpe, P * C, "wpe");
+  }
+  if (weights_.has_head()) {
+    check_size(weights_.ln_f_g, C, "ln_f.weight");
+    check_size(weights_.ln_f_b, C, "ln_f.bias");
+    check_size(weights_.head_matrix(), V * C, "lm_head");
+  }
+  for (size_t i = 0; i < weights_.layers.size(); ++i) {
+    const LayerWeights& w = weights_.layers[i];
+    const std::string h = "h." + std::to_string(weights_.layer_begin + int64_t(i)) + ".";
+    check_size(w.ln_1_g, C, h + "ln_1.weight");
+    check_size(w.ln_1_b, C, h + "ln_1.bias");
+    check_size(w.attn_qkv_w, C * 3 * C, h + "attn.c_attn.weight");
+    check_size(w.attn_qkv_b, 3 * C, h + "attn.c_attn.bias");
+    check_size(w.attn_proj_w, C * C, h + "attn.c_proj.weight");
+    check_size(w.attn_proj_b, C, h + "attn.c_proj.bias");
+    check_size(w.ln_2_g, C, h + "ln_2.weight");
+    check_size(w.ln_2_b, C, h + "ln_2.bias");
+    check_size(w.mlp_fc_w, C * I, h + "mlp.c_fc.weight");
+    check_size(w.mlp_fc_b, I, h + "mlp.c_fc.bias");
+    check_size(w.mlp_proj_w, I * C, h + "mlp.c_proj.weight");
+    check_size(w.mlp_proj_b, C, h + "mlp.c_proj.bias");
+  }
+}
+
+void CpuStage::ensure_activations(int64_t T) {
+  if (T <= act_tokens_) return;
+  const int64_t C = config().n_embd, I = config().n_inner;
+  act_.ln.resize(size_t(T * C));
+  act_.qkv.resize(size_t(T * 3 * C));
+  act_.atty.resize(size_t(T * C));
+  act_.proj.resize(size_t(T * C));
+  act_.fch.resize(size_t(T * I));
+  act_.pos.resize(size_t(T));
+  act_tokens_ = T;
+}
+
+Status CpuStage::check_slices(std::span<const SeqSlice> slices) const {
+  const int64_t P = config().n_positions;
+  std::unordered_set<uint64_t> seen;
+  for (const SeqSlice& s : slices) {
+    if (s.num_tokens <= 0)
+      return Status::error(seq_name(s.seq_id) + ": slice has " + std::to_string(s.num_tokens) + " tokens");
+    if (s.start_pos < 0 || int64_t(s.start_pos) + s.num_tokens > P)
+      return Status::error(seq_name(s.seq_id) + ": positions " + std::to_string(s.start_pos) + ".." +
+                           std::to_string(int64_t(s.start_pos) + s.num_tokens - 1) +
+                           " exceed the model's context of " + std::to_string(P) + " positions");
+    if (!seen.insert(s.seq_id).second)
+      return Status::error(seq_name(s.seq_id) + " appears twice in one micro-batch");
+  }
+  return ok_status();
+}
+
+Status CpuStage::embed(std::span<const SeqSlice> slices, const int32_t* token_ids, float* hidden) {
+  if (!weights_.has_embedding())
+    return Status::error("embed called on a stage without the embedding (layers " +
+                         std::to_string(weights_.layer_begin) + ".." + std::to_string(weights_.layer_end) + ")");
+  if (Status s = check_slices(slices); !s) return s;
+  const int64_t T = total_tokens(slices), V = config().vocab_size;
+  ensure_activations(T);
+  int64_t t = 0;
+  for (const SeqSlice& s : slices) {
+    for (int32_t i = 0; i < s.num_tokens; ++i, ++t) {
+      if (token_ids[t] < 0 || token_ids[t] >= V)
+        return Status::error(seq_name(s.seq_id) + ": token id " + std::to_string(token_ids[t]) +
+                             " is outside the vocabulary [0, " + std::to_string(V) + ")");
+      act_.pos[size_t(t)] = s.start_pos + i;
+    }
+  }
+  cpu::embedding_forward(hidden, token_ids, act_.pos.data(), T, weights_.wte.data(), weights_.wpe.data(),
+                         config().n_embd);
+  return ok_status();
+}
+
+Status CpuStage::forward(std::span<const SeqSlice> slices, float* hidden) {
+  if (Status s = check_slices(slices); !s) return s;
+  for (const SeqSlice& s : slices) {
+    auto it = cache_.find(s.seq_id);
+    const int32_t cached = it == cache_.end() ? 0 : it->second.length;
+    if (s.start_pos != cached)
+      return Status::error(seq_name(s.seq_id) + ": slice starts at position " + std::to_string(s.start_pos) +
+                           " but the stage has " + std::to_string(cached) + " tokens cached for it");
+  }
+  // All checks passed: from here on nothing fails.
+  const int64_t T = total_tokens(slices), C = config().n_embd;
+  const size_t n_layers = weights_.layers.size();
+  ensure_activations(T);
+  slice_caches_.clear();
+  for (const SeqSlice& s : slices) {
+    SequenceCache& sc = cache_[s.seq_id];
+    sc.kv.resize(n_layers);
+    for (auto& kv : sc.kv) kv.resize(size_t((int64_t(s.start_pos) + s.num_tokens) * 2 * C));
+    slice_caches_.push_back(&sc);
+  }
+  for (size_t l = 0; l < n_layers; ++l) layer_forward(int64_t(l), slices, slice_caches_, hidden, T);
+  for (size_t i = 0; i < slices.size(); ++i) slice_caches_[i]->length += slices[i].num_tokens;
+  return ok_status();
+}
+
+// One transformer block (pre-LayerNorm GPT-2), in place on hidden [T, C].
+void CpuStage::layer_forward(int64_t layer, std::span<const SeqSlice> slices,
+                             std::span<SequenceCache* const> caches, float* hidden, int64_t T) {
+  const ModelConfig& c = config();
+  const int64_t C = c.n_embd, I = c.n_inner, H = c.n_head, D = c.head_dim();
+  const float eps = c.layer_norm_epsilon;
+  const LayerWeights& w = weights_.layers[size_t(layer)];
+  float *ln = act_.ln.data(), *qkv = act_.qkv.data(), *atty = act_.atty.data(), *proj = act_.proj.data(),
+        *fch = act_.fch.data();
+
+  // Attention.
+  cpu::layernorm_forward(ln, hidden, w.ln_1_g.data(), w.ln_1_b.data(), T, C, eps);
+  cpu::matmul_forward(qkv, ln, w.attn_qkv_w.data(), w.attn_qkv_b.data(), T, C, 3 * C);
+  int64_t row = 0;
+  for (size_t i = 0; i < slices.size(); ++i) {
+    const SeqSlice& s = slices[i];
+    float* kv = caches[i]->kv[size_t(layer)].data();
+    for (int32_t j = 0; j < s.num_tokens; ++j) {  // append K and V of the new tokens
+      const float* src = qkv + (row + j) * 3 * C;
+      std::memcpy(kv + (int64_t(s.start_pos) + j) * 2 * C, src + C, sizeof(float) * size_t(2 * C));
+    }
+    const int64_t kv_len = int64_t(s.start_pos) + s.num_tokens;
+    cpu::attention_context(atty + row * C, qkv + row * 3 * C, 3 * C, kv, kv + C, 2 * C, s.num_tokens,
+                           kv_len, H, D);
+    row += s.num_tokens;
+  }
+  cpu::matmul_forward(proj, atty, w.attn_proj_w.data(), w.attn_proj_b.data(), T, C, C);
+  cpu::residual_forward(hidden, hidden, proj, T * C);
+
+  // MLP.
+  cpu::layernorm_forward(ln, hidden, w.ln_2_g.data(), w.ln_2_b.data(), T, C, eps);
+  cpu::matmul_forward(fch, ln, w.mlp_fc_w.data(), w.mlp_fc_b.data(), T, C, I);
+  if (c.activation == Activation::GeluNew)
+    cpu::gelu_forward(fch, T * I);
+  else
+    cpu::gelu_erf_forward(fch, T * I);
+  cpu::matmul_forward(proj, fch, w.mlp_proj_w.data(), w.mlp_proj_b.data(), T, I, C);
+  cpu::residual_forward(hidden, hidden, proj, T * C);
+}
+
+Status CpuStage::logits(std::span<const SeqSlice> slices, const float* hidden, bool all_positions,
+                        float* out) {
+  if (!weights_.has_head())
+    return Status::error("logits called on a stage without the LM head (layers " +
+                         std::to_string(weights_.layer_begin) + ".." + std::to_string(weights_.layer_end) + ")");
+  for (const SeqSlice& s : slices)
+    if (s.num_tokens <= 0)
+      return Status::error(seq_name(s.seq_id) + ": slice has " + std::to_string(s.num_tokens) + " tokens");
+  const ModelConfig& c = config();
+  const int64_t C = c.n_embd, T = total_tokens(slices);
+  ensure_activations(T);
+  float* ln = act_.ln.data();
+  int64_t rows = 0;
+  if (all_positions) {
+    cpu::layernorm_forward(ln, hidden, weights_.ln_f_g.data(), weights_.ln_f_b.data(), T, C, c.layer_norm_epsilon);
+    rows = T;
+  } else {
+    int64_t last = -1;
+    for (const SeqSlice& s : slices) {
+      last += s.num_tokens;
+      cpu::layernorm_forward(ln + rows * C, hidden + last * C, weights_.ln_f_g.data(), weights_.ln_f_b.data(), 1,
+                             C, c.layer_norm_epsilon);
+      ++rows;
+    }
+  }
+  cpu::lm_head_forward(out, ln, weights_.head_matrix().data(), rows, C, c.vocab_size);
+  return ok_status();
+}
+
+void CpuStage::free_sequence(uint64_t seq_id) { cache_.erase(seq_id); }
+
+void CpuStage::clear() { cache_.clear(); }
+
+int64_t CpuStage::cached_tokens(uint64_t seq_id) const {
+  auto it = cache_.find(seq_id);
+  return it == cache_.end() ? -1 : it->second.length;
+}
+
+int64_t CpuStage::kv_bytes_per_token() const {
+  return int64_t(weights_.layers.size()) * 2 * config().n_embd * int64_t(sizeof(float));
+}
+
+int64_t CpuStage::kv_bytes_used() const {
+  int64_t tokens = 0;
+  for (const auto& [id, sc] : cache_) tokens += sc.length;
+  return tokens * kv_bytes_per_token();
+}
+
+}  // namespace conveyor
