@@ -12,11 +12,15 @@ cd "$(dirname "$0")/.."
 
 PACKAGES=(
   build-essential cmake ninja-build pkg-config ccache git
-  libyaml-cpp-dev libzmq3-dev cppzmq-dev libucx-dev ucx-utils libboost-dev
+  libyaml-cpp-dev libzmq3-dev cppzmq-dev libucx-dev libboost-dev
   nlohmann-json3-dev libspdlog-dev libcli11-dev libopenblas-dev
   libgtest-dev libgmock-dev libbenchmark-dev libsystemd-dev
-  nodejs npm python3 patchelf
+  python3 patchelf
 )
+# Node.js and npm run the reference tokenizer; a Node.js from elsewhere (one that bundles
+# npm, whose package then conflicts with Debian's npm) is fine.
+command -v node >/dev/null || PACKAGES+=(nodejs)
+command -v npm >/dev/null || PACKAGES+=(npm)
 
 missing=()
 for p in "${PACKAGES[@]}"; do
