@@ -1,0 +1,41 @@
+// The address blob a channel publishes (Channel::address()) and peers pass to connect():
+//
+//   offset  bytes  field
+//   0       4      magic "CVYA"
+//   4       1      version (1)
+//   5       1      kind: 1 = UCX worker address, 2 = in-process mailbox
+//   6       2      reserved (0)
+//   8       4      channel id (the id carried in every message the channel sends)
+//   12      4      body length in bytes
+//   16      n      body: the ucp worker address (kind 1) or the mailbox number (kind 2)
+//
+// Little-endian, like the data-plane wire format (wire_format.h).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include "common/status.h"
+
+namespace conveyor::transport {
+
+enum class ChannelKind : std::uint8_t { kUcx = 1, kInProc = 2 };
+
+struct ChannelAddress {
+  ChannelKind kind = ChannelKind::kUcx;
+  std::uint32_t channel_id = 0;
+  std::span<const std::byte> body;  // a view into the parsed blob
+};
+
+std::vector<std::byte> encode_channel_address(ChannelKind kind, std::uint32_t channel_id,
+                                              std::span<const std::byte> body);
+// Checks magic, version, kind and length; the result views into `blob`.
+Expected<ChannelAddress> parse_channel_address(std::span<const std::byte> blob);
+
+// A random non-zero channel id (channel ids only need to differ between the channels that
+// send to one receiver; 32 random bits make a clash among hundreds of workers unlikely).
+std::uint32_t random_channel_id();
+
+}  // namespace conveyor::transport

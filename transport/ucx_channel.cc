@@ -1,0 +1,319 @@
+// UcxChannel: set-up, tear-down and the public API (which hands work to the progress
+// thread in ucx_progress.cc). Internals and invariants: ucx_channel_impl.h.
+#include "transport/ucx_channel.h"
+
+#include <spdlog/spdlog.h>
+#include <sys/epoll.h>
+#include <sys/eventfd.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <future>
+
+#include "transport/channel_address.h"
+#include "transport/ucx_channel_impl.h"
+
+namespace conveyor::transport {
+
+using namespace ucx_detail;
+
+// ------------------------------------------------------------------ set-up and tear-down
+
+Status UcxChannel::Impl::init() {
+  channel_id = opt.channel_id ? opt.channel_id : random_channel_id();
+
+  ucp_config_t* raw_config = nullptr;
+  CONVEYOR_UCX_CHECK(ucp_config_read(nullptr, nullptr, &raw_config));
+  ucx::Config config(raw_config);
+  if (!std::getenv("UCX_TLS") && !opt.transports.empty())
+    CONVEYOR_UCX_CHECK(ucp_config_modify(config.get(), "TLS", opt.transports.c_str()));
+  if (!std::getenv("UCX_KEEPALIVE_INTERVAL")) {
+    const std::string interval = std::to_string(opt.keepalive_interval.count()) + "ms";
+    CONVEYOR_UCX_CHECK(ucp_config_modify(config.get(), "KEEPALIVE_INTERVAL", interval.c_str()));
+  }
+
+  ucp_params_t params{};
+  params.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_NAME;
+  params.features = UCP_FEATURE_TAG | UCP_FEATURE_WAKEUP;
+  params.name = opt.name.c_str();
+  ucp_context_h raw_context = nullptr;
+  CONVEYOR_UCX_CHECK(ucp_init(&params, config.get(), &raw_context));
+  context = ucx::Context(raw_context);
+
+  ucp_worker_params_t wparams{};
+  wparams.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE | UCP_WORKER_PARAM_FIELD_NAME;
+  wparams.thread_mode = UCS_THREAD_MODE_SINGLE;
+  wparams.name = opt.name.c_str();
+  ucp_worker_h raw_worker = nullptr;
+  CONVEYOR_UCX_CHECK(ucp_worker_create(context.get(), &wparams, &raw_worker));
+  worker = ucx::Worker(raw_worker);
+
+  {
+    ucp_address_t* raw_address = nullptr;
+    std::size_t address_bytes = 0;
+    CONVEYOR_UCX_CHECK(ucp_worker_get_address(worker.get(), &raw_address, &address_bytes));
+    ucx::WorkerAddress address(worker.get(), raw_address, address_bytes);
+    address_blob = encode_channel_address(ChannelKind::kUcx, channel_id, address.bytes());
+  }
+
+  CONVEYOR_UCX_CHECK(ucp_worker_get_efd(worker.get(), &worker_fd));
+  wake_fd = UniqueFd(::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC));
+  if (wake_fd.get() < 0) return errno_status("eventfd");
+  epoll_fd = UniqueFd(::epoll_create1(EPOLL_CLOEXEC));
+  if (epoll_fd.get() < 0) return errno_status("epoll_create1");
+  for (int fd : {worker_fd, wake_fd.get()}) {
+    epoll_event ev{};
+    ev.events = EPOLLIN;
+    ev.data.fd = fd;
+    if (::epoll_ctl(epoll_fd.get(), EPOLL_CTL_ADD, fd, &ev) != 0) return errno_status("epoll_ctl");
+  }
+  thread = std::thread([this] { loop(); });
+  return ok_status();
+}
+
+UcxChannel::Impl::~Impl() {
+  if (thread.joinable()) {
+    {
+      std::lock_guard lock(mu);
+      stopping = true;
+    }
+    wake();
+    thread.join();
+  }
+  // Requests first (cancelled if still in flight), then endpoints and the worker, then the
+  // buffers UCX may have been writing into, then the context (a member: destroyed last).
+  for (auto& [sender, queue] : incoming)
+    for (auto& in : queue) in->request.reset();
+  for (auto& in : abandoned) in->request.reset();
+  for (auto& op : sends) op->requests.clear();
+  closing.clear();
+  for (auto& [id, peer] : peers) {
+    if (!peer->ep) continue;
+    ucp_request_param_t param{};
+    param.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+    param.flags = UCP_EP_CLOSE_FLAG_FORCE;
+    ucs_status_ptr_t r = ucp_ep_close_nbx(std::exchange(peer->ep, nullptr), &param);
+    if (UCS_PTR_IS_PTR(r)) ucp_request_free(r);
+  }
+  worker.reset();
+  for (auto& op : sends) {  // none unless UCX ignored a forced close: fail them now
+    if (op->status.ok()) op->status = Status::error("channel closed");
+    std::lock_guard lock(op->mu);
+    op->done = true;
+    op->cv.notify_all();
+  }
+  incoming.clear();
+  abandoned.clear();
+}
+
+void UcxChannel::Impl::wake() {
+  const std::uint64_t one = 1;
+  // EAGAIN (counter saturated) still leaves the fd readable: nothing to do.
+  [[maybe_unused]] ssize_t n = ::write(wake_fd.get(), &one, sizeof(one));
+}
+
+Status UcxChannel::Impl::post(std::function<void()> task) {
+  {
+    std::lock_guard lock(mu);
+    if (stopping) return Status::error("channel is closing");
+    tasks.push_back(std::move(task));
+  }
+  wake();
+  return ok_status();
+}
+
+UcxChannel::Impl::Peer* UcxChannel::Impl::find_peer_locked(PeerId id) {
+  auto it = peers.find(id);
+  return it == peers.end() ? nullptr : it->second.get();
+}
+
+// ------------------------------------------------------------------ public API
+
+UcxChannel::UcxChannel(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+UcxChannel::~UcxChannel() = default;
+
+Expected<std::unique_ptr<UcxChannel>> UcxChannel::create(UcxChannelOptions options) {
+  auto impl = std::make_unique<Impl>(std::move(options));
+  if (Status s = impl->init(); !s.ok())
+    return Status::error("ucx channel '" + impl->opt.name + "': " + s.message());
+  return std::unique_ptr<UcxChannel>(new UcxChannel(std::move(impl)));
+}
+
+std::uint32_t UcxChannel::id() const { return impl_->channel_id; }
+std::vector<std::byte> UcxChannel::address() const { return impl_->address_blob; }
+
+Expected<PeerId> UcxChannel::connect(std::span<const std::byte> peer_address, std::string name) {
+  auto parsed = parse_channel_address(peer_address);
+  if (!parsed.ok()) return Status::error("connect to '" + name + "': " + parsed.error());
+  if (parsed->kind != ChannelKind::kUcx)
+    return Status::error("connect to '" + name + "': not a UCX channel address (in-process?)");
+  std::vector<std::byte> ucx_address(parsed->body.begin(), parsed->body.end());
+  auto peer = std::make_unique<Impl::Peer>();
+  peer->impl = impl_.get();
+  peer->name = std::move(name);
+  peer->channel_id = parsed->channel_id;
+
+  auto result = std::make_shared<std::promise<Status>>();
+  auto future = result->get_future();
+  Impl* impl = impl_.get();
+  Impl::Peer* raw = peer.get();
+  {
+    std::lock_guard lock(impl->mu);
+    peer->id = impl->next_peer_id++;
+  }
+  const PeerId id = peer->id;
+  const std::string peer_name = peer->name;
+  auto shared_peer = std::make_shared<std::unique_ptr<Impl::Peer>>(std::move(peer));
+  Status posted = impl->post([impl, raw, shared_peer, ucx_address, result] {
+    ucp_ep_params_t params{};
+    params.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
+                        UCP_EP_PARAM_FIELD_ERR_HANDLER | UCP_EP_PARAM_FIELD_NAME;
+    params.address = reinterpret_cast<const ucp_address_t*>(ucx_address.data());
+    params.err_mode = UCP_ERR_HANDLING_MODE_PEER;
+    params.err_handler.cb = &Impl::on_ep_error;
+    params.err_handler.arg = raw;
+    params.name = raw->name.c_str();
+    const ucs_status_t s = ucp_ep_create(impl->worker.get(), &params, &raw->ep);
+    if (s != UCS_OK) {
+      std::string text = "ucp_ep_create: " + ucs_error_text(s);
+      if (s == UCS_ERR_UNREACHABLE)
+        text +=
+            " (no transport in common that detects peer failure: in UCX 1.13 shared "
+            "memory cannot, so UCX_TLS needs tcp or an RDMA transport)";
+      result->set_value(Status::error(std::move(text)));
+      return;
+    }
+    {
+      std::lock_guard lock(impl->mu);
+      impl->peers[raw->id] = std::move(*shared_peer);
+    }
+    result->set_value(ok_status());
+  });
+  if (!posted.ok()) return Status::error("connect to '" + peer_name + "': " + posted.message());
+  if (future.wait_for(kTaskTimeout) != std::future_status::ready)
+    return Status::error("connect: the progress thread did not answer within 10 s");
+  if (Status s = future.get(); !s.ok()) return Status::error("connect: " + s.message());
+  return id;
+}
+
+Status UcxChannel::disconnect(PeerId peer) {
+  auto result = std::make_shared<std::promise<Status>>();
+  auto future = result->get_future();
+  Impl* impl = impl_.get();
+  Status posted = impl->post([impl, peer, result] {
+    std::unique_ptr<Impl::Peer> owned;
+    {
+      std::lock_guard lock(impl->mu);
+      auto it = impl->peers.find(peer);
+      if (it == impl->peers.end()) {
+        result->set_value(Status::error("disconnect: unknown peer id " + std::to_string(peer)));
+        return;
+      }
+      // Sends already queued for it fail: mark it, then close its endpoint below.
+      if (it->second->failure.ok())
+        it->second->failure = Status::error("peer '" + it->second->name + "' was disconnected");
+    }
+    impl->close_endpoint(*impl->peers.at(peer), /*force=*/true);
+    // The Peer object stays (the error handler's argument) until the channel goes; it is
+    // only removed from the id map.
+    {
+      std::lock_guard lock(impl->mu);
+      auto it = impl->peers.find(peer);
+      owned = std::move(it->second);
+      impl->peers.erase(it);
+    }
+    impl->retired.push_back(std::move(owned));
+    result->set_value(ok_status());
+  });
+  if (!posted.ok()) return posted;
+  if (future.wait_for(kTaskTimeout) != std::future_status::ready)
+    return Status::error("disconnect: the progress thread did not answer within 10 s");
+  return future.get();
+}
+
+Status UcxChannel::send(PeerId peer, std::span<const std::byte> header, PayloadView payload,
+                        std::chrono::milliseconds timeout) {
+  if (header.size() > wire::kMaxHeaderBytes)
+    return Status::error("send: header of " + std::to_string(header.size()) +
+                         " bytes exceeds the limit of " + std::to_string(wire::kMaxHeaderBytes));
+  if (payload.bytes && !payload.data) return Status::error("send: payload with no data pointer");
+  auto op = std::make_shared<Impl::SendOp>();
+  op->peer = peer;
+  op->header = header;
+  op->payload = payload;
+  op->timeout = timeout;
+  op->deadline = Clock::now() + timeout;
+  Impl* impl = impl_.get();
+  if (Status s = impl->post([impl, op] { impl->start_send(op); }); !s.ok())
+    return Status::error("send: " + s.message());
+  // The progress thread completes every send by its deadline (a forced endpoint close
+  // cancels what the peer does not take), so this wait is bounded by `timeout` plus the
+  // time UCX needs to cancel.
+  std::unique_lock lock(op->mu);
+  op->cv.wait(lock, [&] { return op->done; });
+  return op->status;
+}
+
+Expected<std::optional<Message>> UcxChannel::recv(std::chrono::milliseconds timeout) {
+  Impl& impl = *impl_;
+  Impl::InboxItem item;
+  {
+    std::unique_lock lock(impl.mu);
+    if (!impl.inbox_cv.wait_for(lock, timeout, [&] { return !impl.inbox.empty(); }))
+      return std::optional<Message>();
+    item = std::move(impl.inbox.front());
+    impl.inbox.pop_front();
+    if (item.message) {
+      for (const auto& [id, peer] : impl.peers)
+        if (peer->channel_id == item.message->sender_id) item.message->from = id;
+    }
+  }
+  impl.queued_bytes -= item.queued_bytes;
+  if (impl.probe_paused) impl.wake();
+  if (!item.message) return item.error;
+  return std::move(item.message);
+}
+
+Status UcxChannel::peer_status(PeerId peer) const {
+  std::lock_guard lock(impl_->mu);
+  auto it = impl_->peers.find(peer);
+  if (it == impl_->peers.end()) return Status::error("unknown peer id " + std::to_string(peer));
+  return it->second->failure;
+}
+
+Expected<std::string> UcxChannel::transport_info(PeerId peer) {
+  auto result = std::make_shared<std::promise<Expected<std::string>>>();
+  auto future = result->get_future();
+  Impl* impl = impl_.get();
+  Status posted = impl->post([impl, peer, result] {
+    ucp_ep_h ep = nullptr;
+    {
+      std::lock_guard lock(impl->mu);
+      if (auto* p = impl->find_peer_locked(peer)) ep = p->ep;
+    }
+    if (!ep) {
+      result->set_value(
+          Status::error("transport_info: no open endpoint for peer id " + std::to_string(peer)));
+      return;
+    }
+    char* text = nullptr;
+    std::size_t size = 0;
+    FILE* stream = open_memstream(&text, &size);
+    if (!stream) {
+      result->set_value(errno_status("open_memstream"));
+      return;
+    }
+    ucp_ep_print_info(ep, stream);
+    std::fclose(stream);
+    std::string s(text, size);
+    std::free(text);
+    result->set_value(std::move(s));
+  });
+  if (!posted.ok()) return posted;
+  if (future.wait_for(kTaskTimeout) != std::future_status::ready)
+    return Status::error("transport_info: the progress thread did not answer within 10 s");
+  return future.get();
+}
+
+}  // namespace conveyor::transport

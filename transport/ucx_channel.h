@@ -1,0 +1,76 @@
+// UcxChannel: the data plane between processes and hosts, on UCX's ucp tag API.
+//
+// Each channel owns a ucp context, one ucp worker and one progress thread. The progress
+// thread is the only thread that touches the worker (UCS_THREAD_MODE_SINGLE): caller
+// threads hand it work through a queue and an eventfd, and wait for the result. When idle it
+// sleeps in epoll on the worker's event fd (ucp_worker_arm) and its own eventfd, waking
+// every `idle_tick` to run UCX's keepalive and this channel's timers, so an idle channel
+// costs no CPU. Every method is thread-safe; several threads may send at once.
+//
+// Messages follow wire_format.h. The progress thread posts a receive for every incoming
+// message into buffers it allocates at the advertised size, up to `max_queued_bytes` of
+// messages not yet taken by recv(); beyond that it stops accepting, which holds senders
+// back (their send() waits, up to its timeout).
+//
+// Failures: endpoints use UCP_ERR_HANDLING_MODE_PEER, so a peer that dies shows up as an
+// error (a TCP reset at once; otherwise through UCX keepalive, `keepalive_interval`): sends
+// to it fail, and recv() reports what it had completed, then one error per message it had
+// under way, then its failure (once). No call waits without a bound.
+//
+// Transports: the environment's UCX_* variables win; otherwise `transports` (UCX_TLS)
+// applies when set, else UCX's default selection: RDMA or TCP. UCX 1.13 will not use its
+// shared-memory transports with peer-failure detection, so two processes on one host talk
+// over TCP loopback (README.md).
+#pragma once
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "transport/channel.h"
+
+namespace conveyor::transport {
+
+struct UcxChannelOptions {
+  std::string name = "conveyor";  // worker name in UCX logs
+  std::uint32_t channel_id = 0;   // 0: a random id
+  std::string transports;         // UCX_TLS when the environment sets none ("tcp", "rc,tcp")
+  std::chrono::milliseconds keepalive_interval{1000};   // unless UCX_KEEPALIVE_INTERVAL is set
+  std::size_t inline_payload_bytes = 8 * 1024;          // larger payloads go as their own message
+  std::size_t max_queued_bytes = std::size_t{1} << 30;  // received, not yet recv()'d
+  // Idle receive buffers kept for reuse once recv()'d messages are freed (buffer_pool.h).
+  std::size_t buffer_cache_bytes = std::size_t{512} << 20;
+  // A payload that has not arrived this long after its envelope is given up (sender gone).
+  std::chrono::milliseconds stalled_receive_timeout{30000};
+  std::chrono::milliseconds idle_tick{50};        // idle wake-up period of the progress thread
+  std::chrono::milliseconds close_timeout{2000};  // bound on the destructor's clean-up
+};
+
+class UcxChannel final : public Channel {
+ public:
+  static Expected<std::unique_ptr<UcxChannel>> create(UcxChannelOptions options = {});
+  ~UcxChannel() override;
+  UcxChannel(const UcxChannel&) = delete;
+  UcxChannel& operator=(const UcxChannel&) = delete;
+
+  std::uint32_t id() const override;
+  std::vector<std::byte> address() const override;
+  Expected<PeerId> connect(std::span<const std::byte> peer_address, std::string name) override;
+  Status disconnect(PeerId peer) override;
+  Status send(PeerId peer, std::span<const std::byte> header, PayloadView payload,
+              std::chrono::milliseconds timeout) override;
+  Expected<std::optional<Message>> recv(std::chrono::milliseconds timeout) override;
+  Status peer_status(PeerId peer) const override;
+
+  // The transports and thresholds UCX chose for the endpoint to `peer` (ucp_ep_print_info).
+  Expected<std::string> transport_info(PeerId peer);
+
+ private:
+  struct Impl;
+  explicit UcxChannel(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace conveyor::transport

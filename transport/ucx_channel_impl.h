@@ -1,0 +1,211 @@
+// Internals of UcxChannel, shared by ucx_channel.cc (set-up, tear-down, the public API)
+// and ucx_progress.cc (the progress thread). Not for use outside transport/.
+// Read ucx_channel.h (threading, failures) and wire_format.h (the bytes) first.
+//
+// Invariants that keep buffers safe:
+//  - Only the progress thread calls into the worker, and it never holds `mu` while doing so
+//    (UCX callbacks run inside ucp_worker_progress and take `mu`).
+//  - A send's caller is woken only after every UCX request of that send has completed and
+//    been released, so its buffers are never touched after send() returns.
+//  - Receive buffers live until their request has completed, or until the worker has been
+//    destroyed (the destructor releases requests, destroys the worker, then the buffers).
+#pragma once
+
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstring>
+#include <deque>
+#include <functional>
+#include <list>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <thread>
+#include <vector>
+
+#include "transport/buffer_pool.h"
+#include "transport/ucx_channel.h"
+#include "transport/ucx_check.h"
+#include "transport/wire_format.h"
+
+namespace conveyor::transport {
+namespace ucx_detail {
+
+using Clock = std::chrono::steady_clock;
+using std::chrono::milliseconds;
+
+// UCX 1.13 looks at keepalive only on every 32nd ucp_worker_progress call
+// (UCP_WORKER_KEEPALIVE_ITER_SKIP), so an idle wake-up progresses this many times.
+inline constexpr int kIdleProgressCalls = 32;
+// Bound on back-to-back ucp_worker_progress calls before the loop looks at its queues.
+inline constexpr int kMaxProgressBurst = 64;
+// How long a caller waits for the progress thread to run a short task (connect, info).
+inline constexpr milliseconds kTaskTimeout{10000};
+
+class UniqueFd {
+ public:
+  UniqueFd() = default;
+  explicit UniqueFd(int fd) : fd_(fd) {}
+  UniqueFd(UniqueFd&& o) noexcept : fd_(std::exchange(o.fd_, -1)) {}
+  UniqueFd& operator=(UniqueFd&& o) noexcept {
+    std::swap(fd_, o.fd_);
+    return *this;
+  }
+  ~UniqueFd() {
+    if (fd_ >= 0) ::close(fd_);
+  }
+  int get() const { return fd_; }
+
+ private:
+  int fd_ = -1;
+};
+
+inline Status errno_status(const char* call) {
+  return Status::error(std::string(call) + " failed: " + std::strerror(errno));
+}
+
+inline std::string ucs_error_text(ucs_status_t s) { return ucs_status_string(s); }
+
+}  // namespace ucx_detail
+
+using ucx_detail::Clock;
+using ucx_detail::milliseconds;
+using ucx_detail::UniqueFd;
+
+struct UcxChannel::Impl {
+  // ---- one peer (an endpoint this channel created with connect) ----
+  struct Peer {
+    Impl* impl = nullptr;
+    PeerId id = kNoPeer;
+    std::string name;
+    std::uint32_t channel_id = 0;
+    ucp_ep_h ep = nullptr;       // progress thread only
+    Status failure;              // guarded by mu
+    bool close_pending = false;  // progress thread only: failed, endpoint still to close
+  };
+
+  // ---- one send() in flight ----
+  struct SendOp {
+    PeerId peer = kNoPeer;
+    std::span<const std::byte> header;
+    PayloadView payload;
+    Clock::time_point deadline;
+    milliseconds timeout{0};
+    wire::WirePrefix prefix;
+    ucp_dt_iov_t iov[3] = {};
+    std::vector<ucx::Request> requests;  // progress thread only
+    int pending = 0;                     // requests not yet completed (progress thread)
+    bool timed_out = false;
+    ucs_status_t ucx_error = UCS_OK;  // first error a completion callback saw
+    Status status;                    // first error wins (progress thread until `done`)
+    std::mutex mu;
+    std::condition_variable cv;
+    bool done = false;  // guarded by mu
+  };
+
+  // ---- one message being received ----
+  struct Incoming {
+    enum Stage { kEnvelope, kPayload, kDone, kFailed };
+    Stage stage = kEnvelope;
+    bool in_flight = false;  // a UCX request is outstanding for the current stage
+    ucs_status_t result = UCS_OK;
+    std::uint64_t tag = 0;
+    std::size_t queued_bytes = 0;  // counted against max_queued_bytes
+    wire::WirePrefix prefix;
+    ucp_dt_iov_t iov[3] = {};
+    Message message;
+    std::vector<std::byte> scratch;  // a malformed envelope is received here and dropped
+    Status error;
+    Clock::time_point payload_posted;
+    ucx::Request request;  // declared last: released before the buffers above
+  };
+
+  // An item recv() hands out: a message or a failure report.
+  struct InboxItem {
+    std::optional<Message> message;
+    Status error;
+    std::size_t queued_bytes = 0;
+  };
+
+  explicit Impl(UcxChannelOptions o) : opt(std::move(o)), pool(opt.buffer_cache_bytes) {}
+  ~Impl();
+
+  Status init();
+  void loop();
+
+  // progress-thread work
+  bool run_tasks();
+  bool progress_burst();
+  void start_send(const std::shared_ptr<SendOp>& op);
+  bool finish_sends();
+  bool probe_incoming();
+  void start_receive(ucp_tag_message_h msg, const ucp_tag_recv_info_t& info);
+  bool advance_incoming();
+  void advance(Incoming& in);
+  void abandon(Incoming& in, const std::string& why);
+  void check_deadlines(Clock::time_point now);
+  bool close_failed_peers();
+  std::string sender_name(std::uint32_t channel_id);
+  void close_endpoint(Peer& peer, bool force);
+  void fail_peer(Peer& peer, const Status& why);
+  void begin_shutdown();
+  bool shutdown_complete() const;
+  void complete_send(SendOp& op);
+
+  // any thread
+  Status post(std::function<void()> task);
+  void wake();
+  Peer* find_peer_locked(PeerId id);
+
+  static void on_send_done(void* request, ucs_status_t status, void* user_data);
+  static void on_recv_done(void* request, ucs_status_t status, const ucp_tag_recv_info_t* info,
+                           void* user_data);
+  static void on_ep_error(void* arg, ucp_ep_h ep, ucs_status_t status);
+
+  UcxChannelOptions opt;
+  BufferPool pool;  // receive buffers
+  std::uint32_t channel_id = 0;
+  std::vector<std::byte> address_blob;
+
+  // UCX resources, in creation order (destroyed in reverse by ~Impl).
+  ucx::Context context;
+  ucx::Worker worker;
+  int worker_fd = -1;  // owned by the worker
+  UniqueFd wake_fd;
+  UniqueFd epoll_fd;
+
+  // Shared between caller threads and the progress thread.
+  mutable std::mutex mu;
+  std::condition_variable inbox_cv;
+  std::deque<std::function<void()>> tasks;
+  std::deque<InboxItem> inbox;
+  std::map<PeerId, std::unique_ptr<Peer>> peers;  // map structure and Peer::failure: mu
+  PeerId next_peer_id = 1;
+  bool stopping = false;
+  std::atomic<std::size_t> queued_bytes{0};
+  std::atomic<bool> probe_paused{false};
+
+  // Progress thread only.
+  std::list<std::shared_ptr<SendOp>> sends;
+  std::map<std::uint32_t, std::deque<std::unique_ptr<Incoming>>> incoming;  // by sender
+  std::list<ucx::Request> closing;  // endpoint close requests in flight
+  // Failed messages whose UCX request is still in flight: kept (buffers included) until
+  // the request completes or the worker is destroyed.
+  std::list<std::unique_ptr<Incoming>> abandoned;
+  std::vector<std::unique_ptr<Peer>> retired;  // disconnected peers (endpoints closed)
+  // Peer failures not yet reported: each goes to the inbox once every message already
+  // received from that peer's channel has been delivered ahead of it.
+  std::vector<std::pair<std::uint32_t, Status>> pending_failures;
+  std::uint64_t next_seq = 0;
+  bool shutdown_started = false;
+  Clock::time_point shutdown_deadline;
+  bool arm_supported = true;
+
+  std::thread thread;
+};
+
+}  // namespace conveyor::transport

@@ -1,0 +1,504 @@
+// UcxChannel's progress thread: the one thread that drives the UCX worker. It runs tasks
+// callers queued (connect, send), progresses the worker, takes incoming messages off UCX's
+// queue into buffers of the advertised size, hands finished ones to recv() in order per
+// sender, reports failed peers, enforces deadlines, and sleeps in epoll when idle.
+#include <spdlog/spdlog.h>
+#include <sys/epoll.h>
+#include <sys/eventfd.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <future>
+
+#include "transport/channel_address.h"
+#include "transport/ucx_channel_impl.h"
+
+namespace conveyor::transport {
+
+using namespace ucx_detail;
+
+// ------------------------------------------------------------------ the progress thread
+
+void UcxChannel::Impl::loop() {
+  epoll_event events[2];
+  for (;;) {
+    bool busy = run_tasks();
+    busy |= progress_burst();
+    busy |= close_failed_peers();
+    busy |= probe_incoming();
+    busy |= advance_incoming();
+    busy |= finish_sends();
+    check_deadlines(Clock::now());
+    bool stop;
+    {
+      std::lock_guard lock(mu);
+      stop = stopping;
+    }
+    if (stop && !shutdown_started) {
+      begin_shutdown();
+      busy = true;
+    }
+    if (shutdown_started && (shutdown_complete() || Clock::now() > shutdown_deadline)) break;
+    if (busy) continue;
+
+    // Nothing to do: sleep until UCX or a caller has something, or the idle tick.
+    int wait_ms = static_cast<int>(opt.idle_tick.count());
+    if (arm_supported) {
+      const ucs_status_t s = ucp_worker_arm(worker.get());
+      if (s == UCS_ERR_BUSY) continue;
+      if (s != UCS_OK) {
+        spdlog::warn("ucx channel '{}': ucp_worker_arm: {}; polling every 1 ms instead", opt.name,
+                     ucs_error_text(s));
+        arm_supported = false;
+      }
+    }
+    if (!arm_supported) wait_ms = 1;
+    if (shutdown_started) wait_ms = std::min(wait_ms, 10);
+    if (::epoll_wait(epoll_fd.get(), events, 2, wait_ms) < 0 && errno != EINTR) {
+      spdlog::error("ucx channel '{}': epoll_wait: {}", opt.name, std::strerror(errno));
+      std::this_thread::sleep_for(milliseconds(1));
+    }
+    std::uint64_t drained;
+    while (::read(wake_fd.get(), &drained, sizeof(drained)) > 0) {
+    }
+    for (int i = 0; i < kIdleProgressCalls; ++i) ucp_worker_progress(worker.get());
+  }
+  // Fail whatever is still queued (post() takes no more once stopping is set).
+  run_tasks();
+}
+
+bool UcxChannel::Impl::run_tasks() {
+  std::deque<std::function<void()>> batch;
+  {
+    std::lock_guard lock(mu);
+    batch.swap(tasks);
+  }
+  for (auto& task : batch) task();
+  return !batch.empty();
+}
+
+bool UcxChannel::Impl::progress_burst() {
+  bool any = false;
+  for (int i = 0; i < kMaxProgressBurst && ucp_worker_progress(worker.get()) != 0; ++i) any = true;
+  return any;
+}
+
+// ---- sending
+
+void UcxChannel::Impl::start_send(const std::shared_ptr<SendOp>& op) {
+  Peer* peer = nullptr;
+  {
+    std::lock_guard lock(mu);
+    peer = find_peer_locked(op->peer);
+    if (!peer) {
+      op->status = Status::error("send: unknown peer id " + std::to_string(op->peer));
+    } else if (!peer->failure.ok()) {
+      op->status = Status::error("send to '" + peer->name + "': " + peer->failure.message());
+    } else if (stopping) {
+      op->status = Status::error("send to '" + peer->name + "': channel is closing");
+    }
+  }
+  if (!op->status.ok() || !peer->ep) {
+    if (op->status.ok())
+      op->status = Status::error("send to '" + peer->name + "': endpoint closed");
+    complete_send(*op);
+    return;
+  }
+
+  const bool inline_payload = op->payload.bytes <= opt.inline_payload_bytes;
+  op->prefix.sender_id = channel_id;
+  op->prefix.header_bytes = static_cast<std::uint32_t>(op->header.size());
+  op->prefix.payload_bytes = op->payload.bytes;
+  op->prefix.seq = next_seq++;
+  op->prefix.flags = inline_payload ? wire::kFlagInline : 0;
+  std::size_t n = 0;
+  op->iov[n++] = {&op->prefix, sizeof(op->prefix)};
+  if (!op->header.empty())
+    op->iov[n++] = {const_cast<std::byte*>(op->header.data()), op->header.size()};
+  if (inline_payload && op->payload.bytes)
+    op->iov[n++] = {const_cast<void*>(op->payload.data), op->payload.bytes};
+
+  ucp_request_param_t param{};
+  param.op_attr_mask =
+      UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_DATATYPE;
+  param.cb.send = &Impl::on_send_done;
+  param.user_data = op.get();
+  param.datatype = ucp_dt_make_iov();
+
+  auto issue = [&](const void* buffer, std::size_t count, ucp_tag_t tag) {
+    ucs_status_ptr_t r = ucp_tag_send_nbx(peer->ep, buffer, count, tag, &param);
+    if (UCS_PTR_IS_ERR(r)) {
+      op->status = Status::error("send to '" + peer->name +
+                                 "': ucp_tag_send_nbx: " + ucs_error_text(UCS_PTR_STATUS(r)));
+      return false;
+    }
+    if (r != nullptr) {
+      op->requests.emplace_back(worker.get(), r);
+      ++op->pending;
+    }
+    return true;
+  };
+  bool ok =
+      issue(op->iov, n, wire::envelope_tag(channel_id, op->prefix.header_bytes, inline_payload));
+  if (ok && !inline_payload) {
+    param.datatype = ucp_dt_make_contig(1);
+    issue(op->payload.data, op->payload.bytes, wire::payload_tag(channel_id, op->prefix.seq));
+  }
+  sends.push_back(op);  // finish_sends() completes it once nothing is pending
+}
+
+void UcxChannel::Impl::on_send_done(void* /*request*/, ucs_status_t status, void* user_data) {
+  auto* op = static_cast<SendOp*>(user_data);
+  --op->pending;
+  if (status != UCS_OK && op->ucx_error == UCS_OK) op->ucx_error = status;
+}
+
+bool UcxChannel::Impl::finish_sends() {
+  bool any = false;
+  for (auto it = sends.begin(); it != sends.end();) {
+    SendOp& op = **it;
+    if (op.pending > 0) {
+      ++it;
+      continue;
+    }
+    if (op.status.ok() && op.ucx_error != UCS_OK) {
+      std::lock_guard lock(mu);
+      const Peer* p = find_peer_locked(op.peer);
+      std::string text = "send to '" + (p ? p->name : "peer id " + std::to_string(op.peer)) +
+                         "' failed: " + ucs_error_text(op.ucx_error);
+      if (p && !p->failure.ok()) text += " (" + p->failure.message() + ")";
+      op.status = Status::error(std::move(text));
+    }
+    complete_send(op);
+    it = sends.erase(it);
+    any = true;
+  }
+  return any;
+}
+
+void UcxChannel::Impl::complete_send(SendOp& op) {
+  op.requests.clear();  // all completed: releasing them ends UCX's use of the buffers
+  std::lock_guard lock(op.mu);
+  op.done = true;
+  op.cv.notify_all();
+}
+
+// ---- receiving
+
+bool UcxChannel::Impl::probe_incoming() {
+  if (shutdown_started) return false;
+  bool any = false;
+  for (;;) {
+    // Back-pressure: stop taking messages while recv() is behind (but always take one).
+    const std::size_t queued = queued_bytes.load();
+    if (queued != 0 && queued >= opt.max_queued_bytes) {
+      probe_paused = true;
+      break;
+    }
+    probe_paused = false;
+    ucp_tag_recv_info_t info{};
+    ucp_tag_message_h msg = ucp_tag_probe_nb(worker.get(), wire::kProbeTag, wire::kProbeMask,
+                                             /*remove=*/1, &info);
+    if (!msg) break;
+    start_receive(msg, info);
+    any = true;
+  }
+  return any;
+}
+
+void UcxChannel::Impl::start_receive(ucp_tag_message_h msg, const ucp_tag_recv_info_t& info) {
+  auto in = std::make_unique<Incoming>();
+  in->tag = info.sender_tag;
+  const std::uint32_t sender = wire::tag_sender(info.sender_tag);
+  const std::size_t header_bytes = wire::tag_header_bytes(info.sender_tag);
+  const bool inline_payload = wire::tag_inline(info.sender_tag);
+
+  std::size_t n = 0;
+  if (info.length < sizeof(wire::WirePrefix) + header_bytes ||
+      (!inline_payload && info.length != sizeof(wire::WirePrefix) + header_bytes)) {
+    in->error = Status::error("malformed message from channel " + std::to_string(sender) + ": " +
+                              std::to_string(info.length) + " bytes with a header of " +
+                              std::to_string(header_bytes));
+    in->scratch.resize(info.length);
+    in->iov[n++] = {in->scratch.data(), in->scratch.size()};
+  } else {
+    try {
+      in->message.header.resize(header_bytes);
+      if (inline_payload)
+        in->message.payload = pool.allocate(info.length - sizeof(wire::WirePrefix) - header_bytes);
+      in->iov[n++] = {&in->prefix, sizeof(in->prefix)};
+      if (header_bytes) in->iov[n++] = {in->message.header.data(), header_bytes};
+      if (!in->message.payload.empty())
+        in->iov[n++] = {in->message.payload.data(), in->message.payload.size()};
+    } catch (const std::bad_alloc&) {
+      // Still has to be taken off UCX's queue: into a 1-byte sink, truncated (an error).
+      in->error = Status::error("out of memory receiving " + std::to_string(info.length) +
+                                " bytes from channel " + std::to_string(sender));
+      in->message = Message();
+      in->scratch.resize(1);
+      n = 0;
+      in->iov[n++] = {in->scratch.data(), in->scratch.size()};
+    }
+  }
+  in->queued_bytes = info.length;
+  queued_bytes += in->queued_bytes;
+
+  ucp_request_param_t param{};
+  param.op_attr_mask =
+      UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_DATATYPE;
+  param.cb.recv = &Impl::on_recv_done;
+  param.user_data = in.get();
+  param.datatype = ucp_dt_make_iov();
+  ucs_status_ptr_t r = ucp_tag_msg_recv_nbx(worker.get(), in->iov, n, msg, &param);
+  if (UCS_PTR_IS_ERR(r)) {
+    in->result = UCS_PTR_STATUS(r);
+  } else if (r != nullptr) {
+    in->request = ucx::Request(worker.get(), r);
+    in->in_flight = true;
+  }
+  incoming[sender].push_back(std::move(in));
+}
+
+void UcxChannel::Impl::on_recv_done(void* /*request*/, ucs_status_t status,
+                                    const ucp_tag_recv_info_t* /*info*/, void* user_data) {
+  auto* in = static_cast<Incoming*>(user_data);
+  in->in_flight = false;
+  in->result = status;
+}
+
+// "peer 'stage1' (channel 123)" when connected to that channel, else "channel 123".
+std::string UcxChannel::Impl::sender_name(std::uint32_t channel) {
+  std::lock_guard lock(mu);
+  for (const auto& [id, peer] : peers)
+    if (peer->channel_id == channel)
+      return "peer '" + peer->name + "' (channel " + std::to_string(channel) + ")";
+  return "channel " + std::to_string(channel);
+}
+
+// Marks a message failed. A UCX request still in flight (one UCX would not cancel: a
+// rendezvous already under way) stays owned, with its buffers, until it completes or the
+// worker is destroyed: advance_incoming() parks it in `abandoned`.
+void UcxChannel::Impl::abandon(Incoming& in, const std::string& why) {
+  if (in.stage == Incoming::kDone || in.stage == Incoming::kFailed) return;
+  const char* what = in.stage == Incoming::kEnvelope ? "envelope" : "payload";
+  in.error = Status::error(std::string("receiving the ") + what + " of message " +
+                           std::to_string(in.prefix.seq) + " from " +
+                           sender_name(wire::tag_sender(in.tag)) + " failed: " + why);
+  in.stage = Incoming::kFailed;
+  if (in.in_flight) in.request.cancel();
+}
+
+// Moves one message forward once its current stage has completed.
+void UcxChannel::Impl::advance(Incoming& in) {
+  if (in.in_flight || in.stage == Incoming::kDone || in.stage == Incoming::kFailed) return;
+  in.request.reset();
+  const std::uint32_t sender = wire::tag_sender(in.tag);
+  if (in.result != UCS_OK) {
+    abandon(in, ucs_error_text(in.result));
+    return;
+  }
+  if (in.stage == Incoming::kPayload) {
+    in.stage = Incoming::kDone;
+    return;
+  }
+  // The envelope is in: check it, then fetch a separate payload if there is one.
+  if (!in.error.ok()) {
+    in.stage = Incoming::kFailed;
+    return;
+  }
+  const wire::WirePrefix& p = in.prefix;
+  const bool inline_payload = wire::tag_inline(in.tag);
+  if (p.magic != wire::kMagic || p.version != wire::kVersion || p.sender_id != sender ||
+      p.header_bytes != in.message.header.size() ||
+      ((p.flags & wire::kFlagInline) != 0) != inline_payload ||
+      (inline_payload && p.payload_bytes != in.message.payload.size())) {
+    in.error = Status::error("malformed envelope from channel " + std::to_string(sender) +
+                             " (magic/version/length mismatch)");
+    in.stage = Incoming::kFailed;
+    return;
+  }
+  in.message.sender_id = sender;
+  in.message.seq = p.seq;
+  if (inline_payload || p.payload_bytes == 0) {
+    in.stage = Incoming::kDone;
+    return;
+  }
+  try {
+    in.message.payload = pool.allocate(p.payload_bytes);
+  } catch (const std::bad_alloc&) {
+    // The payload stays in UCX's unexpected queue; report the loss.
+    in.error = Status::error("out of memory for a " + std::to_string(p.payload_bytes) +
+                             "-byte payload from channel " + std::to_string(sender));
+    in.stage = Incoming::kFailed;
+    return;
+  }
+  in.queued_bytes += p.payload_bytes;
+  queued_bytes += p.payload_bytes;
+  ucp_request_param_t param{};
+  param.op_attr_mask =
+      UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_DATATYPE;
+  param.cb.recv = &Impl::on_recv_done;
+  param.user_data = &in;
+  param.datatype = ucp_dt_make_contig(1);
+  in.stage = Incoming::kPayload;
+  in.payload_posted = Clock::now();
+  ucs_status_ptr_t r = ucp_tag_recv_nbx(worker.get(), in.message.payload.data(), p.payload_bytes,
+                                        wire::payload_tag(sender, p.seq), wire::kFullMask, &param);
+  if (UCS_PTR_IS_ERR(r)) {
+    in.result = UCS_PTR_STATUS(r);
+    advance(in);
+  } else if (r != nullptr) {
+    in.request = ucx::Request(worker.get(), r);
+    in.in_flight = true;
+  } else {
+    in.stage = Incoming::kDone;
+  }
+}
+
+// Advances every message and hands finished ones to recv(), in order per sender.
+bool UcxChannel::Impl::advance_incoming() {
+  std::vector<InboxItem> ready;
+  // What a failed peer still had under way will not complete: give it up now (this runs
+  // after the progress and probe of this round, so whatever did arrive is kept).
+  for (const auto& [channel, why] : pending_failures) {
+    auto it = incoming.find(channel);
+    if (it == incoming.end()) continue;
+    for (auto& in : it->second) {
+      advance(*in);
+      if (in->in_flight) abandon(*in, "cut off (" + why.message() + ")");
+    }
+  }
+  for (auto& [sender, queue] : incoming) {
+    for (auto& in : queue) advance(*in);
+    while (!queue.empty() &&
+           (queue.front()->stage == Incoming::kDone || queue.front()->stage == Incoming::kFailed)) {
+      std::unique_ptr<Incoming> in = std::move(queue.front());
+      queue.pop_front();
+      InboxItem item;
+      item.queued_bytes = in->queued_bytes;
+      if (in->stage == Incoming::kDone)
+        item.message = std::move(in->message);
+      else
+        item.error = in->error;
+      ready.push_back(std::move(item));
+      if (in->in_flight) abandoned.push_back(std::move(in));
+    }
+  }
+  abandoned.remove_if([](const std::unique_ptr<Incoming>& in) { return !in->in_flight; });
+  std::erase_if(incoming, [](const auto& kv) { return kv.second.empty(); });
+  std::erase_if(pending_failures, [&](auto& failure) {
+    if (incoming.count(failure.first)) return false;
+    InboxItem item;
+    item.error = std::move(failure.second);
+    ready.push_back(std::move(item));
+    return true;
+  });
+  if (ready.empty()) return false;
+  std::lock_guard lock(mu);
+  for (auto& item : ready) inbox.push_back(std::move(item));
+  inbox_cv.notify_all();
+  return true;
+}
+
+// ---- failures and timers
+
+void UcxChannel::Impl::on_ep_error(void* arg, ucp_ep_h /*ep*/, ucs_status_t status) {
+  auto* peer = static_cast<Peer*>(arg);
+  peer->impl->fail_peer(*peer, Status::error(ucs_error_text(status)));
+}
+
+// Marks a peer failed (once), tells recv(), and schedules its endpoint to be closed.
+void UcxChannel::Impl::fail_peer(Peer& peer, const Status& why) {
+  {
+    std::lock_guard lock(mu);
+    if (!peer.failure.ok()) return;
+    peer.failure = Status::error("peer '" + peer.name + "' failed: " + why.message());
+    spdlog::warn("ucx channel '{}': {}", opt.name, peer.failure.message());
+    pending_failures.emplace_back(peer.channel_id, peer.failure);
+  }
+  peer.close_pending = true;  // and advance_incoming() gives up its unfinished messages
+}
+
+bool UcxChannel::Impl::close_failed_peers() {
+  std::vector<Peer*> to_close;
+  {
+    std::lock_guard lock(mu);
+    for (auto& [id, peer] : peers)
+      if (peer->close_pending && peer->ep) to_close.push_back(peer.get());
+  }
+  for (Peer* peer : to_close) {
+    peer->close_pending = false;
+    close_endpoint(*peer, /*force=*/true);
+  }
+  closing.remove_if([](const ucx::Request& r) { return r.done(); });
+  return !to_close.empty();
+}
+
+// Forced: every request on the endpoint completes with an error at once. Otherwise UCX
+// first flushes what was sent (the close request completes when the peer has it).
+void UcxChannel::Impl::close_endpoint(Peer& peer, bool force) {
+  if (!peer.ep) return;
+  ucp_request_param_t param{};
+  param.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+  param.flags = force ? UCP_EP_CLOSE_FLAG_FORCE : 0;
+  ucs_status_ptr_t r = ucp_ep_close_nbx(std::exchange(peer.ep, nullptr), &param);
+  if (UCS_PTR_IS_PTR(r)) closing.emplace_back(worker.get(), r);
+}
+
+void UcxChannel::Impl::check_deadlines(Clock::time_point now) {
+  for (auto& op : sends) {
+    if (op->pending == 0 || op->timed_out || now < op->deadline) continue;
+    op->timed_out = true;
+    Peer* peer;
+    {
+      std::lock_guard lock(mu);
+      peer = find_peer_locked(op->peer);
+    }
+    const std::string timeout_text =
+        "send did not complete within " + std::to_string(op->timeout.count()) + " ms";
+    op->status = Status::error("send to '" + (peer ? peer->name : std::string("?")) +
+                               "': " + timeout_text + " (peer marked failed)");
+    for (auto& r : op->requests) r.cancel();
+    if (peer) fail_peer(*peer, Status::error(timeout_text));
+  }
+  for (auto& [sender, queue] : incoming) {
+    for (auto& in : queue) {
+      if (in->stage != Incoming::kPayload || !in->in_flight ||
+          now - in->payload_posted < opt.stalled_receive_timeout)
+        continue;
+      const std::string why =
+          "it did not arrive within " + std::to_string(opt.stalled_receive_timeout.count()) + " ms";
+      spdlog::warn("ucx channel '{}': payload of message {} from {}: {}; giving it up", opt.name,
+                   in->prefix.seq, sender_name(sender), why);
+      abandon(*in, why);
+    }
+  }
+}
+
+void UcxChannel::Impl::begin_shutdown() {
+  shutdown_started = true;
+  shutdown_deadline = Clock::now() + opt.close_timeout;
+  for (auto& [sender, queue] : incoming)
+    for (auto& in : queue)
+      if (in->in_flight) in->request.cancel();
+  // Healthy peers get what was sent (flush, bounded by close_timeout); failed ones are
+  // closed at once.
+  std::vector<std::pair<Peer*, bool>> all;
+  {
+    std::lock_guard lock(mu);
+    for (auto& [id, peer] : peers)
+      if (peer->ep) all.emplace_back(peer.get(), !peer->failure.ok());
+  }
+  for (auto [peer, failed] : all) close_endpoint(*peer, failed);
+}
+
+bool UcxChannel::Impl::shutdown_complete() const {
+  if (!sends.empty() || !closing.empty()) return false;
+  for (const auto& [sender, queue] : incoming)
+    for (const auto& in : queue)
+      if (in->in_flight) return false;
+  return true;
+}
+
+}  // namespace conveyor::transport
