@@ -1,0 +1,89 @@
+// Metrics: the coordinator's Prometheus registry, rendered for GET /metrics in the text
+// exposition format 0.0.4. No dependency; one mutex guards everything, so every method may
+// be called from any thread (the REST layer's io threads and the scheduler's thread).
+//
+// Who records what:
+//   REST layer (http_server.cc): conveyor_requests_total{code}, time to first token,
+//     inter-token latency, conveyor_prompt_tokens_total (at admission) and
+//     conveyor_generated_tokens_total (as updates arrive).
+//   Core (scheduler): queue depth, running sequences, per-stage busy fraction and KV-cache
+//     use; clear_stage_gauges() after a re-plan so gauges of stages that no longer exist
+//     disappear instead of freezing at their last value.
+//
+// Units: seconds for latencies, tokens for KV-cache figures, a fraction in [0, 1] for busy.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <mutex>
+#include <string>
+#include <string_view>
+#include <tuple>
+#include <vector>
+
+namespace conveyor {
+
+// Cumulative-bucket histogram (not thread-safe by itself; Metrics guards it).
+class Histogram {
+ public:
+  explicit Histogram(std::vector<double> upper_bounds);  // ascending, finite; +Inf is implicit
+  void observe(double value, uint64_t times = 1);
+  const std::vector<double>& upper_bounds() const { return bounds_; }
+  // counts()[i]: observations <= upper_bounds()[i] (cumulative); count(): all of them.
+  std::vector<uint64_t> cumulative_counts() const;
+  uint64_t count() const { return count_; }
+  double sum() const { return sum_; }
+
+ private:
+  std::vector<double> bounds_;
+  std::vector<uint64_t> per_bucket_;  // non-cumulative; last entry is (last bound, +Inf)
+  uint64_t count_ = 0;
+  double sum_ = 0;
+};
+
+class Metrics {
+ public:
+  static constexpr std::string_view kContentType = "text/plain; version=0.0.4; charset=utf-8";
+  static const std::vector<double>& time_to_first_token_buckets();   // seconds
+  static const std::vector<double>& inter_token_latency_buckets();   // seconds
+
+  Metrics();
+
+  // REST layer.
+  void count_request(int http_status);
+  void observe_time_to_first_token(double seconds);
+  void observe_inter_token_latency(double seconds, uint64_t tokens = 1);
+  void add_prompt_tokens(uint64_t tokens);
+  void add_generated_tokens(uint64_t tokens);
+
+  // Core.
+  void set_queue_depth(int64_t requests);
+  void set_running_sequences(int64_t sequences);
+  void set_stage_busy_fraction(int pipeline, int stage, const std::string& worker, double fraction);
+  void set_kv_cache_tokens(int pipeline, int stage, int64_t used_tokens, int64_t capacity_tokens);
+  void clear_stage_gauges();
+
+  // The whole registry in the Prometheus text format (HELP and TYPE for every family).
+  std::string render() const;
+
+  // For tests.
+  uint64_t requests_with_code(int http_status) const;
+  uint64_t time_to_first_token_count() const;
+  uint64_t inter_token_latency_count() const;
+
+ private:
+  mutable std::mutex mu_;
+  std::map<int, uint64_t> requests_by_code_;
+  Histogram ttft_, itl_;
+  uint64_t prompt_tokens_ = 0, generated_tokens_ = 0;
+  int64_t queue_depth_ = 0, running_sequences_ = 0;
+  std::map<std::tuple<int, int, std::string>, double> stage_busy_;  // (pipeline, stage, worker)
+  std::map<std::pair<int, int>, std::pair<int64_t, int64_t>> kv_tokens_;  // -> (used, capacity)
+};
+
+// Prometheus sample value: shortest round-trip decimal, "+Inf", "-Inf", "NaN".
+std::string prometheus_number(double value);
+// A label value with \, " and newline escaped.
+std::string prometheus_label_value(std::string_view value);
+
+}  // namespace conveyor
