@@ -2,6 +2,8 @@
 // can call directly). Each returns the process exit code.
 #pragma once
 
+#include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -32,5 +34,44 @@ struct PerplexityOptions {
 };
 void add_perplexity_command(CLI::App& app, PerplexityOptions& options);
 int perplexity_command(const PerplexityOptions& options);
+
+// `conveyor local`: a coordinator and stages * replicas + spares workers on this machine,
+// as child processes; prints the URL when /health says ready, stops them all on Ctrl-C.
+struct LocalOptions {
+  std::string model_dir;
+  int stages = 1;
+  int replicas = 1;
+  int spares = 0;
+  int port = 8000;
+  int kv_cache_mb = 256;
+  int in_flight = 0;
+  std::string log_dir;
+  bool verbose = false;
+};
+void add_local_command(CLI::App& app, LocalOptions& options);
+int local_command(const LocalOptions& options);
+
+// `conveyor generate`: streams a completion from a cluster.
+struct GenerateOptions {
+  std::string url = "http://127.0.0.1:8000";
+  std::string prompt;
+  int max_tokens = 64;
+  float temperature = 1.0f;
+  int top_k = 0;
+  float top_p = 1.0f;
+  std::optional<uint64_t> seed;
+  std::vector<std::string> stop;
+  std::string api_key;
+};
+void add_generate_command(CLI::App& app, GenerateOptions& options);
+int generate_command(const GenerateOptions& options);
+
+// `conveyor status`: the cluster table.
+struct StatusOptions {
+  std::string url = "http://127.0.0.1:8000";
+  std::string api_key;
+};
+void add_status_command(CLI::App& app, StatusOptions& options);
+int status_command(const StatusOptions& options);
 
 }  // namespace conveyor::cli

@@ -12,10 +12,19 @@ int main(int argc, char** argv) {
   conveyor::cli::PerplexityOptions ppl;
   conveyor::cli::add_run_command(app, run);
   conveyor::cli::add_perplexity_command(app, ppl);
+  conveyor::cli::LocalOptions local;
+  conveyor::cli::GenerateOptions gen;
+  conveyor::cli::StatusOptions status;
+  conveyor::cli::add_local_command(app, local);
+  conveyor::cli::add_generate_command(app, gen);
+  conveyor::cli::add_status_command(app, status);
   CLI11_PARSE(app, argc, argv);
   try {
     if (app.got_subcommand("run")) return conveyor::cli::run_command(run);
     if (app.got_subcommand("perplexity")) return conveyor::cli::perplexity_command(ppl);
+    if (app.got_subcommand("local")) return conveyor::cli::local_command(local);
+    if (app.got_subcommand("generate")) return conveyor::cli::generate_command(gen);
+    if (app.got_subcommand("status")) return conveyor::cli::status_command(status);
   } catch (const std::exception& e) {
     std::cerr << "conveyor: " << e.what() << "\n";
     return 1;

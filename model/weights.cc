@@ -81,7 +81,9 @@ class StageLoader {
 
   // Phase 2: convert each tensor to fp32, asking the kernel to read the next one ahead
   // while this one converts. Returns the bytes of tensor data read (storage dtype).
-  Expected<int64_t> convert() {
+  Expected<int64_t> convert(const LoadProgress& progress) {
+    int64_t total = 0;
+    for (const TensorJob& job : jobs_) total += int64_t(job.ref.info->size_bytes);
     int64_t bytes_read = 0;
     if (!jobs_.empty()) jobs_[0].ref.file->prefetch(*jobs_[0].ref.info);
     for (size_t i = 0; i < jobs_.size(); ++i) {
@@ -95,6 +97,7 @@ class StageLoader {
         return Status::error(job.ref.file->path() + ": tensor \"" + job.name + "\": " + s.message());
       job.ref.file->release(info);
       bytes_read += int64_t(info.size_bytes);
+      if (progress) progress(bytes_read, total);
     }
     return bytes_read;
   }
@@ -107,14 +110,15 @@ class StageLoader {
 }  // namespace
 
 Expected<StageWeights> load_stage_weights(const std::string& model_dir, int64_t layer_begin,
-                                          int64_t layer_end) {
+                                          int64_t layer_end, const LoadProgress& progress) {
   auto config = load_model_config(model_dir);
   if (!config) return config.status();
-  return load_stage_weights(model_dir, *config, layer_begin, layer_end);
+  return load_stage_weights(model_dir, *config, layer_begin, layer_end, progress);
 }
 
 Expected<StageWeights> load_stage_weights(const std::string& model_dir, const ModelConfig& config,
-                                          int64_t layer_begin, int64_t layer_end) {
+                                          int64_t layer_begin, int64_t layer_end,
+                                          const LoadProgress& progress) {
   if (!(0 <= layer_begin && layer_begin < layer_end && layer_end <= config.n_layer))
     return Status::error(model_dir + ": layer range [" + std::to_string(layer_begin) + ", " +
                          std::to_string(layer_end) + ") is invalid for a model with n_layer=" +
@@ -161,7 +165,7 @@ Expected<StageWeights> load_stage_weights(const std::string& model_dir, const Mo
   }
 
   if (Status s = loader.resolve(); !s) return s;
-  auto bytes_read = loader.convert();
+  auto bytes_read = loader.convert(progress);
   if (!bytes_read) return bytes_read.status();
   w.checkpoint_bytes_read = *bytes_read;
   return w;

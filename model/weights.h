@@ -7,6 +7,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -44,13 +45,17 @@ struct StageWeights {
   int64_t checkpoint_bytes_read = 0;  // bytes of tensor data the load touched
 };
 
+// Called after each tensor is converted: checkpoint bytes done so far, and in all.
+using LoadProgress = std::function<void(int64_t bytes_done, int64_t bytes_total)>;
+
 // Loads layers [layer_begin, layer_end) of the checkpoint in `model_dir` (config.json and
 // model.safetensors or a sharded model.safetensors.index.json), converting fp16/bf16/fp32
 // storage to fp32. Reads only the tensors this stage needs. Errors name file and tensor.
 Expected<StageWeights> load_stage_weights(const std::string& model_dir, int64_t layer_begin,
-                                          int64_t layer_end);
+                                          int64_t layer_end, const LoadProgress& progress = {});
 Expected<StageWeights> load_stage_weights(const std::string& model_dir, const ModelConfig& config,
-                                          int64_t layer_begin, int64_t layer_end);
+                                          int64_t layer_begin, int64_t layer_end,
+                                          const LoadProgress& progress = {});
 
 // Random weights of the given shape (GPT-2 initialisation: N(0, 0.02), LayerNorm gain 1),
 // deterministic in `seed`; used by tests and CPU benchmarks.

@@ -28,6 +28,7 @@
 #include <limits>
 #include <mutex>
 #include <numbers>
+#include <cstdlib>
 #include <thread>
 #include <vector>
 
@@ -48,7 +49,12 @@ constexpr int64_t kMatmulRowBlock = 8;
 class ForkJoinPool {
  public:
   ForkJoinPool() {
-    const unsigned hw = std::max(1u, std::thread::hardware_concurrency());
+    // OpenBLAS runs single-threaded under us: its own threads spin while waiting (ruinous
+    // when several workers share cores) and its results can depend on its thread count.
+    // Parallelism comes from this pool, over independent row blocks and heads.
+    openblas_set_num_threads(1);
+    unsigned hw = std::max(1u, std::thread::hardware_concurrency());
+    if (const char* env = std::getenv("CONVEYOR_CPU_THREADS"); env && std::atoi(env) > 0) hw = unsigned(std::atoi(env));
     for (unsigned i = 1; i < hw; ++i) workers_.emplace_back([this, i] { worker_loop(i); });
   }
   ~ForkJoinPool() {
@@ -124,23 +130,27 @@ ForkJoinPool& pool() {
 // in blocks of exactly kMatmulRowBlock rows.
 void blocked_sgemm(float* out, const float* in, const float* w, bool w_transposed, int64_t T,
                    int64_t K, int64_t N) {
-  thread_local std::vector<float> pad_in, pad_out;
   const CBLAS_TRANSPOSE tb = w_transposed ? CblasTrans : CblasNoTrans;
   const int64_t ldb = w_transposed ? K : N;
-  for (int64_t t0 = 0; t0 < T; t0 += kMatmulRowBlock) {
+  const int64_t blocks = (T + kMatmulRowBlock - 1) / kMatmulRowBlock;
+  // Every block is one independent 8-row call, so the bits do not depend on which thread
+  // runs it or how the blocks are spread.
+  pool().parallel_for(blocks, [&](int64_t b) {
+    const int64_t t0 = b * kMatmulRowBlock;
     const int64_t rows = std::min(kMatmulRowBlock, T - t0);
     if (rows == kMatmulRowBlock) {
       cblas_sgemm(CblasRowMajor, CblasNoTrans, tb, blasint(kMatmulRowBlock), blasint(N), blasint(K),
                   1.0f, in + t0 * K, blasint(K), w, blasint(ldb), 0.0f, out + t0 * N, blasint(N));
-      continue;
+      return;
     }
+    thread_local std::vector<float> pad_in, pad_out;
     pad_in.assign(size_t(kMatmulRowBlock * K), 0.0f);
     pad_out.resize(size_t(kMatmulRowBlock * N));
     std::memcpy(pad_in.data(), in + t0 * K, sizeof(float) * size_t(rows * K));
     cblas_sgemm(CblasRowMajor, CblasNoTrans, tb, blasint(kMatmulRowBlock), blasint(N), blasint(K), 1.0f,
                 pad_in.data(), blasint(K), w, blasint(ldb), 0.0f, pad_out.data(), blasint(N));
     std::memcpy(out + t0 * N, pad_out.data(), sizeof(float) * size_t(rows * N));
-  }
+  });
 }
 
 // Dot product with eight interleaved partial sums, combined in a fixed tree: the same

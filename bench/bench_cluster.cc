@@ -1,0 +1,201 @@
+// conveyor-bench-cluster: the cluster through its REST API, on this machine.
+//
+//   throughput mode (default): starts `conveyor local --stages N`, sends --requests
+//     completions from --concurrency client threads, and reports generated tokens/s,
+//     requests/s, mean latency and each stage's busy fraction (the workers' own compute
+//     time over wall time, polled from /v1/cluster while the load runs).
+//   --overhead: a 1-stage cluster of --model against the in-process engine on the same
+//     requests, one at a time: the added latency per request is the coordinator, HTTP and
+//     transport cost. Also requests/s with --concurrency clients.
+//
+//   conveyor-bench-cluster --model models/brown-gpt2 --stages 3 --requests 96 --concurrency 32
+//   conveyor-bench-cluster --model DIR --overhead
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <filesystem>
+#include <mutex>
+#include <numeric>
+#include <thread>
+
+#include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
+
+#include "coordinator/http_client.h"
+#include "model/engine.h"
+#include "model/tokenizer.h"
+#include "model/weights.h"
+#include "tests/process_util.h"
+
+using namespace conveyor;
+using json = nlohmann::json;
+using Clock = std::chrono::steady_clock;
+
+namespace {
+
+double seconds_since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
+
+struct LocalCluster {
+  std::unique_ptr<testing::ChildProcess> proc;
+  int port = 0;
+  bool start(const std::string& bin_dir, const std::string& model, int stages, int in_flight) {
+    const std::string logs = (std::filesystem::temp_directory_path() / ("conveyor-bench-" + std::to_string(::getpid()))).string();
+    std::vector<std::string> argv = {bin_dir + "/conveyor", "local", "--model", model, "--stages", std::to_string(stages),
+                                     "--port", "0", "--log-dir", logs};
+    if (in_flight > 0) argv.insert(argv.end(), {"--in-flight", std::to_string(in_flight)});
+    proc = std::make_unique<testing::ChildProcess>(argv);
+    const std::string line = proc->read_line_matching("ready at", std::chrono::seconds(120));
+    return std::sscanf(line.c_str(), "conveyor local: ready at http://127.0.0.1:%d", &port) == 1;
+  }
+  ~LocalCluster() {
+    if (proc) {
+      proc->signal(SIGINT);
+      proc->wait_exit(std::chrono::seconds(10));
+    }
+  }
+};
+
+Expected<int> complete(int port, const json& body) {
+  HttpRequest r;
+  r.method = "POST";
+  r.target = "/v1/completions";
+  r.body = body.dump();
+  r.timeout = std::chrono::minutes(5);
+  auto resp = http_call("127.0.0.1", port, r);
+  if (!resp) return resp.status();
+  if (resp->status != 200) return Status::error("HTTP " + std::to_string(resp->status) + ": " + resp->body);
+  return json::parse(resp->body).at("usage").at("completion_tokens").get<int>();
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::string model = "models/brown-gpt2";
+  int stages = 3, requests = 96, concurrency = 32, max_tokens = 48, in_flight = 0;
+  bool overhead = false;
+  CLI::App app{"conveyor-bench-cluster: the cluster through its REST API"};
+  app.add_option("--model", model, "checkpoint directory");
+  app.add_option("--stages", stages, "pipeline stages");
+  app.add_option("--requests", requests, "requests to send");
+  app.add_option("--concurrency", concurrency, "client threads");
+  app.add_option("--max-tokens", max_tokens, "tokens per request");
+  app.add_option("--in-flight", in_flight, "micro-batches in flight (0: = stages)");
+  app.add_flag("--overhead", overhead, "measure the coordinator's added latency against the in-process engine");
+  CLI11_PARSE(app, argc, argv);
+  const std::string bin_dir = std::filesystem::canonical("/proc/self/exe").parent_path().string();
+  model = std::filesystem::absolute(model).string();
+
+  if (overhead) {
+    auto tok = Tokenizer::load(model);
+    auto w = load_stage_weights(model, 0, load_model_config(model)->n_layer);
+    if (!tok || !w) {
+      std::fprintf(stderr, "cannot load %s: %s\n", model.c_str(), (tok ? w.error() : tok.error()).c_str());
+      return 1;
+    }
+    Engine engine(std::move(w).value());
+    LocalCluster cluster;
+    if (!cluster.start(bin_dir, model, 1, 0)) {
+      std::fprintf(stderr, "the cluster did not start\n");
+      return 1;
+    }
+    const std::vector<int32_t> prompt = tok->encode("The jury said");
+    for (int n : {1, 16}) {
+      std::vector<double> engine_s, cluster_s;
+      for (int i = 0; i < 30; ++i) {
+        GenerationRequest g;
+        g.prompt = prompt;
+        g.max_new_tokens = n;
+        g.sampling.temperature = 0;
+        g.ignore_eos = true;
+        auto t0 = Clock::now();
+        (void)engine.generate({g});
+        engine_s.push_back(seconds_since(t0));
+        t0 = Clock::now();
+        auto r = complete(cluster.port, {{"prompt", prompt}, {"max_tokens", n}, {"temperature", 0}, {"ignore_eos", true}});
+        if (!r) {
+          std::fprintf(stderr, "%s\n", r.error().c_str());
+          return 1;
+        }
+        cluster_s.push_back(seconds_since(t0));
+      }
+      std::sort(engine_s.begin(), engine_s.end());
+      std::sort(cluster_s.begin(), cluster_s.end());
+      const double e = engine_s[engine_s.size() / 2] * 1e3, c = cluster_s[cluster_s.size() / 2] * 1e3;
+      std::printf("max_tokens %2d: engine %.2f ms, cluster %.2f ms, added %.2f ms per request (%.2f ms per token)\n", n,
+                  e, c, c - e, (c - e) / n);
+    }
+    // Requests/s of tiny requests: the coordinator's own ceiling.
+    std::atomic<int> next{0}, done{0};
+    const auto t0 = Clock::now();
+    std::vector<std::thread> th;
+    for (int t = 0; t < concurrency; ++t)
+      th.emplace_back([&] {
+        while (next++ < requests * 4)
+          if (complete(cluster.port, {{"prompt", prompt}, {"max_tokens", 1}, {"temperature", 0}})) ++done;
+      });
+    for (auto& t : th) t.join();
+    std::printf("requests/s (max_tokens 1, %d clients): %.1f\n", concurrency, done / seconds_since(t0));
+    return 0;
+  }
+
+  LocalCluster cluster;
+  if (!cluster.start(bin_dir, model, stages, in_flight)) {
+    std::fprintf(stderr, "the cluster did not start\n");
+    return 1;
+  }
+  const char* prompts[] = {"The jury said", "In the morning the old man walked down to the river, where",
+                           "It was a time of great change in the country, and", "Mr. Brown"};
+  std::atomic<int> next{0}, tokens{0}, failed{0};
+  std::mutex lat_mu;
+  std::vector<double> latencies;
+  std::atomic<bool> running{true};
+  std::vector<std::vector<double>> busy(static_cast<size_t>(stages), std::vector<double>{});
+  std::thread poller([&] {
+    while (running) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(600));
+      HttpRequest r;
+      r.target = "/v1/cluster";
+      auto resp = http_call("127.0.0.1", cluster.port, r);
+      if (!resp) std::fprintf(stderr, "poll: %s\n", resp.error().c_str());
+      if (!resp || !running) continue;
+      const json cluster_info = json::parse(resp->body);
+      for (const auto& w : cluster_info["workers"])
+        if (w.contains("stage")) busy[size_t(w["stage"].get<int>())].push_back(w["busy_fraction"].get<double>());
+    }
+  });
+  const auto t0 = Clock::now();
+  std::vector<std::thread> th;
+  for (int t = 0; t < concurrency; ++t)
+    th.emplace_back([&] {
+      for (int i; (i = next++) < requests;) {
+        const auto s = Clock::now();
+        auto r = complete(cluster.port, {{"prompt", prompts[i % 4]}, {"max_tokens", max_tokens}, {"temperature", 0.8},
+                                         {"top_k", 40}, {"seed", i}, {"ignore_eos", true}});
+        if (!r) {
+          ++failed;
+          continue;
+        }
+        tokens += *r;
+        std::lock_guard lk(lat_mu);
+        latencies.push_back(seconds_since(s));
+      }
+    });
+  for (auto& t : th) t.join();
+  const double wall = seconds_since(t0);
+  running = false;
+  poller.join();
+  std::printf("stages %d, in-flight %d, %d requests x %d tokens, %d clients: %.1f tokens/s, %.2f requests/s, "
+              "mean latency %.2f s, %d failed\n",
+              stages, in_flight > 0 ? in_flight : stages, requests, max_tokens, concurrency, tokens / wall,
+              double(latencies.size()) / wall, latencies.empty() ? 0.0 : std::accumulate(latencies.begin(), latencies.end(), 0.0) / double(latencies.size()),
+              failed.load());
+  for (int s = 0; s < stages; ++s) {
+    auto& b = busy[size_t(s)];
+    // Drop the first and last samples: the ramp up and down.
+    if (b.size() > 2) b = std::vector<double>(b.begin() + 1, b.end() - 1);
+    std::printf("  stage %d busy fraction: %.0f%% (mean of %zu samples)\n", s,
+                b.empty() ? 0.0 : 100 * std::accumulate(b.begin(), b.end(), 0.0) / double(b.size()), b.size());
+  }
+  return failed ? 1 : 0;
+}

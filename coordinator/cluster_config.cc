@@ -1,0 +1,199 @@
+#include "coordinator/cluster_config.h"
+
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <set>
+#include <sstream>
+
+#include <yaml-cpp/yaml.h>
+
+namespace conveyor {
+namespace {
+
+struct Ctx {
+  const std::string& source;
+  Status at(const YAML::Node& n, const std::string& what) const {
+    const YAML::Mark m = n.Mark();
+    return Status::error(source + ":" + std::to_string(m.line + 1) + ": " + what);
+  }
+};
+
+Status check_keys(const Ctx& c, const YAML::Node& map, const std::string& section,
+                  const std::set<std::string>& known) {
+  if (!map.IsMap()) return c.at(map, "'" + section + "' must be a mapping");
+  for (const auto& kv : map) {
+    const std::string key = kv.first.as<std::string>();
+    if (!known.count(key)) {
+      std::string list;
+      for (const auto& k : known) list += (list.empty() ? "" : ", ") + k;
+      return c.at(kv.first, "unknown key '" + key + "' in " + (section.empty() ? "the top level" : "'" + section + "'") +
+                                " (known: " + list + ")");
+    }
+  }
+  return ok_status();
+}
+
+template <class T>
+Status get(const Ctx& c, const YAML::Node& map, const std::string& section, const char* key, T& out) {
+  const YAML::Node n = map[key];
+  if (!n) return ok_status();
+  try {
+    if (!n.IsScalar()) throw YAML::BadConversion(n.Mark());
+    out = n.as<T>();
+  } catch (const YAML::BadConversion&) {
+    const char* type = std::is_same_v<T, std::string> ? "a string" : std::is_same_v<T, bool> ? "true or false" : "a number";
+    return c.at(n, "'" + section + "." + key + "' must be " + type);
+  }
+  return ok_status();
+}
+
+template <class T>
+Status get_positive(const Ctx& c, const YAML::Node& map, const std::string& section, const char* key, T& out,
+                    T min = 1) {
+  if (Status s = get(c, map, section, key, out); !s) return s;
+  if (map[key] && out < min)
+    return c.at(map[key], "'" + section + "." + key + "' must be at least " + std::to_string(min));
+  return ok_status();
+}
+
+}  // namespace
+
+std::vector<std::pair<int64_t, int64_t>> even_layer_split(int64_t n_layer, int stages) {
+  std::vector<std::pair<int64_t, int64_t>> out;
+  int64_t begin = 0;
+  for (int s = 0; s < stages; ++s) {
+    const int64_t n = n_layer / stages + (s < n_layer % stages ? 1 : 0);
+    out.emplace_back(begin, begin + n);
+    begin += n;
+  }
+  return out;
+}
+
+Status check_layer_split(const std::vector<std::pair<int64_t, int64_t>>& layers, int stages, int64_t n_layer) {
+  if (int(layers.size()) != stages)
+    return Status::error("layers lists " + std::to_string(layers.size()) + " ranges for " + std::to_string(stages) +
+                         " stages");
+  int64_t expect = 0;
+  for (size_t i = 0; i < layers.size(); ++i) {
+    const auto [b, e] = layers[i];
+    if (b != expect || e <= b)
+      return Status::error("stage " + std::to_string(i) + " has layers [" + std::to_string(b) + ", " +
+                           std::to_string(e) + "): ranges must be non-empty and contiguous from 0");
+    expect = e;
+  }
+  if (expect != n_layer)
+    return Status::error("the layer ranges end at " + std::to_string(expect) + " but the model has " +
+                         std::to_string(n_layer) + " layers");
+  return ok_status();
+}
+
+Expected<ClusterConfig> parse_cluster_config(const std::string& text, const std::string& source) {
+  ClusterConfig cfg;
+  cfg.source = source;
+  const Ctx c{source};
+  YAML::Node root;
+  try {
+    root = YAML::Load(text);
+  } catch (const YAML::ParserException& e) {
+    return Status::error(source + ":" + std::to_string(e.mark.line + 1) + ": not valid YAML: " + e.msg);
+  }
+  if (!root || root.IsNull()) return Status::error(source + ": the cluster file is empty");
+  Status s;
+  if (!(s = check_keys(c, root, "", {"model", "http", "control", "pipeline", "scheduler", "heartbeat"}))) return s;
+
+  const YAML::Node model = root["model"];
+  if (!model) return Status::error(source + ": missing required section 'model' (model: {path: DIR})");
+  if (!(s = check_keys(c, model, "model", {"path", "name"}))) return s;
+  if (!(s = get(c, model, "model", "path", cfg.model_path))) return s;
+  if (cfg.model_path.empty()) return c.at(model, "'model.path' is required");
+  if (!(s = get(c, model, "model", "name", cfg.model_name))) return s;
+  if (cfg.model_name.empty()) cfg.model_name = std::filesystem::path(cfg.model_path).lexically_normal().filename().string();
+  if (cfg.model_name.empty()) cfg.model_name = "model";
+
+  if (const YAML::Node h = root["http"]) {
+    if (!(s = check_keys(c, h, "http", {"host", "port", "api_key", "threads"}))) return s;
+    if (!(s = get(c, h, "http", "host", cfg.http_host)) || !(s = get_positive(c, h, "http", "port", cfg.http_port, 0)) ||
+        !(s = get(c, h, "http", "api_key", cfg.api_key)) || !(s = get_positive(c, h, "http", "threads", cfg.http_threads)))
+      return s;
+    if (cfg.http_port > 65535) return c.at(h["port"], "'http.port' must be at most 65535");
+  }
+  if (const YAML::Node ctl = root["control"]) {
+    if (!(s = check_keys(c, ctl, "control", {"host", "port", "join_token", "curve_secret_key"}))) return s;
+    if (!(s = get(c, ctl, "control", "host", cfg.control_host)) ||
+        !(s = get_positive(c, ctl, "control", "port", cfg.control_port, 0)) ||
+        !(s = get(c, ctl, "control", "join_token", cfg.join_token)) ||
+        !(s = get(c, ctl, "control", "curve_secret_key", cfg.curve_secret_key)))
+      return s;
+    if (cfg.control_port > 65535) return c.at(ctl["port"], "'control.port' must be at most 65535");
+  }
+  if (cfg.api_key.empty())
+    if (const char* k = std::getenv("CONVEYOR_API_KEY")) cfg.api_key = k;
+  if (cfg.join_token.empty())
+    if (const char* t = std::getenv("CONVEYOR_JOIN_TOKEN")) cfg.join_token = t;
+  if (cfg.join_token.empty())
+    return Status::error(source + ": no join token: set control.join_token or CONVEYOR_JOIN_TOKEN");
+
+  auto mc = load_model_config(cfg.model_path);
+  if (!mc) return Status::error(source + ":" + std::to_string(model["path"].Mark().line + 1) + ": " + mc.error());
+  cfg.model = *mc;
+
+  const YAML::Node pipe = root["pipeline"];
+  if (pipe) {
+    if (!(s = check_keys(c, pipe, "pipeline", {"stages", "replicas", "layers"}))) return s;
+    if (!(s = get_positive(c, pipe, "pipeline", "stages", cfg.stages)) ||
+        !(s = get_positive(c, pipe, "pipeline", "replicas", cfg.replicas)))
+      return s;
+  }
+  if (cfg.stages > cfg.model.n_layer)
+    return c.at(pipe["stages"], "impossible plan: " + std::to_string(cfg.stages) + " stages for a model of " +
+                                    std::to_string(cfg.model.n_layer) + " layers");
+  if (pipe && pipe["layers"]) {
+    const YAML::Node l = pipe["layers"];
+    if (!l.IsSequence()) return c.at(l, "'pipeline.layers' must be a list of [begin, end] pairs");
+    for (const auto& r : l) {
+      if (!r.IsSequence() || r.size() != 2) return c.at(r, "each entry of 'pipeline.layers' must be [begin, end]");
+      try {
+        cfg.layers.emplace_back(r[0].as<int64_t>(), r[1].as<int64_t>());
+      } catch (const YAML::BadConversion&) {
+        return c.at(r, "layer range bounds must be integers");
+      }
+    }
+    if (!(s = check_layer_split(cfg.layers, cfg.stages, cfg.model.n_layer))) return c.at(l, "impossible plan: " + s.message());
+  } else {
+    cfg.layers = even_layer_split(cfg.model.n_layer, cfg.stages);
+  }
+
+  if (const YAML::Node sch = root["scheduler"]) {
+    if (!(s = check_keys(c, sch, "scheduler", {"in_flight", "max_batch_tokens", "prefill_chunk", "max_queue",
+                                               "max_running", "max_sequences_per_batch"})))
+      return s;
+    if (!(s = get_positive(c, sch, "scheduler", "in_flight", cfg.in_flight, 0)) ||
+        !(s = get_positive<int64_t>(c, sch, "scheduler", "max_batch_tokens", cfg.max_batch_tokens)) ||
+        !(s = get_positive<int64_t>(c, sch, "scheduler", "prefill_chunk", cfg.prefill_chunk)) ||
+        !(s = get_positive<int64_t>(c, sch, "scheduler", "max_queue", cfg.max_queue, 0)) ||
+        !(s = get_positive<int64_t>(c, sch, "scheduler", "max_running", cfg.max_running)) ||
+        !(s = get_positive<int64_t>(c, sch, "scheduler", "max_sequences_per_batch", cfg.max_sequences_per_batch)))
+      return s;
+  }
+  if (cfg.in_flight == 0) cfg.in_flight = cfg.stages;
+  if (const YAML::Node hb = root["heartbeat"]) {
+    if (!(s = check_keys(c, hb, "heartbeat", {"interval_ms", "liveness_ms"}))) return s;
+    if (!(s = get_positive(c, hb, "heartbeat", "interval_ms", cfg.heartbeat_interval_ms, 10)) ||
+        !(s = get_positive(c, hb, "heartbeat", "liveness_ms", cfg.liveness_ms, 50)))
+      return s;
+    if (cfg.liveness_ms <= cfg.heartbeat_interval_ms)
+      return c.at(hb, "'heartbeat.liveness_ms' must exceed 'heartbeat.interval_ms'");
+  }
+  return cfg;
+}
+
+Expected<ClusterConfig> load_cluster_config(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) return Status::error(path + ": cannot open the cluster file");
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return parse_cluster_config(ss.str(), path);
+}
+
+}  // namespace conveyor

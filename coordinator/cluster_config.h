@@ -1,0 +1,67 @@
+// The coordinator's cluster file (YAML). Every key is known: an unknown key, a wrong type
+// or an impossible plan is refused at start with the file, the line and the reason.
+//
+//   model:     {path: DIR, name: NAME}
+//   http:      {host: 127.0.0.1, port: 8000, api_key: KEY, threads: 2}
+//   control:   {host: 127.0.0.1, port: 5555, join_token: TOKEN, curve_secret_key: Z85}
+//   pipeline:  {stages: N, replicas: R, layers: [[b, e], ...]}
+//   scheduler: {in_flight: D, max_batch_tokens: T, prefill_chunk: C, max_queue: Q,
+//               max_running: S, max_sequences_per_batch: B}
+//   heartbeat: {interval_ms: 500, liveness_ms: 3000}
+//
+// api_key and join_token may come from CONVEYOR_API_KEY / CONVEYOR_JOIN_TOKEN instead.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "common/model_config.h"
+#include "common/status.h"
+
+namespace conveyor {
+
+struct ClusterConfig {
+  std::string source;  // the file it came from, for messages
+
+  std::string model_path;
+  std::string model_name;
+  ModelConfig model;  // read from model_path at load time
+
+  std::string http_host = "127.0.0.1";
+  int http_port = 8000;
+  int http_threads = 2;
+  std::string api_key;
+
+  std::string control_host = "127.0.0.1";
+  int control_port = 5555;
+  std::string join_token;
+  std::string curve_secret_key;
+
+  int stages = 1;
+  int replicas = 1;
+  std::vector<std::pair<int64_t, int64_t>> layers;  // per stage [begin, end); filled by the plan
+
+  int in_flight = 0;  // micro-batches in flight per pipeline; 0 = number of stages
+  int64_t max_batch_tokens = 256;
+  int64_t prefill_chunk = 64;
+  int64_t max_queue = 256;
+  int64_t max_running = 256;
+  int64_t max_sequences_per_batch = 64;
+
+  int heartbeat_interval_ms = 500;
+  int liveness_ms = 3000;
+};
+
+Expected<ClusterConfig> load_cluster_config(const std::string& path);
+Expected<ClusterConfig> parse_cluster_config(const std::string& yaml_text, const std::string& source);
+
+// Layer ranges for `stages` stages over n_layer layers, as even as possible (the earlier
+// stages take the extra layer: the last stage also runs the LM head).
+std::vector<std::pair<int64_t, int64_t>> even_layer_split(int64_t n_layer, int stages);
+
+// Checks explicit layer ranges: `stages` contiguous, non-empty ranges covering [0, n_layer).
+Status check_layer_split(const std::vector<std::pair<int64_t, int64_t>>& layers, int stages, int64_t n_layer);
+
+}  // namespace conveyor

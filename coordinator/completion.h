@@ -1,0 +1,84 @@
+// The contract between the coordinator's REST layer (http_server, openai_api) and its
+// core (the scheduler): a validated completion request in token ids, and the stream of
+// updates the core produces for it.
+//
+// One request has prompts.size() * n choices; choice c is prompt c / n, sample c % n.
+// Each choice is one sequence in the pipeline. The core calls the request's sink from its
+// own thread, in order for each choice: zero or more updates with generated tokens, the
+// last of which carries finish_reason. Text deltas are final: stop strings have been
+// applied (the text ends before the stop string; generation stops there) and no delta
+// ends inside a UTF-8 character or inside a possible stop-string prefix (the core holds
+// those bytes back until it knows).
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "model/sampling.h"
+
+namespace conveyor {
+
+struct CompletionRequest {
+  std::string id;                          // "cmpl-..."; set by the REST layer
+  std::string model;
+  std::vector<std::vector<int32_t>> prompts;  // token ids, each non-empty
+  int max_tokens = 16;                     // per choice; prompt + max_tokens <= n_positions
+  SamplingParams sampling;                 // seed filled in (random when the client gave none)
+  std::vector<std::string> stop;           // stop strings (at most 4, non-empty)
+  int n = 1;
+  int logprobs = -1;                       // -1: not requested; else top-N alternatives (0..20)
+  bool echo = false;                       // prepend the prompt (and its log-probs when requested)
+  bool stream = false;
+  bool return_token_ids = false;
+  bool ignore_eos = false;                 // extension: do not stop at the model's eos token
+  std::chrono::steady_clock::time_point arrival = std::chrono::steady_clock::now();
+
+  size_t num_choices() const { return prompts.size() * size_t(n); }
+};
+
+struct TokenOut {
+  int32_t id = -1;
+  float logprob = 0;                                    // NaN for a prompt's first token
+  std::vector<std::pair<int32_t, float>> top;           // when logprobs > 0
+};
+
+struct ChoiceUpdate {
+  size_t choice = 0;
+  std::vector<TokenOut> prompt_tokens;      // echo with logprobs: once, in the first update
+  std::vector<TokenOut> tokens;             // tokens generated since the last update
+  std::string text;                         // text delta (see above)
+  std::optional<std::string> finish_reason; // "stop" or "length": the choice's last update
+};
+
+// How the core talks back. Called from the core's thread; must not block for long (the
+// REST layer posts to its own executor).
+struct CompletionSink {
+  std::function<void(ChoiceUpdate)> on_update;
+  // Every choice finished (after the last on_update) or the request failed (`error` set:
+  // the message says why; no further calls). Exactly once.
+  std::function<void(const std::string& error)> on_done;
+};
+
+// Why a submission was refused, mapped to HTTP by the REST layer.
+enum class SubmitError { None, QueueFull /*429*/, Unavailable /*503*/, Invalid /*400*/ };
+
+struct SubmitResult {
+  SubmitError error = SubmitError::None;
+  std::string message;
+};
+
+// The core as the REST layer sees it (implemented by coordinator/scheduler.h).
+class CompletionBackend {
+ public:
+  virtual ~CompletionBackend() = default;
+  // Takes the request or says why not. Accepted requests always end in sink.on_done.
+  virtual SubmitResult submit(std::shared_ptr<const CompletionRequest> request, CompletionSink sink) = 0;
+};
+
+}  // namespace conveyor

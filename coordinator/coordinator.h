@@ -1,0 +1,62 @@
+// The coordinator's core: membership (the control plane), the stage plan, and the
+// scheduler that keeps every pipeline full (the data plane).
+//
+// Threads:
+//  - control: the ZeroMQ ROUTER. Admits workers that present the join token, assigns
+//    stages (idle workers beyond the plan are spares), tracks load progress, readiness and
+//    heartbeats; a worker silent for the liveness window is dead.
+//  - engine: the scheduler loop. Continuous batching: each micro-batch mixes decode steps
+//    (one token per sequence) and prefill chunks (at most prefill_chunk tokens of a
+//    prompt), up to max_batch_tokens; up to in_flight micro-batches per pipeline travel the
+//    ring at once, the live sequences spread across them so every stage has work. Results
+//    from the last stage come back on the coordinator's own UCX channel.
+//  - callers (REST threads): submit().
+// One mutex guards the shared state. Sinks are called with it held, so they must only
+// hand work elsewhere (the REST layer posts to its own executor).
+//
+// Failure: when a pipeline loses a stage (dead worker, data-plane error) it gets a new
+// epoch: a spare (or the returning worker) takes the stage, every stage of the pipeline
+// drops its KV cache, batches of the old epoch are ignored, and each sequence is fed again
+// from its first token (prompt + tokens generated so far) — sampling is keyed by step, so
+// the continuation is the same. Clients see a pause.
+#pragma once
+
+#include <atomic>
+#include <memory>
+#include <string>
+#include <thread>
+
+#include <nlohmann/json.hpp>
+
+#include "coordinator/cluster_config.h"
+#include "coordinator/completion.h"
+#include "coordinator/metrics.h"
+#include "model/tokenizer.h"
+
+namespace conveyor {
+
+class Coordinator final : public CompletionBackend {
+ public:
+  // Binds the control plane (ROUTER) and creates the data-plane channel; starts the threads.
+  static Expected<std::unique_ptr<Coordinator>> start(ClusterConfig config, std::shared_ptr<const Tokenizer> tokenizer,
+                                                      Metrics* metrics);
+  ~Coordinator() override;
+
+  SubmitResult submit(std::shared_ptr<const CompletionRequest> request, CompletionSink sink) override;
+
+  int control_port() const;
+  // /health: ready when some pipeline has every stage ready.
+  std::pair<bool, nlohmann::json> health() const;
+  // /v1/cluster: workers and pipelines.
+  nlohmann::json cluster() const;
+  // Stops the threads; accepted requests still running are failed with a message.
+  void stop();
+
+  struct Impl;
+
+ private:
+  explicit Coordinator(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace conveyor

@@ -1,0 +1,72 @@
+// conveyor-coordinator: the coordinator daemon (REST API + control plane + scheduler).
+//   conveyor-coordinator --config cluster.yaml
+// Prints "conveyor-coordinator: listening on http://HOST:PORT (control tcp://HOST:PORT)"
+// once both sockets are bound, so a launcher can find ports chosen with 0.
+#include <csignal>
+#include <iostream>
+#include <thread>
+
+#include <CLI/CLI.hpp>
+#include <spdlog/sinks/stdout_color_sinks.h>
+#include <spdlog/spdlog.h>
+
+#include "coordinator/cluster_config.h"
+#include "coordinator/coordinator.h"
+#include "coordinator/http_server.h"
+#include "coordinator/metrics.h"
+
+namespace {
+std::atomic<bool> g_stop{false};
+void on_signal(int) { g_stop = true; }
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::string config_path;
+  CLI::App app{"conveyor-coordinator: the Conveyor coordinator daemon"};
+  app.add_option("--config", config_path, "the cluster file (YAML)")->required();
+  CLI11_PARSE(app, argc, argv);
+  spdlog::set_default_logger(spdlog::stderr_color_mt("coordinator"));
+  if (const char* lvl = std::getenv("CONVEYOR_LOG_LEVEL")) spdlog::set_level(spdlog::level::from_str(lvl));  // stdout is for the ready line
+
+  auto cfg = conveyor::load_cluster_config(config_path);
+  if (!cfg) {
+    std::cerr << "conveyor-coordinator: " << cfg.error() << "\n";
+    return 2;
+  }
+  auto tok = conveyor::Tokenizer::load(cfg->model_path);
+  if (!tok) {
+    std::cerr << "conveyor-coordinator: " << tok.error() << "\n";
+    return 2;
+  }
+  auto tokenizer = std::make_shared<const conveyor::Tokenizer>(std::move(tok).value());
+  conveyor::Metrics metrics;
+  auto coord = conveyor::Coordinator::start(*cfg, tokenizer, &metrics);
+  if (!coord) {
+    std::cerr << "conveyor-coordinator: " << coord.error() << "\n";
+    return 1;
+  }
+  conveyor::Coordinator* c = coord->get();
+  conveyor::RestContext ctx;
+  ctx.model_name = cfg->model_name;
+  ctx.config = cfg->model;
+  ctx.tokenizer = tokenizer;
+  ctx.backend = c;
+  ctx.metrics = &metrics;
+  ctx.api_key = cfg->api_key;
+  ctx.health = [c] { return c->health(); };
+  ctx.cluster = [c] { return c->cluster(); };
+  auto http = conveyor::HttpServer::start(cfg->http_host, cfg->http_port, ctx, cfg->http_threads);
+  if (!http) {
+    std::cerr << "conveyor-coordinator: " << http.error() << "\n";
+    return 1;
+  }
+  std::signal(SIGINT, on_signal);
+  std::signal(SIGTERM, on_signal);
+  std::cout << "conveyor-coordinator: listening on http://" << cfg->http_host << ":" << (*http)->port()
+            << " (control tcp://" << cfg->control_host << ":" << c->control_port() << ")" << std::endl;
+  while (!g_stop) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  spdlog::info("coordinator: shutting down");
+  (*http)->stop();
+  c->stop();
+  return 0;
+}

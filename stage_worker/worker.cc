@@ -1,0 +1,410 @@
+#include "stage_worker/worker.h"
+
+#include <unistd.h>
+
+#include <mutex>
+#include <optional>
+#include <thread>
+#include <vector>
+
+#include <spdlog/spdlog.h>
+
+#include "model/microbatch.h"
+#include "model/stage_executor.h"
+#include "model/weights.h"
+#include "transport/channel.h"
+#include "transport/control_plane.h"
+#include "transport/ucx_channel.h"
+
+namespace conveyor {
+
+using json = nlohmann::json;
+using Clock = std::chrono::steady_clock;
+using transport::ControlMessage;
+using transport::PeerId;
+
+namespace {
+
+std::string host_name() {
+  char buf[256] = {};
+  if (::gethostname(buf, sizeof(buf) - 1) != 0) return "localhost";
+  return buf;
+}
+
+int64_t memory_bytes() {
+  const long pages = ::sysconf(_SC_PHYS_PAGES), page = ::sysconf(_SC_PAGE_SIZE);
+  return pages > 0 && page > 0 ? int64_t(pages) * page : 0;
+}
+
+
+// What the coordinator assigned: a stage of a pipeline, and where its neighbours are.
+struct Assignment {
+  uint32_t epoch = 0;
+  uint32_t pipeline = 0;
+  int stage = 0;
+  int num_stages = 0;
+  int64_t layer_begin = 0, layer_end = 0;
+  std::string model;
+  std::vector<std::byte> next, prev, coordinator;  // data-plane addresses (next empty on the last stage)
+
+  json describe() const {
+    return {{"epoch", epoch}, {"pipeline", pipeline}, {"stage", stage}, {"num_stages", num_stages},
+            {"layers", {layer_begin, layer_end}}, {"model", model}};
+  }
+};
+
+Expected<Assignment> parse_assign(const json& b) {
+  try {
+    Assignment a;
+    a.epoch = b.at("epoch").get<uint32_t>();
+    a.pipeline = b.at("pipeline").get<uint32_t>();
+    a.stage = b.at("stage").get<int>();
+    a.num_stages = b.at("num_stages").get<int>();
+    a.layer_begin = b.at("layers").at(0).get<int64_t>();
+    a.layer_end = b.at("layers").at(1).get<int64_t>();
+    a.model = b.at("model").get<std::string>();
+    auto addr = [&](const char* key) -> Expected<std::vector<std::byte>> {
+      const std::string s = b.value(key, std::string());
+      if (s.empty()) return std::vector<std::byte>{};
+      return transport::from_base64(s);
+    };
+    for (auto [key, out] : {std::pair{"next", &a.next}, {"prev", &a.prev}, {"coordinator", &a.coordinator}}) {
+      auto v = addr(key);
+      if (!v) return Status::error(std::string("assign: bad ") + key + " address: " + v.error());
+      *out = std::move(v).value();
+    }
+    if (a.coordinator.empty()) return Status::error("assign: no coordinator data-plane address");
+    return a;
+  } catch (const std::exception& e) {
+    return Status::error(std::string("malformed assign message: ") + e.what());
+  }
+}
+
+}  // namespace
+
+struct Worker::Impl {
+  WorkerOptions opt;
+  std::unique_ptr<transport::ControlClient> control;
+  std::unique_ptr<transport::UcxChannel> channel;
+  std::string host = host_name();
+
+  // Control-thread state.
+  bool welcomed = false;
+  Clock::time_point last_from_coordinator = Clock::now();
+  Clock::time_point last_register{};
+  Clock::time_point last_heartbeat{};
+  int exit_code = -1;
+
+  // The stage: written by the loader, read by compute; guarded by stage_mu.
+  std::mutex stage_mu;
+  std::optional<Assignment> assignment;      // what is loaded (or loading)
+  std::shared_ptr<StageExecutor> executor;   // null until loaded
+  PeerId next_peer = transport::kNoPeer, prev_peer = transport::kNoPeer, coord_peer = transport::kNoPeer;
+  std::string state = "idle";                // idle | loading | ready | draining
+  double load_fraction = 0;
+
+  std::thread loader, compute;
+  std::atomic<bool> compute_stop{false};
+  std::atomic<uint64_t> batches{0};
+  std::atomic<int64_t> busy_ns{0};
+  int64_t busy_ns_at_last_heartbeat = 0;
+  Clock::time_point heartbeat_window_start = Clock::now();
+
+  ~Impl() { stop_threads(); }
+
+  void stop_threads() {
+    compute_stop = true;
+    if (compute.joinable()) compute.join();
+    if (loader.joinable()) loader.join();
+  }
+
+  void send(ControlMessage m) { control->post(std::move(m)); }
+
+  void send_register() {
+    json body = {{"name", opt.name}, {"host", host}, {"pid", ::getpid()}, {"token", opt.join_token},
+                 {"backend", "cpu"}, {"gpus", json::array()}, {"memory_bytes", memory_bytes()},
+                 {"kv_cache_bytes", opt.kv_cache_bytes}};
+    {
+      std::lock_guard lk(stage_mu);
+      if (assignment && executor) body["holding"] = assignment->describe();
+    }
+    send(ControlMessage::make("register", body, channel->address()));
+    last_register = Clock::now();
+  }
+
+  void send_heartbeat() {
+    const auto now = Clock::now();
+    const int64_t busy = busy_ns.load();
+    const double window = std::chrono::duration<double>(now - heartbeat_window_start).count();
+    const double busy_fraction = window > 0 ? double(busy - busy_ns_at_last_heartbeat) * 1e-9 / window : 0.0;
+    busy_ns_at_last_heartbeat = busy;
+    heartbeat_window_start = now;
+    json body = {{"busy_fraction", std::min(1.0, busy_fraction)}, {"batches", batches.load()}};
+    {
+      std::lock_guard lk(stage_mu);
+      body["state"] = state;
+      body["load_fraction"] = load_fraction;
+      if (executor) {
+        CpuStage& st = executor->stage();
+        body["kv_used_tokens"] = st.kv_bytes_used() / std::max<int64_t>(1, st.kv_bytes_per_token());
+        body["kv_capacity_tokens"] = opt.kv_cache_bytes / std::max<int64_t>(1, st.kv_bytes_per_token());
+        body["sequences"] = st.num_sequences();
+      }
+    }
+    send(ControlMessage::make("heartbeat", body));
+    last_heartbeat = now;
+  }
+
+  // Connects the data-plane peers of an assignment (under stage_mu).
+  Status wire(const Assignment& a) {
+    for (PeerId* p : {&next_peer, &prev_peer, &coord_peer})
+      if (*p != transport::kNoPeer) (void)channel->disconnect(*p), *p = transport::kNoPeer;
+    auto connect = [&](const std::vector<std::byte>& addr, const std::string& name, PeerId& out) -> Status {
+      if (addr.empty()) return ok_status();
+      auto p = channel->connect(addr, name);
+      if (!p) return p.status();
+      out = *p;
+      return ok_status();
+    };
+    if (Status s = connect(a.next, "stage" + std::to_string(a.stage + 1), next_peer); !s) return s;
+    if (Status s = connect(a.prev, a.stage == 0 ? "coordinator" : "stage" + std::to_string(a.stage - 1), prev_peer); !s)
+      return s;
+    return connect(a.coordinator, "coordinator", coord_peer);
+  }
+
+  void on_assign(const json& body) {
+    auto a = parse_assign(body);
+    if (!a) {
+      send(ControlMessage::make("load_failed", {{"error", a.error()}}));
+      return;
+    }
+    // Same layers of the same model already loaded: only the wiring changes.
+    bool reuse = false;
+    {
+      std::lock_guard lk(stage_mu);
+      reuse = executor && assignment && assignment->model == a->model &&
+              assignment->layer_begin == a->layer_begin && assignment->layer_end == a->layer_end &&
+              state != "loading";
+    }
+    if (loader.joinable()) loader.join();
+    if (reuse) {
+      std::lock_guard lk(stage_mu);
+      executor->drop_all();
+      if (Status s = wire(*a); !s) {
+        send(ControlMessage::make("load_failed", {{"error", s.message()}}));
+        return;
+      }
+      assignment = *a;
+      state = "ready";
+      send_ready(0, 0);
+      return;
+    }
+    compute_stop = true;
+    if (compute.joinable()) compute.join();
+    {
+      std::lock_guard lk(stage_mu);
+      executor.reset();
+      assignment = *a;
+      state = "loading";
+      load_fraction = 0;
+    }
+    loader = std::thread([this, a = *a] { load(a); });
+  }
+
+  void send_ready(double seconds, int64_t bytes) {  // under stage_mu
+    const int64_t per_token = executor->stage().kv_bytes_per_token();
+    send(ControlMessage::make(
+        "ready", {{"epoch", assignment->epoch}, {"pipeline", assignment->pipeline}, {"stage", assignment->stage},
+                  {"layers", {assignment->layer_begin, assignment->layer_end}},
+                  {"kv_bytes_per_token", per_token},
+                  {"kv_capacity_tokens", opt.kv_cache_bytes / std::max<int64_t>(1, per_token)},
+                  {"load_seconds", seconds}, {"load_bytes", bytes}}));
+    compute_stop = false;
+    if (!compute.joinable()) compute = std::thread([this] { compute_loop(); });
+  }
+
+  void load(Assignment a) {
+    const auto t0 = Clock::now();
+    auto last_report = t0;
+    spdlog::info("{}: loading layers [{}, {}) of {}", opt.name, a.layer_begin, a.layer_end, a.model);
+    auto weights = load_stage_weights(a.model, a.layer_begin, a.layer_end, [&](int64_t done, int64_t total) {
+      const double f = total > 0 ? double(done) / double(total) : 1.0;
+      {
+        std::lock_guard lk(stage_mu);
+        load_fraction = f;
+      }
+      if (Clock::now() - last_report > std::chrono::milliseconds(200) || done == total) {
+        last_report = Clock::now();
+        send(ControlMessage::make("load_progress", {{"fraction", f}, {"bytes_done", done}, {"bytes_total", total}}));
+      }
+    });
+    std::lock_guard lk(stage_mu);
+    if (!weights) {
+      state = "idle";
+      assignment.reset();
+      spdlog::error("{}: load failed: {}", opt.name, weights.error());
+      send(ControlMessage::make("load_failed", {{"error", weights.error()}}));
+      return;
+    }
+    const int64_t bytes = weights->checkpoint_bytes_read;
+    executor = std::make_shared<StageExecutor>(std::move(weights).value());
+    if (Status s = wire(a); !s) {
+      send(ControlMessage::make("load_failed", {{"error", s.message()}}));
+      return;
+    }
+    state = "ready";
+    const double secs = std::chrono::duration<double>(Clock::now() - t0).count();
+    spdlog::info("{}: layers [{}, {}) loaded in {:.2f} s ({:.1f} MB)", opt.name, a.layer_begin, a.layer_end, secs,
+                 double(bytes) / 1e6);
+    send_ready(secs, bytes);
+  }
+
+  void unassign() {
+    if (loader.joinable()) loader.join();
+    compute_stop = true;
+    if (compute.joinable()) compute.join();
+    std::lock_guard lk(stage_mu);
+    executor.reset();
+    assignment.reset();
+    state = "idle";
+  }
+
+  // The compute thread: one micro-batch at a time, in arrival order.
+  void compute_loop() {
+    std::vector<float> hidden;
+    while (!compute_stop) {
+      auto got = channel->recv(std::chrono::milliseconds(100));
+      if (!got) {
+        spdlog::warn("{}: data plane: {}", opt.name, got.error());
+        send(ControlMessage::make("data_error", {{"error", got.error()}}));
+        continue;
+      }
+      if (!got->has_value()) continue;
+      transport::Message& msg = **got;
+      spdlog::debug("{}: message of {} + {} bytes", opt.name, msg.header.size(), msg.payload.size());
+      std::shared_ptr<StageExecutor> ex;
+      Assignment a;
+      PeerId next, coord;
+      {
+        std::lock_guard lk(stage_mu);
+        if (!executor || state != "ready") continue;
+        ex = executor, a = *assignment, next = next_peer, coord = coord_peer;
+      }
+      auto header = std::span<const uint8_t>(reinterpret_cast<const uint8_t*>(msg.header.data()), msg.header.size());
+      auto batch = decode_microbatch(header);
+      BatchResult result;
+      if (!batch) {
+        result.error = opt.name + ": " + batch.error();
+        send_result(coord, result);
+        continue;
+      }
+      if (batch->epoch != a.epoch) continue;  // a batch from before a re-plan: dropped by design
+      result.batch_id = batch->batch_id, result.pipeline = batch->pipeline, result.epoch = batch->epoch;
+      hidden.assign(reinterpret_cast<const float*>(msg.payload.data()),
+                    reinterpret_cast<const float*>(msg.payload.data()) + msg.payload.size() / sizeof(float));
+      const auto t0 = Clock::now();
+      Status s = ex->run(*batch, hidden, a.next.empty() ? &result : nullptr);
+      const auto dt = Clock::now() - t0;
+      busy_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(dt).count();
+      ++batches;
+      if (!s) {
+        result.error = opt.name + " (stage " + std::to_string(a.stage) + "): " + s.message();
+        send_result(coord, result);
+        continue;
+      }
+      if (a.next.empty()) {
+        result.busy_seconds = std::chrono::duration<double>(dt).count();
+        send_result(coord, result);
+      } else {
+        Status sent = channel->send(next, msg.header, {hidden.data(), hidden.size() * sizeof(float)},
+                                    std::chrono::milliseconds(10000));
+        if (!sent) {
+          send(ControlMessage::make("data_error", {{"error", sent.message()}, {"peer", "next"}}));
+          result.error = opt.name + ": could not hand batch to the next stage: " + sent.message();
+          send_result(coord, result);
+        }
+      }
+    }
+  }
+
+  void send_result(PeerId coord, const BatchResult& r) {
+    const std::vector<uint8_t> bytes = encode(r);
+    Status s = channel->send(coord, std::as_bytes(std::span(bytes)), {}, std::chrono::milliseconds(10000));
+    if (!s) send(ControlMessage::make("data_error", {{"error", s.message()}, {"peer", "coordinator"}}));
+  }
+
+  void handle(const ControlMessage& m) {
+    last_from_coordinator = Clock::now();
+    const std::string type = m.type();
+    if (type == "welcome") {
+      welcomed = true;
+      spdlog::info("{}: joined the coordinator", opt.name);
+    } else if (type == "rejected") {
+      spdlog::error("{}: the coordinator refused this worker: {}", opt.name, m.body.value("reason", std::string("?")));
+      exit_code = 3;
+    } else if (type == "assign") {
+      on_assign(m.body);
+    } else if (type == "unassign") {
+      unassign();
+    } else if (type == "drain") {
+      std::lock_guard lk(stage_mu);
+      if (state == "ready") state = "draining";
+    } else if (type == "shutdown") {
+      exit_code = 0;
+    } else if (type != "heartbeat") {
+      spdlog::warn("{}: ignoring unknown control message '{}'", opt.name, type);
+    }
+  }
+
+  int run(const std::atomic<bool>& stop) {
+    send_register();
+    while (exit_code < 0 && !stop) {
+      auto m = control->recv(std::chrono::milliseconds(50));
+      if (!m) spdlog::warn("{}: control plane: {}", opt.name, m.error());
+      else if (m->has_value()) handle(**m);
+      const auto now = Clock::now();
+      if (welcomed && now - last_from_coordinator > opt.coordinator_liveness) {
+        spdlog::warn("{}: coordinator silent for {} ms; keeping weights and registering again", opt.name,
+                     opt.coordinator_liveness.count());
+        welcomed = false;
+      }
+      if (!welcomed && now - last_register > std::chrono::seconds(1)) send_register();
+      if (welcomed && now - last_heartbeat > opt.heartbeat_interval) send_heartbeat();
+    }
+    if (exit_code < 0) {  // stopped by a signal: tell the coordinator we are going
+      control->post(ControlMessage::make("leaving", {{"reason", "signal"}}));
+      (void)control->flush_posted();
+      exit_code = 0;
+    }
+    stop_threads();
+    return exit_code;
+  }
+};
+
+Worker::Worker(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+Worker::~Worker() = default;
+
+Expected<std::unique_ptr<Worker>> Worker::create(WorkerOptions options) {
+  auto impl = std::make_unique<Impl>();
+  if (options.name.empty()) options.name = host_name() + "-" + std::to_string(::getpid());
+  if (options.join_token.empty()) return Status::error("worker: a join token is required (--join-token or CONVEYOR_JOIN_TOKEN)");
+  std::string endpoint = options.coordinator;
+  if (endpoint.rfind("tcp://", 0) != 0) endpoint = "tcp://" + endpoint;
+  transport::ControlClientOptions copt;
+  copt.identity = options.name;
+  copt.curve_server_key = options.curve_server_key;
+  auto client = transport::ControlClient::connect(endpoint, copt);
+  if (!client) return Status::error("worker: cannot set up the control connection to " + endpoint + ": " + client.error());
+  transport::UcxChannelOptions uopt;
+  uopt.name = options.name;
+  auto ch = transport::UcxChannel::create(uopt);
+  if (!ch) return Status::error("worker: cannot create the UCX data plane: " + ch.error());
+  impl->opt = std::move(options);
+  impl->control = std::move(client).value();
+  impl->channel = std::move(ch).value();
+  return std::unique_ptr<Worker>(new Worker(std::move(impl)));
+}
+
+int Worker::run(const std::atomic<bool>& stop) { return impl_->run(stop); }
+
+}  // namespace conveyor

@@ -1,0 +1,56 @@
+// The stage worker: joins the coordinator, loads the layers of the stage it is assigned,
+// runs micro-batches and hands them on around the ring.
+//
+// Threads:
+//  - control (run()): the ZeroMQ DEALER. Registers (with the cluster's join token and this
+//    worker's data-plane address), sends heartbeats with load figures, takes `assign`,
+//    `unassign`, `drain` and `shutdown`. A coordinator silent for the liveness window is
+//    presumed gone: the worker keeps its weights and registers again, naming what it holds,
+//    so a restarted coordinator need not make it reload.
+//  - loader: converts the assigned layers (load_progress messages), then `ready`.
+//  - compute: receives micro-batches on the data plane (UCX), runs them (StageExecutor)
+//    and sends the activations to the next stage, or the BatchResult to the coordinator.
+//    Data-plane failures are reported to the coordinator as `data_error`.
+//
+// Control messages (JSON "type"; see docs/ARCHITECTURE.md for every field):
+//   worker -> coordinator: register, load_progress, ready, load_failed, heartbeat, data_error, leaving
+//   coordinator -> worker: welcome, rejected, assign, unassign, heartbeat, drain, shutdown
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "common/status.h"
+
+namespace conveyor {
+
+struct WorkerOptions {
+  std::string coordinator;             // control endpoint, "host:port" or "tcp://host:port"
+  std::string name;                    // unique in the cluster; default host-pid
+  std::string join_token;              // must match the coordinator's
+  std::string curve_server_key;        // the coordinator's CURVE public key, when it uses CURVE
+  int64_t kv_cache_bytes = 512ll << 20;  // KV-cache budget of this worker's stage
+  std::chrono::milliseconds heartbeat_interval{500};
+  std::chrono::milliseconds coordinator_liveness{3000};
+};
+
+class Worker {
+ public:
+  static Expected<std::unique_ptr<Worker>> create(WorkerOptions options);
+  ~Worker();
+
+  // Runs until `stop` turns true, a `shutdown` arrives or the join is refused. Returns the
+  // process exit code (0: clean shutdown; 3: rejected by the coordinator).
+  int run(const std::atomic<bool>& stop);
+
+  struct Impl;
+
+ private:
+  explicit Worker(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace conveyor

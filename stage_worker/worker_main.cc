@@ -1,0 +1,48 @@
+// conveyor-worker: the stage worker daemon (see stage_worker/worker.h).
+#include <csignal>
+#include <cstdlib>
+#include <iostream>
+
+#include <CLI/CLI.hpp>
+#include <spdlog/sinks/stdout_color_sinks.h>
+#include <spdlog/spdlog.h>
+
+#include "stage_worker/worker.h"
+
+namespace {
+std::atomic<bool> g_stop{false};
+void on_signal(int) { g_stop = true; }
+}  // namespace
+
+int main(int argc, char** argv) {
+  conveyor::WorkerOptions opt;
+  int64_t kv_mb = opt.kv_cache_bytes >> 20;
+  int heartbeat_ms = int(opt.heartbeat_interval.count());
+  int liveness_ms = int(opt.coordinator_liveness.count());
+  CLI::App app{"conveyor-worker: a pipeline stage worker"};
+  app.add_option("--coordinator", opt.coordinator, "the coordinator's control endpoint, HOST:PORT")->required();
+  app.add_option("--name", opt.name, "this worker's unique name (default: HOST-PID)");
+  app.add_option("--join-token", opt.join_token, "the cluster's join token (default: $CONVEYOR_JOIN_TOKEN)");
+  app.add_option("--curve-server-key", opt.curve_server_key, "the coordinator's CURVE public key (Z85)");
+  app.add_option("--kv-cache-mb", kv_mb, "KV-cache budget of this worker's stage, MiB")->check(CLI::Range(1, 1 << 24));
+  app.add_option("--heartbeat-ms", heartbeat_ms, "heartbeat period")->check(CLI::Range(10, 60000));
+  app.add_option("--coordinator-liveness-ms", liveness_ms, "register again after this much silence")
+      ->check(CLI::Range(100, 600000));
+  CLI11_PARSE(app, argc, argv);
+  spdlog::set_default_logger(spdlog::stderr_color_mt("worker"));
+  if (const char* lvl = std::getenv("CONVEYOR_LOG_LEVEL")) spdlog::set_level(spdlog::level::from_str(lvl));  // stdout is for the ready line
+  if (opt.join_token.empty())
+    if (const char* t = std::getenv("CONVEYOR_JOIN_TOKEN")) opt.join_token = t;
+  opt.kv_cache_bytes = kv_mb << 20;
+  opt.heartbeat_interval = std::chrono::milliseconds(heartbeat_ms);
+  opt.coordinator_liveness = std::chrono::milliseconds(liveness_ms);
+
+  std::signal(SIGINT, on_signal);
+  std::signal(SIGTERM, on_signal);
+  auto worker = conveyor::Worker::create(opt);
+  if (!worker) {
+    std::cerr << "conveyor-worker: " << worker.error() << "\n";
+    return 1;
+  }
+  return (*worker)->run(g_stop);
+}

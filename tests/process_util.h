@@ -1,0 +1,111 @@
+// Child processes for multi-process tests: started with fork/exec, stdout readable line by
+// line, always killed (SIGKILL after a grace period) when the object goes away.
+#pragma once
+
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/prctl.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <optional>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace conveyor::testing {
+
+class ChildProcess {
+ public:
+  // stdout is captured (read_line_matching); stderr goes to `log` (or is inherited).
+  explicit ChildProcess(const std::vector<std::string>& argv, const std::string& log = "") {
+    int fds[2];
+    if (::pipe(fds) != 0) return;
+    const pid_t parent = ::getpid();
+    pid_ = ::fork();
+    if (pid_ == 0) {
+      ::prctl(PR_SET_PDEATHSIG, SIGKILL);
+      if (::getppid() != parent) ::_exit(1);
+      ::dup2(fds[1], 1);
+      if (!log.empty()) {
+        const int fd = ::open(log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+        if (fd >= 0) ::dup2(fd, 2);
+      }
+      ::close(fds[0]);
+      ::close(fds[1]);
+      std::vector<char*> args;
+      for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
+      args.push_back(nullptr);
+      ::execv(args[0], args.data());
+      ::_exit(127);
+    }
+    ::close(fds[1]);
+    out_ = fds[0];
+    ::fcntl(out_, F_SETFL, ::fcntl(out_, F_GETFL) | O_NONBLOCK);
+  }
+  ~ChildProcess() {
+    stop(std::chrono::milliseconds(3000));
+    if (out_ >= 0) ::close(out_);
+  }
+  ChildProcess(const ChildProcess&) = delete;
+  ChildProcess& operator=(const ChildProcess&) = delete;
+
+  pid_t pid() const { return pid_; }
+  bool running() {
+    if (pid_ <= 0) return false;
+    int status = 0;
+    if (::waitpid(pid_, &status, WNOHANG) == pid_) {
+      exit_status_ = status;
+      pid_ = -1;
+      return false;
+    }
+    return true;
+  }
+  // The exit code once it exited (waits up to `timeout`), or nullopt.
+  std::optional<int> wait_exit(std::chrono::milliseconds timeout) {
+    const auto deadline = std::chrono::steady_clock::now() + timeout;
+    while (running() && std::chrono::steady_clock::now() < deadline)
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    if (pid_ > 0 || !exit_status_) return std::nullopt;
+    return WIFEXITED(*exit_status_) ? WEXITSTATUS(*exit_status_) : 128 + WTERMSIG(*exit_status_);
+  }
+  void signal(int sig) {
+    if (pid_ > 0) ::kill(pid_, sig);
+  }
+  // SIGTERM, then SIGKILL after `grace`.
+  void stop(std::chrono::milliseconds grace) {
+    if (!running()) return;
+    signal(SIGTERM);
+    if (!wait_exit(grace)) {
+      signal(SIGKILL);
+      wait_exit(std::chrono::milliseconds(5000));
+    }
+  }
+  // The first stdout line containing `needle` within `timeout` ("" if none).
+  std::string read_line_matching(const std::string& needle, std::chrono::milliseconds timeout) {
+    const auto deadline = std::chrono::steady_clock::now() + timeout;
+    while (std::chrono::steady_clock::now() < deadline) {
+      size_t nl;
+      while ((nl = buffer_.find('\n')) != std::string::npos) {
+        std::string line = buffer_.substr(0, nl);
+        buffer_.erase(0, nl + 1);
+        if (line.find(needle) != std::string::npos) return line;
+      }
+      char buf[4096];
+      const ssize_t n = ::read(out_, buf, sizeof(buf));
+      if (n > 0) buffer_.append(buf, size_t(n));
+      else if (n == 0 && !running()) return "";
+      else std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    return "";
+  }
+
+ private:
+  pid_t pid_ = -1;
+  int out_ = -1;
+  std::string buffer_;
+  std::optional<int> exit_status_;
+};
+
+}  // namespace conveyor::testing
