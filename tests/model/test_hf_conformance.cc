@@ -1,7 +1,5 @@
-// Conformance with HuggingFace transformers: for every fixture directory (config.json,
-// model.safetensors, golden.json) under tests/data/hf_fixtures/ and in
-// $CONVEYOR_HF_FIXTURES (colon-separated; a directory there may also hold fixtures one
-// level down), load the model, run each golden case with teacher forcing and compare:
+// Conformance with HuggingFace transformers: for every fixture (tests/hf_fixtures.h), load
+// the model, run each golden case with teacher forcing and compare:
 //   - at each step t our argmax with golden greedy[t];
 //   - our log-probs of the golden top5_ids[t] with top5_logprobs[t], |diff| <= 1e-3;
 //   - then feed greedy[t] (the golden token), not ours, so one near-tie cannot derail the
@@ -26,6 +24,7 @@
 #include "model/cpu_stage.h"
 #include "model/sampling.h"
 #include "model/weights.h"
+#include "tests/hf_fixtures.h"
 
 namespace conveyor {
 namespace {
@@ -35,35 +34,6 @@ using nlohmann::json;
 
 constexpr double kLogprobTolerance = 1e-3;
 constexpr int kRequiredIdenticalSteps = 40;
-
-bool is_fixture(const fs::path& dir) {
-  return fs::is_regular_file(dir / "golden.json") && fs::is_regular_file(dir / "config.json");
-}
-
-std::vector<fs::path> fixture_dirs() {
-  std::vector<fs::path> out;
-  auto add_tree = [&](const fs::path& root) {
-    std::error_code ec;
-    if (is_fixture(root)) {
-      out.push_back(root);
-      return;
-    }
-    if (!fs::is_directory(root, ec)) return;
-    std::vector<fs::path> found;
-    for (const auto& e : fs::directory_iterator(root, ec))
-      if (e.is_directory() && is_fixture(e.path())) found.push_back(e.path());
-    std::sort(found.begin(), found.end());
-    out.insert(out.end(), found.begin(), found.end());
-  };
-  add_tree(fs::path(CONVEYOR_SOURCE_DIR) / "tests" / "data" / "hf_fixtures");
-  if (const char* extra = std::getenv("CONVEYOR_HF_FIXTURES")) {
-    std::stringstream ss(extra);
-    std::string item;
-    while (std::getline(ss, item, ':'))
-      if (!item.empty()) add_tree(item);
-  }
-  return out;
-}
 
 struct CheckReport {
   int cases = 0;
@@ -193,7 +163,7 @@ std::string join(const std::vector<std::string>& lines) {
 }
 
 TEST(HfConformance, GoldenFixtures) {
-  const auto dirs = fixture_dirs();
+  const auto dirs = testing::hf_fixture_dirs();
   ASSERT_FALSE(dirs.empty()) << "no HF fixture found under " << CONVEYOR_SOURCE_DIR
                              << "/tests/data/hf_fixtures/ nor in $CONVEYOR_HF_FIXTURES";
   for (const fs::path& dir : dirs) {

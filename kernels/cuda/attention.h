@@ -1,0 +1,58 @@
+// Batched attention over the paged K/V cache, as the GPU stage runs it. (The single-sequence
+// twins of the CPU ops, on contiguous K/V, are in ops.h; both go through the same kernels.)
+//
+// Token rows of a step are laid out sequence after sequence; qkv is [tokens, 3C] with
+// [q | k | v] per row (C = n_head * head_dim), out is [tokens, C].
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "kernels/cuda/kv_cache.h"
+
+namespace conveyor::cuda {
+
+// Decode (one new token per sequence, row s = sequence s = block-table row s):
+//   - appends row s's K and V (from qkv) to the cache at position kv_lens[s] - 1,
+//   - attends q over positions [0, kv_lens[s]); kv_lens[s] <= 0 marks a padding row (skipped,
+//     out not written).
+// The key range of each (sequence, head) is cut into num_splits pieces, one block each
+// (flash-decoding), so that a small batch still fills the GPU; the last block to finish
+// merges the pieces (fixed order: deterministic). num_splits is fixed when a CUDA graph is
+// captured, the piece length follows kv_len at run time.
+struct DecodeWorkspace {
+  float* partial = nullptr;     // rows * n_head * num_splits * (head_dim + 2) floats are used
+  int32_t* counters = nullptr;  // rows * n_head, zero before first use; kernels leave them zero
+  int64_t partial_floats = 0;   // capacity of `partial`
+  int64_t counter_entries = 0;  // capacity of `counters`
+};
+// Floats of `partial` one launch uses.
+int64_t decode_partial_floats(int64_t rows, int64_t n_head, int64_t head_dim, int num_splits);
+
+// Splits that make rows * n_head * splits cover about two waves of `num_sms`, each piece at
+// least 64 positions of max_kv_len; at most 16.
+int decode_splits_for(int64_t rows, int64_t n_head, int64_t max_kv_len, int num_sms);
+
+template <class T>
+void attention_decode_paged(T* out, const T* qkv, const KvLayerView& kv, const int32_t* kv_lens,
+                            int64_t num_rows, int64_t n_head, int64_t head_dim, int num_splits,
+                            const DecodeWorkspace& ws, cudaStream_t stream);
+
+// Context (prefill, chunked prefill, or any mix): sequence s has q_lens[s] query rows starting
+// at row q_begins[s], at positions kv_lens[s] - q_lens[s] + i, causal; its K/V (this step's
+// tokens included, written by kv_cache_append first) come from block-table row s. Sequences
+// with q_lens[s] <= 0 are skipped. max_q_len bounds q_lens (sizes the grid).
+struct SeqArrays {
+  const int32_t* q_begins = nullptr;
+  const int32_t* q_lens = nullptr;
+  const int32_t* kv_lens = nullptr;
+  int64_t num_seqs = 0;
+};
+
+template <class T>
+void attention_context_paged(T* out, const T* qkv, const KvLayerView& kv, const SeqArrays& seqs,
+                             int64_t max_q_len, int64_t n_head, int64_t head_dim, cudaStream_t stream);
+
+}  // namespace conveyor::cuda

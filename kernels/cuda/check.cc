@@ -1,0 +1,85 @@
+#include "kernels/cuda/check.h"
+
+#include <cstdio>
+#include <cstdlib>
+
+namespace conveyor::cuda {
+
+void throw_check_failure(const char* call, const std::string& error, const char* file, int line) {
+  throw Error(std::string(call) + " failed: " + error + " at " + file + ":" + std::to_string(line));
+}
+
+void DeviceBuffer::reset() noexcept {
+  if (ptr_) {
+    const cudaError_t e = cudaFree(ptr_);
+    // Destructors must not throw: say it and carry on (silently at process exit).
+    if (e != cudaSuccess && e != cudaErrorCudartUnloading)
+      std::fprintf(stderr, "cudaFree(%p) of %zu bytes failed: %s\n", ptr_, bytes_, cudaGetErrorString(e));
+  }
+  ptr_ = nullptr;
+  bytes_ = 0;
+}
+
+DeviceGuard::DeviceGuard(int device) {
+  CUDA_CHECK(cudaGetDevice(&previous_));
+  if (previous_ != device) CUDA_CHECK(cudaSetDevice(device));
+}
+
+DeviceGuard::~DeviceGuard() {
+  int now = -1;
+  if (cudaGetDevice(&now) == cudaSuccess && now != previous_ && previous_ >= 0) cudaSetDevice(previous_);
+}
+
+bool pdl_enabled() {
+  static const bool on = [] {
+    const char* e = std::getenv("CONVEYOR_PDL");
+    return !(e && std::string(e) == "0");
+  }();
+  return on;
+}
+
+std::pair<size_t, size_t> device_memory_info() {
+  size_t free_bytes = 0, total_bytes = 0;
+  CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
+  return {free_bytes, total_bytes};
+}
+
+DeviceBuffer device_alloc(size_t bytes, const std::string& owner, const std::string& what) {
+  if (bytes == 0) return {};
+  void* p = nullptr;
+  const cudaError_t e = cudaMalloc(&p, bytes);
+  if (e != cudaSuccess) {
+    cudaGetLastError();  // clear the (non-sticky) allocation error
+    size_t free_bytes = 0, total_bytes = 0;
+    cudaMemGetInfo(&free_bytes, &total_bytes);
+    int device = -1;
+    cudaGetDevice(&device);
+    throw Error(owner + ": cannot allocate " + what + ": " + std::to_string(bytes) + " bytes asked, " +
+                std::to_string(free_bytes) + " bytes free of " + std::to_string(total_bytes) +
+                " on device " + std::to_string(device) + " (" + cudaGetErrorString(e) + ")");
+  }
+  return DeviceBuffer(p, bytes);
+}
+
+PinnedBuffer::PinnedBuffer(size_t bytes, const std::string& what) : bytes_(bytes) {
+  if (bytes == 0) return;
+  const cudaError_t e = cudaHostAlloc(&ptr_, bytes, cudaHostAllocDefault);
+  if (e != cudaSuccess) {
+    cudaGetLastError();
+    ptr_ = nullptr;
+    throw Error("cannot allocate " + std::to_string(bytes) + " bytes of pinned host memory for " + what +
+                ": " + cudaGetErrorString(e));
+  }
+}
+
+void PinnedBuffer::reset() noexcept {
+  if (ptr_) {
+    const cudaError_t e = cudaFreeHost(ptr_);
+    if (e != cudaSuccess && e != cudaErrorCudartUnloading)
+      std::fprintf(stderr, "cudaFreeHost(%p) failed: %s\n", ptr_, cudaGetErrorString(e));
+  }
+  ptr_ = nullptr;
+  bytes_ = 0;
+}
+
+}  // namespace conveyor::cuda

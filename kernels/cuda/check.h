@@ -1,0 +1,129 @@
+// One macro checks every CUDA runtime, cuBLAS and cuBLASLt call and every kernel launch:
+//
+//   CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream));
+//   my_kernel<<<grid, block, smem, stream>>>(...);
+//   CUDA_CHECK(cudaGetLastError());   // the launch
+//
+// A failure throws conveyor::Error whose message names the call's text, the error, and
+// file:line. CUDA errors are not recoverable in operation (a sticky error poisons the
+// context), so an exception that unwinds to a start-up boundary or to main is the contract.
+//
+// DeviceBuffer and PinnedBuffer are the RAII owners of device and page-locked host memory;
+// device_alloc's out-of-memory message names who asked, the bytes asked and the bytes free.
+#pragma once
+
+#include <cublasLt.h>
+#include <cublas_v2.h>
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <string>
+#include <utility>
+
+#include "common/status.h"
+
+namespace conveyor::cuda {
+
+[[noreturn]] void throw_check_failure(const char* call, const std::string& error, const char* file,
+                                      int line);
+
+inline void check_result(cudaError_t e, const char* call, const char* file, int line) {
+  if (e != cudaSuccess)
+    throw_check_failure(call, std::string(cudaGetErrorName(e)) + ": " + cudaGetErrorString(e), file,
+                        line);
+}
+inline void check_result(cublasStatus_t s, const char* call, const char* file, int line) {
+  if (s != CUBLAS_STATUS_SUCCESS)
+    throw_check_failure(call, std::string(cublasGetStatusName(s)) + ": " + cublasGetStatusString(s),
+                        file, line);
+}
+
+// Device memory owned by one object; moves, never copies. Freed with cudaFree on the device
+// that was current when it was allocated (the caller keeps the device current).
+class DeviceBuffer {
+ public:
+  DeviceBuffer() = default;
+  DeviceBuffer(void* p, size_t bytes) : ptr_(p), bytes_(bytes) {}
+  DeviceBuffer(DeviceBuffer&& o) noexcept : ptr_(std::exchange(o.ptr_, nullptr)), bytes_(std::exchange(o.bytes_, 0)) {}
+  DeviceBuffer& operator=(DeviceBuffer&& o) noexcept {
+    if (this != &o) {
+      reset();
+      ptr_ = std::exchange(o.ptr_, nullptr);
+      bytes_ = std::exchange(o.bytes_, 0);
+    }
+    return *this;
+  }
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+  ~DeviceBuffer() { reset(); }
+  void reset() noexcept;
+
+  void* get() const { return ptr_; }
+  template <class T>
+  T* as() const { return static_cast<T*>(ptr_); }
+  size_t bytes() const { return bytes_; }
+  explicit operator bool() const { return ptr_ != nullptr; }
+
+ private:
+  void* ptr_ = nullptr;
+  size_t bytes_ = 0;
+};
+
+// cudaMalloc of `bytes` (0 gives an empty buffer). On failure throws conveyor::Error:
+// "<owner>: cannot allocate <what>: <bytes> bytes asked, <free> bytes free of <total> on device N".
+DeviceBuffer device_alloc(size_t bytes, const std::string& owner, const std::string& what);
+
+// Page-locked host memory (cudaHostAlloc), for copies that must be asynchronous.
+class PinnedBuffer {
+ public:
+  PinnedBuffer() = default;
+  PinnedBuffer(size_t bytes, const std::string& what);
+  PinnedBuffer(PinnedBuffer&& o) noexcept : ptr_(std::exchange(o.ptr_, nullptr)), bytes_(std::exchange(o.bytes_, 0)) {}
+  PinnedBuffer& operator=(PinnedBuffer&& o) noexcept {
+    if (this != &o) {
+      reset();
+      ptr_ = std::exchange(o.ptr_, nullptr);
+      bytes_ = std::exchange(o.bytes_, 0);
+    }
+    return *this;
+  }
+  PinnedBuffer(const PinnedBuffer&) = delete;
+  PinnedBuffer& operator=(const PinnedBuffer&) = delete;
+  ~PinnedBuffer() { reset(); }
+  void reset() noexcept;
+
+  void* get() const { return ptr_; }
+  template <class T>
+  T* as() const { return static_cast<T*>(ptr_); }
+  size_t bytes() const { return bytes_; }
+
+ private:
+  void* ptr_ = nullptr;
+  size_t bytes_ = 0;
+};
+
+// Makes `device` current for a scope and restores the previous one.
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(int device);
+  ~DeviceGuard();
+  DeviceGuard(const DeviceGuard&) = delete;
+  DeviceGuard& operator=(const DeviceGuard&) = delete;
+
+ private:
+  int previous_ = -1;
+};
+
+// Programmatic Dependent Launch for the kernels that support it (launch.cuh); off when the
+// environment has CONVEYOR_PDL=0. Read once.
+bool pdl_enabled();
+
+// Bytes free and total on the current device.
+std::pair<size_t, size_t> device_memory_info();
+
+}  // namespace conveyor::cuda
+
+// CUDA_CHECK(call): call returns cudaError_t or cublasStatus_t. Variadic so that template
+// arguments with commas need no extra parentheses.
+#define CUDA_CHECK(...) \
+  ::conveyor::cuda::check_result((__VA_ARGS__), #__VA_ARGS__, __FILE__, __LINE__)

@@ -1,0 +1,122 @@
+// Device-side element helpers shared by the .cu files (not a public header): fp32 <->
+// fp16/bf16 conversion, and 16-byte vectors of 8 elements (one uint4), the unit every
+// memory-bound kernel here loads and stores.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+
+namespace conveyor::cuda::detail {
+
+__device__ __forceinline__ float to_float(float x) { return x; }
+__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
+__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+
+template <class T>
+__device__ __forceinline__ T from_float(float f);
+template <>
+__device__ __forceinline__ float from_float<float>(float f) { return f; }
+template <>
+__device__ __forceinline__ __half from_float<__half>(float f) { return __float2half_rn(f); }
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float f) { return __float2bfloat16_rn(f); }
+
+__device__ __forceinline__ float2 to_float2(__half2 x) { return __half22float2(x); }
+__device__ __forceinline__ float2 to_float2(__nv_bfloat162 x) { return __bfloat1622float2(x); }
+
+template <class T> struct Pair;
+template <> struct Pair<__half> { using type = __half2; };
+template <> struct Pair<__nv_bfloat16> { using type = __nv_bfloat162; };
+
+template <class T>
+__device__ __forceinline__ typename Pair<T>::type from_float2(float2 f);
+template <>
+__device__ __forceinline__ __half2 from_float2<__half>(float2 f) { return __float22half2_rn(f); }
+template <>
+__device__ __forceinline__ __nv_bfloat162 from_float2<__nv_bfloat16>(float2 f) { return __float22bfloat162_rn(f); }
+
+// 8 elements of T in one 16-byte word.
+constexpr int kVec = 8;
+
+template <class T>
+__device__ __forceinline__ void unpack8(const uint4& u, float (&f)[8]) {
+  using T2 = typename Pair<T>::type;
+  const T2* p = reinterpret_cast<const T2*>(&u);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 x = to_float2(p[i]);
+    f[2 * i] = x.x;
+    f[2 * i + 1] = x.y;
+  }
+}
+
+template <class T>
+__device__ __forceinline__ uint4 pack8(const float (&f)[8]) {
+  using T2 = typename Pair<T>::type;
+  uint4 u;
+  T2* p = reinterpret_cast<T2*>(&u);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) p[i] = from_float2<T>(make_float2(f[2 * i], f[2 * i + 1]));
+  return u;
+}
+
+template <class T>
+__device__ __forceinline__ void load8(const T* p, float (&f)[8]) {
+  unpack8<T>(*reinterpret_cast<const uint4*>(p), f);
+}
+template <class T>
+__device__ __forceinline__ void store8(T* p, const float (&f)[8]) {
+  *reinterpret_cast<uint4*>(p) = pack8<T>(f);
+}
+
+// True when p is 16-byte aligned (host or device).
+__host__ __device__ __forceinline__ bool aligned16(const void* p) {
+  return (reinterpret_cast<uintptr_t>(p) & 15u) == 0;
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+
+// Sum over the block; every thread gets the result. `scratch` holds >= 32 floats and may
+// be reused right after the call returns (the trailing barrier protects it).
+__device__ __forceinline__ float block_sum(float v, float* scratch) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int nwarps = (blockDim.x + 31) >> 5;
+  v = warp_sum(v);
+  if (lane == 0) scratch[warp] = v;
+  __syncthreads();
+  float t = lane < nwarps ? scratch[lane] : 0.f;
+  t = warp_sum(t);
+  __syncthreads();
+  return t;
+}
+__device__ __forceinline__ float block_max(float v, float* scratch) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int nwarps = (blockDim.x + 31) >> 5;
+  v = warp_max(v);
+  if (lane == 0) scratch[warp] = v;
+  __syncthreads();
+  float t = lane < nwarps ? scratch[lane] : -INFINITY;
+  t = warp_max(t);
+  __syncthreads();
+  return t;
+}
+
+// GeLU, tanh form (HF gelu_new) and erf form (HF gelu), in fp32.
+__device__ __forceinline__ float gelu_tanh(float x) {
+  const float k = 0.7978845608028654f;  // sqrt(2/pi)
+  return 0.5f * x * (1.f + tanhf(k * (x + 0.044715f * x * x * x)));
+}
+__device__ __forceinline__ float gelu_erf(float x) { return 0.5f * x * (1.f + erff(x * 0.7071067811865476f)); }
+
+}  // namespace conveyor::cuda::detail

@@ -1,0 +1,312 @@
+#include "kernels/cuda/gemm.h"
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+#include <sstream>
+#include <type_traits>
+#include <vector>
+
+#include "kernels/cuda/gemv.h"
+#include "kernels/cuda/ops.h"
+
+namespace conveyor::cuda {
+namespace {
+
+template <class T>
+cudaDataType_t cuda_type() {
+  if constexpr (std::is_same_v<T, __half>) return CUDA_R_16F;
+  else if constexpr (std::is_same_v<T, __nv_bfloat16>) return CUDA_R_16BF;
+  else return CUDA_R_32F;
+}
+
+const char* type_name(int t) {
+  switch (t) {
+    case CUDA_R_16F: return "f16";
+    case CUDA_R_16BF: return "bf16";
+    case CUDA_R_32F: return "f32";
+    default: return "?";
+  }
+}
+
+int alignment_of(const void* p) {
+  if (p == nullptr) return 16;
+  const auto a = reinterpret_cast<uintptr_t>(p);
+  int align = 16;
+  while (align > 1 && (a % align) != 0) align /= 2;
+  return align;
+}
+
+}  // namespace
+
+struct Gemm::Plan {
+  bool use_gemv = false;
+  bool bias_epilogue = false;  // cuBLASLt adds the bias (no activation)
+  cublasLtMatmulAlgo_t algo{};
+  cublasLtMatmulDesc_t desc = nullptr;
+  cublasLtMatrixLayout_t a = nullptr, b = nullptr, d = nullptr;
+  float ms = -1.f;  // measured time of the choice; -1: untimed
+  std::string choice;
+
+  Plan() = default;
+  Plan(const Plan&) = delete;
+  Plan& operator=(const Plan&) = delete;
+  ~Plan() {
+    if (d) cublasLtMatrixLayoutDestroy(d);
+    if (b) cublasLtMatrixLayoutDestroy(b);
+    if (a) cublasLtMatrixLayoutDestroy(a);
+    if (desc) cublasLtMatmulDescDestroy(desc);
+  }
+};
+
+Gemm::Gemm() {
+  CUDA_CHECK(cudaGetDevice(&device_));
+  CUDA_CHECK(cublasLtCreate(&lt_));
+  workspace_ = device_alloc(kWorkspaceBytes, "gemm", "cuBLASLt workspace");
+  CUDA_CHECK(cudaEventCreate(&ev_start_));
+  CUDA_CHECK(cudaEventCreate(&ev_stop_));
+  if (const char* e = std::getenv("CONVEYOR_GEMM_TUNE"); e && std::strcmp(e, "0") == 0) tuning_ = false;
+}
+
+Gemm::~Gemm() {
+  plans_.clear();
+  if (ev_stop_) cudaEventDestroy(ev_stop_);
+  if (ev_start_) cudaEventDestroy(ev_start_);
+  if (lt_) cublasLtDestroy(lt_);
+}
+
+Gemm& Gemm::thread_default() {
+  thread_local std::map<int, std::unique_ptr<Gemm>> per_device;
+  int device = 0;
+  CUDA_CHECK(cudaGetDevice(&device));
+  auto& g = per_device[device];
+  if (!g) g = std::make_unique<Gemm>();
+  return *g;
+}
+
+std::string Gemm::describe_plans() const {
+  std::ostringstream os;
+  for (const auto& [k, p] : plans_) {
+    os << (k.layout == int(WeightLayout::NK) ? "NK" : "KN") << " " << type_name(k.in_type) << "->"
+       << type_name(k.out_type) << " T=" << k.T << " K=" << k.K << " N=" << k.N
+       << (k.has_bias ? " bias" : "") << (k.act ? " gelu" : "") << ": " << p->choice;
+    if (p->ms >= 0) os << " " << p->ms * 1000.f << " us";
+    os << "\n";
+  }
+  return os.str();
+}
+
+Gemm::Plan& Gemm::plan_for(const Key& key, const void* out, const void* in, const void* w,
+                           const void* bias, cudaStream_t stream) {
+  if (auto it = plans_.find(key); it != plans_.end()) return *it->second;
+
+  auto plan = std::make_unique<Plan>();
+  const auto in_type = cudaDataType_t(key.in_type), out_type = cudaDataType_t(key.out_type);
+  const bool nk = key.layout == int(WeightLayout::NK);
+  plan->bias_epilogue = key.has_bias && key.act == int(GemmAct::None);
+
+  // out (col-major N x T) = op(W) (N x K) * in (col-major K x T).
+  CUDA_CHECK(cublasLtMatmulDescCreate(&plan->desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+  const cublasOperation_t op_a = nk ? CUBLAS_OP_T : CUBLAS_OP_N, op_b = CUBLAS_OP_N;
+  CUDA_CHECK(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_TRANSA, &op_a, sizeof(op_a)));
+  CUDA_CHECK(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_TRANSB, &op_b, sizeof(op_b)));
+  if (plan->bias_epilogue) {
+    const cublasLtEpilogue_t epi = CUBLASLT_EPILOGUE_BIAS;
+    CUDA_CHECK(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_EPILOGUE, &epi, sizeof(epi)));
+    CUDA_CHECK(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof(bias)));
+  }
+  if (nk)
+    CUDA_CHECK(cublasLtMatrixLayoutCreate(&plan->a, in_type, uint64_t(key.K), uint64_t(key.N), key.K));
+  else
+    CUDA_CHECK(cublasLtMatrixLayoutCreate(&plan->a, in_type, uint64_t(key.N), uint64_t(key.K), key.N));
+  CUDA_CHECK(cublasLtMatrixLayoutCreate(&plan->b, in_type, uint64_t(key.K), uint64_t(key.T), key.K));
+  CUDA_CHECK(cublasLtMatrixLayoutCreate(&plan->d, out_type, uint64_t(key.N), uint64_t(key.T), key.N));
+
+  cublasLtMatmulPreference_t pref = nullptr;
+  CUDA_CHECK(cublasLtMatmulPreferenceCreate(&pref));
+  const uint64_t ws = workspace_.bytes();
+  const uint32_t align = uint32_t(key.align);
+  CUDA_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws)));
+  for (auto attr : {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
+                    CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES})
+    CUDA_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, attr, &align, sizeof(align)));
+  cublasLtMatmulHeuristicResult_t results[kMaxCandidates];
+  int found = 0;
+  const cublasStatus_t hs = cublasLtMatmulAlgoGetHeuristic(lt_, plan->desc, plan->a, plan->b, plan->d,
+                                                           plan->d, pref, kMaxCandidates, results, &found);
+  cublasLtMatmulPreferenceDestroy(pref);
+  if (hs != CUBLAS_STATUS_SUCCESS) found = 0;
+
+  const bool gemv_ok = nk && detail::gemv_nk_supported(key.T, key.K, key.N, in, w);
+  if (found == 0 && !gemv_ok)
+    throw Error("gemm: cuBLASLt has no algorithm for " + std::string(nk ? "NK" : "KN") + " " +
+                type_name(key.in_type) + " T=" + std::to_string(key.T) + " K=" + std::to_string(key.K) +
+                " N=" + std::to_string(key.N));
+
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
+  const bool timed = tuning_ && capture == cudaStreamCaptureStatusNone && (found + int(gemv_ok)) > 1;
+
+  if (!timed) {
+    // Untimed: the GEMV for tiny T (it is built for that case), else the heuristic's first.
+    if (gemv_ok && (found == 0 || key.T <= 4)) {
+      plan->use_gemv = true;
+      plan->choice = "gemv (untimed)";
+    } else {
+      plan->algo = results[0].algo;
+      plan->choice = "cublasLt heuristic #0 (untimed)";
+    }
+    return *plans_.emplace(key, std::move(plan)).first->second;
+  }
+
+  // Time each candidate on the caller's buffers: one warm-up, then enough repetitions for
+  // about a millisecond (2 to 10). `out` is overwritten; the caller's run follows.
+  auto time_it = [&](auto&& fn) -> float {
+    CUDA_CHECK(cudaEventRecord(ev_start_, stream));
+    if (!fn()) return -1.f;
+    CUDA_CHECK(cudaEventRecord(ev_stop_, stream));
+    CUDA_CHECK(cudaEventSynchronize(ev_stop_));
+    float ms = 0.f;
+    CUDA_CHECK(cudaEventElapsedTime(&ms, ev_start_, ev_stop_));
+    const int reps = std::clamp(int(1.0f / std::max(ms, 1e-4f)), 2, 10);
+    CUDA_CHECK(cudaEventRecord(ev_start_, stream));
+    for (int i = 0; i < reps; ++i)
+      if (!fn()) return -1.f;
+    CUDA_CHECK(cudaEventRecord(ev_stop_, stream));
+    CUDA_CHECK(cudaEventSynchronize(ev_stop_));
+    CUDA_CHECK(cudaEventElapsedTime(&ms, ev_start_, ev_stop_));
+    return ms / float(reps);
+  };
+
+  float best = -1.f;
+  int best_index = -2;  // -1: gemv, >= 0: heuristic result
+  const float alpha = 1.f, beta = 0.f;
+  for (int i = 0; i < found; ++i) {
+    const float ms = time_it([&] {
+      const cublasStatus_t s = cublasLtMatmul(lt_, plan->desc, &alpha, w, plan->a, in, plan->b, &beta, out,
+                                              plan->d, const_cast<void*>(out), plan->d, &results[i].algo,
+                                              workspace_.get(), workspace_.bytes(), stream);
+      return s == CUBLAS_STATUS_SUCCESS;
+    });
+    if (ms >= 0 && (best < 0 || ms < best)) best = ms, best_index = i;
+  }
+  if (gemv_ok) {
+    const float ms = time_it([&] {
+      execute_gemv_for_timing(key, const_cast<void*>(out), in, w, bias, stream);
+      return true;
+    });
+    if (best < 0 || ms < best) best = ms, best_index = -1;
+  }
+  if (best_index == -2) throw Error("gemm: every cuBLASLt candidate failed for T=" + std::to_string(key.T));
+  plan->ms = best;
+  if (best_index == -1) {
+    plan->use_gemv = true;
+    plan->choice = "gemv";
+  } else {
+    plan->algo = results[best_index].algo;
+    plan->choice = "cublasLt #" + std::to_string(best_index) + " of " + std::to_string(found);
+  }
+  return *plans_.emplace(key, std::move(plan)).first->second;
+}
+
+void Gemm::execute_gemv_for_timing(const Key& key, void* out, const void* in, const void* w,
+                                   const void* bias, cudaStream_t stream) {
+  const auto act = GemmAct(key.act);
+  if (key.in_type == CUDA_R_16F) {
+    if (key.out_type == CUDA_R_32F)
+      detail::gemv_nk(static_cast<float*>(out), static_cast<const __half*>(in), static_cast<const __half*>(w),
+                      static_cast<const __half*>(bias), key.T, key.K, key.N, act, stream);
+    else
+      detail::gemv_nk(static_cast<__half*>(out), static_cast<const __half*>(in), static_cast<const __half*>(w),
+                      static_cast<const __half*>(bias), key.T, key.K, key.N, act, stream);
+  } else {
+    using B = __nv_bfloat16;
+    if (key.out_type == CUDA_R_32F)
+      detail::gemv_nk(static_cast<float*>(out), static_cast<const B*>(in), static_cast<const B*>(w),
+                      static_cast<const B*>(bias), key.T, key.K, key.N, act, stream);
+    else
+      detail::gemv_nk(static_cast<B*>(out), static_cast<const B*>(in), static_cast<const B*>(w),
+                      static_cast<const B*>(bias), key.T, key.K, key.N, act, stream);
+  }
+}
+
+template <class T, class OutT>
+void Gemm::run(OutT* out, const T* in, const T* w, const T* bias, int64_t T_, int64_t K, int64_t N,
+               WeightLayout layout, GemmAct act, cudaStream_t stream) {
+  static_assert(std::is_same_v<T, __half> || std::is_same_v<T, __nv_bfloat16>);
+  static_assert(std::is_same_v<OutT, T> || std::is_same_v<OutT, float>);
+  if (T_ <= 0 || N <= 0) return;
+  if (K <= 0) throw Error("gemm: K must be positive");
+  if constexpr (std::is_same_v<OutT, float>) {
+    if (bias != nullptr || act != GemmAct::None)
+      throw Error("gemm: fp32 output supports neither bias nor activation");
+  }
+  int dev = 0;
+  CUDA_CHECK(cudaGetDevice(&dev));
+  if (dev != device_)
+    throw Error("gemm: a Gemm made on device " + std::to_string(device_) + " used on device " + std::to_string(dev));
+
+  Key key{};
+  key.layout = int(layout);
+  key.in_type = int(cuda_type<T>());
+  key.out_type = int(cuda_type<OutT>());
+  key.has_bias = bias != nullptr;
+  key.act = int(act);
+  key.align = std::min({alignment_of(out), alignment_of(in), alignment_of(w), alignment_of(bias)});
+  key.T = T_, key.K = K, key.N = N;
+  const Plan& plan = plan_for(key, out, in, w, bias, stream);
+
+  if (plan.use_gemv) {
+    detail::gemv_nk(out, in, w, bias, T_, K, N, act, stream);
+    return;
+  }
+  if (plan.bias_epilogue)
+    CUDA_CHECK(cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof(bias)));
+  const float alpha = 1.f, beta = 0.f;
+  CUDA_CHECK(cublasLtMatmul(lt_, plan.desc, &alpha, w, plan.a, in, plan.b, &beta, out, plan.d, out, plan.d,
+                            &plan.algo, workspace_.get(), workspace_.bytes(), stream));
+  if constexpr (!std::is_same_v<OutT, float>) {
+    if (act != GemmAct::None)
+      add_bias_gelu<T>(out, bias, T_, N, act == GemmAct::GeluTanh ? Activation::GeluNew : Activation::Gelu, stream);
+  }
+}
+
+template void Gemm::run<__half, __half>(__half*, const __half*, const __half*, const __half*, int64_t, int64_t,
+                                        int64_t, WeightLayout, GemmAct, cudaStream_t);
+template void Gemm::run<__half, float>(float*, const __half*, const __half*, const __half*, int64_t, int64_t,
+                                       int64_t, WeightLayout, GemmAct, cudaStream_t);
+template void Gemm::run<__nv_bfloat16, __nv_bfloat16>(__nv_bfloat16*, const __nv_bfloat16*,
+                                                      const __nv_bfloat16*, const __nv_bfloat16*, int64_t,
+                                                      int64_t, int64_t, WeightLayout, GemmAct, cudaStream_t);
+template void Gemm::run<__nv_bfloat16, float>(float*, const __nv_bfloat16*, const __nv_bfloat16*,
+                                              const __nv_bfloat16*, int64_t, int64_t, int64_t, WeightLayout,
+                                              GemmAct, cudaStream_t);
+
+// ---- the ops.h twins that go through the thread's default Gemm ----
+
+template <class T>
+void matmul_forward(T* out, const T* in, const T* w, const T* bias, int64_t T_, int64_t K, int64_t N,
+                    cudaStream_t stream) {
+  Gemm::thread_default().run<T, T>(out, in, w, bias, T_, K, N, WeightLayout::KN, GemmAct::None, stream);
+}
+
+template <class T>
+void lm_head_forward(float* logits, const T* in, const T* head, int64_t T_, int64_t C, int64_t V,
+                     cudaStream_t stream) {
+  Gemm::thread_default().run<T, float>(logits, in, head, nullptr, T_, C, V, WeightLayout::NK, GemmAct::None,
+                                       stream);
+}
+
+template void matmul_forward<__half>(__half*, const __half*, const __half*, const __half*, int64_t, int64_t,
+                                     int64_t, cudaStream_t);
+template void matmul_forward<__nv_bfloat16>(__nv_bfloat16*, const __nv_bfloat16*, const __nv_bfloat16*,
+                                            const __nv_bfloat16*, int64_t, int64_t, int64_t, cudaStream_t);
+template void lm_head_forward<__half>(float*, const __half*, const __half*, int64_t, int64_t, int64_t,
+                                      cudaStream_t);
+template void lm_head_forward<__nv_bfloat16>(float*, const __nv_bfloat16*, const __nv_bfloat16*, int64_t,
+                                             int64_t, int64_t, cudaStream_t);
+
+}  // namespace conveyor::cuda

@@ -1,0 +1,88 @@
+// Matrix products for the GPU stage: out[T, N] = in[T, K] @ W + bias, fp32 accumulation,
+// with W stored either as [K, N] (HF Conv1D, the layout kernels/cpu uses) or [N, K]
+// (nn.Linear; the GPU stage stores every weight this way, and the LM head is [V, C]).
+//
+// Each distinct problem (layout, types, T, K, N, bias, activation, pointer alignment) is
+// planned once: cuBLASLt's heuristic proposes up to kMaxCandidates algorithms, each is timed
+// on the caller's own buffers and stream, and the fastest is cached. For the [N, K] layout
+// with T <= 8 the candidates also include our GEMV kernel (gemv.cu: one warp per output row,
+// 16-byte streaming loads, epilogue fused), which is what batch-1 decode runs at the
+// memory-bandwidth limit. Planning synchronises the stream, so it must happen outside graph
+// capture; a shape first seen while the stream is capturing takes the heuristic's first
+// choice untimed (GpuStage plans every shape before it captures).
+//
+// A Gemm owns a cuBLASLt handle and a workspace and is used by one thread on one device,
+// one stream at a time (the workspace is shared by all its calls). Results are not bitwise
+// batch-invariant: the algorithm, hence the summation order, may change with T.
+#pragma once
+
+#include <cublasLt.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <tuple>
+
+#include "common/model_config.h"
+#include "kernels/cuda/check.h"
+
+namespace conveyor::cuda {
+
+enum class WeightLayout : uint8_t { KN, NK };
+enum class GemmAct : uint8_t { None, GeluTanh, GeluErf };
+
+inline GemmAct gemm_act(Activation a) {
+  return a == Activation::GeluNew ? GemmAct::GeluTanh : GemmAct::GeluErf;
+}
+
+class Gemm {
+ public:
+  static constexpr int kMaxCandidates = 8;
+  static constexpr size_t kWorkspaceBytes = size_t(32) << 20;
+
+  Gemm();  // on the current device
+  ~Gemm();
+  Gemm(const Gemm&) = delete;
+  Gemm& operator=(const Gemm&) = delete;
+
+  // out = act(in @ W + bias). T is __half or __nv_bfloat16; OutT is T or float. bias
+  // (length N, type T) may be null. All pointers device; asynchronous on `stream`.
+  template <class T, class OutT>
+  void run(OutT* out, const T* in, const T* w, const T* bias, int64_t T_, int64_t K, int64_t N,
+           WeightLayout layout, GemmAct act, cudaStream_t stream);
+
+  // Off: every new shape takes the heuristic's first choice (or the GEMV for T <= 8, [N, K])
+  // without timing. The environment variable CONVEYOR_GEMM_TUNE=0 sets it off at start.
+  void set_tuning(bool on) { tuning_ = on; }
+  size_t planned_shapes() const { return plans_.size(); }
+  // One line per plan: the shape, the choice and its time (for benchmark logs).
+  std::string describe_plans() const;
+
+  // The calling thread's Gemm for the current device, created on first use.
+  static Gemm& thread_default();
+
+ private:
+  struct Key {
+    int layout, in_type, out_type, has_bias, act, align;
+    int64_t T, K, N;
+    auto tie() const { return std::tie(layout, in_type, out_type, has_bias, act, align, T, K, N); }
+    bool operator<(const Key& o) const { return tie() < o.tie(); }
+  };
+  struct Plan;
+
+  Plan& plan_for(const Key& key, const void* out, const void* in, const void* w, const void* bias,
+                 cudaStream_t stream);
+  void execute_gemv_for_timing(const Key& key, void* out, const void* in, const void* w,
+                               const void* bias, cudaStream_t stream);
+
+  int device_ = 0;
+  cublasLtHandle_t lt_ = nullptr;
+  DeviceBuffer workspace_;
+  cudaEvent_t ev_start_ = nullptr, ev_stop_ = nullptr;
+  bool tuning_ = true;
+  std::map<Key, std::unique_ptr<Plan>> plans_;
+};
+
+}  // namespace conveyor::cuda

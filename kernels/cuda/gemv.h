@@ -1,0 +1,26 @@
+// Internal to kernels/cuda: the GEMV kernel that Gemm times against cuBLASLt for small T.
+// out[t, n] = act(sum_k in[t, k] * w[n, k] + bias[n]) for t < T <= kGemvMaxTokens, weights
+// in the [N, K] layout. One warp per output row (two for T > 4), 16-byte streaming loads
+// of the weights (evict-first: each weight byte is read once per step), fp32 accumulation,
+// the bias and GeLU fused. Deterministic: no atomics, a fixed reduction tree per row.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "kernels/cuda/gemm.h"
+
+namespace conveyor::cuda::detail {
+
+constexpr int64_t kGemvMaxTokens = 8;
+
+// True when the GEMV can run this problem: 1 <= T <= 8, K % 8 == 0, in and w 16-byte aligned,
+// K and N within int range.
+bool gemv_nk_supported(int64_t T_, int64_t K, int64_t N, const void* in, const void* w);
+
+template <class T, class OutT>
+void gemv_nk(OutT* out, const T* in, const T* w, const T* bias, int64_t T_, int64_t K, int64_t N,
+             GemmAct act, cudaStream_t stream);
+
+}  // namespace conveyor::cuda::detail

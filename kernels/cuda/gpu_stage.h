@@ -1,0 +1,195 @@
+// GpuStage: one pipeline stage (a contiguous layer range of a GPT-2-family model) on one
+// GPU, in fp16 or bf16: the GPU twin of model/cpu_stage.h's CpuStage, call for call
+// (embed / forward / logits over the same SeqSlice micro-batches), plus a decode fast path
+// that replays the whole step from a CUDA graph.
+//
+// Everything is allocated once, in create(), in this order: weights, one activation buffer
+// set (reused by every layer and call), workspaces (GEMM, decode attention, sampler), then
+// the K/V cache from a fraction of what is left. An allocation that fails names the stage,
+// the bytes asked and the bytes free.
+//
+// Weights are kept in the [out, in] ("NK") layout: the decode GEMV reads each row with
+// 16-byte loads and the prefill GEMMs are cuBLASLt's TN case. One layer is
+//   ln_1 -> QKV (bias fused) -> attention (K/V appended to the paged cache) -> proj ->
+//   add-bias-residual + ln_2 (one kernel) -> FC (bias + GeLU fused) -> FC2 ->
+//   add-bias-residual + next layer's ln_1 (one kernel)
+// so the residual stream `hidden` is [tokens, C] of the stage's dtype throughout.
+//
+// decode(): every slice is one new token. The step (embedding on the first stage, every
+// layer, ln_f + LM head + greedy argmax on the last) is captured once per batch-size bucket
+// (1, 2, 4, ..., 128; rows past the batch are padding that no kernel attends for) and
+// replayed; the host copies one block of step metadata in and, on the last stage, reads
+// the sampled ids back: the only synchronisation of a step. Rows that need more than argmax
+// (temperature, penalties) go through GpuSampler after the replay.
+//
+// Not thread-safe: one caller at a time (the stage worker's engine thread for this GPU).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <span>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "common/dtype.h"
+#include "common/model_config.h"
+#include "common/status.h"
+#include "kernels/cuda/check.h"
+#include "kernels/cuda/gemm.h"
+#include "kernels/cuda/kv_cache.h"
+#include "kernels/cuda/sampling.h"
+#include "model/cpu_stage.h"  // SeqSlice (a plain struct; nothing of conveyor_model is linked)
+#include "model/weights.h"    // StageWeights (likewise)
+
+namespace conveyor::cuda {
+
+struct GpuStageOptions {
+  DType dtype = DType::F16;         // F16 or BF16
+  std::string name = "stage";       // names the stage in errors and reports
+  int64_t max_tokens = 4096;        // tokens of one forward (prefill chunk): activation rows
+  int64_t max_seqs = 128;           // sequences of one micro-batch
+  double kv_cache_fraction = 0.90;  // of the device memory free after everything else
+  int64_t kv_cache_max_bytes = 0;   // cap on the K/V cache (0: none)
+  bool cuda_graphs = true;          // decode() replays graphs (false: runs the same kernels eagerly)
+};
+
+class GpuStage {
+ public:
+  // On the current device. Throws conveyor::Error (bad shapes, bad options, out of memory).
+  static std::unique_ptr<GpuStage> create(const StageWeights& weights, const GpuStageOptions& options);
+  // Weights drawn on the GPU (synthetic.h): N(0, 0.02) matrices, biases and LN shifts, LN
+  // gains 1, deterministic in `seed`. For benchmarks of any shape.
+  static std::unique_ptr<GpuStage> create_synthetic(const ModelConfig& config, int64_t layer_begin,
+                                                    int64_t layer_end, uint64_t seed,
+                                                    const GpuStageOptions& options);
+  ~GpuStage();
+  GpuStage(const GpuStage&) = delete;
+  GpuStage& operator=(const GpuStage&) = delete;
+
+  const ModelConfig& config() const { return config_; }
+  DType dtype() const { return options_.dtype; }
+  int64_t layer_begin() const { return layer_begin_; }
+  int64_t layer_end() const { return layer_end_; }
+  bool has_embedding() const { return layer_begin_ == 0; }
+  bool has_head() const { return layer_end_ == config_.n_layer; }
+  int64_t hidden_size() const { return config_.n_embd; }
+  int64_t max_tokens() const { return options_.max_tokens; }
+  int64_t max_seqs() const { return options_.max_seqs; }
+  int device() const { return device_; }
+  cudaStream_t stream() const { return stream_; }
+
+  // ---- CpuStage twins. The hidden state lives on the device (hidden_device()). ----
+
+  // First stage only: hidden[t] = wte[token_ids[t]] + wpe[position]; ids and positions checked.
+  // token_ids is host memory.
+  Status embed(std::span<const SeqSlice> slices, const int32_t* token_ids);
+  // This stage's layers, in place on hidden [total_tokens, C], appending K/V. Same checks as
+  // CpuStage::forward; on error nothing has changed.
+  Status forward(std::span<const SeqSlice> slices);
+  // Last stage only: ln_f + LM head. out (host) is [total_tokens, V] when all_positions, else
+  // [slices.size(), V] (each slice's last token). out may be null when !all_positions: the
+  // logits then stay on the device for sample().
+  Status logits(std::span<const SeqSlice> slices, bool all_positions, float* out);
+  // Chooses a token for each row of the last logits(..., all_positions = false) call; tokens
+  // is host memory of rows.size() entries. Mutates those device logits (penalties).
+  Status sample(std::span<const SampleRow> rows, int32_t* tokens);
+
+  // Decode fast path: each slice is one token (start_pos = cached length). First stage:
+  // token_ids (host, one per slice). Other stages: the input rows are already in
+  // hidden_device(). Last stage: sampling (one row per slice) and tokens (host) get the
+  // chosen ids; other stages leave the output in hidden_device() and do not synchronise.
+  Status decode(std::span<const SeqSlice> slices, const int32_t* token_ids,
+                std::span<const SampleRow> sampling, int32_t* tokens);
+
+  // Hidden-state transfers in fp32 (host), converted to/from the stage's dtype. Synchronous.
+  void upload_hidden(const float* host, int64_t num_tokens);
+  void download_hidden(float* host, int64_t num_tokens);
+  void* hidden_device() const { return hidden_.get(); }  // [max rows, C] of dtype()
+
+  void free_sequence(uint64_t seq_id);
+  void clear();
+  int64_t cached_tokens(uint64_t seq_id) const;  // -1 when absent
+  int64_t num_sequences() const { return int64_t(lengths_.size()); }
+
+  // Memory figures.
+  int64_t weight_bytes() const { return weight_bytes_; }              // resident weights
+  int64_t decode_weight_bytes() const { return decode_weight_bytes_; } // read by one decode step
+  int64_t kv_bytes() const { return kv_->bytes(); }
+  int64_t kv_bytes_per_token() const;
+  int64_t kv_capacity_tokens() const { return kv_->num_pages() * kPageTokens; }
+  int64_t kv_free_tokens() const { return kv_->free_pages() * kPageTokens; }
+  std::string memory_report() const;
+  Gemm& gemm() { return *gemm_; }
+  size_t captured_graphs() const { return graphs_.size(); }
+
+  void synchronize();
+
+ private:
+  struct LayerPtrs {
+    void *ln1_g, *ln1_b, *qkv_w, *qkv_b, *proj_w, *proj_b, *ln2_g, *ln2_b, *fc_w, *fc_b, *fc2_w, *fc2_b;
+  };
+  // Device views of one block of step metadata (int32), laid out for `tokens` rows and `seqs`
+  // sequences; the pinned host staging buffer uses the same offsets.
+  struct Meta {
+    int32_t *ids, *pos, *token_row, *q_begin, *q_len, *kv_len, *last_row, *tables;
+    int64_t ints;
+  };
+
+  GpuStage(const ModelConfig& config, int64_t layer_begin, int64_t layer_end, const GpuStageOptions& options);
+  void allocate_weights();
+  void upload(const StageWeights& w);
+  void synthesize(uint64_t seed);
+  void allocate_runtime();
+
+  Meta meta_layout(int32_t* base, int64_t tokens, int64_t seqs) const;
+  int32_t* begin_meta();                   // waits until the staging slot is free, returns it
+  void send_meta(const Meta& host_view);   // one copy host -> device
+  Status check_slices(std::span<const SeqSlice> slices, bool need_cached_match) const;
+  Status reserve(std::span<const SeqSlice> slices);
+  void fill_seq_meta(int32_t* host, const Meta& layout_offsets, std::span<const SeqSlice> slices, int64_t padded_seqs);
+
+  template <class T> void embed_impl(const Meta& m, int64_t num_tokens);
+  template <class T> void layers_impl(const Meta& m, int64_t num_tokens, int64_t num_seqs, int64_t max_q_len,
+                                      bool decode_attention, bool fuse_final_ln);
+  template <class T> void head_impl(const T* in_rows, int64_t rows, float* logits);
+  template <class T> void decode_step_impl(const Meta& m, int64_t rows);
+  void decode_step(const Meta& m, int64_t rows);
+  int decode_splits(int64_t rows) const;
+  static int64_t bucket_for(int64_t rows);
+
+  ModelConfig config_;
+  int64_t layer_begin_, layer_end_;
+  GpuStageOptions options_;
+  int device_ = 0;
+  int num_sms_ = 0;
+  int64_t max_pages_ = 0;   // block-table entries per sequence: ceil(n_positions / kPageTokens)
+  int64_t max_rows_ = 0;    // activation rows: max(max_tokens, largest graph bucket)
+  int64_t max_step_seqs_ = 0;  // sequence slots in the metadata: max(max_seqs, largest bucket)
+  int max_splits_ = 1;
+  cudaStream_t stream_ = nullptr;
+
+  std::unique_ptr<Gemm> gemm_;
+  DeviceBuffer weights_buf_;
+  std::vector<LayerPtrs> layers_;
+  void *wte_ = nullptr, *wpe_ = nullptr, *lnf_g_ = nullptr, *lnf_b_ = nullptr, *head_ = nullptr;
+  int64_t weight_bytes_ = 0, decode_weight_bytes_ = 0;
+
+  DeviceBuffer hidden_, ln_, qkv_, attn_, proj_, fc_, head_in_, logits_, staging_f32_, tokens_dev_;
+  DeviceBuffer meta_dev_, decode_partial_, decode_counters_;
+  PinnedBuffer meta_host_[2], tokens_host_;
+  cudaEvent_t meta_sent_[2] = {nullptr, nullptr};
+  int meta_slot_ = 0;
+  int64_t logits_rows_ = 0;       // rows logits_ holds
+  int64_t last_logit_rows_ = -1;  // rows of the last logits(..., false) still on the device
+
+  std::unique_ptr<GpuSampler> sampler_;
+  std::unique_ptr<KvCache> kv_;
+  std::unordered_map<uint64_t, int32_t> lengths_;  // cached tokens per sequence
+  std::map<int64_t, cudaGraphExec_t> graphs_;      // decode step per bucket
+};
+
+}  // namespace conveyor::cuda

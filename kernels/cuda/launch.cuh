@@ -1,0 +1,58 @@
+// Internal: kernel launches with Programmatic Dependent Launch (PDL, sm_90).
+//
+// A kernel launched through launch() may start while the kernel before it in the stream is
+// still running (cudaLaunchAttributeProgrammaticStreamSerialization; CUDA graphs capture it
+// as a programmatic edge). The contract that keeps this correct, for every kernel launched
+// here:
+//   1. grid_dependents_launch() early: the next kernel may then be scheduled (its blocks
+//      wait on their own step 2), which hides launch latency between dependent kernels;
+//   2. before its first access to memory that an earlier kernel in the stream writes or
+//      reads, grid_dependency_wait(): it returns once every earlier grid has completed and
+//      its writes are visible. Before it, a kernel may only read immutable data (weights:
+//      the GEMV starts streaming its rows there, overlapping the previous kernel).
+// Kernels launched with <<<>>> (no attribute) are serialised as usual, so mixing is safe;
+// cuBLAS kernels never trigger early, so the kernel after one starts when it ends.
+// CONVEYOR_PDL=0 in the environment launches everything without the attribute.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <utility>
+
+#include "kernels/cuda/check.h"
+
+namespace conveyor::cuda::detail {
+
+__device__ __forceinline__ void grid_dependency_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void grid_dependents_launch() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+// Checked launch: a failure names `what` and the caller's file:line (LAUNCH_PDL below).
+template <class... KArgs, class... Args>
+void launch_pdl(const char* what, const char* file, int line, void (*kernel)(KArgs...), dim3 grid, dim3 block,
+                size_t smem, cudaStream_t stream, Args&&... args) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = pdl_enabled() ? 1 : 0;
+  check_result(cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...), what, file, line);
+}
+
+}  // namespace conveyor::cuda::detail
+
+// LAUNCH_PDL("name", kernel, grid, block, smem, stream, args...)
+#define LAUNCH_PDL(what, ...) ::conveyor::cuda::detail::launch_pdl(what, __FILE__, __LINE__, __VA_ARGS__)

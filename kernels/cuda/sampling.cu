@@ -1,0 +1,392 @@
+#include "kernels/cuda/sampling.h"
+
+#include <cub/cub.cuh>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "kernels/cuda/dtype.cuh"
+#include "kernels/cuda/launch.cuh"
+#include "model/philox.h"
+
+namespace conveyor::cuda {
+namespace {
+
+using detail::grid_dependency_wait;
+using detail::grid_dependents_launch;
+
+constexpr int kThreads = 1024;
+constexpr int kDrawThreads = 512;  // the double scan needs more than 64 registers a thread
+constexpr int kItems = 4;  // consecutive candidates per thread per scan tile
+
+// What the prepare and draw kernels need of one row; list ranges index GpuSampler's one
+// int list (repetition ids, then (id, count) pairs for presence/frequency, then stop ids).
+struct RowParams {
+  float temperature, top_p, repetition, presence, frequency;
+  int32_t top_k;
+  uint64_t seed, step, sample_index;
+  int32_t rep_begin, rep_end, freq_begin, freq_end, stop_begin, stop_end;
+};
+
+struct ArgMax {
+  float v;
+  int32_t i;
+};
+// Larger value wins; the lower id on ties (argmax_token's rule). NaN never wins.
+__device__ __forceinline__ ArgMax better(ArgMax a, ArgMax b) {
+  if (b.v > a.v || (b.v == a.v && b.i < a.i)) return b;
+  return a;
+}
+
+// The best (value, id) of row[lo, hi) over the block; every thread gets it.
+__device__ ArgMax block_argmax_range(const float* row, int64_t lo, int64_t hi) {
+  __shared__ ArgMax part[32];
+  ArgMax best{-INFINITY, INT32_MAX};
+  for (int64_t i = lo + threadIdx.x; i < hi; i += blockDim.x) best = better(best, ArgMax{row[i], int32_t(i)});
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    ArgMax other{__shfl_xor_sync(0xffffffffu, best.v, o), __shfl_xor_sync(0xffffffffu, best.i, o)};
+    best = better(best, other);
+  }
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = (blockDim.x + 31) >> 5;
+  if (lane == 0) part[warp] = best;
+  __syncthreads();
+  if (warp == 0) {
+    best = lane < nwarps ? part[lane] : ArgMax{-INFINITY, INT32_MAX};
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+      ArgMax other{__shfl_xor_sync(0xffffffffu, best.v, o), __shfl_xor_sync(0xffffffffu, best.i, o)};
+      best = better(best, other);
+    }
+    if (lane == 0) part[0] = best;
+  }
+  __syncthreads();
+  const ArgMax result = part[0];
+  __syncthreads();
+  return result;
+}
+
+__device__ int32_t block_argmax(const float* row, int64_t V) {
+  const int32_t id = block_argmax_range(row, 0, V).i;
+  return id == INT32_MAX ? 0 : id;  // every value NaN: argmax_token would say 0
+}
+
+// Argmax of a row cut into kArgmaxSplit pieces, one block each; the last block of a row to
+// finish merges the pieces in order (threadfence + counter, left at zero for the next use).
+constexpr int kArgmaxSplit = 16;
+constexpr int kArgmaxThreads = 256;
+
+__global__ void __launch_bounds__(kArgmaxThreads)
+    argmax_split_kernel(int32_t* tokens, const float* logits, int64_t V, ArgMax* partial, int* counters) {
+  __shared__ int is_last;
+  grid_dependents_launch();
+  grid_dependency_wait();
+  const int row = blockIdx.x, piece = blockIdx.y;
+  const int64_t chunk = (V + kArgmaxSplit - 1) / kArgmaxSplit;
+  const int64_t lo = min(V, piece * chunk), hi = min(V, lo + chunk);
+  const ArgMax best = block_argmax_range(logits + int64_t(row) * V, lo, hi);
+  if (threadIdx.x == 0) {
+    partial[row * kArgmaxSplit + piece] = best;
+    __threadfence();
+    is_last = atomicAdd(counters + row, 1) == kArgmaxSplit - 1;
+  }
+  __syncthreads();
+  if (!is_last || threadIdx.x >= 32) return;
+  __threadfence();
+  const int lane = threadIdx.x;
+  ArgMax b{-INFINITY, INT32_MAX};
+  if (lane < kArgmaxSplit) {
+    const ArgMax* p = partial + row * kArgmaxSplit + lane;
+    b = ArgMax{__ldcg(&p->v), __ldcg(&p->i)};
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    ArgMax other{__shfl_xor_sync(0xffffffffu, b.v, o), __shfl_xor_sync(0xffffffffu, b.i, o)};
+    b = better(b, other);
+  }
+  if (lane == 0) {
+    tokens[row] = b.i == INT32_MAX ? 0 : b.i;
+    counters[row] = 0;
+  }
+}
+
+__global__ void __launch_bounds__(kThreads) argmax_kernel(int32_t* tokens, const float* logits, int64_t V) {
+  grid_dependents_launch();
+  grid_dependency_wait();
+  const int32_t id = block_argmax(logits + int64_t(blockIdx.x) * V, V);
+  if (threadIdx.x == 0) tokens[blockIdx.x] = id;
+}
+
+// Steps 1-3 of sample_next. Greedy rows are finished here; the others get a sort segment.
+__global__ void __launch_bounds__(kThreads) prepare_kernel(float* logits, const RowParams* params, const int32_t* lists, int64_t V,
+                               int32_t* tokens, int* seg_begin, int* seg_end) {
+  const int r = blockIdx.x;
+  const RowParams p = params[r];
+  float* l = logits + int64_t(r) * V;
+  for (int i = p.rep_begin + threadIdx.x; i < p.rep_end; i += blockDim.x) {  // distinct ids
+    const int32_t id = lists[i];
+    if (id < 0 || id >= V) continue;
+    const float x = l[id];
+    l[id] = x > 0.f ? __fdiv_rn(x, p.repetition) : __fmul_rn(x, p.repetition);
+  }
+  __syncthreads();
+  for (int i = p.freq_begin + 2 * threadIdx.x; i < p.freq_end; i += 2 * blockDim.x) {  // distinct ids
+    const int32_t id = lists[i], count = lists[i + 1];
+    if (id < 0 || id >= V) continue;
+    float x = __fsub_rn(l[id], p.presence);
+    x = __fsub_rn(x, __fmul_rn(p.frequency, float(count)));
+    l[id] = x;
+  }
+  __syncthreads();
+  for (int i = p.stop_begin + threadIdx.x; i < p.stop_end; i += blockDim.x) {
+    const int32_t id = lists[i];
+    if (id >= 0 && id < V) l[id] = -INFINITY;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) seg_begin[r] = int(int64_t(r) * V);
+  if (p.temperature == 0.f) {
+    const int32_t id = block_argmax(l, V);
+    if (threadIdx.x == 0) {
+      tokens[r] = id;
+      seg_end[r] = int(int64_t(r) * V);  // empty segment: nothing to sort
+    }
+    return;
+  }
+  if (p.temperature != 1.f)
+    for (int64_t i = threadIdx.x; i < V; i += blockDim.x) l[i] = __fdiv_rn(l[i], p.temperature);
+  if (threadIdx.x == 0) seg_end[r] = int(int64_t(r) * V + V);
+}
+
+// First index j in [lo, hi) with pred(cum[j]) true, for a predicate monotone in j; hi if none.
+template <class Pred>
+__device__ int64_t first_true(const double* cum, int64_t lo, int64_t hi, Pred pred) {
+  while (lo < hi) {
+    const int64_t mid = lo + (hi - lo) / 2;
+    if (pred(cum[mid])) hi = mid;
+    else lo = mid + 1;
+  }
+  return lo;
+}
+
+// Steps 4-8 for rows with temperature > 0; keys/ids are the rows sorted by (logit desc, id asc).
+__global__ void __launch_bounds__(kDrawThreads) draw_kernel(const RowParams* params, const float* sorted_keys, const int32_t* sorted_ids,
+                            double* cum_all, int64_t V, int32_t* tokens) {
+  using BlockScan = cub::BlockScan<double, kDrawThreads>;
+  __shared__ typename BlockScan::TempStorage scan_storage;
+  const int r = blockIdx.x;
+  const RowParams p = params[r];
+  if (p.temperature == 0.f) return;
+  const float* keys = sorted_keys + int64_t(r) * V;
+  const int32_t* ids = sorted_ids + int64_t(r) * V;
+  double* cum = cum_all + int64_t(r) * V;
+  const int64_t count = (p.top_k > 0 && p.top_k < V) ? p.top_k : V;
+  const double m = double(keys[0]);
+  if (!(m > -INFINITY)) {  // everything masked
+    if (threadIdx.x == 0) tokens[r] = ids[0];
+    return;
+  }
+  // Running sums of exp(l_i - m) over the candidates, in double.
+  double carry = 0.0;
+  for (int64_t base = 0; base < count; base += int64_t(kDrawThreads) * kItems) {
+    double e[kItems];
+#pragma unroll
+    for (int j = 0; j < kItems; ++j) {
+      const int64_t i = base + int64_t(threadIdx.x) * kItems + j;
+      e[j] = i < count ? exp(double(keys[i]) - m) : 0.0;
+      if (j > 0) e[j] += e[j - 1];
+    }
+    double before = 0.0, tile_total = 0.0;
+    BlockScan(scan_storage).ExclusiveSum(e[kItems - 1], before, tile_total);
+#pragma unroll
+    for (int j = 0; j < kItems; ++j) {
+      const int64_t i = base + int64_t(threadIdx.x) * kItems + j;
+      if (i < count) cum[i] = carry + (before + e[j]);
+    }
+    carry += tile_total;
+    __syncthreads();  // scan_storage reuse; cum visible to thread 0 below
+  }
+  if (threadIdx.x != 0) return;
+  int64_t kept = count;
+  if (p.top_p < 1.f) {
+    const double threshold = double(p.top_p) * cum[count - 1];
+    kept = std::min<int64_t>(count, first_true(cum, 0, count, [&](double c) { return c >= threshold; }) + 1);
+  }
+  const double total = cum[kept - 1];
+  const Philox4x32 rnd = philox_draw(p.seed, p.step, p.sample_index);
+  const double target = uniform_double(rnd.v[0], rnd.v[1]) * total;
+  int64_t pick = first_true(cum, 0, kept, [&](double c) { return c > target; });
+  if (pick >= kept) {  // rounding left none: the last candidate that raised the sum
+    pick = kept - 1;
+    while (pick > 0 && !(cum[pick] > cum[pick - 1])) --pick;
+  }
+  tokens[r] = ids[pick];
+}
+
+__global__ void iota_rows_kernel(int32_t* out, int64_t rows, int64_t V) {
+  const int64_t n = rows * V;
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
+    out[i] = int32_t(i % V);
+}
+
+}  // namespace
+
+void argmax_rows(int32_t* tokens, const float* logits, int64_t rows, int64_t V, cudaStream_t stream) {
+  if (rows <= 0) return;
+  LAUNCH_PDL("argmax_kernel", argmax_kernel, dim3(unsigned(rows)), dim3(kThreads), 0, stream, tokens, logits, V);
+}
+
+GpuSampler::GpuSampler(const std::string& owner, int64_t max_rows, int64_t vocab_size)
+    : owner_(owner), max_rows_(max_rows), vocab_(vocab_size) {
+  if (max_rows <= 0 || vocab_size <= 0 || max_rows * vocab_size >= (int64_t(1) << 31))
+    throw Error(owner + ": sampler sizes out of range (" + std::to_string(max_rows) + " rows x " +
+                std::to_string(vocab_size) + ")");
+  const size_t n = size_t(max_rows * vocab_size);
+  sorted_keys_ = device_alloc(n * sizeof(float), owner, "sampler sorted logits");
+  sorted_ids_ = device_alloc(n * sizeof(int32_t), owner, "sampler sorted ids");
+  iota_ = device_alloc(n * sizeof(int32_t), owner, "sampler ids");
+  cum_ = device_alloc(n * sizeof(double), owner, "sampler running sums");
+  offsets_ = device_alloc(size_t(2 * max_rows) * sizeof(int), owner, "sampler segments");
+  params_dev_ = device_alloc(size_t(max_rows) * sizeof(RowParams), owner, "sampler parameters");
+  params_host_ = PinnedBuffer(size_t(max_rows) * sizeof(RowParams), "sampler parameters");
+  size_t temp_bytes = 0;
+  CUDA_CHECK(cub::DeviceSegmentedRadixSort::SortPairsDescending(
+      nullptr, temp_bytes, static_cast<const float*>(nullptr), static_cast<float*>(nullptr),
+      static_cast<const int32_t*>(nullptr), static_cast<int32_t*>(nullptr), int(n), int(max_rows),
+      static_cast<const int*>(nullptr), static_cast<const int*>(nullptr), 0, 32));
+  cub_temp_ = device_alloc(std::max<size_t>(temp_bytes, 256), owner, "sampler sort workspace");
+  iota_rows_kernel<<<1024, 256>>>(iota_.as<int32_t>(), max_rows, vocab_size);
+  CUDA_CHECK(cudaGetLastError());
+  CUDA_CHECK(cudaDeviceSynchronize());
+  argmax_partial_ = device_alloc(size_t(max_rows * kArgmaxSplit) * sizeof(ArgMax), owner, "argmax workspace");
+  argmax_counters_ = device_alloc(size_t(max_rows) * sizeof(int), owner, "argmax counters");
+  CUDA_CHECK(cudaMemset(argmax_counters_.get(), 0, argmax_counters_.bytes()));
+  CUDA_CHECK(cudaEventCreateWithFlags(&copied_, cudaEventDisableTiming));
+  ensure_list_capacity(4096);
+}
+
+void GpuSampler::argmax(int32_t* tokens, const float* logits, int64_t rows, cudaStream_t stream) {
+  if (rows <= 0) return;
+  if (rows > max_rows_ || rows > 65535)
+    throw Error(owner_ + ": argmax of " + std::to_string(rows) + " rows, built for " + std::to_string(max_rows_));
+  LAUNCH_PDL("argmax_split_kernel", argmax_split_kernel, dim3{unsigned(rows), unsigned(kArgmaxSplit), 1u},
+             dim3(kArgmaxThreads), 0, stream, tokens, logits, vocab_, argmax_partial_.as<ArgMax>(),
+             argmax_counters_.as<int>());
+}
+
+GpuSampler::~GpuSampler() {
+  if (copied_) {
+    cudaEventSynchronize(copied_);
+    cudaEventDestroy(copied_);
+  }
+}
+
+int64_t GpuSampler::device_bytes() const {
+  return int64_t(sorted_keys_.bytes() + sorted_ids_.bytes() + iota_.bytes() + cum_.bytes() + offsets_.bytes() +
+                 cub_temp_.bytes() + params_dev_.bytes() + lists_dev_.bytes() + argmax_partial_.bytes() +
+                 argmax_counters_.bytes());
+}
+
+void GpuSampler::ensure_list_capacity(int64_t ints) {
+  if (ints <= list_capacity_) return;
+  const int64_t cap = std::max<int64_t>(ints, 2 * list_capacity_);
+  CUDA_CHECK(cudaEventSynchronize(copied_));  // the old host buffer may still be in a copy
+  lists_dev_ = device_alloc(size_t(cap) * sizeof(int32_t), owner_, "sampler penalty lists");
+  lists_host_ = PinnedBuffer(size_t(cap) * sizeof(int32_t), "sampler penalty lists");
+  list_capacity_ = cap;
+}
+
+bool GpuSampler::needs_sampler(const SamplingParams& p, size_t generated_len) {
+  return p.temperature != 0.f || p.repetition_penalty != 1.f || p.presence_penalty != 0.f ||
+         p.frequency_penalty != 0.f || generated_len < size_t(std::max(p.min_tokens, 0));
+}
+
+void GpuSampler::sample(float* logits, std::span<const SampleRow> rows, int32_t* tokens, cudaStream_t stream) {
+  const int64_t n = int64_t(rows.size());
+  if (n == 0) return;
+  if (n > max_rows_)
+    throw Error(owner_ + ": sampler asked for " + std::to_string(n) + " rows, built for " + std::to_string(max_rows_));
+
+  // Penalty lists, as apply_penalties builds them (distinct ids; (id, count) pairs).
+  thread_local std::vector<int32_t> lists, scratch;
+  lists.clear();
+  std::vector<RowParams> params(static_cast<size_t>(n));
+  for (int64_t r = 0; r < n; ++r) {
+    const SampleRow& row = rows[size_t(r)];
+    if (row.params == nullptr) throw Error(owner_ + ": sampler row " + std::to_string(r) + " has no parameters");
+    const SamplingParams& sp = *row.params;
+    RowParams& p = params[size_t(r)];
+    p.temperature = sp.temperature;
+    p.top_p = sp.top_p;
+    p.top_k = sp.top_k;
+    p.repetition = sp.repetition_penalty;
+    p.presence = sp.presence_penalty;
+    p.frequency = sp.frequency_penalty;
+    p.seed = sp.seed;
+    p.step = uint64_t(row.generated.size());
+    p.sample_index = row.sample_index;
+    p.rep_begin = p.rep_end = int32_t(lists.size());
+    if (sp.repetition_penalty != 1.f) {
+      scratch.assign(row.prompt.begin(), row.prompt.end());
+      scratch.insert(scratch.end(), row.generated.begin(), row.generated.end());
+      std::sort(scratch.begin(), scratch.end());
+      scratch.erase(std::unique(scratch.begin(), scratch.end()), scratch.end());
+      lists.insert(lists.end(), scratch.begin(), scratch.end());
+      p.rep_end = int32_t(lists.size());
+    }
+    p.freq_begin = p.freq_end = int32_t(lists.size());
+    if (sp.presence_penalty != 0.f || sp.frequency_penalty != 0.f) {
+      scratch.assign(row.generated.begin(), row.generated.end());
+      std::sort(scratch.begin(), scratch.end());
+      for (size_t i = 0; i < scratch.size();) {
+        size_t j = i;
+        while (j < scratch.size() && scratch[j] == scratch[i]) ++j;
+        lists.push_back(scratch[i]);
+        lists.push_back(int32_t(j - i));
+        i = j;
+      }
+      p.freq_end = int32_t(lists.size());
+    }
+    p.stop_begin = p.stop_end = int32_t(lists.size());
+    if (row.generated.size() < size_t(std::max(sp.min_tokens, 0))) {
+      lists.insert(lists.end(), sp.stop_token_ids.begin(), sp.stop_token_ids.end());
+      p.stop_end = int32_t(lists.size());
+    }
+  }
+
+  // The previous call's copies must be done before the pinned buffers are rewritten.
+  CUDA_CHECK(cudaEventSynchronize(copied_));
+  ensure_list_capacity(std::max<int64_t>(1, int64_t(lists.size())));
+  std::memcpy(params_host_.get(), params.data(), params.size() * sizeof(RowParams));
+  if (!lists.empty()) std::memcpy(lists_host_.get(), lists.data(), lists.size() * sizeof(int32_t));
+  CUDA_CHECK(cudaMemcpyAsync(params_dev_.get(), params_host_.get(), params.size() * sizeof(RowParams),
+                             cudaMemcpyHostToDevice, stream));
+  if (!lists.empty())
+    CUDA_CHECK(cudaMemcpyAsync(lists_dev_.get(), lists_host_.get(), lists.size() * sizeof(int32_t),
+                               cudaMemcpyHostToDevice, stream));
+  CUDA_CHECK(cudaEventRecord(copied_, stream));
+
+  const auto* pd = params_dev_.as<RowParams>();
+  int* seg_begin = offsets_.as<int>();
+  int* seg_end = seg_begin + max_rows_;
+  prepare_kernel<<<unsigned(n), kThreads, 0, stream>>>(logits, pd, lists_dev_.as<int32_t>(), vocab_, tokens,
+                                                       seg_begin, seg_end);
+  CUDA_CHECK(cudaGetLastError());
+  size_t temp_bytes = 0;
+  const int items = int(n * vocab_);
+  CUDA_CHECK(cub::DeviceSegmentedRadixSort::SortPairsDescending(
+      nullptr, temp_bytes, static_cast<const float*>(logits), sorted_keys_.as<float>(), iota_.as<int32_t>(),
+      sorted_ids_.as<int32_t>(), items, int(n), seg_begin, seg_end, 0, 32, stream));
+  if (temp_bytes > cub_temp_.bytes()) throw Error(owner_ + ": sampler sort workspace too small");
+  temp_bytes = cub_temp_.bytes();
+  CUDA_CHECK(cub::DeviceSegmentedRadixSort::SortPairsDescending(
+      cub_temp_.get(), temp_bytes, static_cast<const float*>(logits), sorted_keys_.as<float>(),
+      static_cast<const int32_t*>(iota_.as<int32_t>()), sorted_ids_.as<int32_t>(), items, int(n), seg_begin,
+      seg_end, 0, 32, stream));
+  draw_kernel<<<unsigned(n), kDrawThreads, 0, stream>>>(pd, sorted_keys_.as<float>(), sorted_ids_.as<int32_t>(),
+                                                    cum_.as<double>(), vocab_, tokens);
+  CUDA_CHECK(cudaGetLastError());
+}
+
+}  // namespace conveyor::cuda

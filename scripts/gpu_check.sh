@@ -1,0 +1,124 @@
+#!/usr/bin/env bash
+# One call that checks the CUDA backend on a GPU machine: the CUDA op tests, the GPU stage
+# tests, the decode benchmark and its PyTorch peer, then a short table against the targets.
+# Meant to fit a short device lease (about 6-8 minutes on an H100/H200).
+#
+#   scripts/gpu_check.sh BUILD_DIR                 run from a build tree (tests/, bin/)
+#   scripts/gpu_check.sh --pack BUILD_DIR BUNDLE   write BUNDLE (.tar.xz): the stripped test and
+#                                                  benchmark programs plus the non-CUDA shared
+#                                                  libraries they need, for a machine that has
+#                                                  the CUDA driver and toolkit but not the build
+#   scripts/gpu_check.sh --bundle BUNDLE           unpack BUNDLE and run from it
+#
+# Environment: OUT (logs go to $OUT, else /tmp/gpu_check), CHECK_PEER=0 skips the PyTorch
+# peer, BENCH_ARGS / PEER_ARGS override the benchmark arguments.
+set -u
+set -o pipefail
+
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+repo="$(cd "$here/.." && pwd)"
+
+if [[ "${1:-}" == "--pack" ]]; then
+  build="$2"; bundle="$3"
+  stage="$(mktemp -d)"
+  for p in tests/test_cuda_ops tests/test_gpu_stage tests/test_gpu_hf_conformance bin/conveyor-bench-gpu-decode; do
+    strip -o "$stage/$(basename "$p")" "$build/$p" || exit 1
+  done
+  # Shared libraries that are neither glibc/libstdc++ nor CUDA's (the GPU machine has those).
+  ldd "$stage"/test_* "$stage"/conveyor-bench-gpu-decode | awk '/=> \//{print $3}' | sort -u |
+    grep -v -E '/(libc|libm|libdl|libpthread|librt|libgcc_s|libstdc\+\+|ld-linux[^/]*)\.so|/libcu(dart|blas|blasLt)\.so' |
+    while read -r lib; do cp -L "$lib" "$stage/"; done
+  # xz -9: a 64 MiB window, so the three programs' common GPU code is stored once.
+  tar -C "$stage" -cf - . | xz -9 -T1 >"$bundle" && rm -rf "$stage"
+  echo "wrote $bundle ($(du -h "$bundle" | cut -f1))"
+  exit 0
+fi
+
+if [[ "${1:-}" == "--bundle" ]]; then
+  dir="$(mktemp -d)"
+  tar -C "$dir" -xJf "$2" || exit 1
+  tests="$dir"; bins="$dir"
+  export LD_LIBRARY_PATH="$dir:/usr/local/cuda/lib64:/usr/local/cuda/lib:${LD_LIBRARY_PATH:-}"
+elif [[ $# -ge 1 ]]; then
+  tests="$1/tests"; bins="$1/bin"
+else
+  sed -n '2,16p' "$0"; exit 2
+fi
+
+out="${OUT:-/tmp/gpu_check}"
+mkdir -p "$out"
+export CONVEYOR_SOURCE_DIR="$repo"
+summary=()
+t_start=$SECONDS
+
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv,noheader 2>&1 | tee "$out/gpu.txt"
+
+run_tests() {  # name, program
+  local name="$1" prog="$2"
+  if [[ ! -x "$prog" ]]; then summary+=("$name: MISSING ($prog)"); return; fi
+  timeout 300 "$prog" --gtest_brief=1 --gtest_color=no >"$out/$name.log" 2>&1
+  local rc=$?
+  local passed failed skipped
+  passed=$(grep -c '^\[       OK \]' "$out/$name.log")
+  passed=$(grep -oE '^\[  PASSED  \] [0-9]+' "$out/$name.log" | grep -oE '[0-9]+$' || echo 0)
+  failed=$(grep -oE '^\[  FAILED  \] [0-9]+ test' "$out/$name.log" | grep -oE '[0-9]+' || echo 0)
+  skipped=$(grep -oE '^\[  SKIPPED \] [0-9]+' "$out/$name.log" | grep -oE '[0-9]+$' || echo 0)
+  summary+=("$name: rc=$rc passed=${passed:-0} failed=${failed:-0} skipped=${skipped:-0}")
+  grep -E '^\[  FAILED  \] [A-Za-z]|Failure|error:|Expected|Which is|rel_err|seed' "$out/$name.log" | head -40
+}
+
+echo "== CUDA op tests"; run_tests test_cuda_ops "$tests/test_cuda_ops"
+echo "== GPU stage tests"; run_tests test_gpu_stage "$tests/test_gpu_stage"
+echo "== HF conformance on the GPU"; run_tests test_gpu_hf_conformance "$tests/test_gpu_hf_conformance"
+grep -E '^\[(fixture|note)\]' "$out/test_gpu_hf_conformance.log" | head -40
+
+echo "== decode benchmark"
+bench_args=${BENCH_ARGS:-"--shapes gpt2-xl,gpt3-6.7b --batches 1,8,32,128 --prompts 128,1024 --new-tokens 128"}
+# shellcheck disable=SC2086
+timeout 330 "$bins/conveyor-bench-gpu-decode" $bench_args --csv "$out/bench.csv" 2>&1 | tee "$out/bench.log"
+summary+=("bench: rc=$?")
+
+if [[ "${CHECK_PEER:-1}" != "0" ]] && python3 -c 'import torch; assert torch.cuda.is_available()' 2>/dev/null; then
+  echo "== PyTorch peer (torch.compile reduce-overhead)"
+  peer_args=${PEER_ARGS:-"--shapes gpt2-xl,gpt3-6.7b --batches 1 --prompts 128 --new-tokens 128"}
+  # shellcheck disable=SC2086
+  PYTHONUNBUFFERED=1 timeout 240 python3 "$repo/scripts/torch_peer_decode.py" $peer_args 2>&1 | tee "$out/peer.log"
+  summary+=("peer: rc=$?")
+fi
+
+echo
+echo "== summary ($((SECONDS - t_start)) s; logs in $out)"
+printf '%s\n' "${summary[@]}"
+python3 - "$out" <<'EOF'
+import re, sys, os
+out = sys.argv[1]
+def rows(path):
+    r = {}
+    if not os.path.exists(path):
+        return r
+    for line in open(path):
+        f = line.split()
+        if len(f) >= 8 and f[2].isdigit() and f[3].isdigit() and "skipped" not in line:
+            try:
+                r[(f[0], int(f[2]), int(f[3]))] = (float(f[4]), float(f[5]), f[8], f[9] if len(f) > 9 else "-")
+            except ValueError:
+                pass
+    return r
+ours, peer = rows(f"{out}/bench.log"), rows(f"{out}/peer.log")
+print(f"{'shape':<10} {'batch':>5} {'prompt':>6} {'ttft_ms':>9} {'ms/token':>9} {'floor%':>7} {'peer ms/tok':>11} {'speedup':>8}")
+for k in sorted(ours):
+    ttft, ms, floor, frac = ours[k]
+    p = peer.get(k)
+    pm = f"{p[1]:.3f}" if p else "-"
+    sp = f"{p[1] / ms:.2f}x" if p else "-"
+    print(f"{k[0]:<10} {k[1]:>5} {k[2]:>6} {ttft:>9.2f} {ms:>9.3f} {frac:>7} {pm:>11} {sp:>8}")
+def check(name, ok):
+    print(f"target {name}: {'MET' if ok else 'NOT MET' if ok is not None else 'not measured'}")
+k = ("gpt3-6.7b", 1, 128)
+frac = float(ours[k][3].rstrip("%")) if k in ours and ours[k][3] != "-" else None
+check("gpt3-6.7b batch 1 >= 85% of the bandwidth floor", None if frac is None else frac >= 85)
+check("gpt3-6.7b batch 1 >= 1.3x the compiled PyTorch peer",
+      None if k not in ours or k not in peer else peer[k][1] / ours[k][1] >= 1.3)
+k2 = ("gpt2-xl", 1, 128)
+check("gpt2-xl batch 1 < 1.2 ms/token", None if k2 not in ours else ours[k2][1] < 1.2)
+EOF

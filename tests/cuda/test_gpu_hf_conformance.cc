@@ -1,0 +1,181 @@
+// HuggingFace conformance of the GPU path, in fp16 and bf16, on the fixtures of
+// tests/hf_fixtures.h (made by transformers in float64 from the fp16 checkpoints).
+// Each case runs with teacher forcing (the golden greedy token is fed at every step) twice:
+//   - through embed/forward/logits: the prompt as one prefill (context attention), then one
+//     token per step (decode attention); our log-probs of the golden top-5 must lie within
+//     2e-2 of the golden ones in fp16 (6e-2 in bf16, see below), and our argmax must equal the golden greedy token at every
+//     step whose golden top-2 gap exceeds 0.05;
+//   - through decode(), the CUDA-graph step with greedy sampling on the GPU: the same
+//     argmax condition.
+// Every step with a gap <= 0.05 where we chose differently is printed as a note.
+//
+// Skips cleanly when built without CUDA or run where no GPU is present.
+#include <gtest/gtest.h>
+
+#ifndef CONVEYOR_HAVE_CUDA
+
+TEST(GpuHfConformance, NotBuilt) { GTEST_SKIP() << "built without the CUDA backend"; }
+
+#else
+
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <fstream>
+#include <iostream>
+#include <sstream>
+
+#include <nlohmann/json.hpp>
+
+#include "kernels/cuda/gpu_stage.h"
+#include "model/sampling.h"
+#include "model/weights.h"
+#include "tests/hf_fixtures.h"
+
+namespace conveyor {
+namespace {
+
+namespace fs = std::filesystem;
+using nlohmann::json;
+
+// bf16: the fixtures are fp16 checkpoints, and bf16 keeps 3 fewer mantissa bits. Rounding
+// the weights to bf16 and computing everything else in fp32 on the CPU engine already
+// moves log-probs by up to 0.026 on hd128_l6 (0.017-0.019 on the others; measured
+// 2026-11-23), so 2e-2 is out of reach for any bf16 implementation; the bf16 kernels add
+// bf16 activations on top (0.045 measured on hd128_l6, H100).
+constexpr double kLogprobToleranceF16 = 2e-2;
+constexpr double kLogprobToleranceBF16 = 6e-2;
+constexpr double kDecisiveGap = 0.05;
+
+struct Case {
+  std::vector<int32_t> prompt, greedy;
+  std::vector<std::vector<int32_t>> top_ids;
+  std::vector<std::vector<double>> top_lps;
+  double gap(size_t t) const { return top_lps[t].size() >= 2 ? top_lps[t][0] - top_lps[t][1] : INFINITY; }
+};
+
+std::vector<Case> load_cases(const fs::path& dir) {
+  std::ifstream in(dir / "golden.json");
+  const json g = json::parse(in);
+  std::vector<Case> out;
+  for (const json& c : g.at("cases"))
+    out.push_back({c.at("prompt").get<std::vector<int32_t>>(), c.at("greedy").get<std::vector<int32_t>>(),
+                   c.at("top5_ids").get<std::vector<std::vector<int32_t>>>(),
+                   c.at("top5_logprobs").get<std::vector<std::vector<double>>>()});
+  return out;
+}
+
+struct Report {
+  int steps = 0, decisive = 0;
+  double max_diff = 0;
+  std::vector<std::string> problems, notes;
+};
+
+void check(const fs::path& dir, DType dtype, bool graph_path, Report& r) {
+  auto cfg = load_model_config(dir.string());
+  ASSERT_TRUE(cfg) << cfg.error();
+  auto weights = load_stage_weights(dir.string(), 0, cfg->n_layer);
+  ASSERT_TRUE(weights) << weights.error();
+  cuda::GpuStageOptions o;
+  o.dtype = dtype;
+  o.name = dir.filename().string();
+  o.max_tokens = cfg->n_positions;
+  o.max_seqs = 8;
+  o.kv_cache_max_bytes = int64_t(256) << 20;
+  auto stage = cuda::GpuStage::create(*weights, o);
+  const int64_t V = cfg->vocab_size;
+  std::vector<float> logits(static_cast<size_t>(V));
+  SamplingParams greedy_params;  // temperature 0: argmax
+  greedy_params.temperature = 0;
+  uint64_t seq = 0;
+  for (const Case& c : load_cases(dir)) {
+    ++seq;
+    const std::string where = dir.filename().string() + (dtype == DType::F16 ? " fp16" : " bf16") +
+                              (graph_path ? " decode()" : " forward()") + " case " + std::to_string(seq - 1);
+    std::vector<int32_t> feed = c.prompt;
+    int32_t pos = 0;
+    // Prefill all but the last prompt token on the graph path; decode() takes the rest.
+    if (graph_path && feed.size() > 1) {
+      const SeqSlice s{seq, 0, int32_t(feed.size() - 1)};
+      ASSERT_TRUE(stage->embed({&s, 1}, feed.data()).ok());
+      ASSERT_TRUE(stage->forward({&s, 1}).ok());
+      pos = s.num_tokens;
+      feed.erase(feed.begin(), feed.end() - 1);
+    }
+    std::vector<int32_t> generated;
+    for (size_t t = 0; t < c.greedy.size(); ++t) {
+      if (pos + int64_t(feed.size()) > cfg->n_positions) break;
+      int32_t ours = -1;
+      if (graph_path) {
+        const SeqSlice s{seq, pos, 1};
+        const cuda::SampleRow row{&greedy_params, c.prompt, generated, 0};
+        const Status st = stage->decode({&s, 1}, feed.data(), {&row, 1}, &ours);
+        ASSERT_TRUE(st.ok()) << where << ": " << st.message();
+      } else {
+        const SeqSlice s{seq, pos, int32_t(feed.size())};
+        Status st = stage->embed({&s, 1}, feed.data());
+        if (st) st = stage->forward({&s, 1});
+        if (st) st = stage->logits({&s, 1}, false, logits.data());
+        ASSERT_TRUE(st.ok()) << where << ": " << st.message();
+        ours = argmax_token(logits);
+        const double lse = log_sum_exp(logits);
+        for (size_t j = 0; j < c.top_ids[t].size(); ++j) {
+          const double d = std::abs(double(logits[size_t(c.top_ids[t][j])]) - lse - c.top_lps[t][j]);
+          r.max_diff = std::max(r.max_diff, d);
+          if (d > (dtype == DType::F16 ? kLogprobToleranceF16 : kLogprobToleranceBF16)) {
+            std::ostringstream m;
+            m << where << " step " << t << ": log-prob of token " << c.top_ids[t][j] << " off by " << d;
+            r.problems.push_back(m.str());
+          }
+        }
+      }
+      pos += int32_t(feed.size());
+      ++r.steps;
+      if (ours != c.greedy[t]) {
+        std::ostringstream m;
+        m << where << " step " << t << ": chose " << ours << ", golden " << c.greedy[t] << " (golden top-2 gap "
+          << c.gap(t) << ")";
+        (c.gap(t) > kDecisiveGap ? r.problems : r.notes).push_back(m.str());
+      }
+      if (c.gap(t) > kDecisiveGap) ++r.decisive;
+      generated.push_back(c.greedy[t]);
+      feed.assign(1, c.greedy[t]);
+    }
+    stage->free_sequence(seq);
+  }
+}
+
+bool have_gpu() {
+  int n = 0;
+  return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
+}
+
+class GpuHfConformance : public ::testing::TestWithParam<DType> {};
+
+TEST_P(GpuHfConformance, GoldenFixtures) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device on this host";
+  const auto dirs = testing::hf_fixture_dirs();
+  ASSERT_FALSE(dirs.empty());
+  for (const fs::path& dir : dirs) {
+    for (bool graph : {false, true}) {
+      Report r;
+      check(dir, GetParam(), graph, r);
+      std::string all;
+      for (size_t i = 0; i < r.problems.size() && i < 20; ++i) all += "  " + r.problems[i] + "\n";
+      EXPECT_TRUE(r.problems.empty()) << r.problems.size() << " problems:\n" << all;
+      EXPECT_GE(r.steps, 40) << dir;
+      for (const std::string& n : r.notes) std::cout << "[note] " << n << " (tolerated: near-tie)\n";
+      std::cout << "[fixture] " << dir.filename().string() << (GetParam() == DType::F16 ? " fp16" : " bf16")
+                << (graph ? " decode()" : " forward()") << ": " << r.steps << " steps, " << r.decisive
+                << " decisive, max |logprob diff| " << r.max_diff << ", " << r.notes.size() << " near-tie divergences\n";
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Dtypes, GpuHfConformance, ::testing::Values(DType::F16, DType::BF16),
+                         [](const auto& info) { return std::string(info.param == DType::F16 ? "F16" : "BF16"); });
+
+}  // namespace
+}  // namespace conveyor
+
+#endif
