@@ -88,7 +88,8 @@ Status check_layer_split(const std::vector<std::pair<int64_t, int64_t>>& layers,
   return ok_status();
 }
 
-Expected<ClusterConfig> parse_cluster_config(const std::string& text, const std::string& source) {
+Expected<ClusterConfig> parse_cluster_config(const std::string& text, const std::string& source,
+                                             const std::string& base_dir) {
   ClusterConfig cfg;
   cfg.source = source;
   const Ctx c{source};
@@ -134,6 +135,10 @@ Expected<ClusterConfig> parse_cluster_config(const std::string& text, const std:
   if (cfg.join_token.empty())
     return Status::error(source + ": no join token: set control.join_token or CONVEYOR_JOIN_TOKEN");
 
+  // A relative model path is relative to the cluster file's folder, not to the daemon's
+  // working directory (which is / under systemd).
+  if (std::filesystem::path(cfg.model_path).is_relative() && !base_dir.empty())
+    cfg.model_path = (std::filesystem::path(base_dir) / cfg.model_path).lexically_normal().string();
   auto mc = load_model_config(cfg.model_path);
   if (!mc) return Status::error(source + ":" + std::to_string(model["path"].Mark().line + 1) + ": " + mc.error());
   cfg.model = *mc;
@@ -193,7 +198,7 @@ Expected<ClusterConfig> load_cluster_config(const std::string& path) {
   if (!in) return Status::error(path + ": cannot open the cluster file");
   std::stringstream ss;
   ss << in.rdbuf();
-  return parse_cluster_config(ss.str(), path);
+  return parse_cluster_config(ss.str(), path, std::filesystem::path(path).parent_path().string());
 }
 
 }  // namespace conveyor

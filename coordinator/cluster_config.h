@@ -1,7 +1,7 @@
 // The coordinator's cluster file (YAML). Every key is known: an unknown key, a wrong type
 // or an impossible plan is refused at start with the file, the line and the reason.
 //
-//   model:     {path: DIR, name: NAME}
+//   model:     {path: DIR, name: NAME}   (a relative DIR is relative to the cluster file)
 //   http:      {host: 127.0.0.1, port: 8000, api_key: KEY, threads: 2}
 //   control:   {host: 127.0.0.1, port: 5555, join_token: TOKEN, curve_secret_key: Z85}
 //   pipeline:  {stages: N, replicas: R, layers: [[b, e], ...]}
@@ -55,7 +55,10 @@ struct ClusterConfig {
 };
 
 Expected<ClusterConfig> load_cluster_config(const std::string& path);
-Expected<ClusterConfig> parse_cluster_config(const std::string& yaml_text, const std::string& source);
+// `base_dir` anchors a relative model.path (load_cluster_config passes the file's folder;
+// empty: the working directory).
+Expected<ClusterConfig> parse_cluster_config(const std::string& yaml_text, const std::string& source,
+                                             const std::string& base_dir = "");
 
 // Layer ranges for `stages` stages over n_layer layers, as even as possible (the earlier
 // stages take the extra layer: the last stage also runs the LM head).
