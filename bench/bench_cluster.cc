@@ -8,8 +8,12 @@
 //     requests, one at a time: the added latency per request is the coordinator, HTTP and
 //     transport cost. Also requests/s with --concurrency clients.
 //
+//   --random L,C,H: instead of --model's weights, random weights of that shape (L layers,
+//     width C, H heads) with --model's tokenizer and vocabulary, written to a temporary
+//     checkpoint (e.g. a 1-layer model for --overhead, or a shape whose stages balance).
+//
 //   conveyor-bench-cluster --model models/brown-gpt2 --stages 3 --requests 96 --concurrency 32
-//   conveyor-bench-cluster --model DIR --overhead
+//   conveyor-bench-cluster --overhead --random 1,256,4
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -23,6 +27,7 @@
 #include <nlohmann/json.hpp>
 
 #include "coordinator/http_client.h"
+#include "model/checkpoint_writer.h"
 #include "model/engine.h"
 #include "model/tokenizer.h"
 #include "model/weights.h"
@@ -68,11 +73,33 @@ Expected<int> complete(int port, const json& body) {
   return json::parse(resp->body).at("usage").at("completion_tokens").get<int>();
 }
 
+// A checkpoint of random weights of shape "L,C,H" with the vocabulary and tokenizer of
+// `model`, in a fresh temporary folder; returns the folder.
+Expected<std::string> random_checkpoint(const std::string& model, const std::string& shape) {
+  auto base = load_model_config(model);
+  if (!base) return base.status();
+  ModelConfig c = *base;
+  if (std::sscanf(shape.c_str(), "%ld,%ld,%ld", &c.n_layer, &c.n_embd, &c.n_head) != 3 || c.n_layer < 1 ||
+      c.n_embd < 1 || c.n_head < 1 || c.n_embd % c.n_head != 0)
+    return Status::error("--random wants L,C,H with C a multiple of H, got '" + shape + "'");
+  c.n_inner = 4 * c.n_embd;
+  const std::filesystem::path dir =
+      std::filesystem::temp_directory_path() / ("conveyor-bench-model-" + std::to_string(::getpid()));
+  std::filesystem::create_directories(dir);
+  if (Status s = write_gpt2_checkpoint(dir.string(), c, random_stage_weights(c, 0, c.n_layer, 1234), DType::F16); !s)
+    return s;
+  for (const char* f : {"vocab.json", "merges.txt"})
+    std::filesystem::copy_file(std::filesystem::path(model) / f, dir / f,
+                               std::filesystem::copy_options::overwrite_existing);
+  return dir.string();
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   std::string model = "models/brown-gpt2";
   int stages = 3, requests = 96, concurrency = 32, max_tokens = 48, in_flight = 0;
+  std::string random_shape;
   bool overhead = false;
   CLI::App app{"conveyor-bench-cluster: the cluster through its REST API"};
   app.add_option("--model", model, "checkpoint directory");
@@ -81,10 +108,27 @@ int main(int argc, char** argv) {
   app.add_option("--concurrency", concurrency, "client threads");
   app.add_option("--max-tokens", max_tokens, "tokens per request");
   app.add_option("--in-flight", in_flight, "micro-batches in flight (0: = stages)");
+  app.add_option("--random", random_shape, "random weights of shape L,C,H with --model's vocabulary");
   app.add_flag("--overhead", overhead, "measure the coordinator's added latency against the in-process engine");
   CLI11_PARSE(app, argc, argv);
   const std::string bin_dir = std::filesystem::canonical("/proc/self/exe").parent_path().string();
   model = std::filesystem::absolute(model).string();
+  std::string random_dir;
+  if (!random_shape.empty()) {
+    auto dir = random_checkpoint(model, random_shape);
+    if (!dir) {
+      std::fprintf(stderr, "%s\n", dir.error().c_str());
+      return 1;
+    }
+    model = random_dir = *dir;
+  }
+  struct RemoveDir {
+    const std::string& dir;
+    ~RemoveDir() {
+      std::error_code ec;
+      if (!dir.empty()) std::filesystem::remove_all(dir, ec);
+    }
+  } remove_random{random_dir};
 
   if (overhead) {
     auto tok = Tokenizer::load(model);

@@ -3,6 +3,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <set>
 #include <sstream>
 
@@ -59,13 +60,50 @@ Status get_positive(const Ctx& c, const YAML::Node& map, const std::string& sect
 
 }  // namespace
 
-std::vector<std::pair<int64_t, int64_t>> even_layer_split(int64_t n_layer, int stages) {
-  std::vector<std::pair<int64_t, int64_t>> out;
-  int64_t begin = 0;
-  for (int s = 0; s < stages; ++s) {
-    const int64_t n = n_layer / stages + (s < n_layer % stages ? 1 : 0);
-    out.emplace_back(begin, begin + n);
-    begin += n;
+double layer_cost(const ModelConfig& c) {
+  const double C = double(c.n_embd), I = double(c.n_inner > 0 ? c.n_inner : 4 * c.n_embd);
+  return 4 * C * C + 2 * C * I;  // QKV, projection, FC, FC2: multiply-adds per token
+}
+
+double head_cost(const ModelConfig& c) { return double(c.vocab_size) * double(c.n_embd); }
+
+std::vector<std::pair<int64_t, int64_t>> balanced_layer_split(const ModelConfig& c, int stages) {
+  const int64_t L = c.n_layer;
+  const int S = std::max(1, std::min<int>(stages, int(L)));
+  const double lc = layer_cost(c), hc = head_cost(c);
+  // cost of a stage running layers [b, e)
+  auto cost = [&](int64_t b, int64_t e) { return double(e - b) * lc + (e == L ? hc : 0.0); };
+  // best[s][e]: for s stages running layers [0, e), the smallest largest stage cost, then
+  // (among plans with that largest cost) the smallest sum of squared costs, so the stages
+  // that are not the slowest are as even as they can be. cut[s][e]: where the last of those
+  // stages begins. Exact ties go to the later cut: earlier stages take the extra layers.
+  struct Score {
+    double max = std::numeric_limits<double>::infinity(), squares = 0;
+    bool better_or_equal(const Score& o) const {
+      if (o.max == std::numeric_limits<double>::infinity()) return true;
+      const double tol = 1e-9 * std::max(1.0, o.max);
+      if (max < o.max - tol) return true;
+      if (max > o.max + tol) return false;
+      return squares <= o.squares * (1 + 1e-12);
+    }
+  };
+  std::vector<std::vector<Score>> best(size_t(S) + 1, std::vector<Score>(size_t(L) + 1));
+  std::vector<std::vector<int64_t>> cut(size_t(S) + 1, std::vector<int64_t>(size_t(L) + 1, 0));
+  best[0][0] = {0, 0};
+  for (int s = 1; s <= S; ++s)
+    for (int64_t e = s; e <= L; ++e)
+      for (int64_t b = s - 1; b < e; ++b) {
+        const Score& prev = best[size_t(s - 1)][size_t(b)];
+        if (prev.max == std::numeric_limits<double>::infinity()) continue;  // unreachable
+        const double c = cost(b, e);
+        const Score v{std::max(prev.max, c), prev.squares + c * c};
+        if (v.better_or_equal(best[size_t(s)][size_t(e)])) best[size_t(s)][size_t(e)] = v, cut[size_t(s)][size_t(e)] = b;
+      }
+  std::vector<std::pair<int64_t, int64_t>> out(static_cast<size_t>(S));
+  for (int s = S, e = int(L); s >= 1; --s) {
+    const int64_t b = cut[size_t(s)][size_t(e)];
+    out[size_t(s - 1)] = {b, e};
+    e = int(b);
   }
   return out;
 }
@@ -166,7 +204,7 @@ Expected<ClusterConfig> parse_cluster_config(const std::string& text, const std:
     }
     if (!(s = check_layer_split(cfg.layers, cfg.stages, cfg.model.n_layer))) return c.at(l, "impossible plan: " + s.message());
   } else {
-    cfg.layers = even_layer_split(cfg.model.n_layer, cfg.stages);
+    cfg.layers = balanced_layer_split(cfg.model, cfg.stages);
   }
 
   if (const YAML::Node sch = root["scheduler"]) {

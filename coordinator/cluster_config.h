@@ -60,9 +60,11 @@ Expected<ClusterConfig> load_cluster_config(const std::string& path);
 Expected<ClusterConfig> parse_cluster_config(const std::string& yaml_text, const std::string& source,
                                              const std::string& base_dir = "");
 
-// Layer ranges for `stages` stages over n_layer layers, as even as possible (the earlier
-// stages take the extra layer: the last stage also runs the LM head).
-std::vector<std::pair<int64_t, int64_t>> even_layer_split(int64_t n_layer, int stages);
+// The plan's default: contiguous layer ranges for `stages` stages whose largest compute
+// cost (multiply-adds per token: 4C^2 + 2CI per layer, plus V*C for the LM head on the last
+// stage) is as small as possible, since the slowest stage sets the pipeline's pace. Among
+// equal plans the earlier stages take the extra layers.
+std::vector<std::pair<int64_t, int64_t>> balanced_layer_split(const ModelConfig& config, int stages);
 
 // Checks explicit layer ranges: `stages` contiguous, non-empty ranges covering [0, n_layer).
 Status check_layer_split(const std::vector<std::pair<int64_t, int64_t>>& layers, int stages, int64_t n_layer);

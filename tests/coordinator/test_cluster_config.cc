@@ -43,7 +43,7 @@ TEST(ClusterConfig, RelativeModelPathIsRelativeToTheFile) {
   fs::remove_all(dir);
   ASSERT_TRUE(cfg) << cfg.error();
   EXPECT_EQ(cfg->model_name, "brown-gpt2");
-  EXPECT_EQ(cfg->layers, even_layer_split(6, 1));
+  EXPECT_EQ(cfg->layers, (std::vector<std::pair<int64_t, int64_t>>{{0, 6}}));
 }
 
 std::string error_of(const std::string& yaml) {
@@ -62,11 +62,29 @@ TEST(ClusterConfig, MistakesNameTheLine) {
   EXPECT_EQ(error_of("pipeline: {stages: 2, layers: [[0, 4], [4, 6]]}\n"), "");
 }
 
-TEST(ClusterConfig, EvenSplitGivesTheExtraLayersToEarlierStages) {
+ModelConfig shape(int64_t layers, int64_t C, int64_t V) {
+  ModelConfig c;
+  c.n_layer = layers, c.n_embd = C, c.n_head = 4, c.n_inner = 4 * C, c.n_positions = 256, c.vocab_size = V;
+  return c;
+}
+
+TEST(ClusterConfig, DefaultSplitBalancesTheLmHead) {
   using L = std::vector<std::pair<int64_t, int64_t>>;
-  EXPECT_EQ(even_layer_split(6, 3), (L{{0, 2}, {2, 4}, {4, 6}}));
-  EXPECT_EQ(even_layer_split(7, 3), (L{{0, 3}, {3, 5}, {5, 7}}));
-  EXPECT_EQ(even_layer_split(96, 4).back(), (std::pair<int64_t, int64_t>{72, 96}));
+  // A head as costly as a layer or less: one more layer on the earlier stages.
+  EXPECT_EQ(balanced_layer_split(shape(7, 1024, 1024), 3), (L{{0, 3}, {3, 5}, {5, 7}}));
+  EXPECT_EQ(balanced_layer_split(shape(96, 12288, 50257), 4), (L{{0, 24}, {24, 48}, {48, 72}, {72, 96}}));
+  // brown-gpt2's shape: the head (V*C = 1.33 layers) sends a layer to the first stage.
+  EXPECT_EQ(balanced_layer_split(shape(6, 256, 4096), 3), (L{{0, 3}, {3, 5}, {5, 6}}));
+  // A huge head: the last stage gets no more than one layer.
+  EXPECT_EQ(balanced_layer_split(shape(4, 64, 200000), 2), (L{{0, 3}, {3, 4}}));
+  EXPECT_EQ(balanced_layer_split(shape(5, 64, 64), 1), (L{{0, 5}}));
+  EXPECT_EQ(balanced_layer_split(shape(3, 64, 64), 3), (L{{0, 1}, {1, 2}, {2, 3}}));
+  for (int stages = 1; stages <= 12; ++stages)
+    EXPECT_TRUE(check_layer_split(balanced_layer_split(shape(12, 128, 4096), stages), stages, 12));
+}
+
+TEST(ClusterConfig, ExplicitSplitsAreChecked) {
+  using L = std::vector<std::pair<int64_t, int64_t>>;
   EXPECT_FALSE(check_layer_split(L{{0, 2}, {2, 2}, {2, 6}}, 3, 6));
   EXPECT_FALSE(check_layer_split(L{{0, 2}, {2, 6}}, 3, 6));
   EXPECT_FALSE(check_layer_split(L{{0, 2}, {3, 6}}, 2, 6));
