@@ -31,6 +31,7 @@
 #include "common/model_config.h"
 #include "kernels/cuda/check.h"
 #include "kernels/cuda/gpu_stage.h"
+#include "bench/gpu_bandwidth.h"
 #endif
 
 namespace {
@@ -112,31 +113,6 @@ double ms_since(Clock::time_point t0) {
   return std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
 }
 
-// Device-to-device copy bandwidth, bytes read + written per second: the best of 5 timings of
-// 10 copies of 1 GiB (far above L2).
-double measure_copy_bandwidth() {
-  const size_t bytes = size_t(1) << 30;
-  cuda::DeviceBuffer a = cuda::device_alloc(bytes, "bench", "bandwidth source");
-  cuda::DeviceBuffer b = cuda::device_alloc(bytes, "bench", "bandwidth destination");
-  CUDA_CHECK(cudaMemset(a.get(), 1, bytes));
-  cudaEvent_t e0, e1;
-  CUDA_CHECK(cudaEventCreate(&e0));
-  CUDA_CHECK(cudaEventCreate(&e1));
-  CUDA_CHECK(cudaMemcpy(b.get(), a.get(), bytes, cudaMemcpyDeviceToDevice));  // warm-up
-  double best = 0;
-  for (int trial = 0; trial < 5; ++trial) {
-    CUDA_CHECK(cudaEventRecord(e0));
-    for (int i = 0; i < 10; ++i) CUDA_CHECK(cudaMemcpyAsync(b.get(), a.get(), bytes, cudaMemcpyDeviceToDevice));
-    CUDA_CHECK(cudaEventRecord(e1));
-    CUDA_CHECK(cudaEventSynchronize(e1));
-    float ms = 0;
-    CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
-    best = std::max(best, 2.0 * double(bytes) * 10 / (double(ms) * 1e-3));
-  }
-  CUDA_CHECK(cudaEventDestroy(e0));
-  CUDA_CHECK(cudaEventDestroy(e1));
-  return best;
-}
 
 struct Result {
   double ttft_ms = 0, ms_per_token = 0, p50_ms = 0;

@@ -21,11 +21,11 @@ repo="$(cd "$here/.." && pwd)"
 if [[ "${1:-}" == "--pack" ]]; then
   build="$2"; bundle="$3"
   stage="$(mktemp -d)"
-  for p in tests/test_cuda_ops tests/test_gpu_stage tests/test_gpu_hf_conformance bin/conveyor-bench-gpu-decode; do
+  for p in tests/test_cuda_ops tests/test_gpu_stage tests/test_gpu_hf_conformance bin/conveyor-bench-gpu-decode bin/conveyor-bench-gpu-kernels; do
     strip -o "$stage/$(basename "$p")" "$build/$p" || exit 1
   done
   # Shared libraries that are neither glibc/libstdc++ nor CUDA's (the GPU machine has those).
-  ldd "$stage"/test_* "$stage"/conveyor-bench-gpu-decode | awk '/=> \//{print $3}' | sort -u |
+  ldd "$stage"/test_* "$stage"/conveyor-bench-gpu-* | awk '/=> \//{print $3}' | sort -u |
     grep -v -E '/(libc|libm|libdl|libpthread|librt|libgcc_s|libstdc\+\+|ld-linux[^/]*)\.so|/libcu(dart|blas|blasLt)\.so' |
     while read -r lib; do cp -L "$lib" "$stage/"; done
   # xz -9: a 64 MiB window, so the three programs' common GPU code is stored once.
@@ -77,6 +77,11 @@ bench_args=${BENCH_ARGS:-"--shapes gpt2-xl,gpt3-6.7b --batches 1,8,32,128 --prom
 # shellcheck disable=SC2086
 timeout 330 "$bins/conveyor-bench-gpu-decode" $bench_args --csv "$out/bench.csv" 2>&1 | tee "$out/bench.log"
 summary+=("bench: rc=$?")
+
+echo "== where a decode step's time goes (batch 1)"
+for shape in gpt2-xl gpt3-6.7b; do
+  timeout 120 "$bins/conveyor-bench-gpu-kernels" --shape "$shape" 2>&1 | sed '/^$/,$d' | tee -a "$out/kernels.log"
+done
 
 if [[ "${CHECK_PEER:-1}" != "0" ]] && python3 -c 'import torch; assert torch.cuda.is_available()' 2>/dev/null; then
   echo "== PyTorch peer (torch.compile reduce-overhead)"
