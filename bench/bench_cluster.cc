@@ -44,11 +44,13 @@ double seconds_since(Clock::time_point t) { return std::chrono::duration<double>
 struct LocalCluster {
   std::unique_ptr<testing::ChildProcess> proc;
   int port = 0;
+  std::string backend = "cpu";
   bool start(const std::string& bin_dir, const std::string& model, int stages, int in_flight) {
     const std::string logs = (std::filesystem::temp_directory_path() / ("conveyor-bench-" + std::to_string(::getpid()))).string();
     std::vector<std::string> argv = {bin_dir + "/conveyor", "local", "--model", model, "--stages", std::to_string(stages),
                                      "--port", "0", "--log-dir", logs};
     if (in_flight > 0) argv.insert(argv.end(), {"--in-flight", std::to_string(in_flight)});
+    argv.insert(argv.end(), {"--backend", backend});
     proc = std::make_unique<testing::ChildProcess>(argv);
     const std::string line = proc->read_line_matching("ready at", std::chrono::seconds(120));
     return std::sscanf(line.c_str(), "conveyor local: ready at http://127.0.0.1:%d", &port) == 1;
@@ -99,7 +101,7 @@ Expected<std::string> random_checkpoint(const std::string& model, const std::str
 int main(int argc, char** argv) {
   std::string model = "models/brown-gpt2";
   int stages = 3, requests = 96, concurrency = 32, max_tokens = 48, in_flight = 0;
-  std::string random_shape;
+  std::string random_shape, backend = "cpu";
   bool overhead = false;
   CLI::App app{"conveyor-bench-cluster: the cluster through its REST API"};
   app.add_option("--model", model, "checkpoint directory");
@@ -108,6 +110,7 @@ int main(int argc, char** argv) {
   app.add_option("--concurrency", concurrency, "client threads");
   app.add_option("--max-tokens", max_tokens, "tokens per request");
   app.add_option("--in-flight", in_flight, "micro-batches in flight (0: = stages)");
+  app.add_option("--backend", backend, "the workers' backend: cpu or cuda (one GPU)");
   app.add_option("--random", random_shape, "random weights of shape L,C,H with --model's vocabulary");
   app.add_flag("--overhead", overhead, "measure the coordinator's added latency against the in-process engine");
   CLI11_PARSE(app, argc, argv);
@@ -131,6 +134,10 @@ int main(int argc, char** argv) {
   } remove_random{random_dir};
 
   if (overhead) {
+    if (backend != "cpu") {
+      std::fprintf(stderr, "--overhead compares with the in-process CPU engine: use --backend cpu\n");
+      return 2;
+    }
     auto tok = Tokenizer::load(model);
     auto w = load_stage_weights(model, 0, load_model_config(model)->n_layer);
     if (!tok || !w) {
@@ -139,6 +146,7 @@ int main(int argc, char** argv) {
     }
     Engine engine(std::move(w).value());
     LocalCluster cluster;
+    cluster.backend = backend;
     if (!cluster.start(bin_dir, model, 1, 0)) {
       std::fprintf(stderr, "the cluster did not start\n");
       return 1;
@@ -184,6 +192,7 @@ int main(int argc, char** argv) {
   }
 
   LocalCluster cluster;
+  cluster.backend = backend;
   if (!cluster.start(bin_dir, model, stages, in_flight)) {
     std::fprintf(stderr, "the cluster did not start\n");
     return 1;
@@ -229,9 +238,9 @@ int main(int argc, char** argv) {
   const double wall = seconds_since(t0);
   running = false;
   poller.join();
-  std::printf("stages %d, in-flight %d, %d requests x %d tokens, %d clients: %.1f tokens/s, %.2f requests/s, "
+  std::printf("%s, stages %d, in-flight %d, %d requests x %d tokens, %d clients: %.1f tokens/s, %.2f requests/s, "
               "mean latency %.2f s, %d failed\n",
-              stages, in_flight > 0 ? in_flight : stages, requests, max_tokens, concurrency, tokens / wall,
+              backend.c_str(), stages, in_flight > 0 ? in_flight : stages, requests, max_tokens, concurrency, tokens / wall,
               double(latencies.size()) / wall, latencies.empty() ? 0.0 : std::accumulate(latencies.begin(), latencies.end(), 0.0) / double(latencies.size()),
               failed.load());
   for (int s = 0; s < stages; ++s) {

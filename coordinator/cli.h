@@ -47,6 +47,9 @@ struct LocalOptions {
   int in_flight = 0;
   std::string log_dir;
   bool verbose = false;
+  std::string backend = "cpu";  // the workers' --backend
+  int gpus = 1;                  // cuda: worker i runs on GPU i % gpus
+  std::string dtype = "f16";
 };
 void add_local_command(CLI::App& app, LocalOptions& options);
 int local_command(const LocalOptions& options);

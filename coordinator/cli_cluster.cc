@@ -135,6 +135,10 @@ void add_local_command(CLI::App& app, LocalOptions& o) {
   cmd->add_option("--kv-cache-mb", o.kv_cache_mb, "KV-cache budget per worker, MiB")->check(CLI::Range(1, 1 << 24));
   cmd->add_option("--in-flight", o.in_flight, "micro-batches in flight per pipeline (0: = stages)");
   cmd->add_option("--log-dir", o.log_dir, "where the daemons' logs go (default: a new temporary folder)");
+  cmd->add_option("--backend", o.backend, "where the stages run: cpu or cuda")->check(CLI::IsMember({"cpu", "cuda"}));
+  cmd->add_option("--gpus", o.gpus, "cuda: GPUs to spread the workers over (worker i on GPU i % gpus)")
+      ->check(CLI::Range(1, 64));
+  cmd->add_option("--dtype", o.dtype, "cuda: f16 or bf16")->check(CLI::IsMember({"f16", "bf16"}));
   cmd->add_flag("--verbose", o.verbose, "daemons log to this terminal");
 }
 
@@ -197,8 +201,14 @@ int local_command(const LocalOptions& o) {
     ::setenv("CONVEYOR_CPU_THREADS", std::to_string(std::max(1L, cores / (o.stages * o.replicas))).c_str(), 1);
   for (int i = 0; i < n_workers; ++i) {
     const std::string name = "worker" + std::to_string(i);
-    const pid_t pid = spawn({(bin / "conveyor-worker").string(), "--coordinator", "127.0.0.1:" + std::to_string(control_port),
-                             "--name", name, "--join-token", token, "--kv-cache-mb", std::to_string(o.kv_cache_mb)},
+    std::vector<std::string> argv = {(bin / "conveyor-worker").string(), "--coordinator",
+                                     "127.0.0.1:" + std::to_string(control_port), "--name", name, "--join-token", token,
+                                     "--kv-cache-mb", std::to_string(o.kv_cache_mb), "--backend", o.backend};
+    if (o.backend == "cuda")
+      argv.insert(argv.end(), {"--device", std::to_string(i % o.gpus), "--dtype", o.dtype,
+                               // several stages may share a GPU: each takes a share of what is left
+                               "--gpu-memory-fraction", std::to_string(0.9 / std::max(1, (n_workers + o.gpus - 1) / o.gpus))});
+    const pid_t pid = spawn(argv,
                             o.verbose ? "" : (dir / (name + ".log")).string(), nullptr);
     if (pid < 0) {
       std::cerr << "conveyor local: cannot start " << name << "\n";

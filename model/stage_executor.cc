@@ -4,15 +4,18 @@
 
 namespace conveyor {
 
-StageExecutor::StageExecutor(StageWeights weights) : stage_(std::move(weights)) {}
+StageExecutor::StageExecutor(StageWeights weights)
+    : backend_(std::make_unique<CpuStageBackend>(std::move(weights))) {}
+
+StageExecutor::StageExecutor(std::unique_ptr<StageBackend> backend) : backend_(std::move(backend)) {}
 
 void StageExecutor::free_sequence(uint64_t seq_id) {
-  stage_.free_sequence(seq_id);
+  backend_->free_sequence(seq_id);
   history_.erase(seq_id);
 }
 
 void StageExecutor::drop_all() {
-  stage_.clear();
+  backend_->clear();
   history_.clear();
 }
 
@@ -25,14 +28,14 @@ Status StageExecutor::run(const MicroBatch& batch, std::vector<float>& hidden, B
   if (is_first()) {
     hidden.resize(size_t(T * C));
     if (T > 0)
-      if (Status s = stage_.embed(slices, batch.token_ids.data(), hidden.data()); !s.ok()) return s;
+      if (Status s = backend_->embed(slices, batch.token_ids.data(), hidden.data()); !s.ok()) return s;
   } else if (int64_t(hidden.size()) != T * C) {
     return Status::error("micro-batch " + std::to_string(batch.batch_id) + ": received " +
                          std::to_string(hidden.size()) + " activation values, expected " +
                          std::to_string(T) + " tokens x " + std::to_string(C));
   }
   if (T > 0)
-    if (Status s = stage_.forward(slices, hidden.data()); !s.ok()) return s;
+    if (Status s = backend_->forward(slices, hidden.data()); !s.ok()) return s;
   if (!is_last()) return ok_status();
   if (result == nullptr) return Status::error("last stage ran without a result to fill");
   // Record the tokens for penalties only once the forward pass has succeeded.
@@ -59,7 +62,7 @@ Status StageExecutor::sample_outputs(const MicroBatch& batch, const std::vector<
   const int64_t rows = all_rows ? batch.total_tokens() : int64_t(slices.size());
   logits_.resize(size_t(rows * V));
   if (rows > 0)
-    if (Status s = stage_.logits(slices, hidden.data(), all_rows, logits_.data()); !s.ok()) return s;
+    if (Status s = backend_->logits(slices, hidden.data(), all_rows, logits_.data()); !s.ok()) return s;
 
   result.seqs.clear();
   int64_t first_row = 0;  // this slice's first row in logits_ when all_rows

@@ -1,4 +1,6 @@
-// StageExecutor: what a stage worker does with one MicroBatch on the CPU backend.
+// StageExecutor: what a stage worker does with one MicroBatch, on any StageBackend (the CPU
+// stage, or a GPU stage: sampling runs here on the host either way, so both backends draw
+// tokens with the same code).
 //
 //   first stage:  embed the header's token ids, run the layers, hand on the activations
 //   middle:       run the layers on the activations received, hand them on
@@ -16,19 +18,22 @@
 #include <vector>
 
 #include "common/status.h"
-#include "model/cpu_stage.h"
+#include <memory>
+
 #include "model/microbatch.h"
+#include "model/stage_backend.h"
 
 namespace conveyor {
 
 class StageExecutor {
  public:
-  explicit StageExecutor(StageWeights weights);
+  explicit StageExecutor(StageWeights weights);  // on the CPU
+  explicit StageExecutor(std::unique_ptr<StageBackend> backend);
 
-  bool is_first() const { return stage_.weights().has_embedding(); }
-  bool is_last() const { return stage_.weights().has_head(); }
-  const ModelConfig& config() const { return stage_.config(); }
-  CpuStage& stage() { return stage_; }
+  bool is_first() const { return backend_->has_embedding(); }
+  bool is_last() const { return backend_->has_head(); }
+  const ModelConfig& config() const { return backend_->config(); }
+  StageBackend& backend() { return *backend_; }
 
   // Runs `batch`. `hidden` holds the incoming activations [T, C] (ignored on the first
   // stage) and, on return, the outgoing ones (non-last stages). On the last stage
@@ -43,7 +48,7 @@ class StageExecutor {
  private:
   Status sample_outputs(const MicroBatch& batch, const std::vector<float>& hidden, BatchResult& result);
 
-  CpuStage stage_;
+  std::unique_ptr<StageBackend> backend_;
   std::unordered_map<uint64_t, std::vector<int32_t>> history_;  // last stage only
   std::vector<float> logits_;
   std::vector<float> scratch_;

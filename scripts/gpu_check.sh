@@ -21,13 +21,18 @@ repo="$(cd "$here/.." && pwd)"
 if [[ "${1:-}" == "--pack" ]]; then
   build="$2"; bundle="$3"
   stage="$(mktemp -d)"
-  for p in tests/test_cuda_ops tests/test_gpu_stage tests/test_gpu_hf_conformance bin/conveyor-bench-gpu-decode bin/conveyor-bench-gpu-kernels; do
+  for p in tests/test_cuda_ops tests/test_gpu_stage tests/test_gpu_hf_conformance tests/test_gpu_stage_backend \
+           bin/conveyor-bench-gpu-decode bin/conveyor-bench-gpu-kernels bin/conveyor-bench-cluster \
+           bin/conveyor bin/conveyor-coordinator bin/conveyor-worker; do
     strip -o "$stage/$(basename "$p")" "$build/$p" || exit 1
   done
+  # UCX loads its transports as modules at run time.
+  ucx_modules=$(pkg-config --variable=libdir ucx)/ucx
+  [[ -d "$ucx_modules" ]] && cp -rL "$ucx_modules" "$stage/ucx"
   # Shared libraries that are neither glibc/libstdc++ nor CUDA's (the GPU machine has those).
-  ldd "$stage"/test_* "$stage"/conveyor-bench-gpu-* | awk '/=> \//{print $3}' | sort -u |
+  ldd "$stage"/test_* "$stage"/conveyor* | awk '/=> \//{print $3}' | sort -u |
     grep -v -E '/(libc|libm|libdl|libpthread|librt|libgcc_s|libstdc\+\+|ld-linux[^/]*)\.so|/libcu(dart|blas|blasLt)\.so' |
-    while read -r lib; do cp -L "$lib" "$stage/"; done
+    while read -r lib; do cp -L "$lib" "$stage/" && strip --strip-unneeded "$stage/$(basename "$lib")"; done
   # xz -9: a 64 MiB window, so the three programs' common GPU code is stored once.
   tar -C "$stage" -cf - . | xz -9 -T1 >"$bundle" && rm -rf "$stage"
   echo "wrote $bundle ($(du -h "$bundle" | cut -f1))"
@@ -39,6 +44,7 @@ if [[ "${1:-}" == "--bundle" ]]; then
   tar -C "$dir" -xJf "$2" || exit 1
   tests="$dir"; bins="$dir"
   export LD_LIBRARY_PATH="$dir:/usr/local/cuda/lib64:/usr/local/cuda/lib:${LD_LIBRARY_PATH:-}"
+  [[ -d "$dir/ucx" ]] && export UCX_MODULE_DIR="$dir/ucx"
 elif [[ $# -ge 1 ]]; then
   tests="$1/tests"; bins="$1/bin"
 else
@@ -70,6 +76,7 @@ run_tests() {  # name, program
 echo "== CUDA op tests"; run_tests test_cuda_ops "$tests/test_cuda_ops"
 echo "== GPU stage tests"; run_tests test_gpu_stage "$tests/test_gpu_stage"
 echo "== HF conformance on the GPU"; run_tests test_gpu_hf_conformance "$tests/test_gpu_hf_conformance"
+echo "== the worker's GPU backend"; run_tests test_gpu_stage_backend "$tests/test_gpu_stage_backend"
 grep -E '^\[(fixture|note)\]' "$out/test_gpu_hf_conformance.log" | head -40
 
 echo "== decode benchmark"
@@ -77,6 +84,14 @@ bench_args=${BENCH_ARGS:-"--shapes gpt2-xl,gpt3-6.7b --batches 1,8,32,128 --prom
 # shellcheck disable=SC2086
 timeout 330 "$bins/conveyor-bench-gpu-decode" $bench_args --csv "$out/bench.csv" 2>&1 | tee "$out/bench.log"
 summary+=("bench: rc=$?")
+
+if [[ "${CHECK_CLUSTER:-1}" != "0" ]]; then
+  echo "== a local cluster on the GPU, through REST"
+  for st in 1 2; do
+    timeout 120 "$bins/conveyor-bench-cluster" --backend cuda --model "$repo/models/brown-gpt2" --stages "$st" \
+      --requests 512 --concurrency 64 --max-tokens 48 2>&1 | tail -4 | tee -a "$out/cluster.log"
+  done
+fi
 
 echo "== where a decode step's time goes (batch 1)"
 for shape in gpt2-xl gpt3-6.7b; do

@@ -12,6 +12,9 @@
 #include "model/microbatch.h"
 #include "model/stage_executor.h"
 #include "model/weights.h"
+#ifdef CONVEYOR_HAVE_CUDA
+#include "kernels/cuda/gpu_stage_backend.h"
+#endif
 #include "transport/channel.h"
 #include "transport/control_plane.h"
 #include "transport/ucx_channel.h"
@@ -122,7 +125,8 @@ struct Worker::Impl {
 
   void send_register() {
     json body = {{"name", opt.name}, {"host", host}, {"pid", ::getpid()}, {"token", opt.join_token},
-                 {"backend", "cpu"}, {"gpus", json::array()}, {"memory_bytes", memory_bytes()},
+                 {"backend", opt.backend}, {"gpus", opt.backend == "cuda" ? json::array({opt.device}) : json::array()},
+                 {"memory_bytes", memory_bytes()},
                  {"kv_cache_bytes", opt.kv_cache_bytes}};
     {
       std::lock_guard lk(stage_mu);
@@ -145,9 +149,9 @@ struct Worker::Impl {
       body["state"] = state;
       body["load_fraction"] = load_fraction;
       if (executor) {
-        CpuStage& st = executor->stage();
-        body["kv_used_tokens"] = st.kv_bytes_used() / std::max<int64_t>(1, st.kv_bytes_per_token());
-        body["kv_capacity_tokens"] = opt.kv_cache_bytes / std::max<int64_t>(1, st.kv_bytes_per_token());
+        StageBackend& st = executor->backend();
+        body["kv_used_tokens"] = st.kv_used_tokens();
+        body["kv_capacity_tokens"] = kv_capacity_tokens(st);
         body["sequences"] = st.num_sequences();
       }
     }
@@ -211,13 +215,38 @@ struct Worker::Impl {
     loader = std::thread([this, a = *a] { load(a); });
   }
 
+  // The K/V budget: what the GPU stage allocated, or on the CPU the configured bytes.
+  int64_t kv_capacity_tokens(const StageBackend& st) const {
+    const int64_t n = st.kv_capacity_tokens();
+    return n >= 0 ? n : opt.kv_cache_bytes / std::max<int64_t>(1, st.kv_bytes_per_token());
+  }
+
+  // The backend this worker was started with, holding `weights`.
+  Expected<std::unique_ptr<StageBackend>> make_backend(StageWeights weights, const Assignment& a) {
+    if (opt.backend == "cpu") return std::unique_ptr<StageBackend>(std::make_unique<CpuStageBackend>(std::move(weights)));
+#ifdef CONVEYOR_HAVE_CUDA
+    cuda::GpuStageOptions o;
+    o.dtype = opt.dtype == "bf16" ? DType::BF16 : DType::F16;
+    o.name = opt.name + " stage " + std::to_string(a.stage) + " (layers " + std::to_string(a.layer_begin) + ".." +
+             std::to_string(a.layer_end) + ")";
+    o.kv_cache_fraction = opt.gpu_memory_fraction;
+    auto b = cuda::GpuStageBackend::create(weights, opt.device, o);
+    if (!b) return b.status();
+    return std::unique_ptr<StageBackend>(std::move(b).value());
+#else
+    (void)a;
+    return Status::error("this conveyor-worker was built without the CUDA backend");
+#endif
+  }
+
   void send_ready(double seconds, int64_t bytes) {  // under stage_mu
-    const int64_t per_token = executor->stage().kv_bytes_per_token();
+    const int64_t per_token = executor->backend().kv_bytes_per_token();
     send(ControlMessage::make(
         "ready", {{"epoch", assignment->epoch}, {"pipeline", assignment->pipeline}, {"stage", assignment->stage},
                   {"layers", {assignment->layer_begin, assignment->layer_end}},
                   {"kv_bytes_per_token", per_token},
-                  {"kv_capacity_tokens", opt.kv_cache_bytes / std::max<int64_t>(1, per_token)},
+                  {"kv_capacity_tokens", kv_capacity_tokens(executor->backend())},
+                  {"backend", executor->backend().describe()},
                   {"load_seconds", seconds}, {"load_bytes", bytes}}));
     compute_stop = false;
     if (!compute.joinable()) compute = std::thread([this] { compute_loop(); });
@@ -247,15 +276,23 @@ struct Worker::Impl {
       return;
     }
     const int64_t bytes = weights->checkpoint_bytes_read;
-    executor = std::make_shared<StageExecutor>(std::move(weights).value());
+    auto backend = make_backend(std::move(weights).value(), a);
+    if (!backend) {
+      state = "idle";
+      assignment.reset();
+      spdlog::error("{}: load failed: {}", opt.name, backend.error());
+      send(ControlMessage::make("load_failed", {{"error", backend.error()}}));
+      return;
+    }
+    executor = std::make_shared<StageExecutor>(std::move(backend).value());
     if (Status s = wire(a); !s) {
       send(ControlMessage::make("load_failed", {{"error", s.message()}}));
       return;
     }
     state = "ready";
     const double secs = std::chrono::duration<double>(Clock::now() - t0).count();
-    spdlog::info("{}: layers [{}, {}) loaded in {:.2f} s ({:.1f} MB)", opt.name, a.layer_begin, a.layer_end, secs,
-                 double(bytes) / 1e6);
+    spdlog::info("{}: layers [{}, {}) loaded in {:.2f} s ({:.1f} MB) on {}", opt.name, a.layer_begin, a.layer_end, secs,
+                 double(bytes) / 1e6, executor->backend().describe());
     send_ready(secs, bytes);
   }
 

@@ -25,6 +25,12 @@ int main(int argc, char** argv) {
   app.add_option("--join-token", opt.join_token, "the cluster's join token (default: $CONVEYOR_JOIN_TOKEN)");
   app.add_option("--curve-server-key", opt.curve_server_key, "the coordinator's CURVE public key (Z85)");
   app.add_option("--kv-cache-mb", kv_mb, "KV-cache budget of this worker's stage, MiB")->check(CLI::Range(1, 1 << 24));
+  app.add_option("--backend", opt.backend, "where the stage runs: cpu or cuda")->check(CLI::IsMember({"cpu", "cuda"}));
+  app.add_option("--device", opt.device, "cuda: the GPU to use")->check(CLI::NonNegativeNumber);
+  app.add_option("--dtype", opt.dtype, "cuda: f16 or bf16")->check(CLI::IsMember({"f16", "bf16"}));
+  app.add_option("--gpu-memory-fraction", opt.gpu_memory_fraction,
+                 "cuda: share of the GPU memory left after the weights that the K/V cache takes")
+      ->check(CLI::Range(0.01, 0.99));
   app.add_option("--heartbeat-ms", heartbeat_ms, "heartbeat period")->check(CLI::Range(10, 60000));
   app.add_option("--coordinator-liveness-ms", liveness_ms, "register again after this much silence")
       ->check(CLI::Range(100, 600000));

@@ -72,6 +72,7 @@ class GpuStage {
 
   const ModelConfig& config() const { return config_; }
   DType dtype() const { return options_.dtype; }
+  const std::string& name() const { return options_.name; }
   int64_t layer_begin() const { return layer_begin_; }
   int64_t layer_end() const { return layer_end_; }
   bool has_embedding() const { return layer_begin_ == 0; }

@@ -1,0 +1,47 @@
+// A GpuStage behind model/stage_backend.h, for the stage worker: activations arrive and
+// leave as fp32 host rows (the wire format) and are converted on the GPU; between embed,
+// forward and logits of one micro-batch they stay on the device. Sampling stays on the host
+// (StageExecutor), so a GPU stage draws tokens with the CPU's code from its own logits.
+//
+// Every CUDA failure comes back as a Status naming the stage; nothing throws.
+#pragma once
+
+#include <memory>
+
+#include "kernels/cuda/gpu_stage.h"
+#include "model/stage_backend.h"
+
+namespace conveyor::cuda {
+
+class GpuStageBackend final : public StageBackend {
+ public:
+  // Makes `device` current on the calling thread and builds the stage there.
+  static Expected<std::unique_ptr<GpuStageBackend>> create(const StageWeights& weights, int device,
+                                                           const GpuStageOptions& options);
+
+  const ModelConfig& config() const override { return stage_->config(); }
+  bool has_embedding() const override { return stage_->has_embedding(); }
+  bool has_head() const override { return stage_->has_head(); }
+  Status embed(std::span<const SeqSlice> slices, const int32_t* token_ids, float* hidden) override;
+  Status forward(std::span<const SeqSlice> slices, float* hidden) override;
+  Status logits(std::span<const SeqSlice> slices, const float* hidden, bool all_positions, float* out) override;
+  void free_sequence(uint64_t seq_id) override { stage_->free_sequence(seq_id); }
+  void clear() override;
+  int64_t num_sequences() const override { return stage_->num_sequences(); }
+  int64_t kv_used_tokens() const override { return stage_->kv_capacity_tokens() - stage_->kv_free_tokens(); }
+  int64_t kv_capacity_tokens() const override { return stage_->kv_capacity_tokens(); }
+  int64_t kv_bytes_per_token() const override { return stage_->kv_bytes_per_token(); }
+  std::string describe() const override;
+
+  GpuStage& stage() { return *stage_; }
+
+ private:
+  explicit GpuStageBackend(std::unique_ptr<GpuStage> stage) : stage_(std::move(stage)) {}
+  // Puts `hidden` on the device unless the device copy is the current one.
+  Status ensure_on_device(std::span<const SeqSlice> slices, const float* hidden);
+
+  std::unique_ptr<GpuStage> stage_;
+  bool device_current_ = false;  // the device holds this micro-batch's activations
+};
+
+}  // namespace conveyor::cuda

@@ -1,0 +1,164 @@
+// The GPU backend of the stage worker (kernels/cuda/gpu_stage_backend.h) behind the
+// StageExecutor, against the CPU backend: the demo model split in two stages, three
+// sequences prefilled in one micro-batch and decoded greedily together with activations
+// handed between the stages as fp32 host rows (the wire format). The GPU pipeline must pick
+// the CPU pipeline's token wherever the CPU's top-2 log-prob gap is decisive, and report
+// log-probs close to the CPU's. Errors come back as Status, never as exceptions.
+//
+// Skips cleanly when built without CUDA or run where no GPU is present.
+#include <gtest/gtest.h>
+
+#ifndef CONVEYOR_HAVE_CUDA
+
+TEST(GpuStageBackend, NotBuilt) { GTEST_SKIP() << "built without the CUDA backend"; }
+
+#else
+
+#include <cuda_runtime.h>
+
+#include <cmath>
+
+#include "kernels/cuda/gpu_stage_backend.h"
+#include "model/stage_executor.h"
+#include "model/tokenizer.h"
+#include "model/weights.h"
+#include "tests/test_util.h"
+
+namespace conveyor {
+namespace {
+
+bool have_gpu() {
+  int n = 0;
+  return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
+}
+
+std::string model_dir() { return testing::source_dir() + "/models/brown-gpt2"; }
+
+struct Pipeline {
+  std::vector<std::unique_ptr<StageExecutor>> stages;
+  // Runs one micro-batch through every stage; returns the last stage's result.
+  BatchResult run(const MicroBatch& b) {
+    std::vector<float> hidden;
+    BatchResult r;
+    for (size_t i = 0; i < stages.size(); ++i) {
+      const Status s = stages[i]->run(b, hidden, i + 1 == stages.size() ? &r : nullptr);
+      EXPECT_TRUE(s.ok()) << "stage " << i << ": " << s.message();
+    }
+    return r;
+  }
+};
+
+Pipeline make_pipeline(bool gpu, DType dtype) {
+  Pipeline p;
+  for (auto [b, e] : {std::pair<int64_t, int64_t>{0, 3}, {3, 6}}) {
+    auto w = load_stage_weights(model_dir(), b, e);
+    EXPECT_TRUE(w) << w.error();
+    if (!gpu) {
+      p.stages.push_back(std::make_unique<StageExecutor>(std::move(*w)));
+      continue;
+    }
+    cuda::GpuStageOptions o;
+    o.dtype = dtype;
+    o.name = "stage " + std::to_string(b);
+    o.max_tokens = 256;
+    o.kv_cache_max_bytes = int64_t(64) << 20;
+    auto backend = cuda::GpuStageBackend::create(*w, 0, o);
+    EXPECT_TRUE(backend) << backend.error();
+    p.stages.push_back(std::make_unique<StageExecutor>(std::move(backend).value()));
+  }
+  return p;
+}
+
+class GpuStageBackendTest : public ::testing::TestWithParam<DType> {
+ protected:
+  void SetUp() override {
+    if (!have_gpu()) GTEST_SKIP() << "no CUDA device on this host";
+  }
+};
+
+TEST_P(GpuStageBackendTest, TwoStagePipelineMatchesCpu) {
+  auto tok = Tokenizer::load(model_dir());
+  ASSERT_TRUE(tok) << tok.error();
+  Pipeline cpu = make_pipeline(false, GetParam()), gpu = make_pipeline(true, GetParam());
+  const std::vector<std::string> texts = {"The jury said", "In the morning the old man walked down to the river",
+                                          "Mr. Brown"};
+  std::vector<std::vector<int32_t>> seqs;
+  for (const auto& t : texts) seqs.push_back(tok->encode(t));
+
+  const double tol = GetParam() == DType::F16 ? 0.05 : 0.15;
+  int decisive = 0, agreed = 0;
+  for (int step = 0; step < 24; ++step) {
+    MicroBatch b;
+    b.batch_id = uint64_t(step);
+    for (size_t i = 0; i < seqs.size(); ++i) {
+      SeqWork w;
+      const int32_t start = step == 0 ? 0 : int32_t(seqs[i].size()) - 1;
+      w.slice = {i + 1, start, int32_t(seqs[i].size()) - start};
+      w.prompt_len = int32_t(tok->encode(texts[i]).size());
+      w.sample = true;
+      w.top_logprobs = 2;
+      w.sampling.temperature = 0;
+      b.seqs.push_back(w);
+      b.token_ids.insert(b.token_ids.end(), seqs[i].begin() + start, seqs[i].end());
+    }
+    const BatchResult rc = cpu.run(b), rg = gpu.run(b);
+    ASSERT_EQ(rc.seqs.size(), seqs.size());
+    ASSERT_EQ(rg.seqs.size(), seqs.size());
+    for (size_t i = 0; i < seqs.size(); ++i) {
+      const SeqResult &c = rc.seqs[i], &g = rg.seqs[i];
+      ASSERT_EQ(c.top.size(), 2u);
+      EXPECT_NEAR(g.logprob, c.logprob, tol) << "sequence " << i << " step " << step;
+      if (c.top[0].second - c.top[1].second > 0.1) {
+        ++decisive;
+        agreed += g.token == c.token;
+        EXPECT_EQ(g.token, c.token) << "sequence " << i << " step " << step;
+      }
+      seqs[i].push_back(c.token);  // both continue with the CPU's choice
+    }
+  }
+  EXPECT_GT(decisive, 30);
+  std::cout << "[backend] " << (GetParam() == DType::F16 ? "fp16" : "bf16") << ": " << agreed << " of " << decisive
+            << " decisive steps agree\n";
+  // The GPU stages hold the same sequences as the CPU stages and free them the same way.
+  EXPECT_EQ(gpu.stages[0]->backend().num_sequences(), 3);
+  gpu.stages[0]->free_sequence(1);
+  EXPECT_EQ(gpu.stages[0]->backend().num_sequences(), 2);
+  EXPECT_GT(gpu.stages[1]->backend().kv_used_tokens(), 0);
+  gpu.stages[1]->drop_all();
+  EXPECT_EQ(gpu.stages[1]->backend().kv_used_tokens(), 0);
+}
+
+TEST_P(GpuStageBackendTest, ErrorsAreStatusesAndChangeNothing) {
+  auto w = load_stage_weights(model_dir(), 3, 6);
+  ASSERT_TRUE(w) << w.error();
+  cuda::GpuStageOptions o;
+  o.dtype = GetParam();
+  o.max_tokens = 16;
+  o.kv_cache_max_bytes = int64_t(16) << 20;
+  auto bad_device = cuda::GpuStageBackend::create(*w, 4096, o);
+  ASSERT_FALSE(bad_device);
+  EXPECT_NE(bad_device.error().find("device 4096"), std::string::npos) << bad_device.error();
+  auto b = cuda::GpuStageBackend::create(*w, 0, o);
+  ASSERT_TRUE(b) << b.error();
+  StageBackend& s = **b;
+  std::vector<float> hidden(size_t(32 * 256), 0.01f);
+  const SeqSlice too_long{1, 0, 32};  // more rows than max_tokens
+  Status st = s.forward({&too_long, 1}, hidden.data());
+  EXPECT_FALSE(st.ok());
+  EXPECT_NE(st.message().find("exceeds"), std::string::npos) << st.message();
+  const SeqSlice gap{1, 5, 1};  // starts past the cached length
+  st = s.forward({&gap, 1}, hidden.data());
+  EXPECT_FALSE(st.ok());
+  EXPECT_EQ(s.num_sequences(), 0);
+  const SeqSlice ok{1, 0, 4};
+  EXPECT_TRUE(s.forward({&ok, 1}, hidden.data()).ok());
+  EXPECT_EQ(s.num_sequences(), 1);
+}
+
+INSTANTIATE_TEST_SUITE_P(Dtypes, GpuStageBackendTest, ::testing::Values(DType::F16, DType::BF16),
+                         [](const auto& info) { return std::string(info.param == DType::F16 ? "F16" : "BF16"); });
+
+}  // namespace
+}  // namespace conveyor
+
+#endif
