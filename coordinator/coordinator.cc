@@ -48,6 +48,10 @@ struct WorkerInfo {
 
 struct Request;
 
+// Times a sequence's micro-batches may fail on a stage (each failure replays its pipeline)
+// before the request is failed.
+constexpr int kMaxFailedBatches = 3;
+
 struct Sequence {
   uint64_t id = 0;
   Request* request = nullptr;
@@ -61,6 +65,7 @@ struct Sequence {
   std::unique_ptr<TextStream> text;
   std::vector<TokenOut> prompt_lp;  // echo + logprobs: entry 0 is the first prompt token (NaN)
   bool prompt_lp_sent = false;
+  int failed_batches = 0;    // micro-batches of it that a stage could not run or hand on
 
   size_t generated() const { return all.size() - prompt_len; }
 };
@@ -86,6 +91,7 @@ struct Pipeline {
   uint32_t epoch = 1;
   std::vector<std::string> workers;  // per stage; "" = unfilled
   PeerId first_peer = transport::kNoPeer, last_peer = transport::kNoPeer;
+  std::vector<std::byte> first_address, last_address;  // whom first_peer / last_peer reach
   bool wired = false;
   int in_flight = 0;
   std::vector<uint64_t> pending_frees;
@@ -195,17 +201,19 @@ struct Coordinator::Impl {
     wire(p);
   }
 
+  // Connects the first and last stages, keeping endpoints to workers that keep their place
+  // (transport::keep_or_connect), so one repair does not cascade into the next.
   void wire(Pipeline& p) {
-    for (PeerId* peer : {&p.first_peer, &p.last_peer})
-      if (*peer != transport::kNoPeer) (void)channel->disconnect(*peer), *peer = transport::kNoPeer;
     p.wired = false;
-    auto first = channel->connect(workers.at(p.workers.front()).data_address, p.workers.front());
-    auto last = channel->connect(workers.at(p.workers.back()).data_address, p.workers.back());
-    if (!first || !last) {
-      p.down_reason = "cannot connect the data plane: " + (first ? last.error() : first.error());
+    auto rewire = [&](PeerId& peer, std::vector<std::byte>& current, const std::string& name) {
+      return transport::keep_or_connect(*channel, peer, current, workers.at(name).data_address, name);
+    };
+    Status s = rewire(p.first_peer, p.first_address, p.workers.front());
+    if (s) s = rewire(p.last_peer, p.last_address, p.workers.back());
+    if (!s) {
+      p.down_reason = "cannot connect the data plane: " + s.message();
       return;
     }
-    p.first_peer = *first, p.last_peer = *last;
     p.wired = true;
   }
 
@@ -546,14 +554,27 @@ struct Coordinator::Impl {
     p.batches.erase(bit);
     --p.in_flight;
     if (!res.error.empty()) {
-      spdlog::error("coordinator: batch {} failed: {}", res.batch_id, res.error);
+      // A stage could not run or hand on the batch (most often: its neighbour went away).
+      // The pipeline restarts in a new epoch and replays every sequence; a sequence whose
+      // batches keep failing (an error that a replay cannot cure) is failed with the message.
+      spdlog::warn("coordinator: pipeline {} batch {} failed: {}", p.index, res.batch_id, res.error);
+      bool replay = false;
       for (uint64_t id : rec.seq_ids) {
         auto it = seqs.find(id);
-        if (it != seqs.end() && !it->second.request->failed) {
-          Request& r = *it->second.request;
-          r.failed = true;
-          finish_request(r, "the pipeline failed this request: " + res.error);
+        if (it == seqs.end() || it->second.finished || it->second.request->failed) continue;
+        if (++it->second.failed_batches <= kMaxFailedBatches) {
+          replay = true;
+          continue;
         }
+        Request& r = *it->second.request;
+        r.failed = true;
+        finish_request(r, "the pipeline failed this request " + std::to_string(kMaxFailedBatches + 1) +
+                              " times: " + res.error);
+      }
+      if (replay) {
+        p.down_reason = "replaying after: " + res.error;
+        restart_pipeline(p);
+        send_assignments(p);  // every stage learns the new epoch, drops its cache, re-wires
       }
       return;
     }

@@ -99,10 +99,13 @@ struct Worker::Impl {
   int exit_code = -1;
 
   // The stage: written by the loader, read by compute; guarded by stage_mu.
+  std::mutex run_mu;    // the executor is used by one thread at a time: taken before stage_mu
   std::mutex stage_mu;
+  std::atomic<int64_t> kv_used_stat{0}, kv_capacity_stat{0}, sequences_stat{0};
   std::optional<Assignment> assignment;      // what is loaded (or loading)
   std::shared_ptr<StageExecutor> executor;   // null until loaded
   PeerId next_peer = transport::kNoPeer, prev_peer = transport::kNoPeer, coord_peer = transport::kNoPeer;
+  std::vector<std::byte> next_address, prev_address, coord_address;  // whom those peers reach
   std::string state = "idle";                // idle | loading | ready | draining
   double load_fraction = 0;
 
@@ -148,11 +151,10 @@ struct Worker::Impl {
       std::lock_guard lk(stage_mu);
       body["state"] = state;
       body["load_fraction"] = load_fraction;
-      if (executor) {
-        StageBackend& st = executor->backend();
-        body["kv_used_tokens"] = st.kv_used_tokens();
-        body["kv_capacity_tokens"] = kv_capacity_tokens(st);
-        body["sequences"] = st.num_sequences();
+      if (executor) {  // figures the compute thread publishes: the executor is its alone
+        body["kv_used_tokens"] = kv_used_stat.load();
+        body["kv_capacity_tokens"] = kv_capacity_stat.load();
+        body["sequences"] = sequences_stat.load();
       }
     }
     send(ControlMessage::make("heartbeat", body));
@@ -160,20 +162,18 @@ struct Worker::Impl {
   }
 
   // Connects the data-plane peers of an assignment (under stage_mu).
+  // Endpoints to peers that keep their place are kept (transport::keep_or_connect).
   Status wire(const Assignment& a) {
-    for (PeerId* p : {&next_peer, &prev_peer, &coord_peer})
-      if (*p != transport::kNoPeer) (void)channel->disconnect(*p), *p = transport::kNoPeer;
-    auto connect = [&](const std::vector<std::byte>& addr, const std::string& name, PeerId& out) -> Status {
-      if (addr.empty()) return ok_status();
-      auto p = channel->connect(addr, name);
-      if (!p) return p.status();
-      out = *p;
-      return ok_status();
+    auto rewire = [&](const std::vector<std::byte>& addr, const std::string& name, PeerId& peer,
+                      std::vector<std::byte>& current) {
+      return transport::keep_or_connect(*channel, peer, current, addr, name);
     };
-    if (Status s = connect(a.next, "stage" + std::to_string(a.stage + 1), next_peer); !s) return s;
-    if (Status s = connect(a.prev, a.stage == 0 ? "coordinator" : "stage" + std::to_string(a.stage - 1), prev_peer); !s)
+    if (Status s = rewire(a.next, "stage" + std::to_string(a.stage + 1), next_peer, next_address); !s) return s;
+    if (Status s = rewire(a.prev, a.stage == 0 ? "coordinator" : "stage" + std::to_string(a.stage - 1), prev_peer,
+                          prev_address);
+        !s)
       return s;
-    return connect(a.coordinator, "coordinator", coord_peer);
+    return rewire(a.coordinator, "coordinator", coord_peer, coord_address);
   }
 
   void on_assign(const json& body) {
@@ -192,13 +192,14 @@ struct Worker::Impl {
     }
     if (loader.joinable()) loader.join();
     if (reuse) {
-      std::lock_guard lk(stage_mu);
+      std::scoped_lock lk(run_mu, stage_mu);  // no micro-batch is running while the cache goes
       executor->drop_all();
+      publish_stats();
+      assignment = *a;
       if (Status s = wire(*a); !s) {
-        send(ControlMessage::make("load_failed", {{"error", s.message()}}));
+        report_wiring_failure(*a, s);
         return;
       }
-      assignment = *a;
       state = "ready";
       send_ready(0, 0);
       return;
@@ -239,7 +240,24 @@ struct Worker::Impl {
 #endif
   }
 
+  // A neighbour could not be reached (most often it has just died). That is not this
+  // worker's failure: it keeps its layers and does not confirm the epoch, so the pipeline
+  // stays down until the coordinator, having found the dead neighbour, assigns again.
+  void report_wiring_failure(const Assignment& a, const Status& s) {
+    spdlog::warn("{}: cannot wire epoch {}: {}", opt.name, a.epoch, s.message());
+    send(ControlMessage::make("data_error", {{"error", "wiring: " + s.message()}, {"epoch", a.epoch}}));
+  }
+
+  // Under run_mu, or while no compute thread runs.
+  void publish_stats() {
+    StageBackend& st = executor->backend();
+    kv_used_stat = st.kv_used_tokens();
+    kv_capacity_stat = kv_capacity_tokens(st);
+    sequences_stat = st.num_sequences();
+  }
+
   void send_ready(double seconds, int64_t bytes) {  // under stage_mu
+    publish_stats();
     const int64_t per_token = executor->backend().kv_bytes_per_token();
     send(ControlMessage::make(
         "ready", {{"epoch", assignment->epoch}, {"pipeline", assignment->pipeline}, {"stage", assignment->stage},
@@ -286,7 +304,8 @@ struct Worker::Impl {
     }
     executor = std::make_shared<StageExecutor>(std::move(backend).value());
     if (Status s = wire(a); !s) {
-      send(ControlMessage::make("load_failed", {{"error", s.message()}}));
+      state = "ready";  // the layers are loaded and kept; the next assignment re-wires
+      report_wiring_failure(a, s);
       return;
     }
     state = "ready";
@@ -322,6 +341,8 @@ struct Worker::Impl {
       std::shared_ptr<StageExecutor> ex;
       Assignment a;
       PeerId next, coord;
+      // Held until the batch has been handed on: a re-assignment waits for it.
+      std::unique_lock run_lock(run_mu);
       {
         std::lock_guard lk(stage_mu);
         if (!executor || state != "ready") continue;
@@ -344,6 +365,7 @@ struct Worker::Impl {
       const auto dt = Clock::now() - t0;
       busy_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(dt).count();
       ++batches;
+      publish_stats();
       if (!s) {
         result.error = opt.name + " (stage " + std::to_string(a.stage) + "): " + s.message();
         send_result(coord, result);
@@ -356,6 +378,10 @@ struct Worker::Impl {
         Status sent = channel->send(next, msg.header, {hidden.data(), hidden.size() * sizeof(float)},
                                     std::chrono::milliseconds(10000));
         if (!sent) {
+          {
+            std::lock_guard lk(stage_mu);
+            if (next_peer == next) next_address.clear();  // the next wiring connects afresh
+          }
           send(ControlMessage::make("data_error", {{"error", sent.message()}, {"peer", "next"}}));
           result.error = opt.name + ": could not hand batch to the next stage: " + sent.message();
           send_result(coord, result);

@@ -1,5 +1,7 @@
 #include "transport/channel.h"
 
+#include <algorithm>
+
 #include <bit>
 #include <cstdlib>
 #include <cstring>
@@ -87,6 +89,19 @@ std::uint32_t random_channel_id() {
   std::uint32_t id = 0;
   while (id == 0) id = rng();
   return id;
+}
+
+Status keep_or_connect(Channel& channel, PeerId& peer, std::vector<std::byte>& current,
+                       std::span<const std::byte> address, const std::string& name) {
+  if (peer != kNoPeer && std::ranges::equal(current, address) && channel.peer_status(peer).ok()) return ok_status();
+  if (peer != kNoPeer) (void)channel.disconnect(peer), peer = kNoPeer;
+  current.clear();
+  if (address.empty()) return ok_status();
+  auto p = channel.connect(address, name);
+  if (!p) return p.status();
+  peer = *p;
+  current.assign(address.begin(), address.end());
+  return ok_status();
 }
 
 }  // namespace conveyor::transport

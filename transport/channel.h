@@ -121,4 +121,12 @@ inline std::string_view as_string_view(std::span<const std::byte> b) {
   return {reinterpret_cast<const char*>(b.data()), b.size()};
 }
 
+// Points `peer` at `address` (named `name`): an endpoint that already reaches that address
+// and has not failed is kept, since closing it would reset the remote side's paired
+// endpoint, which the remote would report as a failure; otherwise the old endpoint is
+// closed and a new one made. An empty address leaves no endpoint. `current` is the address
+// `peer` reaches (kept by the caller beside it).
+Status keep_or_connect(Channel& channel, PeerId& peer, std::vector<std::byte>& current,
+                       std::span<const std::byte> address, const std::string& name);
+
 }  // namespace conveyor::transport

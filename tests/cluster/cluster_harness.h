@@ -1,0 +1,280 @@
+// The harness of the cluster tests: a real coordinator and real workers on loopback, torn
+// down whatever happens; the single-process engine as the reference; and a mixed load of
+// requests (text and token-id prompts, greedy and seeded sampling, stop strings, streaming
+// and not) whose every answer must be token-identical to the engine's.
+#pragma once
+
+#include <atomic>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <mutex>
+#include <random>
+#include <sstream>
+#include <thread>
+
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include "coordinator/http_client.h"
+#include "coordinator/text_stream.h"
+#include "model/engine.h"
+#include "model/tokenizer.h"
+#include "model/weights.h"
+#include "tests/process_util.h"
+#include "tests/test_util.h"
+
+namespace conveyor::cluster_test {
+
+using json = nlohmann::json;
+namespace fs = std::filesystem;
+using testing::ChildProcess;
+
+inline std::string bin(const std::string& name) { return std::string(CONVEYOR_BINARY_DIR) + "/bin/" + name; }
+inline std::string model_dir() { return testing::source_dir() + "/models/brown-gpt2"; }
+
+inline fs::path temp_dir(const std::string& tag) {
+  fs::path d = fs::temp_directory_path() / ("conveyor-test-" + tag + "-" + std::to_string(::getpid()));
+  fs::remove_all(d);
+  fs::create_directories(d);
+  return d;
+}
+
+// A coordinator and its workers, torn down whatever happens.
+struct Cluster {
+  fs::path dir;
+  std::unique_ptr<ChildProcess> coordinator;
+  std::vector<std::unique_ptr<ChildProcess>> workers;
+  int http_port = 0, control_port = 0;
+  std::string token = "test-token";
+  std::string api_key;  // set before start(): the coordinator requires it
+
+  // Starts the coordinator from `yaml_extra` (appended to a base config) and `n_workers`
+  // workers; returns false (with a message) when it does not come up.
+  ::testing::AssertionResult start(const std::string& tag, int stages, int n_workers, const std::string& yaml_extra = "") {
+    dir = temp_dir(tag);
+    std::ofstream(dir / "cluster.yaml") << "model: {path: \"" << model_dir() << "\"}\n"
+                                        << "http: {host: 127.0.0.1, port: 0" << (api_key.empty() ? "" : ", api_key: " + api_key) << "}\n"
+                                        << "control: {host: 127.0.0.1, port: 0, join_token: " << token << "}\n"
+                                        << "pipeline: {stages: " << stages << "}\n"
+                                        << yaml_extra;
+    coordinator = std::make_unique<ChildProcess>(
+        std::vector<std::string>{bin("conveyor-coordinator"), "--config", (dir / "cluster.yaml").string()},
+        (dir / "coordinator.log").string());
+    const std::string line = coordinator->read_line_matching("listening on", std::chrono::seconds(30));
+    if (std::sscanf(line.c_str(), "conveyor-coordinator: listening on http://127.0.0.1:%d (control tcp://127.0.0.1:%d)",
+                    &http_port, &control_port) != 2)
+      return ::testing::AssertionFailure() << "coordinator did not start: " << read(dir / "coordinator.log");
+    for (int i = 0; i < n_workers; ++i) add_worker("w" + std::to_string(i), token);
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+    while (std::chrono::steady_clock::now() < deadline) {
+      auto r = get("/health");
+      if (r.ok() && r->status == 200) return ::testing::AssertionSuccess();
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+    return ::testing::AssertionFailure() << "cluster not healthy: " << read(dir / "coordinator.log");
+  }
+
+  ChildProcess& add_worker(const std::string& name, const std::string& join_token) {
+    workers.push_back(std::make_unique<ChildProcess>(
+        std::vector<std::string>{bin("conveyor-worker"), "--coordinator", "127.0.0.1:" + std::to_string(control_port),
+                                 "--name", name, "--join-token", join_token, "--kv-cache-mb", "64"},
+        (dir / (name + ".log")).string()));
+    return *workers.back();
+  }
+
+  Expected<HttpResponse> get(const std::string& target) {
+    HttpRequest r;
+    r.target = target;
+    r.timeout = std::chrono::seconds(5);
+    return http_call("127.0.0.1", http_port, r);
+  }
+  Expected<HttpResponse> post(const std::string& target, const json& body, std::function<void(std::string_view)> on_body = {},
+                              std::vector<std::pair<std::string, std::string>> headers = {}) {
+    HttpRequest r;
+    r.method = "POST";
+    r.target = target;
+    r.body = body.dump();
+    r.on_body = std::move(on_body);
+    r.headers = std::move(headers);
+    r.timeout = std::chrono::seconds(120);
+    return http_call("127.0.0.1", http_port, r);
+  }
+
+  static std::string read(const fs::path& p) {
+    std::ifstream in(p);
+    std::stringstream ss;
+    ss << in.rdbuf();
+    return ss.str();
+  }
+
+  ~Cluster() {
+    for (auto& w : workers) w->stop(std::chrono::milliseconds(3000));
+    if (coordinator) coordinator->stop(std::chrono::milliseconds(3000));
+    if (!dir.empty() && !::testing::Test::HasFailure()) fs::remove_all(dir);
+  }
+};
+
+// What the single-process engine says a request must produce.
+struct Expected_ {
+  std::vector<int32_t> tokens;
+  std::string text;
+  std::string finish;
+};
+
+struct Reference {
+  Tokenizer tokenizer = Tokenizer::load(model_dir()).value();
+  Engine engine{load_stage_weights(model_dir(), 0, 6).value()};
+  std::mutex mu;
+
+  Expected_ run(const std::vector<int32_t>& prompt, int max_tokens, const SamplingParams& sp,
+                const std::vector<std::string>& stop) {
+    std::lock_guard lk(mu);
+    GenerationRequest g;
+    g.prompt = prompt;
+    g.max_new_tokens = max_tokens;
+    g.sampling = sp;
+    auto out = engine.generate({g});
+    EXPECT_TRUE(out.ok()) << out.error();
+    const GenerationResult& r = (*out)[0];
+    Expected_ e;
+    e.finish = r.finish_reason;
+    TextStream ts(tokenizer, stop);
+    const int32_t eos = int32_t(engine.config().eos_token_id);
+    for (size_t i = 0; i < r.tokens.size(); ++i) {
+      const int32_t t = r.tokens[i];
+      e.tokens.push_back(t);
+      if (t == eos && i + 1 == r.tokens.size() && r.finish_reason == "stop") break;
+      e.text += ts.push(t);
+      if (ts.stopped()) {
+        e.finish = "stop";
+        break;
+      }
+    }
+    e.text += ts.flush();
+    return e;
+  }
+};
+
+inline const char* kSentences[] = {
+    "The jury said",
+    "In the morning the old man walked down to the river, where",
+    "It was a time of great change in the country, and",
+    "\"I don't know,\" she said.",
+    "The committee will meet again next week to consider the proposal, which has been",
+    "Mr. Brown",
+};
+
+
+struct Case {
+  json body;
+  std::vector<int32_t> prompt;
+  Expected_ expect;
+};
+
+// n requests drawn from `seed`, each with the engine's answer.
+inline std::vector<Case> make_cases(Reference& ref, int n, uint32_t seed) {
+  std::vector<Case> cases(static_cast<size_t>(n));
+  std::mt19937 rng(seed);
+  for (int i = 0; i < n; ++i) {
+    Case& c = cases[size_t(i)];
+    json b;
+    if (i % 4 == 0) {  // token-id prompt, up to 180 tokens (longer than a prefill chunk)
+      const int n = 1 + int(rng() % 180);
+      for (int k = 0; k < n; ++k) c.prompt.push_back(int32_t(1 + rng() % 4095));
+      b["prompt"] = c.prompt;
+    } else {
+      std::string text = kSentences[size_t(i) % std::size(kSentences)];
+      if (i % 5 == 1)
+        for (int k = 0; k < 6; ++k) text += std::string(" ") + kSentences[size_t(k)];
+      c.prompt = ref.tokenizer.encode(text);
+      b["prompt"] = text;
+    }
+    const int max_tokens = 8 + i % 24;
+    SamplingParams sp;
+    if (i % 3 == 0) {
+      sp.temperature = 0;
+    } else {
+      sp.temperature = 0.9f;
+      if (i % 2) sp.top_k = 40;
+      if (i % 5 == 0) sp.top_p = 0.95f;
+    }
+    sp.seed = 1000 + uint64_t(i);
+    sp.stop_token_ids.push_back(0);  // eos, as the server adds it
+    std::vector<std::string> stop;
+    if (i % 7 == 0) stop = {" the", "."};
+    b["max_tokens"] = max_tokens;
+    b["temperature"] = sp.temperature;
+    if (sp.top_k) b["top_k"] = sp.top_k;
+    if (sp.top_p < 1) b["top_p"] = sp.top_p;
+    b["seed"] = sp.seed;
+    if (!stop.empty()) b["stop"] = stop;
+    b["stream"] = (i % 2 == 1);
+    b["return_token_ids"] = true;
+    c.body = b;
+    c.expect = ref.run(c.prompt, max_tokens, sp, stop);
+  }
+
+  return cases;
+}
+
+// Sends every case from `clients` threads; returns one line per answer that is not the
+// engine's (or did not come).
+inline std::vector<std::string> run_cases(Cluster& cluster, std::vector<Case>& cases, int clients) {
+  std::atomic<int> next{0};
+  std::mutex fail_mu;
+  std::vector<std::string> failures;
+  auto client = [&] {
+    for (int i; (i = next++) < int(cases.size());) {
+      Case& c = cases[size_t(i)];
+      std::vector<int32_t> ids;
+      std::string text, finish;
+      std::string err;
+      if (c.body["stream"].get<bool>()) {
+        bool done = false;
+        SseParser sse([&](std::string_view data) {
+          if (data == "[DONE]") {
+            done = true;
+            return;
+          }
+          const json chunk = json::parse(data);
+          for (const auto& ch : chunk.at("choices")) {
+            text += ch.value("text", std::string());
+            if (ch.contains("token_ids"))
+              for (int32_t t : ch["token_ids"]) ids.push_back(t);
+            if (!ch["finish_reason"].is_null()) finish = ch["finish_reason"];
+          }
+        });
+        auto r = cluster.post("/v1/completions", c.body, [&](std::string_view b) { sse.feed(b); });
+        if (!r || r->status != 200) err = r ? "HTTP " + std::to_string(r->status) : r.error();
+        else if (!done) err = "stream ended without [DONE]";
+      } else {
+        auto r = cluster.post("/v1/completions", c.body);
+        if (!r || r->status != 200) {
+          err = r ? "HTTP " + std::to_string(r->status) + " " + r->body : r.error();
+        } else {
+          const json j = json::parse(r->body);
+          const json& ch = j.at("choices").at(0);
+          text = ch.at("text");
+          ids = ch.at("token_ids").get<std::vector<int32_t>>();
+          finish = ch.at("finish_reason");
+        }
+      }
+      std::string why;
+      if (!err.empty()) why = err;
+      else if (ids != c.expect.tokens) why = "token ids differ";
+      else if (text != c.expect.text) why = "text differs: got \"" + text + "\" want \"" + c.expect.text + "\"";
+      else if (finish != c.expect.finish) why = "finish_reason " + finish + " want " + c.expect.finish;
+      if (!why.empty()) {
+        std::lock_guard lk(fail_mu);
+        failures.push_back("request " + std::to_string(i) + " " + c.body.dump().substr(0, 200) + ": " + why);
+      }
+    }
+  };
+  std::vector<std::thread> threads;
+  for (int t = 0; t < clients; ++t) threads.emplace_back(client);
+  for (auto& t : threads) t.join();
+  return failures;
+}
+
+}  // namespace conveyor::cluster_test
