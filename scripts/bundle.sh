@@ -46,13 +46,22 @@ for f in "$BUILD_DIR"/bin/* "$BUILD_DIR"/tests/test_*; do
   strip --strip-debug "$dest"
   copy_deps "$f"
 done
+# UCX loads its transports (tcp, shared memory, verbs...) as modules from the folder "ucx"
+# beside libucs; a module whose own libraries the node lacks is skipped by UCX.
+UCX_MODULES="$(pkg-config --variable=libdir ucx 2>/dev/null)/ucx"
+if [[ -d "$UCX_MODULES" && -e "$STAGE/lib/libucs.so.0" ]]; then
+  mkdir -p "$STAGE/lib/ucx"
+  cp -L "$UCX_MODULES"/*.so* "$STAGE/lib/ucx/" 2>/dev/null || true
+fi
 CUDA_RPATH='/usr/local/cuda/lib64:/usr/local/cuda/targets/x86_64-linux/lib'
 for f in "$STAGE"/bin/* "$STAGE"/tests/*; do
   patchelf --set-rpath "\$ORIGIN/../lib:$CUDA_RPATH" "$f"
 done
-for f in "$STAGE"/lib/*; do
+for f in "$STAGE"/lib/*.so* "$STAGE"/lib/ucx/*.so*; do
+  [[ -f "$f" ]] || continue
+  chmod u+w "$f"
   strip --strip-unneeded "$f" 2>/dev/null || true
-  patchelf --set-rpath '$ORIGIN' "$f"
+  patchelf --set-rpath '$ORIGIN:$ORIGIN/..' "$f"
 done
 mkdir -p "$(dirname "$OUT")"
 tar -C "$STAGE" -cf - bin tests lib | xz -T0 -6 > "$OUT"
