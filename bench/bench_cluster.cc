@@ -8,6 +8,12 @@
 //     requests, one at a time: the added latency per request is the coordinator, HTTP and
 //     transport cost. Also requests/s with --concurrency clients.
 //
+//   --recovery: a cluster of --stages stages and one spare under a steady streaming load;
+//     a serving worker (the last stage) is killed with SIGKILL and the pause every stream
+//     sees is measured: from the kill to each stream's next token (the longest and the
+//     median), with the replacement's weight-loading time reported beside it, so the
+//     recovery time both with and without loading can be read. Every request must still
+//     complete.
 //   --random L,C,H: instead of --model's weights, random weights of that shape (L layers,
 //     width C, H heads) with --model's tokenizer and vocabulary, written to a temporary
 //     checkpoint (e.g. a 1-layer model for --overhead, or a shape whose stages balance).
@@ -15,6 +21,7 @@
 //   conveyor-bench-cluster --model models/brown-gpt2 --stages 3 --requests 96 --concurrency 32
 //   conveyor-bench-cluster --overhead --random 1,256,4
 #include <algorithm>
+#include <csignal>
 #include <atomic>
 #include <chrono>
 #include <cstdio>
@@ -45,12 +52,13 @@ struct LocalCluster {
   std::unique_ptr<testing::ChildProcess> proc;
   int port = 0;
   std::string backend = "cpu";
+  int spares = 0;
   bool start(const std::string& bin_dir, const std::string& model, int stages, int in_flight) {
     const std::string logs = (std::filesystem::temp_directory_path() / ("conveyor-bench-" + std::to_string(::getpid()))).string();
     std::vector<std::string> argv = {bin_dir + "/conveyor", "local", "--model", model, "--stages", std::to_string(stages),
                                      "--port", "0", "--log-dir", logs};
     if (in_flight > 0) argv.insert(argv.end(), {"--in-flight", std::to_string(in_flight)});
-    argv.insert(argv.end(), {"--backend", backend});
+    argv.insert(argv.end(), {"--backend", backend, "--spares", std::to_string(spares)});
     proc = std::make_unique<testing::ChildProcess>(argv);
     const std::string line = proc->read_line_matching("ready at", std::chrono::seconds(120));
     return std::sscanf(line.c_str(), "conveyor local: ready at http://127.0.0.1:%d", &port) == 1;
@@ -96,12 +104,101 @@ Expected<std::string> random_checkpoint(const std::string& model, const std::str
   return dir.string();
 }
 
+json cluster_info(int port) {
+  HttpRequest r;
+  r.target = "/v1/cluster";
+  auto resp = http_call("127.0.0.1", port, r);
+  return resp && resp->status == 200 ? json::parse(resp->body) : json::object();
+}
+
+// The --recovery mode (see the top of the file).
+int recovery(const std::string& bin_dir, const std::string& model, const std::string& backend, int stages,
+             int concurrency) {
+  LocalCluster cluster;
+  cluster.backend = backend;
+  cluster.spares = 1;
+  if (!cluster.start(bin_dir, model, stages, 0)) {
+    std::fprintf(stderr, "the cluster did not start\n");
+    return 1;
+  }
+  {
+    std::mutex mu;
+    std::vector<Clock::time_point> last_token(static_cast<size_t>(concurrency), Clock::now());
+    std::vector<double> pause(static_cast<size_t>(concurrency), 0);
+    std::atomic<bool> killed{false}, stop{false};
+    Clock::time_point kill_time;
+    std::atomic<int> failed{0};
+    std::vector<std::thread> clients;
+    for (int c = 0; c < concurrency; ++c)
+      clients.emplace_back([&, c] {
+        while (!stop) {
+          HttpRequest r;
+          r.method = "POST";
+          r.target = "/v1/completions";
+          r.body = json{{"prompt", "The jury said"}, {"max_tokens", 200}, {"temperature", 0}, {"stream", true},
+                        {"ignore_eos", true}, {"seed", c}}.dump();
+          r.timeout = std::chrono::minutes(5);
+          r.on_body = [&](std::string_view) {
+            const auto now = Clock::now();
+            std::lock_guard lk(mu);
+            if (killed && now > kill_time && pause[size_t(c)] == 0)
+              pause[size_t(c)] = std::chrono::duration<double>(now - kill_time).count();
+            last_token[size_t(c)] = now;
+          };
+          auto resp = http_call("127.0.0.1", cluster.port, r);
+          if (!resp || resp->status != 200) ++failed;
+        }
+      });
+    std::this_thread::sleep_for(std::chrono::seconds(2));  // steady state
+    const json info = cluster_info(cluster.port);
+    int victim = -1;
+    std::string victim_name;
+    for (const auto& w : info.value("workers", json::array()))
+      if (w.value("stage", -1) == stages - 1 && w.value("state", std::string()) == "ready")
+        victim = w.value("pid", -1), victim_name = w.value("name", std::string());
+    if (victim <= 0) {
+      std::fprintf(stderr, "no serving last stage found\n");
+      stop = true;
+      for (auto& t : clients) t.join();
+      return 1;
+    }
+    {
+      std::lock_guard lk(mu);
+      kill_time = Clock::now();
+      killed = true;
+    }
+    ::kill(victim, SIGKILL);
+    // Until every stream has had its next token (or 120 s).
+    const auto deadline = Clock::now() + std::chrono::seconds(120);
+    for (bool all = false; !all && Clock::now() < deadline;) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+      std::lock_guard lk(mu);
+      all = std::all_of(pause.begin(), pause.end(), [](double p) { return p > 0; });
+    }
+    stop = true;
+    for (auto& t : clients) t.join();
+    double load_s = 0;
+    for (const auto& w : cluster_info(cluster.port).value("workers", json::array()))
+      if (w.value("stage", -1) == stages - 1) load_s = w.value("load_seconds", 0.0);
+    std::vector<double> p = pause;
+    std::sort(p.begin(), p.end());
+    std::printf("%s, %d stages + 1 spare, %d streams: killed %s (last stage); pause to the next token: "
+                "median %.3f s, longest %.3f s; the replacement loaded its layers in %.3f s "
+                "(longest pause without loading: %.3f s); %d requests failed\n",
+                backend.c_str(), stages, concurrency, victim_name.c_str(), p[p.size() / 2], p.back(), load_s,
+                p.back() - load_s, failed.load());
+    if (failed) return 1;
+  }
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   std::string model = "models/brown-gpt2";
   int stages = 3, requests = 96, concurrency = 32, max_tokens = 48, in_flight = 0;
   std::string random_shape, backend = "cpu";
+  bool recovery_mode = false;
   bool overhead = false;
   CLI::App app{"conveyor-bench-cluster: the cluster through its REST API"};
   app.add_option("--model", model, "checkpoint directory");
@@ -112,6 +209,7 @@ int main(int argc, char** argv) {
   app.add_option("--in-flight", in_flight, "micro-batches in flight (0: = stages)");
   app.add_option("--backend", backend, "the workers' backend: cpu or cuda (one GPU)");
   app.add_option("--random", random_shape, "random weights of shape L,C,H with --model's vocabulary");
+  app.add_flag("--recovery", recovery_mode, "kill the last stage under a streaming load and measure the pause");
   app.add_flag("--overhead", overhead, "measure the coordinator's added latency against the in-process engine");
   CLI11_PARSE(app, argc, argv);
   const std::string bin_dir = std::filesystem::canonical("/proc/self/exe").parent_path().string();
@@ -133,6 +231,7 @@ int main(int argc, char** argv) {
     }
   } remove_random{random_dir};
 
+  if (recovery_mode) return recovery(bin_dir, model, backend, stages, concurrency);
   if (overhead) {
     if (backend != "cpu") {
       std::fprintf(stderr, "--overhead compares with the in-process CPU engine: use --backend cpu\n");

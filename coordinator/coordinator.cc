@@ -39,6 +39,7 @@ struct WorkerInfo {
   std::pair<int64_t, int64_t> layers{0, 0};
   double load_fraction = 0;
   int64_t load_bytes_done = 0, load_bytes_total = 0;
+  double load_seconds = 0;  // of its last load (0 when it kept its layers)
   double busy_fraction = 0;
   int64_t kv_used_tokens = 0, kv_capacity_tokens = 0, sequences = 0;
   json holding;  // what a re-registering worker says it still has loaded
@@ -327,6 +328,7 @@ struct Coordinator::Impl {
       w.state = "ready";
       w.load_fraction = 1;
       w.kv_capacity_tokens = b.value("kv_capacity_tokens", int64_t(0));
+      w.load_seconds = b.value("load_seconds", 0.0);
       spdlog::info("coordinator: {} ready (stage {}, {:.2f} s)", peer, w.stage, b.value("load_seconds", 0.0));
       work_cv.notify_all();
     } else if (type == "load_failed") {
@@ -670,7 +672,7 @@ struct Coordinator::Impl {
                 {"state", w.state == "joined" ? "spare" : w.state}, {"busy_fraction", w.busy_fraction},
                 {"kv_used_tokens", w.kv_used_tokens}, {"kv_capacity_tokens", w.kv_capacity_tokens},
                 {"load_progress", w.load_fraction}, {"load_bytes_done", w.load_bytes_done},
-                {"load_bytes_total", w.load_bytes_total}};
+                {"load_bytes_total", w.load_bytes_total}, {"load_seconds", w.load_seconds}};
       if (w.stage >= 0) {
         e["pipeline"] = w.pipeline;
         e["stage"] = w.stage;
