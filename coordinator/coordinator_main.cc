@@ -10,6 +10,7 @@
 #include <spdlog/sinks/stdout_color_sinks.h>
 #include <spdlog/spdlog.h>
 
+#include "common/service.h"
 #include "coordinator/cluster_config.h"
 #include "coordinator/coordinator.h"
 #include "coordinator/http_server.h"
@@ -64,7 +65,13 @@ int main(int argc, char** argv) {
   std::signal(SIGTERM, on_signal);
   std::cout << "conveyor-coordinator: listening on http://" << cfg->http_host << ":" << (*http)->port()
             << " (control tcp://" << cfg->control_host << ":" << c->control_port() << ")" << std::endl;
-  while (!g_stop) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  conveyor::service::ready("serving " + cfg->model_name + " on http://" + cfg->http_host + ":" +
+                           std::to_string((*http)->port()));
+  while (!g_stop) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    conveyor::service::watchdog_tick();
+  }
+  conveyor::service::stopping();
   spdlog::info("coordinator: shutting down");
   (*http)->stop();
   c->stop();

@@ -15,7 +15,7 @@ PACKAGES=(
   libyaml-cpp-dev libzmq3-dev cppzmq-dev libucx-dev libboost-dev
   nlohmann-json3-dev libspdlog-dev libcli11-dev libopenblas-dev
   libgtest-dev libgmock-dev libbenchmark-dev libsystemd-dev
-  python3 patchelf
+  python3 patchelf systemd
 )
 # Node.js and npm run the reference tokenizer; a Node.js from elsewhere (one that bundles
 # npm, whose package then conflicts with Debian's npm) is fine.

@@ -9,6 +9,7 @@
 
 #include <spdlog/spdlog.h>
 
+#include "common/service.h"
 #include "model/microbatch.h"
 #include "model/stage_executor.h"
 #include "model/weights.h"
@@ -401,6 +402,7 @@ struct Worker::Impl {
     const std::string type = m.type();
     if (type == "welcome") {
       welcomed = true;
+      service::ready("joined " + opt.coordinator + " as " + opt.name);
       spdlog::info("{}: joined the coordinator", opt.name);
     } else if (type == "rejected") {
       spdlog::error("{}: the coordinator refused this worker: {}", opt.name, m.body.value("reason", std::string("?")));
@@ -433,7 +435,9 @@ struct Worker::Impl {
       }
       if (!welcomed && now - last_register > std::chrono::seconds(1)) send_register();
       if (welcomed && now - last_heartbeat > opt.heartbeat_interval) send_heartbeat();
+      service::watchdog_tick();
     }
+    service::stopping();
     if (exit_code < 0) {  // stopped by a signal: tell the coordinator we are going
       control->post(ControlMessage::make("leaving", {{"reason", "signal"}}));
       (void)control->flush_posted();
