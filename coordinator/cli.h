@@ -77,4 +77,13 @@ struct StatusOptions {
 void add_status_command(CLI::App& app, StatusOptions& options);
 int status_command(const StatusOptions& options);
 
+// `conveyor drain NAME`: takes a worker out of service (its stage goes to a spare).
+struct DrainOptions {
+  std::string url = "http://127.0.0.1:8000";
+  std::string api_key;
+  std::string worker;
+};
+void add_drain_command(CLI::App& app, DrainOptions& options);
+int drain_command(const DrainOptions& options);
+
 }  // namespace conveyor::cli

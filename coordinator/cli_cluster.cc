@@ -334,6 +334,46 @@ int generate_command(const GenerateOptions& o) {
   return 0;
 }
 
+void add_drain_command(CLI::App& app, DrainOptions& o) {
+  CLI::App* cmd = app.add_subcommand("drain", "take a worker out of service; a spare takes its stage");
+  cmd->add_option("worker", o.worker, "the worker's name (see conveyor status)")->required();
+  cmd->add_option("--url", o.url, "the coordinator's URL");
+  cmd->add_option("--api-key", o.api_key, "API key (default: $CONVEYOR_API_KEY)");
+}
+
+int drain_command(const DrainOptions& o) {
+  auto hp = parse_http_url(o.url);
+  if (!hp) {
+    std::cerr << "conveyor drain: " << hp.error() << "\n";
+    return 2;
+  }
+  HttpRequest req;
+  req.method = "POST";
+  req.target = "/v1/cluster/workers/" + o.worker + "/drain";
+  req.body = "{}";
+  std::string key = o.api_key;
+  if (key.empty())
+    if (const char* k = std::getenv("CONVEYOR_API_KEY")) key = k;
+  if (!key.empty()) req.headers.push_back({"Authorization", api_key_header(key)});
+  auto r = http_call(hp->first, hp->second, req);
+  if (!r) {
+    std::cerr << "conveyor drain: " << r.error() << "\n";
+    return 1;
+  }
+  const json body = json::parse(r->body, nullptr, false);
+  if (r->status != 200) {
+    std::string msg = r->body;
+    if (!body.is_discarded() && body.contains("error")) msg = body["error"].value("message", msg);
+    std::cerr << "conveyor drain: HTTP " << r->status << ": " << msg << "\n";
+    return 1;
+  }
+  std::cout << "conveyor drain: " << o.worker << " drained";
+  if (!body.is_discarded() && body.contains("replaced_by"))
+    std::cout << "; its stage went to " << body["replaced_by"].get<std::string>();
+  std::cout << "\n";
+  return 0;
+}
+
 void add_status_command(CLI::App& app, StatusOptions& o) {
   CLI::App* cmd = app.add_subcommand("status", "print a cluster's workers and pipelines");
   cmd->add_option("--url", o.url, "the coordinator's URL");

@@ -18,6 +18,8 @@ int main(int argc, char** argv) {
   conveyor::cli::add_local_command(app, local);
   conveyor::cli::add_generate_command(app, gen);
   conveyor::cli::add_status_command(app, status);
+  conveyor::cli::DrainOptions drain;
+  conveyor::cli::add_drain_command(app, drain);
   CLI11_PARSE(app, argc, argv);
   try {
     if (app.got_subcommand("run")) return conveyor::cli::run_command(run);
@@ -25,6 +27,7 @@ int main(int argc, char** argv) {
     if (app.got_subcommand("local")) return conveyor::cli::local_command(local);
     if (app.got_subcommand("generate")) return conveyor::cli::generate_command(gen);
     if (app.got_subcommand("status")) return conveyor::cli::status_command(status);
+    if (app.got_subcommand("drain")) return conveyor::cli::drain_command(drain);
   } catch (const std::exception& e) {
     std::cerr << "conveyor: " << e.what() << "\n";
     return 1;

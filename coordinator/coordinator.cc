@@ -772,6 +772,41 @@ SubmitResult Coordinator::submit(std::shared_ptr<const CompletionRequest> reques
   return impl_->submit(std::move(request), std::move(sink));
 }
 int Coordinator::control_port() const { return impl_->control->port(); }
+std::pair<int, json> Coordinator::drain(const std::string& name) {
+  Impl& m = *impl_;
+  std::lock_guard lk(m.mu);
+  auto error = [](int code, const std::string& msg, const char* type) {
+    return std::pair<int, json>{code, {{"error", {{"message", msg}, {"type", type}, {"param", nullptr}, {"code", nullptr}}}}};
+  };
+  auto it = m.workers.find(name);
+  if (it == m.workers.end() || it->second.state == "dead")
+    return error(404, "no live worker named '" + name + "'", "not_found_error");
+  WorkerInfo& w = it->second;
+  if (w.state == "drained") return {200, {{"worker", name}, {"state", "drained"}}};
+  std::string replaced_by;
+  for (Pipeline& p : m.pipelines) {
+    const auto slot = std::find(p.workers.begin(), p.workers.end(), name);
+    if (slot == p.workers.end()) continue;
+    const int stage = int(slot - p.workers.begin());
+    bool spare = false;
+    for (const auto& [_, o] : m.workers) spare = spare || o.state == "joined";
+    if (!spare)
+      return error(409, "worker '" + name + "' serves pipeline " + std::to_string(p.index) + " stage " +
+                            std::to_string(stage) + " and no spare worker can take it: start one first",
+                   "conflict_error");
+    w.state = "drained";  // not planned again: the spare takes the stage
+    m.fail_stage(p, name, "drained by the operator");
+    replaced_by = p.workers[size_t(stage)];
+  }
+  w.state = "drained";
+  w.pipeline = w.stage = -1;
+  m.send_control(name, ControlMessage::make("unassign"));
+  spdlog::info("coordinator: {} drained{}", name, replaced_by.empty() ? "" : ", its stage goes to " + replaced_by);
+  json body = {{"worker", name}, {"state", "drained"}};
+  if (!replaced_by.empty()) body["replaced_by"] = replaced_by;
+  return {200, body};
+}
+
 std::pair<bool, json> Coordinator::health() const { return impl_->health(); }
 json Coordinator::cluster() const { return impl_->cluster(); }
 void Coordinator::stop() { impl_->stop(); }

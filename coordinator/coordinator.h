@@ -49,6 +49,11 @@ class Coordinator final : public CompletionBackend {
   std::pair<bool, nlohmann::json> health() const;
   // /v1/cluster: workers and pipelines.
   nlohmann::json cluster() const;
+  // POST /v1/cluster/workers/{name}/drain: takes a worker out of service without failing
+  // anything. A serving worker's stage goes to a spare (409 when there is none) and the
+  // pipeline replays its sequences; the worker is then told to drop its stage and is no
+  // longer planned (a re-registration makes it a spare again). Returns (HTTP status, body).
+  std::pair<int, nlohmann::json> drain(const std::string& worker);
   // Stops the threads; accepted requests still running are failed with a message.
   void stop();
 

@@ -56,6 +56,7 @@ int main(int argc, char** argv) {
   ctx.api_key = cfg->api_key;
   ctx.health = [c] { return c->health(); };
   ctx.cluster = [c] { return c->cluster(); };
+  ctx.drain = [c](const std::string& worker) { return c->drain(worker); };
   auto http = conveyor::HttpServer::start(cfg->http_host, cfg->http_port, ctx, cfg->http_threads);
   if (!http) {
     std::cerr << "conveyor-coordinator: " << http.error() << "\n";

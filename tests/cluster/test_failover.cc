@@ -77,5 +77,37 @@ TEST_P(Failover, KillTwoInARow) {
 
 INSTANTIATE_TEST_SUITE_P(Seeds, Failover, ::testing::Values(1u, 2u, 3u));
 
+// An operator drains a serving worker under load (`conveyor drain`): a spare takes its
+// stage and nothing fails; without a spare the drain is refused with 409 and nothing moves.
+TEST(Drain, ServingWorkerUnderLoadLosesNothing) {
+  Cluster cluster;
+  ASSERT_TRUE(cluster.start("drain", 3, 4));
+  std::string victim;
+  run_with_chaos(cluster, 77, [&](std::mt19937& rng) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(300));
+    victim = serving_worker(cluster, rng);
+    ASSERT_FALSE(victim.empty());
+    testing::ChildProcess cli({bin("conveyor"), "drain", victim, "--url", "http://127.0.0.1:" + std::to_string(cluster.http_port)});
+    const std::string line = cli.read_line_matching("drained", std::chrono::seconds(30));
+    EXPECT_NE(line.find("its stage went to"), std::string::npos) << line;
+    EXPECT_EQ(cli.wait_exit(std::chrono::seconds(30)), 0);
+  });
+  const json info = json::parse(cluster.get("/v1/cluster")->body);
+  for (const auto& w : info.at("workers"))
+    if (w.at("name") == victim) EXPECT_EQ(w.at("state"), "drained");
+  // No spare left: the next drain of a serving worker is refused and changes nothing.
+  std::mt19937 rng(5);
+  const std::string second = serving_worker(cluster, rng);
+  auto r = cluster.post("/v1/cluster/workers/" + second + "/drain", json::object());
+  ASSERT_TRUE(r.ok()) << r.error();
+  EXPECT_EQ(r->status, 409) << r->body;
+  EXPECT_NE(r->body.find("no spare"), std::string::npos) << r->body;
+  auto unknown = cluster.post("/v1/cluster/workers/nobody/drain", json::object());
+  ASSERT_TRUE(unknown.ok());
+  EXPECT_EQ(unknown->status, 404);
+  auto health = cluster.get("/health");
+  EXPECT_TRUE(health && health->status == 200);
+}
+
 }  // namespace
 }  // namespace conveyor
