@@ -104,11 +104,16 @@ Expected<std::string> random_checkpoint(const std::string& model, const std::str
   return dir.string();
 }
 
+// GET /v1/cluster; an empty object (and a line on stderr) when it fails.
 json cluster_info(int port) {
   HttpRequest r;
   r.target = "/v1/cluster";
   auto resp = http_call("127.0.0.1", port, r);
-  return resp && resp->status == 200 ? json::parse(resp->body) : json::object();
+  if (!resp || resp->status != 200) {
+    std::fprintf(stderr, "GET /v1/cluster: %s\n", resp ? ("HTTP " + std::to_string(resp->status)).c_str() : resp.error().c_str());
+    return json::object();
+  }
+  return json::parse(resp->body);
 }
 
 // The --recovery mode (see the top of the file).
@@ -121,75 +126,70 @@ int recovery(const std::string& bin_dir, const std::string& model, const std::st
     std::fprintf(stderr, "the cluster did not start\n");
     return 1;
   }
-  {
-    std::mutex mu;
-    std::vector<Clock::time_point> last_token(static_cast<size_t>(concurrency), Clock::now());
-    std::vector<double> pause(static_cast<size_t>(concurrency), 0);
-    std::atomic<bool> killed{false}, stop{false};
-    Clock::time_point kill_time;
-    std::atomic<int> failed{0};
-    std::vector<std::thread> clients;
-    for (int c = 0; c < concurrency; ++c)
-      clients.emplace_back([&, c] {
-        while (!stop) {
-          HttpRequest r;
-          r.method = "POST";
-          r.target = "/v1/completions";
-          r.body = json{{"prompt", "The jury said"}, {"max_tokens", 200}, {"temperature", 0}, {"stream", true},
-                        {"ignore_eos", true}, {"seed", c}}.dump();
-          r.timeout = std::chrono::minutes(5);
-          r.on_body = [&](std::string_view) {
-            const auto now = Clock::now();
-            std::lock_guard lk(mu);
-            if (killed && now > kill_time && pause[size_t(c)] == 0)
-              pause[size_t(c)] = std::chrono::duration<double>(now - kill_time).count();
-            last_token[size_t(c)] = now;
-          };
-          auto resp = http_call("127.0.0.1", cluster.port, r);
-          if (!resp || resp->status != 200) ++failed;
-        }
-      });
-    std::this_thread::sleep_for(std::chrono::seconds(2));  // steady state
-    const json info = cluster_info(cluster.port);
-    int victim = -1;
-    std::string victim_name;
-    for (const auto& w : info.value("workers", json::array()))
-      if (w.value("stage", -1) == stages - 1 && w.value("state", std::string()) == "ready")
-        victim = w.value("pid", -1), victim_name = w.value("name", std::string());
-    if (victim <= 0) {
-      std::fprintf(stderr, "no serving last stage found\n");
-      stop = true;
-      for (auto& t : clients) t.join();
-      return 1;
-    }
-    {
-      std::lock_guard lk(mu);
-      kill_time = Clock::now();
-      killed = true;
-    }
-    ::kill(victim, SIGKILL);
-    // Until every stream has had its next token (or 120 s).
-    const auto deadline = Clock::now() + std::chrono::seconds(120);
-    for (bool all = false; !all && Clock::now() < deadline;) {
-      std::this_thread::sleep_for(std::chrono::milliseconds(20));
-      std::lock_guard lk(mu);
-      all = std::all_of(pause.begin(), pause.end(), [](double p) { return p > 0; });
-    }
+  std::mutex mu;
+  std::vector<double> pause(static_cast<size_t>(concurrency), 0);
+  std::atomic<bool> killed{false}, stop{false};
+  Clock::time_point kill_time;
+  std::atomic<int> failed{0};
+  std::vector<std::thread> clients;
+  for (int c = 0; c < concurrency; ++c)
+    clients.emplace_back([&, c] {
+      while (!stop) {
+        HttpRequest r;
+        r.method = "POST";
+        r.target = "/v1/completions";
+        r.body = json{{"prompt", "The jury said"}, {"max_tokens", 200}, {"temperature", 0}, {"stream", true},
+                      {"ignore_eos", true}, {"seed", c}}.dump();
+        r.timeout = std::chrono::minutes(5);
+        r.on_body = [&](std::string_view) {
+          const auto now = Clock::now();
+          std::lock_guard lk(mu);
+          if (killed && now > kill_time && pause[size_t(c)] == 0)
+            pause[size_t(c)] = std::chrono::duration<double>(now - kill_time).count();
+        };
+        auto resp = http_call("127.0.0.1", cluster.port, r);
+        if (!resp || resp->status != 200) ++failed;
+      }
+    });
+  std::this_thread::sleep_for(std::chrono::seconds(2));  // steady state
+  const json info = cluster_info(cluster.port);
+  int victim = -1;
+  std::string victim_name;
+  for (const auto& w : info.value("workers", json::array()))
+    if (w.value("stage", -1) == stages - 1 && w.value("state", std::string()) == "ready")
+      victim = w.value("pid", -1), victim_name = w.value("name", std::string());
+  if (victim <= 0) {
+    std::fprintf(stderr, "no serving last stage found\n");
     stop = true;
     for (auto& t : clients) t.join();
-    double load_s = 0;
-    for (const auto& w : cluster_info(cluster.port).value("workers", json::array()))
-      if (w.value("stage", -1) == stages - 1) load_s = w.value("load_seconds", 0.0);
-    std::vector<double> p = pause;
-    std::sort(p.begin(), p.end());
-    std::printf("%s, %d stages + 1 spare, %d streams: killed %s (last stage); pause to the next token: "
-                "median %.3f s, longest %.3f s; the replacement loaded its layers in %.3f s "
-                "(longest pause without loading: %.3f s); %d requests failed\n",
-                backend.c_str(), stages, concurrency, victim_name.c_str(), p[p.size() / 2], p.back(), load_s,
-                p.back() - load_s, failed.load());
-    if (failed) return 1;
+    return 1;
   }
-  return 0;
+  {
+    std::lock_guard lk(mu);
+    kill_time = Clock::now();
+    killed = true;
+  }
+  ::kill(victim, SIGKILL);
+  // Until every stream has had its next token (or 120 s).
+  const auto deadline = Clock::now() + std::chrono::seconds(120);
+  for (bool all = false; !all && Clock::now() < deadline;) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    std::lock_guard lk(mu);
+    all = std::all_of(pause.begin(), pause.end(), [](double p) { return p > 0; });
+  }
+  stop = true;
+  for (auto& t : clients) t.join();
+  double load_s = 0;
+  for (const auto& w : cluster_info(cluster.port).value("workers", json::array()))
+    if (w.value("stage", -1) == stages - 1) load_s = w.value("load_seconds", 0.0);
+  std::vector<double> p = pause;
+  std::sort(p.begin(), p.end());
+  std::printf("%s, %d stages + 1 spare, %d streams: killed %s (last stage); pause to the next token: "
+              "median %.3f s, longest %.3f s; the replacement loaded its layers in %.3f s "
+              "(longest pause without loading: %.3f s); %d requests failed\n",
+              backend.c_str(), stages, concurrency, victim_name.c_str(), p[p.size() / 2], p.back(), load_s,
+              p.back() - load_s, failed.load());
+  return failed ? 1 : 0;
 }
 
 }  // namespace
@@ -306,13 +306,9 @@ int main(int argc, char** argv) {
   std::thread poller([&] {
     while (running) {
       std::this_thread::sleep_for(std::chrono::milliseconds(600));
-      HttpRequest r;
-      r.target = "/v1/cluster";
-      auto resp = http_call("127.0.0.1", cluster.port, r);
-      if (!resp) std::fprintf(stderr, "poll: %s\n", resp.error().c_str());
-      if (!resp || !running) continue;
-      const json cluster_info = json::parse(resp->body);
-      for (const auto& w : cluster_info["workers"])
+      const json info = cluster_info(cluster.port);
+      if (!running) continue;
+      for (const auto& w : info.value("workers", json::array()))
         if (w.contains("stage")) busy[size_t(w["stage"].get<int>())].push_back(w["busy_fraction"].get<double>());
     }
   });

@@ -11,6 +11,7 @@
 
 #include <spdlog/spdlog.h>
 
+#include "coordinator/openai_api.h"
 #include "coordinator/text_stream.h"
 #include "model/microbatch.h"
 #include "transport/control_plane.h"
@@ -206,11 +207,9 @@ struct Coordinator::Impl {
   // (transport::keep_or_connect), so one repair does not cascade into the next.
   void wire(Pipeline& p) {
     p.wired = false;
-    auto rewire = [&](PeerId& peer, std::vector<std::byte>& current, const std::string& name) {
-      return transport::keep_or_connect(*channel, peer, current, workers.at(name).data_address, name);
-    };
-    Status s = rewire(p.first_peer, p.first_address, p.workers.front());
-    if (s) s = rewire(p.last_peer, p.last_address, p.workers.back());
+    const std::string &first = p.workers.front(), &last = p.workers.back();
+    Status s = transport::keep_or_connect(*channel, p.first_peer, p.first_address, workers.at(first).data_address, first);
+    if (s) s = transport::keep_or_connect(*channel, p.last_peer, p.last_address, workers.at(last).data_address, last);
     if (!s) {
       p.down_reason = "cannot connect the data plane: " + s.message();
       return;
@@ -775,30 +774,29 @@ int Coordinator::control_port() const { return impl_->control->port(); }
 std::pair<int, json> Coordinator::drain(const std::string& name) {
   Impl& m = *impl_;
   std::lock_guard lk(m.mu);
-  auto error = [](int code, const std::string& msg, const char* type) {
-    return std::pair<int, json>{code, {{"error", {{"message", msg}, {"type", type}, {"param", nullptr}, {"code", nullptr}}}}};
-  };
   auto it = m.workers.find(name);
   if (it == m.workers.end() || it->second.state == "dead")
-    return error(404, "no live worker named '" + name + "'", "not_found_error");
+    return {404, error_json(api_error(404, "no live worker named '" + name + "'", {}, "not_found_error"))};
   WorkerInfo& w = it->second;
   if (w.state == "drained") return {200, {{"worker", name}, {"state", "drained"}}};
+  // The stages it serves, and whether a spare can take them; nothing changes on a refusal.
+  std::vector<std::pair<Pipeline*, size_t>> served;
+  for (Pipeline& p : m.pipelines)
+    if (auto slot = std::find(p.workers.begin(), p.workers.end(), name); slot != p.workers.end())
+      served.emplace_back(&p, size_t(slot - p.workers.begin()));
+  const bool spare = std::any_of(m.workers.begin(), m.workers.end(), [](const auto& o) { return o.second.state == "joined"; });
+  if (!served.empty() && !spare)
+    return {409, error_json(api_error(409,
+                                      "worker '" + name + "' serves pipeline " + std::to_string(served[0].first->index) +
+                                          " stage " + std::to_string(served[0].second) +
+                                          " and no spare worker can take it: start one first",
+                                      {}, "conflict_error"))};
+  w.state = "drained";  // never planned again: a spare takes its stage
   std::string replaced_by;
-  for (Pipeline& p : m.pipelines) {
-    const auto slot = std::find(p.workers.begin(), p.workers.end(), name);
-    if (slot == p.workers.end()) continue;
-    const int stage = int(slot - p.workers.begin());
-    bool spare = false;
-    for (const auto& [_, o] : m.workers) spare = spare || o.state == "joined";
-    if (!spare)
-      return error(409, "worker '" + name + "' serves pipeline " + std::to_string(p.index) + " stage " +
-                            std::to_string(stage) + " and no spare worker can take it: start one first",
-                   "conflict_error");
-    w.state = "drained";  // not planned again: the spare takes the stage
-    m.fail_stage(p, name, "drained by the operator");
-    replaced_by = p.workers[size_t(stage)];
+  for (auto [p, stage] : served) {
+    m.fail_stage(*p, name, "drained by the operator");
+    replaced_by = p->workers[stage];
   }
-  w.state = "drained";
   w.pipeline = w.stage = -1;
   m.send_control(name, ControlMessage::make("unassign"));
   spdlog::info("coordinator: {} drained{}", name, replaced_by.empty() ? "" : ", its stage goes to " + replaced_by);

@@ -20,12 +20,6 @@ void check_size(const std::vector<float>& v, size_t expected, const std::string&
 
 }  // namespace
 
-int64_t total_tokens(std::span<const SeqSlice> slices) {
-  int64_t n = 0;
-  for (const SeqSlice& s : slices) n += s.num_tokens;
-  return n;
-}
-
 CpuStage::CpuStage(StageWeights weights) : weights_(std::move(weights)) {
   const ModelConfig& c = weights_.config;
   const size_t C = size_t(c.n_embd), I = size_t(c.n_inner), V = size_t(c.vocab_size),

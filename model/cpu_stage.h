@@ -32,7 +32,12 @@ struct SeqSlice {
 };
 
 // Total tokens of a micro-batch (sum of num_tokens).
-int64_t total_tokens(std::span<const SeqSlice> slices);
+// (Inline: the GPU stage library uses it without linking model/.)
+inline int64_t total_tokens(std::span<const SeqSlice> slices) {
+  int64_t n = 0;
+  for (const SeqSlice& s : slices) n += s.num_tokens;
+  return n;
+}
 
 class CpuStage {
  public:

@@ -165,16 +165,13 @@ struct Worker::Impl {
   // Connects the data-plane peers of an assignment (under stage_mu).
   // Endpoints to peers that keep their place are kept (transport::keep_or_connect).
   Status wire(const Assignment& a) {
-    auto rewire = [&](const std::vector<std::byte>& addr, const std::string& name, PeerId& peer,
-                      std::vector<std::byte>& current) {
-      return transport::keep_or_connect(*channel, peer, current, addr, name);
-    };
-    if (Status s = rewire(a.next, "stage" + std::to_string(a.stage + 1), next_peer, next_address); !s) return s;
-    if (Status s = rewire(a.prev, a.stage == 0 ? "coordinator" : "stage" + std::to_string(a.stage - 1), prev_peer,
-                          prev_address);
+    const std::string prev_name = a.stage == 0 ? "coordinator" : "stage" + std::to_string(a.stage - 1);
+    if (Status s = transport::keep_or_connect(*channel, next_peer, next_address, a.next,
+                                              "stage" + std::to_string(a.stage + 1));
         !s)
       return s;
-    return rewire(a.coordinator, "coordinator", coord_peer, coord_address);
+    if (Status s = transport::keep_or_connect(*channel, prev_peer, prev_address, a.prev, prev_name); !s) return s;
+    return transport::keep_or_connect(*channel, coord_peer, coord_address, a.coordinator, "coordinator");
   }
 
   void on_assign(const json& body) {
@@ -264,7 +261,7 @@ struct Worker::Impl {
         "ready", {{"epoch", assignment->epoch}, {"pipeline", assignment->pipeline}, {"stage", assignment->stage},
                   {"layers", {assignment->layer_begin, assignment->layer_end}},
                   {"kv_bytes_per_token", per_token},
-                  {"kv_capacity_tokens", kv_capacity_tokens(executor->backend())},
+                  {"kv_capacity_tokens", kv_capacity_stat.load()},
                   {"backend", executor->backend().describe()},
                   {"load_seconds", seconds}, {"load_bytes", bytes}}));
     compute_stop = false;
@@ -287,22 +284,16 @@ struct Worker::Impl {
       }
     });
     std::lock_guard lk(stage_mu);
-    if (!weights) {
+    auto fail = [&](const std::string& why) {
       state = "idle";
       assignment.reset();
-      spdlog::error("{}: load failed: {}", opt.name, weights.error());
-      send(ControlMessage::make("load_failed", {{"error", weights.error()}}));
-      return;
-    }
+      spdlog::error("{}: load failed: {}", opt.name, why);
+      send(ControlMessage::make("load_failed", {{"error", why}}));
+    };
+    if (!weights) return fail(weights.error());
     const int64_t bytes = weights->checkpoint_bytes_read;
     auto backend = make_backend(std::move(weights).value(), a);
-    if (!backend) {
-      state = "idle";
-      assignment.reset();
-      spdlog::error("{}: load failed: {}", opt.name, backend.error());
-      send(ControlMessage::make("load_failed", {{"error", backend.error()}}));
-      return;
-    }
+    if (!backend) return fail(backend.error());
     executor = std::make_shared<StageExecutor>(std::move(backend).value());
     if (Status s = wire(a); !s) {
       state = "ready";  // the layers are loaded and kept; the next assignment re-wires

@@ -16,13 +16,6 @@ Status guarded(const std::string& stage, F&& f) {
   }
 }
 
-// Rows of a micro-batch (model/cpu_stage.h's total_tokens, which this library does not link).
-int64_t rows_of(std::span<const SeqSlice> slices) {
-  int64_t n = 0;
-  for (const SeqSlice& s : slices) n += s.num_tokens;
-  return n;
-}
-
 }  // namespace
 
 Expected<std::unique_ptr<GpuStageBackend>> GpuStageBackend::create(const StageWeights& weights, int device,
@@ -47,7 +40,7 @@ std::string GpuStageBackend::describe() const {
 
 Status GpuStageBackend::ensure_on_device(std::span<const SeqSlice> slices, const float* hidden) {
   if (device_current_) return ok_status();
-  const int64_t T = rows_of(slices);
+  const int64_t T = total_tokens(slices);
   if (T > stage_->max_tokens())
     return Status::error(stage_->name() + ": micro-batch of " + std::to_string(T) +
                          " tokens exceeds the stage's " + std::to_string(stage_->max_tokens()) + " activation rows");
@@ -73,7 +66,7 @@ Status GpuStageBackend::forward(std::span<const SeqSlice> slices, float* hidden)
     if (has_head()) {
       device_current_ = true;  // logits() reads it next
     } else {
-      stage_->download_hidden(hidden, rows_of(slices));
+      stage_->download_hidden(hidden, total_tokens(slices));
     }
     return ok_status();
   });
