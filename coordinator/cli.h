@@ -77,7 +77,8 @@ struct StatusOptions {
 void add_status_command(CLI::App& app, StatusOptions& options);
 int status_command(const StatusOptions& options);
 
-// `conveyor drain NAME`: takes a worker out of service (its stage goes to a spare).
+// `conveyor drain NAME`: takes a worker out of service (its stage goes to a spare, or the
+// plan shrinks over the other workers).
 struct DrainOptions {
   std::string url = "http://127.0.0.1:8000";
   std::string api_key;
@@ -85,5 +86,15 @@ struct DrainOptions {
 };
 void add_drain_command(CLI::App& app, DrainOptions& options);
 int drain_command(const DrainOptions& options);
+
+// `conveyor plan --stages N --replicas R --layers 0:3,3:6`: re-plans a running cluster.
+struct PlanOptions {
+  std::string url = "http://127.0.0.1:8000";
+  std::string api_key;
+  std::optional<int> stages, replicas;
+  std::string layers;
+};
+void add_plan_command(CLI::App& app, PlanOptions& options);
+int plan_command(const PlanOptions& options);
 
 }  // namespace conveyor::cli

@@ -12,6 +12,7 @@
 #include <filesystem>
 #include <fstream>
 #include <iostream>
+#include <sstream>
 #include <random>
 #include <thread>
 
@@ -334,43 +335,106 @@ int generate_command(const GenerateOptions& o) {
   return 0;
 }
 
+namespace {
+
+// POSTs `body` to one of the coordinator's admin endpoints; on anything but 200 prints the
+// server's message as "conveyor CMD: ..." and returns nothing (`rc` says the exit code).
+std::optional<json> admin_post(const std::string& cmd, const std::string& url, std::string key, const std::string& target,
+                               const json& body, int& rc) {
+  auto hp = parse_http_url(url);
+  if (!hp) {
+    std::cerr << "conveyor " << cmd << ": " << hp.error() << "\n";
+    rc = 2;
+    return std::nullopt;
+  }
+  HttpRequest req;
+  req.method = "POST";
+  req.target = target;
+  req.body = body.dump();
+  if (key.empty())
+    if (const char* k = std::getenv("CONVEYOR_API_KEY")) key = k;
+  if (!key.empty()) req.headers.push_back({"Authorization", api_key_header(key)});
+  auto r = http_call(hp->first, hp->second, req);
+  rc = 1;
+  if (!r) {
+    std::cerr << "conveyor " << cmd << ": " << r.error() << "\n";
+    return std::nullopt;
+  }
+  json answer = json::parse(r->body, nullptr, false);
+  if (r->status != 200) {
+    std::string msg = r->body;
+    if (!answer.is_discarded() && answer.contains("error")) msg = answer["error"].value("message", msg);
+    std::cerr << "conveyor " << cmd << ": HTTP " << r->status << ": " << msg << "\n";
+    return std::nullopt;
+  }
+  rc = 0;
+  return answer.is_discarded() ? json::object() : answer;
+}
+
+std::string shape_text(const json& plan) {
+  std::string s = std::to_string(plan.value("stages", 0)) + " stage(s) x " + std::to_string(plan.value("replicas", 0)) +
+                  " replica(s), layers";
+  for (const auto& r : plan.value("layers", json::array()))
+    s += " " + std::to_string(r[0].get<int>()) + "-" + std::to_string(r[1].get<int>());
+  return s;
+}
+
+}  // namespace
+
 void add_drain_command(CLI::App& app, DrainOptions& o) {
-  CLI::App* cmd = app.add_subcommand("drain", "take a worker out of service; a spare takes its stage");
+  CLI::App* cmd = app.add_subcommand("drain", "take a worker out of service; a spare (or a smaller plan) takes its stage");
   cmd->add_option("worker", o.worker, "the worker's name (see conveyor status)")->required();
   cmd->add_option("--url", o.url, "the coordinator's URL");
   cmd->add_option("--api-key", o.api_key, "API key (default: $CONVEYOR_API_KEY)");
 }
 
 int drain_command(const DrainOptions& o) {
-  auto hp = parse_http_url(o.url);
-  if (!hp) {
-    std::cerr << "conveyor drain: " << hp.error() << "\n";
+  int rc = 0;
+  auto body = admin_post("drain", o.url, o.api_key, "/v1/cluster/workers/" + o.worker + "/drain", json::object(), rc);
+  if (!body) return rc;
+  std::cout << "conveyor drain: " << o.worker << " drained";
+  if (body->contains("replaced_by")) std::cout << "; its stage went to " << (*body)["replaced_by"].get<std::string>();
+  if (body->contains("replanned")) std::cout << "; the plan is now " << shape_text((*body)["replanned"]);
+  std::cout << "\n";
+  return 0;
+}
+
+void add_plan_command(CLI::App& app, PlanOptions& o) {
+  CLI::App* cmd = app.add_subcommand("plan", "change the number of stages, replicas or the layer split while serving");
+  cmd->add_option("--stages", o.stages, "pipeline stages")->check(CLI::PositiveNumber);
+  cmd->add_option("--replicas", o.replicas, "pipeline replicas")->check(CLI::PositiveNumber);
+  cmd->add_option("--layers", o.layers, "explicit layer ranges, e.g. 0:3,3:5,5:6");
+  cmd->add_option("--url", o.url, "the coordinator's URL");
+  cmd->add_option("--api-key", o.api_key, "API key (default: $CONVEYOR_API_KEY)");
+}
+
+int plan_command(const PlanOptions& o) {
+  json plan = json::object();
+  if (o.stages) plan["stages"] = *o.stages;
+  if (o.replicas) plan["replicas"] = *o.replicas;
+  if (!o.layers.empty()) {
+    json ranges = json::array();
+    std::stringstream ss(o.layers);
+    for (std::string item; std::getline(ss, item, ',');) {
+      long long b = 0, e = 0;
+      char extra = 0;
+      if (std::sscanf(item.c_str(), "%lld:%lld%c", &b, &e, &extra) != 2) {
+        std::cerr << "conveyor plan: --layers: '" << item << "' is not BEGIN:END (e.g. 0:3,3:6)\n";
+        return 2;
+      }
+      ranges.push_back({b, e});
+    }
+    plan["layers"] = ranges;
+  }
+  if (plan.empty()) {
+    std::cerr << "conveyor plan: give --stages, --replicas and/or --layers\n";
     return 2;
   }
-  HttpRequest req;
-  req.method = "POST";
-  req.target = "/v1/cluster/workers/" + o.worker + "/drain";
-  req.body = "{}";
-  std::string key = o.api_key;
-  if (key.empty())
-    if (const char* k = std::getenv("CONVEYOR_API_KEY")) key = k;
-  if (!key.empty()) req.headers.push_back({"Authorization", api_key_header(key)});
-  auto r = http_call(hp->first, hp->second, req);
-  if (!r) {
-    std::cerr << "conveyor drain: " << r.error() << "\n";
-    return 1;
-  }
-  const json body = json::parse(r->body, nullptr, false);
-  if (r->status != 200) {
-    std::string msg = r->body;
-    if (!body.is_discarded() && body.contains("error")) msg = body["error"].value("message", msg);
-    std::cerr << "conveyor drain: HTTP " << r->status << ": " << msg << "\n";
-    return 1;
-  }
-  std::cout << "conveyor drain: " << o.worker << " drained";
-  if (!body.is_discarded() && body.contains("replaced_by"))
-    std::cout << "; its stage went to " << body["replaced_by"].get<std::string>();
-  std::cout << "\n";
+  int rc = 0;
+  auto body = admin_post("plan", o.url, o.api_key, "/v1/cluster/plan", plan, rc);
+  if (!body) return rc;
+  std::cout << "conveyor plan: " << (body->value("changed", true) ? "now " : "unchanged: ")
+            << shape_text(body->value("plan", json::object())) << "\n";
   return 0;
 }
 
@@ -402,7 +466,13 @@ int status_command(const StatusOptions& o) {
     std::cerr << "conveyor status: the server's answer is not JSON\n";
     return 1;
   }
-  std::printf("model %s, queue %d\n\n", c.value("model", std::string("?")).c_str(), c.value("queue", 0));
+  std::printf("model %s, queue %d\n", c.value("model", std::string("?")).c_str(), c.value("queue", 0));
+  if (c.contains("plan")) {
+    std::printf("plan: %s", shape_text(c["plan"]).c_str());
+    if (c.contains("target") && c["target"] != c["plan"]) std::printf(" (target: %s)", shape_text(c["target"]).c_str());
+    std::printf("\n");
+  }
+  std::printf("\n");
   std::printf("%-14s %-10s %-8s %-9s %-5s %-10s %-6s %-6s %s\n", "WORKER", "HOST", "PID", "STATE", "STAGE", "LAYERS",
               "LOAD", "BUSY", "KV USED/CAP");
   for (const auto& w : c.value("workers", json::array())) {

@@ -108,6 +108,15 @@ std::vector<std::pair<int64_t, int64_t>> balanced_layer_split(const ModelConfig&
   return out;
 }
 
+int64_t stage_weight_bytes(const ModelConfig& c, std::pair<int64_t, int64_t> layers, int64_t bytes_per_param) {
+  const int64_t C = c.n_embd, I = c.n_inner > 0 ? c.n_inner : 4 * c.n_embd;
+  const int64_t per_layer = 4 * C * C + 4 * C + 2 * C * I + I + C + 4 * C;  // attention, MLP, two norms
+  int64_t params = (layers.second - layers.first) * per_layer;
+  if (layers.first == 0) params += (c.vocab_size + c.n_positions) * C;
+  if (layers.second == c.n_layer) params += c.vocab_size * C + 2 * C;
+  return params * bytes_per_param;
+}
+
 Status check_layer_split(const std::vector<std::pair<int64_t, int64_t>>& layers, int stages, int64_t n_layer) {
   if (int(layers.size()) != stages)
     return Status::error("layers lists " + std::to_string(layers.size()) + " ranges for " + std::to_string(stages) +
@@ -209,17 +218,21 @@ Expected<ClusterConfig> parse_cluster_config(const std::string& text, const std:
 
   if (const YAML::Node sch = root["scheduler"]) {
     if (!(s = check_keys(c, sch, "scheduler", {"in_flight", "max_batch_tokens", "prefill_chunk", "max_queue",
-                                               "max_running", "max_sequences_per_batch"})))
+                                               "max_running", "max_sequences_per_batch", "shutdown_timeout_ms"})))
       return s;
     if (!(s = get_positive(c, sch, "scheduler", "in_flight", cfg.in_flight, 0)) ||
         !(s = get_positive<int64_t>(c, sch, "scheduler", "max_batch_tokens", cfg.max_batch_tokens)) ||
         !(s = get_positive<int64_t>(c, sch, "scheduler", "prefill_chunk", cfg.prefill_chunk)) ||
         !(s = get_positive<int64_t>(c, sch, "scheduler", "max_queue", cfg.max_queue, 0)) ||
         !(s = get_positive<int64_t>(c, sch, "scheduler", "max_running", cfg.max_running)) ||
-        !(s = get_positive<int64_t>(c, sch, "scheduler", "max_sequences_per_batch", cfg.max_sequences_per_batch)))
+        !(s = get_positive<int64_t>(c, sch, "scheduler", "max_sequences_per_batch", cfg.max_sequences_per_batch)) ||
+        !(s = get_positive(c, sch, "scheduler", "shutdown_timeout_ms", cfg.shutdown_timeout_ms, 0)))
       return s;
   }
-  if (cfg.in_flight == 0) cfg.in_flight = cfg.stages;
+  if (cfg.in_flight == 0) {
+    cfg.in_flight = cfg.stages;
+    cfg.in_flight_auto = true;
+  }
   if (const YAML::Node hb = root["heartbeat"]) {
     if (!(s = check_keys(c, hb, "heartbeat", {"interval_ms", "liveness_ms"}))) return s;
     if (!(s = get_positive(c, hb, "heartbeat", "interval_ms", cfg.heartbeat_interval_ms, 10)) ||

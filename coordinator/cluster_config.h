@@ -6,7 +6,7 @@
 //   control:   {host: 127.0.0.1, port: 5555, join_token: TOKEN, curve_secret_key: Z85}
 //   pipeline:  {stages: N, replicas: R, layers: [[b, e], ...]}
 //   scheduler: {in_flight: D, max_batch_tokens: T, prefill_chunk: C, max_queue: Q,
-//               max_running: S, max_sequences_per_batch: B}
+//               max_running: S, max_sequences_per_batch: B, shutdown_timeout_ms: 30000}
 //   heartbeat: {interval_ms: 500, liveness_ms: 3000}
 //
 // api_key and join_token may come from CONVEYOR_API_KEY / CONVEYOR_JOIN_TOKEN instead.
@@ -44,11 +44,13 @@ struct ClusterConfig {
   std::vector<std::pair<int64_t, int64_t>> layers;  // per stage [begin, end); filled by the plan
 
   int in_flight = 0;  // micro-batches in flight per pipeline; 0 = number of stages
+  bool in_flight_auto = false;  // in_flight was 0: it follows the number of stages on a re-plan
   int64_t max_batch_tokens = 256;
   int64_t prefill_chunk = 64;
   int64_t max_queue = 256;
   int64_t max_running = 256;
   int64_t max_sequences_per_batch = 64;
+  int shutdown_timeout_ms = 30000;  // SIGTERM: how long accepted requests may take to finish
 
   int heartbeat_interval_ms = 500;
   int liveness_ms = 3000;
@@ -65,6 +67,11 @@ Expected<ClusterConfig> parse_cluster_config(const std::string& yaml_text, const
 // stage) is as small as possible, since the slowest stage sets the pipeline's pace. Among
 // equal plans the earlier stages take the extra layers.
 std::vector<std::pair<int64_t, int64_t>> balanced_layer_split(const ModelConfig& config, int stages);
+
+// What a stage's weights take in memory at `bytes_per_param` (4 for f32, 2 for f16): its
+// layers, plus the embeddings on the first stage and the final norm and LM head on the last.
+// The re-planner checks it against what each worker has before it gives a worker more layers.
+int64_t stage_weight_bytes(const ModelConfig& config, std::pair<int64_t, int64_t> layers, int64_t bytes_per_param);
 
 // Checks explicit layer ranges: `stages` contiguous, non-empty ranges covering [0, n_layer).
 Status check_layer_split(const std::vector<std::pair<int64_t, int64_t>>& layers, int stages, int64_t n_layer);

@@ -20,6 +20,8 @@ int main(int argc, char** argv) {
   conveyor::cli::add_status_command(app, status);
   conveyor::cli::DrainOptions drain;
   conveyor::cli::add_drain_command(app, drain);
+  conveyor::cli::PlanOptions plan;
+  conveyor::cli::add_plan_command(app, plan);
   CLI11_PARSE(app, argc, argv);
   try {
     if (app.got_subcommand("run")) return conveyor::cli::run_command(run);
@@ -28,6 +30,7 @@ int main(int argc, char** argv) {
     if (app.got_subcommand("generate")) return conveyor::cli::generate_command(gen);
     if (app.got_subcommand("status")) return conveyor::cli::status_command(status);
     if (app.got_subcommand("drain")) return conveyor::cli::drain_command(drain);
+    if (app.got_subcommand("plan")) return conveyor::cli::plan_command(plan);
   } catch (const std::exception& e) {
     std::cerr << "conveyor: " << e.what() << "\n";
     return 1;

@@ -7,6 +7,8 @@
 #include <limits>
 #include <map>
 #include <mutex>
+#include <optional>
+#include <set>
 #include <unordered_map>
 
 #include <spdlog/spdlog.h>
@@ -33,8 +35,9 @@ struct WorkerInfo {
   int64_t pid = 0, memory_bytes = 0, kv_cache_bytes = 0;
   json gpus = json::array();
   std::vector<std::byte> data_address;
-  // joined (no stage: a spare) | loading | ready | dead
+  // joined (no stage: a spare) | loading | ready | dead | failed (its load failed) | drained
   std::string state = "joined";
+  bool leaving = false;  // it asked to go (SIGTERM) and nobody can take its stage yet
   int pipeline = -1, stage = -1;
   uint32_t epoch = 0;
   std::pair<int64_t, int64_t> layers{0, 0};
@@ -98,6 +101,7 @@ struct Pipeline {
   int in_flight = 0;
   std::vector<uint64_t> pending_frees;
   int64_t kv_reserved = 0;
+  int64_t admitted = 0;  // requests given to it, for the balance between replicas
   std::unordered_map<uint64_t, InFlightBatch> batches;
   std::string down_reason;
 };
@@ -121,7 +125,27 @@ struct Coordinator::Impl {
   uint64_t next_seq_id = 1, next_batch_id = 1;
 
   std::atomic<bool> stopping{false};
+  bool accepting = true;            // false once a shutdown drain began (quiesce)
+  std::condition_variable idle_cv;  // a request finished
   std::thread control_thread, engine_thread;
+
+  // The plan's shape. `target` is what the operator asked for (the cluster file, then
+  // POST /v1/cluster/plan); cfg.stages/replicas/layers is what runs. While workers are
+  // missing the coordinator may run a smaller shape over the survivors, and it grows back
+  // when workers join. Reshaping happens at the top of the control and engine loops
+  // (reshape_pending), never while something iterates over `pipelines`.
+  struct Shape {
+    int stages = 1, replicas = 1;
+    std::vector<std::pair<int64_t, int64_t>> layers;
+    bool operator==(const Shape&) const = default;
+    json to_json() const {
+      json l = json::array();
+      for (auto [b, e] : layers) l.push_back({b, e});
+      return {{"stages", stages}, {"replicas", replicas}, {"layers", l}};
+    }
+  };
+  Shape target;
+  bool reshape_pending = false;
 
   // ---------------------------------------------------------------- helpers (mu held)
 
@@ -147,6 +171,8 @@ struct Coordinator::Impl {
     return cap;
   }
 
+  int in_flight_depth() const { return std::max(1, cfg.in_flight_auto ? cfg.stages : cfg.in_flight); }
+
   bool has_spare() const {
     for (const auto& [_, w] : workers)
       if (w.state == "joined") return true;
@@ -163,6 +189,181 @@ struct Coordinator::Impl {
     return missing <= spares;
   }
 
+  // ---------------------------------------------------------------- the plan's shape
+
+  // May be given a stage: alive, not failed, not drained, not on its way out.
+  static bool plannable(const WorkerInfo& w) {
+    return !w.leaving && (w.state == "joined" || w.state == "loading" || w.state == "ready");
+  }
+
+  Shape current_shape() const { return {cfg.stages, cfg.replicas, cfg.layers}; }
+
+  // A shape of `stages` x `replicas`: the target's layer ranges when it has that many
+  // stages (they may be the operator's), else the balanced split.
+  Shape shape_of(int stages, int replicas) const {
+    return {stages, replicas, stages == target.stages ? target.layers : balanced_layer_split(cfg.model, stages)};
+  }
+
+  // Room for a stage's weights: a GPU's memory (less a tenth for workspaces), or the host's
+  // less the K/V budget the CPU worker was started with. Unknown (0): no limit is known.
+  static int64_t weight_room(const WorkerInfo& w) {
+    if (w.memory_bytes <= 0) return std::numeric_limits<int64_t>::max();
+    return w.backend == "cpu" ? w.memory_bytes - w.kv_cache_bytes : w.memory_bytes / 10 * 9;
+  }
+  int64_t weight_bytes(const WorkerInfo& w, std::pair<int64_t, int64_t> layers) const {
+    return stage_weight_bytes(cfg.model, layers, w.backend == "cpu" ? 4 : 2);
+  }
+
+  // Whether `w` has `layers` of this model loaded (or loading), so it can serve them at once.
+  bool holds(const WorkerInfo& w, std::pair<int64_t, int64_t> layers) const {
+    if (w.state == "ready" || w.state == "loading") return w.stage >= 0 && w.layers == layers;
+    return w.state == "joined" && w.holding.is_object() && w.holding.value("model", "") == cfg.model_path &&
+           w.holding.value("layers", json::array()) == json::array({layers.first, layers.second});
+  }
+
+  // Places the slots of `shape` (replica-major) on plannable workers other than `without`:
+  // a worker that holds a slot's layers keeps them (no reload); the other slots go largest
+  // stage first to the roomiest worker left. Nothing when the workers are too few or a
+  // stage does not fit in memory; `why` says which.
+  std::optional<std::vector<std::string>> place(const Shape& shape, const std::string& without, std::string& why) const {
+    std::vector<const WorkerInfo*> pool;
+    for (const auto& [name, w] : workers)
+      if (plannable(w) && name != without) pool.push_back(&w);
+    const size_t S = size_t(shape.stages), n = S * size_t(shape.replicas);
+    if (pool.size() < n) {
+      why = std::to_string(shape.stages) + " stage(s) x " + std::to_string(shape.replicas) + " replica(s) need " +
+            std::to_string(n) + " workers and " + std::to_string(pool.size()) + " can serve";
+      return std::nullopt;
+    }
+    std::vector<std::string> out(n);
+    std::vector<bool> used(pool.size(), false);
+    auto fits = [&](const WorkerInfo& w, size_t slot) { return weight_bytes(w, shape.layers[slot % S]) <= weight_room(w); };
+    for (size_t slot = 0; slot < n; ++slot)
+      for (size_t i = 0; i < pool.size(); ++i)
+        if (!used[i] && holds(*pool[i], shape.layers[slot % S]) && fits(*pool[i], slot)) {
+          out[slot] = pool[i]->name;
+          used[i] = true;
+          break;
+        }
+    std::vector<size_t> slots, free;
+    for (size_t slot = 0; slot < n; ++slot)
+      if (out[slot].empty()) slots.push_back(slot);
+    for (size_t i = 0; i < pool.size(); ++i)
+      if (!used[i]) free.push_back(i);
+    auto size_of = [&](size_t slot) { return stage_weight_bytes(cfg.model, shape.layers[slot % S], 1); };
+    std::stable_sort(slots.begin(), slots.end(), [&](size_t a, size_t b) { return size_of(a) > size_of(b); });
+    std::stable_sort(free.begin(), free.end(), [&](size_t a, size_t b) { return weight_room(*pool[a]) > weight_room(*pool[b]); });
+    for (size_t k = 0; k < slots.size(); ++k) {
+      const WorkerInfo& w = *pool[free[k]];
+      const auto layers = shape.layers[slots[k] % S];
+      if (!fits(w, slots[k])) {
+        why = "layers [" + std::to_string(layers.first) + ", " + std::to_string(layers.second) + ") need " +
+              std::to_string(weight_bytes(w, layers) >> 20) + " MiB and worker '" + w.name + "' has " +
+              std::to_string(weight_room(w) >> 20) + " MiB";
+        return std::nullopt;
+      }
+      out[slots[k]] = w.name;
+    }
+    return out;
+  }
+
+  // The largest shape the plannable workers (other than `without`) can run: the target,
+  // else as many of its replicas as possible, each with as many of its stages as the workers
+  // and their memory allow.
+  std::optional<std::pair<Shape, std::vector<std::string>>> feasible_shape(const std::string& without, std::string& why) const {
+    std::string first_why;
+    for (int r = target.replicas; r >= 1; --r)
+      for (int st = target.stages; st >= 1; --st) {
+        const Shape sh = shape_of(st, r);
+        std::string w;
+        if (auto placement = place(sh, without, w)) return std::pair{sh, std::move(*placement)};
+        if (first_why.empty()) first_why = w;
+      }
+    why = first_why;
+    return std::nullopt;
+  }
+
+  bool whole() const {
+    for (const Pipeline& p : pipelines)
+      for (const std::string& w : p.workers)
+        if (w.empty()) return false;
+    return true;
+  }
+
+  // Runs `shape` with the workers `placement` names: new pipelines in a new epoch, workers
+  // that keep their layers only re-wire, the others load, workers left out become spares
+  // (told to drop their stage), and every running sequence is replayed from its first
+  // token on the pipeline with the fewest reserved tokens.
+  void apply_shape(const Shape& shape, const std::vector<std::string>& placement, const std::string& why) {
+    uint32_t epoch = 0;
+    for (const Pipeline& p : pipelines) epoch = std::max(epoch, p.epoch);
+    std::vector<Pipeline> next(size_t(shape.replicas));
+    for (size_t r = 0; r < next.size(); ++r) {
+      Pipeline& p = next[r];
+      p.index = int(r);
+      p.epoch = epoch + 1;
+      p.workers.assign(size_t(shape.stages), "");
+      if (r < pipelines.size()) {  // keep the data-plane endpoints: wire() reuses those still right
+        Pipeline& old = pipelines[r];
+        p.first_peer = old.first_peer, p.last_peer = old.last_peer;
+        p.first_address = std::move(old.first_address), p.last_address = std::move(old.last_address);
+        p.admitted = old.admitted;
+      }
+    }
+    for (size_t r = next.size(); r < pipelines.size(); ++r)
+      for (PeerId peer : {pipelines[r].first_peer, pipelines[r].last_peer})
+        if (peer != transport::kNoPeer) (void)channel->disconnect(peer);
+    const std::set<std::string> placed(placement.begin(), placement.end());
+    for (auto& [name, w] : workers)
+      if (w.stage >= 0 && !placed.count(name)) {
+        w.pipeline = w.stage = -1;
+        if (plannable(w)) {
+          w.state = "joined";
+          send_control(name, ControlMessage::make("unassign"));
+        }
+      }
+    cfg.stages = shape.stages, cfg.replicas = shape.replicas, cfg.layers = shape.layers;
+    pipelines = std::move(next);
+    for (size_t slot = 0; slot < placement.size(); ++slot)
+      assign(pipelines[slot / size_t(shape.stages)], int(slot % size_t(shape.stages)), workers.at(placement[slot]));
+    for (Pipeline& p : pipelines) p.kv_reserved = 0, p.down_reason = why;
+    for (auto& [rp, _] : running) {
+      Pipeline& p = *std::min_element(pipelines.begin(), pipelines.end(),
+                                      [](const Pipeline& a, const Pipeline& b) { return a.kv_reserved < b.kv_reserved; });
+      rp->pipeline = p.index;
+      p.kv_reserved += rp->kv_need;
+      for (uint64_t id : rp->seq_ids)
+        if (auto it = seqs.find(id); it != seqs.end()) {
+          it->second.pipeline = p.index;
+          it->second.fed = 0;
+          it->second.in_flight = false;
+        }
+    }
+    spdlog::info("coordinator: the plan is now {} stage(s) x {} replica(s) ({})", shape.stages, shape.replicas, why);
+    for (Pipeline& p : pipelines) send_assignments(p);
+    work_cv.notify_all();
+  }
+
+  // Called at the top of the control and engine loops: when a pipeline misses a stage that
+  // no spare can fill, or the plan runs smaller than the target, runs the largest shape the
+  // workers allow.
+  void reshape_if_pending() {
+    if (!reshape_pending) return;
+    reshape_pending = false;
+    const bool is_whole = whole();
+    if (is_whole && current_shape() == target) return;
+    std::string why;
+    auto shape = feasible_shape("", why);
+    if (!shape) {
+      for (Pipeline& p : pipelines)
+        if (std::count(p.workers.begin(), p.workers.end(), "")) p.down_reason += "; no smaller plan fits either: " + why;
+      return;
+    }
+    if (is_whole && shape->first == current_shape()) return;
+    apply_shape(shape->first, shape->second,
+                is_whole ? "grown back toward the requested plan" : "re-planned over the surviving workers");
+  }
+
   // ---------------------------------------------------------------- control plane
 
   void send_control(const std::string& peer, ControlMessage m) {
@@ -177,6 +378,7 @@ struct Coordinator::Impl {
     w.layers = cfg.layers[size_t(stage)];
     w.state = "loading";
     w.load_fraction = 0;
+    w.holding = json();  // from now on `layers` says what it holds
     p.workers[size_t(stage)] = w.name;
     spdlog::info("coordinator: pipeline {} stage {} (layers [{}, {})) -> {}", p.index, stage, w.layers.first,
                  w.layers.second, w.name);
@@ -218,7 +420,9 @@ struct Coordinator::Impl {
   }
 
   // Fills every empty stage from the spares; a worker that says it holds a stage's layers
-  // is preferred for that stage (a coordinator restart then needs no reload).
+  // is preferred for that stage (a coordinator restart then needs no reload). What spares
+  // cannot fix (a stage nobody can take, a plan below its target) is left to
+  // reshape_if_pending. Never called while iterating over `pipelines`' elements' slots.
   void plan() {
     for (Pipeline& p : pipelines) {
       bool changed = false;
@@ -226,12 +430,10 @@ struct Coordinator::Impl {
         if (!p.workers[size_t(s)].empty()) continue;
         WorkerInfo* pick = nullptr;
         for (auto& [_, w] : workers) {
-          if (w.state != "joined") continue;
-          const bool holds = w.holding.is_object() && w.holding.value("model", "") == cfg.model_path &&
-                             w.holding.value("layers", json::array()) ==
-                                 json::array({cfg.layers[size_t(s)].first, cfg.layers[size_t(s)].second});
-          if (!pick || holds) pick = &w;
-          if (holds) break;
+          if (w.state != "joined" || w.leaving) continue;
+          const bool held = holds(w, cfg.layers[size_t(s)]);
+          if (!pick || held) pick = &w;
+          if (held) break;
         }
         if (!pick) break;
         assign(p, s, *pick);
@@ -239,18 +441,18 @@ struct Coordinator::Impl {
       }
       if (changed) send_assignments(p);
     }
+    reshape_pending = reshape_pending || !whole() || current_shape() != target;
   }
 
   // A stage of `p` is lost: new epoch, the work in flight is void, sequences restart.
+  // Surviving workers keep their layers; they get the new epoch's wiring once the stage is
+  // filled (the caller runs plan() when it is done with `pipelines`).
   void fail_stage(Pipeline& p, const std::string& worker, const std::string& why) {
     spdlog::warn("coordinator: pipeline {} loses {}: {}", p.index, worker, why);
     for (std::string& w : p.workers)
       if (w == worker) w.clear();
     p.down_reason = worker + ": " + why;
     restart_pipeline(p);
-    plan();
-    // Surviving workers keep their layers; they get the new epoch's wiring once the
-    // stage is filled (plan() sent it if a spare was there).
   }
 
   void restart_pipeline(Pipeline& p) {
@@ -280,6 +482,16 @@ struct Coordinator::Impl {
         return;
       }
       auto it = workers.find(peer);
+      if (it != workers.end() && it->second.pid == b.value("pid", int64_t(0)) && it->second.stage >= 0 &&
+          (it->second.state == "loading" || (it->second.state == "ready" && b.contains("holding") &&
+                                             b["holding"].value("layers", json::array()) ==
+                                                 json::array({it->second.layers.first, it->second.layers.second})))) {
+        // The same process, still on its stage (it thought us silent, or its registers
+        // queued while we were unreachable): nothing to repair.
+        it->second.last_seen = Clock::now();
+        send_control(peer, ControlMessage::make("welcome", {{"heartbeat_ms", cfg.heartbeat_interval_ms}}));
+        return;
+      }
       if (it != workers.end() && it->second.state != "dead" && it->second.state != "joined") {
         // A worker we think is serving registers again: it lost us. Its stage is void.
         for (Pipeline& p : pipelines)
@@ -341,9 +553,24 @@ struct Coordinator::Impl {
         }
       w.state = "failed";
       w.pipeline = w.stage = -1;
+      plan();
     } else if (type == "data_error") {
       w.last_error = b.value("error", std::string("?"));
       spdlog::warn("coordinator: {} reports a data-plane error: {}", peer, w.last_error);
+      // A running pipeline broke (a connection reset, a lost result): replay it on fresh
+      // connections, once per epoch. A wiring failure leaves the pipeline not ready and is
+      // not retried here: the dead neighbour behind it is found by its silence.
+      if (w.pipeline >= 0 && size_t(w.pipeline) < pipelines.size()) {
+        Pipeline& p = pipelines[size_t(w.pipeline)];
+        if (b.value("epoch", uint32_t(0)) == p.epoch && pipeline_ready(p)) {
+          p.down_reason = "replaying after a data-plane error at " + peer + ": " + w.last_error;
+          restart_pipeline(p);
+          send_assignments(p);
+        }
+      }
+    } else if (type == "draining") {
+      auto [status, body] = take_out(w, true, "asked to go (" + b.value("reason", std::string("?")) + ")");
+      spdlog::info("coordinator: {} asks to go: {}", peer, body.dump());
     } else if (type == "leaving") {
       mark_dead(w, "left (" + b.value("reason", std::string("?")) + ")");
     }
@@ -353,6 +580,7 @@ struct Coordinator::Impl {
     const std::string name = w.name;
     w.state = "dead";
     w.last_error = why;
+    w.leaving = false;
     for (Pipeline& p : pipelines)
       for (const std::string& s : p.workers)
         if (s == name) {
@@ -360,6 +588,7 @@ struct Coordinator::Impl {
           break;
         }
     w.pipeline = w.stage = -1;
+    plan();
     work_cv.notify_all();
   }
 
@@ -374,6 +603,8 @@ struct Coordinator::Impl {
       for (auto& [name, w] : workers)
         if (w.state != "dead" && w.state != "failed" && now - w.last_seen > liveness)
           mark_dead(w, "missed heartbeats for " + std::to_string(cfg.liveness_ms) + " ms");
+      release_leavers();
+      reshape_if_pending();
       update_gauges();
     }
   }
@@ -392,6 +623,83 @@ struct Coordinator::Impl {
         metrics->set_stage_busy_fraction(p.index, int(s), it->first, it->second.busy_fraction);
         metrics->set_kv_cache_tokens(p.index, int(s), it->second.kv_used_tokens, it->second.kv_capacity_tokens);
       }
+  }
+
+  // ---------------------------------------------------------------- taking workers out
+
+  // Takes `w` out of service without failing anything (the operator's drain, a worker's
+  // SIGTERM): a spare takes its stage, or else the plan shrinks over the other workers when
+  // their memory allows; every running sequence of its pipeline is replayed. When neither
+  // can be done: 409, or with `wait` its pipeline takes no new requests and it is let go
+  // once its running ones are done (release_leavers). Returns (HTTP status, body).
+  std::pair<int, json> take_out(WorkerInfo& w, bool wait, const std::string& why) {
+    const std::string name = w.name;
+    if (w.state == "drained") return {200, {{"worker", name}, {"state", "drained"}}};
+    std::vector<std::pair<Pipeline*, size_t>> served;
+    for (Pipeline& p : pipelines)
+      if (auto slot = std::find(p.workers.begin(), p.workers.end(), name); slot != p.workers.end())
+        served.emplace_back(&p, size_t(slot - p.workers.begin()));
+    json body = {{"worker", name}, {"state", "drained"}};
+    std::optional<std::pair<Shape, std::vector<std::string>>> smaller;
+    std::string why_not;
+    const bool spare = std::any_of(workers.begin(), workers.end(), [&](const auto& o) {
+      return o.first != name && o.second.state == "joined" && !o.second.leaving;
+    });
+    if (!served.empty() && !spare && !(smaller = feasible_shape(name, why_not))) {
+      const std::string msg = "worker '" + name + "' serves pipeline " + std::to_string(served[0].first->index) +
+                              " stage " + std::to_string(served[0].second) +
+                              ", no spare worker can take it and the others cannot run the model without it (" +
+                              why_not + "): start another worker first";
+      if (!wait) return {409, error_json(api_error(409, msg, {}, "conflict_error"))};
+      if (!w.leaving) spdlog::warn("coordinator: {}; its pipeline takes no new requests until it can go", msg);
+      w.leaving = true;
+      return {202, {{"worker", name}, {"state", "leaving"}, {"reason", msg}}};
+    }
+    w.state = "drained";  // never planned again (a re-registration makes it a spare)
+    w.leaving = false;
+    for (auto [p, stage] : served) fail_stage(*p, name, why);
+    w.pipeline = w.stage = -1;
+    send_control(name, ControlMessage::make("unassign"));
+    if (smaller) {
+      apply_shape(smaller->first, smaller->second, "re-planned without " + name);
+      body["replanned"] = smaller->first.to_json();
+    } else {
+      plan();
+      for (auto [p, stage] : served)
+        if (!p->workers[stage].empty()) body["replaced_by"] = p->workers[stage];
+    }
+    spdlog::info("coordinator: {} drained ({}): {}", name, why, body.dump());
+    return {200, body};
+  }
+
+  bool has_leaver(const Pipeline& p) const {
+    return std::any_of(p.workers.begin(), p.workers.end(), [&](const std::string& n) {
+      auto it = workers.find(n);
+      return it != workers.end() && it->second.leaving;
+    });
+  }
+
+  // Lets go of workers waiting to leave once a spare or a smaller plan can take over, or
+  // once their pipeline has no running sequence.
+  void release_leavers() {
+    for (auto& [name, w] : workers) {
+      if (!w.leaving || w.state == "dead") continue;
+      bool busy = false;
+      for (const auto& [_, s] : seqs)
+        busy = busy || (!s.finished && s.pipeline >= 0 && size_t(s.pipeline) < pipelines.size() &&
+                        std::count(pipelines[size_t(s.pipeline)].workers.begin(),
+                                   pipelines[size_t(s.pipeline)].workers.end(), name));
+      if (busy && take_out(w, true, "leaving").first != 200) continue;
+      if (!busy) {
+        w.state = "drained";
+        w.leaving = false;
+        for (Pipeline& p : pipelines)
+          if (std::count(p.workers.begin(), p.workers.end(), name)) fail_stage(p, name, "left when its work was done");
+        w.pipeline = w.stage = -1;
+        send_control(name, ControlMessage::make("unassign"));
+        plan();
+      }
+    }
   }
 
   // ---------------------------------------------------------------- requests
@@ -420,6 +728,7 @@ struct Coordinator::Impl {
     }
     r.sink.on_done(error);
     running.erase(&r);  // destroys r
+    idle_cv.notify_all();
   }
 
   // Moves queued requests onto pipelines while their KV budget allows (FIFO).
@@ -429,7 +738,7 @@ struct Coordinator::Impl {
       Pipeline* best = nullptr;
       int64_t max_cap = 0;
       for (Pipeline& p : pipelines) {
-        if (!pipeline_ready(p)) continue;
+        if (!pipeline_ready(p) || has_leaver(p)) continue;
         const int64_t cap = pipeline_kv_capacity(p);
         max_cap = std::max(max_cap, cap);
         if (p.kv_reserved + r.kv_need <= cap && (!best || p.kv_reserved < best->kv_reserved)) best = &p;
@@ -449,6 +758,7 @@ struct Coordinator::Impl {
       Request* rp = owned.get();
       rp->pipeline = best->index;
       best->kv_reserved += rp->kv_need;
+      ++best->admitted;
       const CompletionRequest& cr = *rp->req;
       for (size_t c = 0; c < cr.num_choices(); ++c) {
         Sequence s;
@@ -482,7 +792,7 @@ struct Coordinator::Impl {
 
   // Forms and sends micro-batches for `p` while it has room in flight.
   void launch(Pipeline& p) {
-    const int depth = std::max(1, cfg.in_flight);
+    const int depth = in_flight_depth();
     while (p.in_flight < depth && pipeline_ready(p)) {
       std::vector<Sequence*> decode, prefill;
       int64_t active = 0;
@@ -637,6 +947,7 @@ struct Coordinator::Impl {
         if (!res) spdlog::error("coordinator: {}", res.error());
         else on_result(*res);
       }
+      reshape_if_pending();
       admit();
       for (Pipeline& p : pipelines) launch(p);
     }
@@ -660,6 +971,7 @@ struct Coordinator::Impl {
       }
       pj.push_back(e);
     }
+    if (!accepting) return {false, {{"status", "shutting down"}, {"pipelines", pj}}};
     return {any, {{"status", any ? "ok" : "unavailable"}, {"pipelines", pj}}};
   }
 
@@ -671,7 +983,9 @@ struct Coordinator::Impl {
                 {"state", w.state == "joined" ? "spare" : w.state}, {"busy_fraction", w.busy_fraction},
                 {"kv_used_tokens", w.kv_used_tokens}, {"kv_capacity_tokens", w.kv_capacity_tokens},
                 {"load_progress", w.load_fraction}, {"load_bytes_done", w.load_bytes_done},
-                {"load_bytes_total", w.load_bytes_total}, {"load_seconds", w.load_seconds}};
+                {"load_bytes_total", w.load_bytes_total}, {"load_seconds", w.load_seconds},
+                {"memory_bytes", w.memory_bytes}};
+      if (w.leaving) e["leaving"] = true;
       if (w.stage >= 0) {
         e["pipeline"] = w.pipeline;
         e["stage"] = w.stage;
@@ -687,15 +1001,16 @@ struct Coordinator::Impl {
         stages.push_back({{"stage", s}, {"layers", {cfg.layers[s].first, cfg.layers[s].second}},
                           {"worker", p.workers[s].empty() ? json(nullptr) : json(p.workers[s])}});
       pj.push_back({{"pipeline", p.index}, {"epoch", p.epoch}, {"ready", pipeline_ready(p)},
-                    {"in_flight", p.in_flight}, {"kv_reserved_tokens", p.kv_reserved}, {"stages", stages}});
+                    {"in_flight", p.in_flight}, {"kv_reserved_tokens", p.kv_reserved}, {"admitted", p.admitted},
+                    {"stages", stages}});
     }
     return {{"model", cfg.model_name}, {"workers", wj}, {"pipelines", pj}, {"queue", queue.size()},
-            {"in_flight_depth", cfg.in_flight}};
+            {"in_flight_depth", in_flight_depth()}, {"plan", current_shape().to_json()}, {"target", target.to_json()}};
   }
 
   SubmitResult submit(std::shared_ptr<const CompletionRequest> req, CompletionSink sink) {
     std::lock_guard lk(mu);
-    if (stopping) return {SubmitError::Unavailable, "the coordinator is shutting down"};
+    if (stopping || !accepting) return {SubmitError::Unavailable, "the coordinator is shutting down"};
     bool serviceable = false;
     for (const Pipeline& p : pipelines) serviceable = serviceable || pipeline_ready(p) || pipeline_recoverable(p);
     if (!serviceable) return {SubmitError::Unavailable, "no pipeline can serve: " + health_reason()};
@@ -724,8 +1039,10 @@ struct Coordinator::Impl {
     if (engine_thread.joinable()) engine_thread.join();
     if (control_thread.joinable()) control_thread.join();
     std::lock_guard lk(mu);
+    // Workers keep their layers for the next coordinator; one waiting to hand its stage
+    // over need not wait any longer.
     for (auto& [name, w] : workers)
-      if (w.state != "dead") (void)control->send(name, ControlMessage::make("heartbeat"));
+      if (w.state != "dead") (void)control->send(name, ControlMessage::make("goodbye", {{"reason", "the coordinator is stopping"}}));
     while (!queue.empty()) {
       queue.front()->sink.on_done("the coordinator is shutting down");
       queue.pop_front();
@@ -755,6 +1072,7 @@ Expected<std::unique_ptr<Coordinator>> Coordinator::start(ClusterConfig config,
   impl->metrics = metrics;
   impl->control = std::move(server).value();
   impl->channel = std::move(ch).value();
+  impl->target = {impl->cfg.stages, impl->cfg.replicas, impl->cfg.layers};
   for (int r = 0; r < impl->cfg.replicas; ++r) {
     Pipeline p;
     p.index = r;
@@ -777,32 +1095,69 @@ std::pair<int, json> Coordinator::drain(const std::string& name) {
   auto it = m.workers.find(name);
   if (it == m.workers.end() || it->second.state == "dead")
     return {404, error_json(api_error(404, "no live worker named '" + name + "'", {}, "not_found_error"))};
-  WorkerInfo& w = it->second;
-  if (w.state == "drained") return {200, {{"worker", name}, {"state", "drained"}}};
-  // The stages it serves, and whether a spare can take them; nothing changes on a refusal.
-  std::vector<std::pair<Pipeline*, size_t>> served;
-  for (Pipeline& p : m.pipelines)
-    if (auto slot = std::find(p.workers.begin(), p.workers.end(), name); slot != p.workers.end())
-      served.emplace_back(&p, size_t(slot - p.workers.begin()));
-  const bool spare = std::any_of(m.workers.begin(), m.workers.end(), [](const auto& o) { return o.second.state == "joined"; });
-  if (!served.empty() && !spare)
-    return {409, error_json(api_error(409,
-                                      "worker '" + name + "' serves pipeline " + std::to_string(served[0].first->index) +
-                                          " stage " + std::to_string(served[0].second) +
-                                          " and no spare worker can take it: start one first",
-                                      {}, "conflict_error"))};
-  w.state = "drained";  // never planned again: a spare takes its stage
-  std::string replaced_by;
-  for (auto [p, stage] : served) {
-    m.fail_stage(*p, name, "drained by the operator");
-    replaced_by = p->workers[stage];
+  return m.take_out(it->second, false, "drained by the operator");
+}
+
+std::pair<int, json> Coordinator::replan(const json& body) {
+  Impl& m = *impl_;
+  auto bad = [](const std::string& msg, const std::string& param) {
+    return std::pair<int, json>{400, error_json(api_error(400, msg, param))};
+  };
+  if (!body.is_object()) return bad("the plan must be a JSON object with stages, replicas and/or layers", "");
+  for (const auto& [key, _] : body.items())
+    if (key != "stages" && key != "replicas" && key != "layers")
+      return bad("unknown field '" + key + "' (a plan has stages, replicas and layers)", key);
+  if (body.empty()) return bad("the plan is empty: give stages, replicas and/or layers", "");
+  std::lock_guard lk(m.mu);
+  Impl::Shape shape = m.target;
+  const int64_t L = m.cfg.model.n_layer;
+  if (body.contains("stages")) {
+    const json& v = body.at("stages");
+    if (!v.is_number_integer() || v.get<int64_t>() < 1 || v.get<int64_t>() > L)
+      return bad("stages must be an integer from 1 to " + std::to_string(L) + " (the model's layers)", "stages");
+    shape.stages = v.get<int>();
   }
-  w.pipeline = w.stage = -1;
-  m.send_control(name, ControlMessage::make("unassign"));
-  spdlog::info("coordinator: {} drained{}", name, replaced_by.empty() ? "" : ", its stage goes to " + replaced_by);
-  json body = {{"worker", name}, {"state", "drained"}};
-  if (!replaced_by.empty()) body["replaced_by"] = replaced_by;
-  return {200, body};
+  if (body.contains("replicas")) {
+    const json& v = body.at("replicas");
+    if (!v.is_number_integer() || v.get<int64_t>() < 1 || v.get<int64_t>() > 64)
+      return bad("replicas must be an integer from 1 to 64", "replicas");
+    shape.replicas = v.get<int>();
+  }
+  if (body.contains("layers")) {
+    const json& v = body.at("layers");
+    std::vector<std::pair<int64_t, int64_t>> layers;
+    if (!v.is_array()) return bad("layers must be a list of [begin, end] ranges", "layers");
+    for (const json& r : v) {
+      if (!r.is_array() || r.size() != 2 || !r[0].is_number_integer() || !r[1].is_number_integer())
+        return bad("layers must be a list of [begin, end] ranges of integers; got " + r.dump(), "layers");
+      layers.emplace_back(r[0].get<int64_t>(), r[1].get<int64_t>());
+    }
+    if (!body.contains("stages")) shape.stages = int(layers.size());
+    if (Status s = check_layer_split(layers, shape.stages, L); !s) return bad(s.message(), "layers");
+    shape.layers = std::move(layers);
+  } else if (body.contains("stages") && shape.stages != m.target.stages) {
+    shape.layers = balanced_layer_split(m.cfg.model, shape.stages);
+  }
+  std::string why;
+  auto placement = m.place(shape, "", why);
+  if (!placement) return {409, error_json(api_error(409, "cannot run that plan: " + why, {}, "conflict_error"))};
+  m.target = shape;
+  json out = {{"plan", shape.to_json()}, {"workers", *placement}};
+  if (shape == m.current_shape() && m.whole()) {
+    out["changed"] = false;
+    return {200, out};
+  }
+  m.apply_shape(shape, *placement, "re-planned by the operator");
+  out["changed"] = true;
+  return {200, out};
+}
+
+size_t Coordinator::quiesce(std::chrono::milliseconds timeout) {
+  Impl& m = *impl_;
+  std::unique_lock lk(m.mu);
+  m.accepting = false;
+  m.idle_cv.wait_for(lk, timeout, [&] { return m.queue.empty() && m.running.empty(); });
+  return m.queue.size() + m.running.size();
 }
 
 std::pair<bool, json> Coordinator::health() const { return impl_->health(); }

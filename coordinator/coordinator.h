@@ -22,6 +22,7 @@
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <memory>
 #include <string>
 #include <thread>
@@ -50,10 +51,19 @@ class Coordinator final : public CompletionBackend {
   // /v1/cluster: workers and pipelines.
   nlohmann::json cluster() const;
   // POST /v1/cluster/workers/{name}/drain: takes a worker out of service without failing
-  // anything. A serving worker's stage goes to a spare (409 when there is none) and the
-  // pipeline replays its sequences; the worker is then told to drop its stage and is no
-  // longer planned (a re-registration makes it a spare again). Returns (HTTP status, body).
+  // anything. A serving worker's stage goes to a spare and the pipeline replays its sequences; the worker is then told to drop its stage and is no
+  // longer planned (a re-registration makes it a spare again). With no spare the plan
+  // shrinks over the other workers when their memory allows; otherwise 409 and nothing
+  // changes.
   std::pair<int, nlohmann::json> drain(const std::string& worker);
+  // POST /v1/cluster/plan {"stages": S, "replicas": R, "layers": [[b, e], ...]} (any of
+  // them; the others keep their value): the new target plan, applied at once under load
+  // (workers that keep their layers only re-wire, running sequences are replayed). 400 for
+  // a malformed plan, 409 (nothing changes) when the workers are too few or too small.
+  std::pair<int, nlohmann::json> replan(const nlohmann::json& body);
+  // SIGTERM: takes no new requests (503, /health says "shutting down") and waits up to
+  // `timeout` for the accepted ones to finish; returns how many are left.
+  size_t quiesce(std::chrono::milliseconds timeout);
   // Stops the threads; accepted requests still running are failed with a message.
   void stop();
 

@@ -57,6 +57,7 @@ int main(int argc, char** argv) {
   ctx.health = [c] { return c->health(); };
   ctx.cluster = [c] { return c->cluster(); };
   ctx.drain = [c](const std::string& worker) { return c->drain(worker); };
+  ctx.plan = [c](const nlohmann::json& body) { return c->replan(body); };
   auto http = conveyor::HttpServer::start(cfg->http_host, cfg->http_port, ctx, cfg->http_threads);
   if (!http) {
     std::cerr << "conveyor-coordinator: " << http.error() << "\n";
@@ -72,9 +73,17 @@ int main(int argc, char** argv) {
     std::this_thread::sleep_for(std::chrono::milliseconds(100));
     conveyor::service::watchdog_tick();
   }
+  // Graceful: no new requests, the accepted ones finish (streams included), then stop.
   conveyor::service::stopping();
-  spdlog::info("coordinator: shutting down");
-  (*http)->stop();
-  c->stop();
+  spdlog::info("coordinator: shutting down: taking no new requests, finishing the accepted ones (up to {} s)",
+               cfg->shutdown_timeout_ms / 1000.0);
+  const auto give_up = std::chrono::steady_clock::now() + std::chrono::milliseconds(cfg->shutdown_timeout_ms);
+  size_t left = 0;
+  while ((left = c->quiesce(std::chrono::seconds(1))) > 0 && std::chrono::steady_clock::now() < give_up)
+    conveyor::service::watchdog_tick();
+  if (left) spdlog::warn("coordinator: {} request(s) still running after {} ms are failed", left, cfg->shutdown_timeout_ms);
+  c->stop();  // fails what is left; the REST server below still writes those answers
+  if (const int cut = (*http)->shutdown(std::chrono::seconds(5)))
+    spdlog::warn("coordinator: {} answer(s) were still being written when the REST server stopped", cut);
   return 0;
 }

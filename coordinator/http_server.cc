@@ -5,6 +5,7 @@
 #include <ctime>
 #include <deque>
 #include <optional>
+#include <atomic>
 #include <thread>
 #include <vector>
 
@@ -84,8 +85,10 @@ struct SinkTarget {
 class Session : public std::enable_shared_from_this<Session> {
  public:
   Session(tcp::socket&& socket, std::shared_ptr<const RestContext> ctx, std::weak_ptr<net::io_context> ioc,
-          int64_t started_unix)
-      : stream_(std::move(socket)), ctx_(std::move(ctx)), ioc_(std::move(ioc)), started_unix_(started_unix) {}
+          int64_t started_unix, std::shared_ptr<std::atomic<int>> answering)
+      : stream_(std::move(socket)), ctx_(std::move(ctx)), ioc_(std::move(ioc)), started_unix_(started_unix),
+        answering_count_(std::move(answering)) {}
+  ~Session() { end_answer(); }
 
   void run() {
     // The socket was accepted onto a strand; start on it.
@@ -103,6 +106,14 @@ class Session : public std::enable_shared_from_this<Session> {
     bool first_token_seen = false;
     std::vector<std::optional<Clock::time_point>> last_token_at;  // per choice
   };
+
+  // From a request read to its answer written: counted, so a shutdown can wait for it.
+  void begin_answer() {
+    if (!answering_) answering_ = true, ++*answering_count_;
+  }
+  void end_answer() {
+    if (answering_) answering_ = false, --*answering_count_;
+  }
 
   void do_read();
   void on_read_header(beast::error_code ec, size_t);
@@ -141,6 +152,8 @@ class Session : public std::enable_shared_from_this<Session> {
   std::shared_ptr<const RestContext> ctx_;
   std::weak_ptr<net::io_context> ioc_;  // weak: the io_context's queue holds us (no cycle)
   int64_t started_unix_;
+  std::shared_ptr<std::atomic<int>> answering_count_;
+  bool answering_ = false;
 
   std::unique_ptr<Active> active_;
   // Stream state: the header, then events in order, then the last chunk.
@@ -194,6 +207,7 @@ void Session::on_read(beast::error_code ec, size_t) {
   if (ec) return read_failed(ec);
   req_ = parser_->release();
   stream_.expires_never();  // answering may wait on the core
+  begin_answer();
   handle();
 }
 
@@ -263,6 +277,7 @@ void Session::send(http::response<http::string_body>&& res) {
 
 void Session::on_write(bool close, beast::error_code ec, size_t) {
   res_.reset();
+  end_answer();
   if (ec || close) return do_close();
   do_read();
 }
@@ -516,6 +531,7 @@ void Session::write_next() {
     self->writing_ = false;
     self->stream_sr_.reset();
     self->stream_head_.reset();
+    self->end_answer();
     if (ec || self->close_after_ || !self->chunked_ || !self->req_.keep_alive()) return self->do_close();
     self->do_read();
   };
@@ -538,8 +554,10 @@ void Session::stream_broken() {
 // Accepts connections, each onto its own strand.
 class Listener : public std::enable_shared_from_this<Listener> {
  public:
-  Listener(const std::shared_ptr<net::io_context>& ioc, std::shared_ptr<const RestContext> ctx)
-      : ioc_(ioc), io_(*ioc), acceptor_(net::make_strand(*ioc)), ctx_(std::move(ctx)), started_unix_(unix_now()) {}
+  Listener(const std::shared_ptr<net::io_context>& ioc, std::shared_ptr<const RestContext> ctx,
+           std::shared_ptr<std::atomic<int>> answering)
+      : ioc_(ioc), io_(*ioc), acceptor_(net::make_strand(*ioc)), ctx_(std::move(ctx)), started_unix_(unix_now()),
+        answering_(std::move(answering)) {}
 
   Status open(const tcp::endpoint& endpoint) {
     beast::error_code ec;
@@ -581,7 +599,7 @@ class Listener : public std::enable_shared_from_this<Listener> {
     } else {
       beast::error_code ignored;
       socket.set_option(tcp::no_delay(true), ignored);  // SSE events go out as they are written
-      std::make_shared<Session>(std::move(socket), ctx_, ioc_, started_unix_)->run();
+      std::make_shared<Session>(std::move(socket), ctx_, ioc_, started_unix_, answering_)->run();
     }
     do_accept();
   }
@@ -591,6 +609,7 @@ class Listener : public std::enable_shared_from_this<Listener> {
   tcp::acceptor acceptor_;
   std::shared_ptr<const RestContext> ctx_;
   int64_t started_unix_;
+  std::shared_ptr<std::atomic<int>> answering_;
 };
 
 }  // namespace
@@ -598,6 +617,7 @@ class Listener : public std::enable_shared_from_this<Listener> {
 struct HttpServer::Impl {
   std::shared_ptr<net::io_context> ioc;  // shared with every pending sink
   std::shared_ptr<Listener> listener;
+  std::shared_ptr<std::atomic<int>> answering = std::make_shared<std::atomic<int>>(0);  // requests read, not yet answered
   std::vector<std::thread> threads;
   int port = 0;
   bool stopped = false;
@@ -624,7 +644,7 @@ Expected<std::unique_ptr<HttpServer>> HttpServer::start(const std::string& host,
     return Status::error("cannot resolve REST listen address '" + host + "': " + (ec ? ec.message() : "no address"));
   const tcp::endpoint endpoint = endpoints.begin()->endpoint();
 
-  impl->listener = std::make_shared<Listener>(impl->ioc, std::make_shared<const RestContext>(std::move(ctx)));
+  impl->listener = std::make_shared<Listener>(impl->ioc, std::make_shared<const RestContext>(std::move(ctx)), impl->answering);
   if (Status s = impl->listener->open(endpoint); !s.ok()) return s;
   impl->port = impl->listener->port();
   impl->listener->run();
@@ -641,6 +661,17 @@ Expected<std::unique_ptr<HttpServer>> HttpServer::start(const std::string& host,
     });
   spdlog::info("REST API listening on {}:{}", endpoint.address().to_string(), impl->port);
   return std::unique_ptr<HttpServer>(new HttpServer(std::move(impl)));
+}
+
+int HttpServer::shutdown(std::chrono::milliseconds timeout) {
+  if (!impl_ || impl_->stopped) return 0;
+  impl_->listener->stop();
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  while (*impl_->answering > 0 && std::chrono::steady_clock::now() < deadline)
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  const int left = *impl_->answering;
+  stop();
+  return left;
 }
 
 void HttpServer::stop() {

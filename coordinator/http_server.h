@@ -15,6 +15,7 @@
 // balancers and orchestrators.
 #pragma once
 
+#include <chrono>
 #include <functional>
 #include <memory>
 #include <string>
@@ -61,6 +62,10 @@ class HttpServer {
   // Stops accepting, stops the io threads and drops open connections. Requests still in
   // the core finish there; their output is discarded. Idempotent.
   void stop();
+  // Graceful stop: stops accepting, waits up to `timeout` for every request already read to
+  // be answered in full (idle keep-alive connections do not count), then stop(). Returns
+  // how many answers were cut short.
+  int shutdown(std::chrono::milliseconds timeout);
 
   struct Impl;
 

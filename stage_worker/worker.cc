@@ -14,6 +14,7 @@
 #include "model/stage_executor.h"
 #include "model/weights.h"
 #ifdef CONVEYOR_HAVE_CUDA
+#include "kernels/cuda/check.h"
 #include "kernels/cuda/gpu_stage_backend.h"
 #endif
 #include "transport/channel.h"
@@ -35,7 +36,22 @@ std::string host_name() {
   return buf;
 }
 
-int64_t memory_bytes() {
+// The memory a stage's weights live in: the GPU's on the CUDA backend, else the host's.
+// The coordinator checks a stage's size against it before it gives this worker more layers.
+int64_t memory_bytes(const WorkerOptions& opt) {
+#ifdef CONVEYOR_HAVE_CUDA
+  if (opt.backend == "cuda") {
+    try {
+      cuda::DeviceGuard on(opt.device);
+      return int64_t(cuda::device_memory_info().second);
+    } catch (const std::exception& e) {
+      spdlog::warn("{}: cannot read the memory of GPU {}: {}", opt.name, opt.device, e.what());
+      return 0;
+    }
+  }
+#else
+  (void)opt;
+#endif
   const long pages = ::sysconf(_SC_PHYS_PAGES), page = ::sysconf(_SC_PAGE_SIZE);
   return pages > 0 && page > 0 ? int64_t(pages) * page : 0;
 }
@@ -94,6 +110,7 @@ struct Worker::Impl {
 
   // Control-thread state.
   bool welcomed = false;
+  bool coordinator_gone = false;  // it said goodbye; cleared by the next welcome
   Clock::time_point last_from_coordinator = Clock::now();
   Clock::time_point last_register{};
   Clock::time_point last_heartbeat{};
@@ -130,7 +147,7 @@ struct Worker::Impl {
   void send_register() {
     json body = {{"name", opt.name}, {"host", host}, {"pid", ::getpid()}, {"token", opt.join_token},
                  {"backend", opt.backend}, {"gpus", opt.backend == "cuda" ? json::array({opt.device}) : json::array()},
-                 {"memory_bytes", memory_bytes()},
+                 {"memory_bytes", memory_bytes(opt)},
                  {"kv_cache_bytes", opt.kv_cache_bytes}};
     {
       std::lock_guard lk(stage_mu);
@@ -246,6 +263,17 @@ struct Worker::Impl {
     send(ControlMessage::make("data_error", {{"error", "wiring: " + s.message()}, {"epoch", a.epoch}}));
   }
 
+  // Tells the coordinator that the data plane failed under the current assignment; it
+  // replays the pipeline on fresh connections (once per epoch).
+  void report_data_error(const std::string& error, const std::string& peer) {
+    json body = {{"error", error}, {"peer", peer}};
+    {
+      std::lock_guard lk(stage_mu);
+      if (assignment) body["epoch"] = assignment->epoch;
+    }
+    send(ControlMessage::make("data_error", body));
+  }
+
   // Under run_mu, or while no compute thread runs.
   void publish_stats() {
     StageBackend& st = executor->backend();
@@ -324,7 +352,7 @@ struct Worker::Impl {
       auto got = channel->recv(std::chrono::milliseconds(100));
       if (!got) {
         spdlog::warn("{}: data plane: {}", opt.name, got.error());
-        send(ControlMessage::make("data_error", {{"error", got.error()}}));
+        report_data_error(got.error(), "");
         continue;
       }
       if (!got->has_value()) continue;
@@ -374,7 +402,7 @@ struct Worker::Impl {
             std::lock_guard lk(stage_mu);
             if (next_peer == next) next_address.clear();  // the next wiring connects afresh
           }
-          send(ControlMessage::make("data_error", {{"error", sent.message()}, {"peer", "next"}}));
+          report_data_error(sent.message(), "next");
           result.error = opt.name + ": could not hand batch to the next stage: " + sent.message();
           send_result(coord, result);
         }
@@ -385,7 +413,7 @@ struct Worker::Impl {
   void send_result(PeerId coord, const BatchResult& r) {
     const std::vector<uint8_t> bytes = encode(r);
     Status s = channel->send(coord, std::as_bytes(std::span(bytes)), {}, std::chrono::milliseconds(10000));
-    if (!s) send(ControlMessage::make("data_error", {{"error", s.message()}, {"peer", "coordinator"}}));
+    if (!s) report_data_error(s.message(), "coordinator");
   }
 
   void handle(const ControlMessage& m) {
@@ -393,6 +421,7 @@ struct Worker::Impl {
     const std::string type = m.type();
     if (type == "welcome") {
       welcomed = true;
+      coordinator_gone = false;
       service::ready("joined " + opt.coordinator + " as " + opt.name);
       spdlog::info("{}: joined the coordinator", opt.name);
     } else if (type == "rejected") {
@@ -407,28 +436,57 @@ struct Worker::Impl {
       if (state == "ready") state = "draining";
     } else if (type == "shutdown") {
       exit_code = 0;
-    } else if (type != "heartbeat") {
+    } else if (type == "goodbye") {  // it stops; a new one will find us holding our layers
+      spdlog::info("{}: the coordinator says goodbye: {}", opt.name, m.body.value("reason", std::string("?")));
+      coordinator_gone = true;
+      welcomed = false;
+    } else if (type == "heartbeat") {
+      if (m.body.value("register", false) && welcomed) {  // a restarted coordinator does not know us
+        spdlog::info("{}: the coordinator does not know this worker; registering again (keeping its layers)", opt.name);
+        welcomed = false;
+        last_register = {};
+      }
+    } else {
       spdlog::warn("{}: ignoring unknown control message '{}'", opt.name, type);
     }
   }
 
+  bool has_stage() {
+    std::lock_guard lk(stage_mu);
+    return assignment.has_value();
+  }
+
+  // Until `stop` (a signal): serve. Then, holding a stage, ask the coordinator to take it
+  // away (a spare or a smaller plan takes over, or the pipeline finishes its running
+  // requests first) and leave once told to drop it, or after `drain_timeout`.
   int run(const std::atomic<bool>& stop) {
     send_register();
-    while (exit_code < 0 && !stop) {
+    std::optional<Clock::time_point> leave_by;
+    while (exit_code < 0) {
+      const auto now = Clock::now();
+      if (stop && !leave_by) {
+        service::stopping();
+        if (!welcomed || !has_stage()) break;
+        spdlog::info("{}: asked to stop: handing the stage over (waiting up to {} ms)", opt.name, opt.drain_timeout.count());
+        send(ControlMessage::make("draining", {{"reason", "signal"}}));
+        leave_by = now + opt.drain_timeout;
+      }
+      if (leave_by && (!has_stage() || !welcomed || coordinator_gone || now > *leave_by)) {
+        if (has_stage()) spdlog::warn("{}: the stage was not taken over in time; leaving anyway", opt.name);
+        break;
+      }
       auto m = control->recv(std::chrono::milliseconds(50));
       if (!m) spdlog::warn("{}: control plane: {}", opt.name, m.error());
       else if (m->has_value()) handle(**m);
-      const auto now = Clock::now();
-      if (welcomed && now - last_from_coordinator > opt.coordinator_liveness) {
+      if (welcomed && Clock::now() - last_from_coordinator > opt.coordinator_liveness) {
         spdlog::warn("{}: coordinator silent for {} ms; keeping weights and registering again", opt.name,
                      opt.coordinator_liveness.count());
         welcomed = false;
       }
-      if (!welcomed && now - last_register > std::chrono::seconds(1)) send_register();
-      if (welcomed && now - last_heartbeat > opt.heartbeat_interval) send_heartbeat();
+      if (!welcomed && !leave_by && Clock::now() - last_register > std::chrono::seconds(1)) send_register();
+      if (welcomed && Clock::now() - last_heartbeat > opt.heartbeat_interval) send_heartbeat();
       service::watchdog_tick();
     }
-    service::stopping();
     if (exit_code < 0) {  // stopped by a signal: tell the coordinator we are going
       control->post(ControlMessage::make("leaving", {{"reason", "signal"}}));
       (void)control->flush_posted();

@@ -39,6 +39,8 @@ struct WorkerOptions {
   double gpu_memory_fraction = 0.9;      // cuda: of the memory left after weights, for the K/V cache
   std::chrono::milliseconds heartbeat_interval{500};
   std::chrono::milliseconds coordinator_liveness{3000};
+  // On SIGTERM a worker with a stage waits this long for the coordinator to take it over.
+  std::chrono::milliseconds drain_timeout{30000};
 };
 
 class Worker {
@@ -46,8 +48,9 @@ class Worker {
   static Expected<std::unique_ptr<Worker>> create(WorkerOptions options);
   ~Worker();
 
-  // Runs until `stop` turns true, a `shutdown` arrives or the join is refused. Returns the
-  // process exit code (0: clean shutdown; 3: rejected by the coordinator).
+  // Runs until `stop` turns true (then hands its stage over first, see drain_timeout), a
+  // `shutdown` arrives or the join is refused. Returns the process exit code (0: clean
+  // shutdown; 3: rejected by the coordinator).
   int run(const std::atomic<bool>& stop);
 
   struct Impl;

@@ -34,6 +34,9 @@ int main(int argc, char** argv) {
   app.add_option("--heartbeat-ms", heartbeat_ms, "heartbeat period")->check(CLI::Range(10, 60000));
   app.add_option("--coordinator-liveness-ms", liveness_ms, "register again after this much silence")
       ->check(CLI::Range(100, 600000));
+  int64_t drain_ms = opt.drain_timeout.count();
+  app.add_option("--drain-timeout-ms", drain_ms, "on SIGTERM, how long to wait for the stage to be taken over")
+      ->check(CLI::Range(0, 3600000));
   CLI11_PARSE(app, argc, argv);
   spdlog::set_default_logger(spdlog::stderr_color_mt("worker"));
   if (const char* lvl = std::getenv("CONVEYOR_LOG_LEVEL")) spdlog::set_level(spdlog::level::from_str(lvl));  // stdout is for the ready line
@@ -42,6 +45,7 @@ int main(int argc, char** argv) {
   opt.kv_cache_bytes = kv_mb << 20;
   opt.heartbeat_interval = std::chrono::milliseconds(heartbeat_ms);
   opt.coordinator_liveness = std::chrono::milliseconds(liveness_ms);
+  opt.drain_timeout = std::chrono::milliseconds(drain_ms);
 
   std::signal(SIGINT, on_signal);
   std::signal(SIGTERM, on_signal);

@@ -10,6 +10,7 @@
 #include <functional>
 #include <mutex>
 #include <random>
+#include <regex>
 #include <sstream>
 #include <thread>
 
@@ -101,6 +102,43 @@ struct Cluster {
     return http_call("127.0.0.1", http_port, r);
   }
 
+  // GET /v1/cluster, parsed; null when it does not answer.
+  json info() {
+    auto r = get("/v1/cluster");
+    return r && r->status == 200 ? json::parse(r->body, nullptr, false) : json();
+  }
+
+  // Waits (bounded) until /health is ok and `ok(/v1/cluster)` holds.
+  ::testing::AssertionResult wait_until(const std::function<bool(const json&)>& ok,
+                                        std::chrono::seconds timeout = std::chrono::seconds(60)) {
+    const auto deadline = std::chrono::steady_clock::now() + timeout;
+    json last;
+    while (std::chrono::steady_clock::now() < deadline) {
+      auto h = get("/health");
+      last = info();
+      if (h && h->status == 200 && last.is_object() && ok(last)) return ::testing::AssertionSuccess();
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+    return ::testing::AssertionFailure() << "the cluster did not get there; last /v1/cluster: " << last.dump();
+  }
+
+  // Starts a new coordinator on the ports of the one before (which must be gone): the
+  // workers find it by themselves.
+  ::testing::AssertionResult restart_coordinator() {
+    std::string yaml = read(dir / "cluster.yaml");
+    yaml = std::regex_replace(yaml, std::regex("http: \\{host: 127.0.0.1, port: 0"), "http: {host: 127.0.0.1, port: " + std::to_string(http_port));
+    yaml = std::regex_replace(yaml, std::regex("control: \\{host: 127.0.0.1, port: 0"), "control: {host: 127.0.0.1, port: " + std::to_string(control_port));
+    std::ofstream(dir / "cluster-restart.yaml") << yaml;
+    coordinator = std::make_unique<ChildProcess>(
+        std::vector<std::string>{bin("conveyor-coordinator"), "--config", (dir / "cluster-restart.yaml").string()},
+        (dir / "coordinator-restarted.log").string());
+    const std::string line = coordinator->read_line_matching("listening on", std::chrono::seconds(30));
+    if (line.find(":" + std::to_string(http_port) + " ") == std::string::npos)
+      return ::testing::AssertionFailure() << "the new coordinator did not start on port " << http_port << ": " << line
+                                           << read(dir / "coordinator-restarted.log");
+    return ::testing::AssertionSuccess();
+  }
+
   static std::string read(const fs::path& p) {
     std::ifstream in(p);
     std::stringstream ss;
@@ -109,6 +147,7 @@ struct Cluster {
   }
 
   ~Cluster() {
+    for (auto& w : workers) w->signal(SIGTERM);  // all at once: each hands its stage over
     for (auto& w : workers) w->stop(std::chrono::milliseconds(3000));
     if (coordinator) coordinator->stop(std::chrono::milliseconds(3000));
     if (!dir.empty() && !::testing::Test::HasFailure()) fs::remove_all(dir);

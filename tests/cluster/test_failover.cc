@@ -1,8 +1,12 @@
 // Chaos on loopback: workers die by SIGKILL while 64 mixed requests are in flight (during
-// prefill, mid-stream, two in a row), and every request must still complete with exactly
-// the engine's tokens: no error, no duplicate, no gap in any stream. The coordinator gives
-// the dead stage to a spare, bumps the pipeline's epoch and replays each sequence from its
-// first token.
+// prefill, mid-stream, two in a row, while a replacement loads), data-plane connections are
+// reset under live processes, operators drain workers, SIGTERM asks daemons to go, and the
+// coordinator itself is killed and restarted. Every accepted request must still complete
+// with exactly the engine's tokens: no error, no duplicate, no gap in any stream. The
+// coordinator gives a lost stage to a spare (or re-plans over the survivors), bumps the
+// pipeline's epoch and replays each sequence from its first token.
+#include <map>
+
 #include "tests/cluster/cluster_harness.h"
 
 namespace conveyor {
@@ -78,11 +82,13 @@ TEST_P(Failover, KillTwoInARow) {
 INSTANTIATE_TEST_SUITE_P(Seeds, Failover, ::testing::Values(1u, 2u, 3u));
 
 // An operator drains a serving worker under load (`conveyor drain`): a spare takes its
-// stage and nothing fails; without a spare the drain is refused with 409 and nothing moves.
-TEST(Drain, ServingWorkerUnderLoadLosesNothing) {
+// stage and nothing fails. Without a spare the next drain re-plans over the other two
+// workers (3 stages to 2), again under load; with one serving worker left a drain is
+// refused with 409 and nothing moves.
+TEST(Drain, ServingWorkersUnderLoadLoseNothing) {
   Cluster cluster;
   ASSERT_TRUE(cluster.start("drain", 3, 4));
-  std::string victim;
+  std::string victim, second;
   run_with_chaos(cluster, 77, [&](std::mt19937& rng) {
     std::this_thread::sleep_for(std::chrono::milliseconds(300));
     victim = serving_worker(cluster, rng);
@@ -91,22 +97,186 @@ TEST(Drain, ServingWorkerUnderLoadLosesNothing) {
     const std::string line = cli.read_line_matching("drained", std::chrono::seconds(30));
     EXPECT_NE(line.find("its stage went to"), std::string::npos) << line;
     EXPECT_EQ(cli.wait_exit(std::chrono::seconds(30)), 0);
+    ASSERT_TRUE(cluster.wait_until([](const json& i) { return i["pipelines"][0]["ready"] == true; }));
+    std::this_thread::sleep_for(std::chrono::milliseconds(300));
+    second = serving_worker(cluster, rng);
+    testing::ChildProcess cli2({bin("conveyor"), "drain", second, "--url", "http://127.0.0.1:" + std::to_string(cluster.http_port)});
+    const std::string line2 = cli2.read_line_matching("drained", std::chrono::seconds(30));
+    EXPECT_NE(line2.find("the plan is now 2 stage(s) x 1 replica(s)"), std::string::npos) << line2;
+    EXPECT_EQ(cli2.wait_exit(std::chrono::seconds(30)), 0);
   });
-  const json info = json::parse(cluster.get("/v1/cluster")->body);
+  const json info = cluster.info();
   for (const auto& w : info.at("workers"))
-    if (w.at("name") == victim) EXPECT_EQ(w.at("state"), "drained");
-  // No spare left: the next drain of a serving worker is refused and changes nothing.
+    if (w.at("name") == victim || w.at("name") == second) {
+      EXPECT_EQ(w.at("state"), "drained");
+    }
+  EXPECT_EQ(info.at("plan").at("stages"), 2);
+  // One stage left can still shrink to one; then nothing can take the last worker's place.
   std::mt19937 rng(5);
-  const std::string second = serving_worker(cluster, rng);
-  auto r = cluster.post("/v1/cluster/workers/" + second + "/drain", json::object());
+  auto r = cluster.post("/v1/cluster/workers/" + serving_worker(cluster, rng) + "/drain", json::object());
+  ASSERT_TRUE(r.ok()) << r.error();
+  EXPECT_EQ(r->status, 200) << r->body;
+  ASSERT_TRUE(cluster.wait_until([](const json& i) { return i["plan"]["stages"] == 1; }));
+  const std::string last = serving_worker(cluster, rng);
+  r = cluster.post("/v1/cluster/workers/" + last + "/drain", json::object());
   ASSERT_TRUE(r.ok()) << r.error();
   EXPECT_EQ(r->status, 409) << r->body;
-  EXPECT_NE(r->body.find("no spare"), std::string::npos) << r->body;
+  EXPECT_NE(r->body.find("no spare worker can take it"), std::string::npos) << r->body;
   auto unknown = cluster.post("/v1/cluster/workers/nobody/drain", json::object());
   ASSERT_TRUE(unknown.ok());
   EXPECT_EQ(unknown->status, 404);
   auto health = cluster.get("/health");
   EXPECT_TRUE(health && health->status == 200);
+}
+
+// Resets every TCP connection between the processes `a` and `b` except those to `keep_port`
+// (`ss -K`: a data-plane failure with both processes alive). Returns how many it reset.
+int reset_connections(pid_t a, pid_t b, int keep_port) {
+  std::map<std::string, pid_t> owner;  // "ip:port" -> pid
+  std::vector<std::pair<std::string, std::string>> of_a;  // (local, peer) of a's sockets
+  FILE* p = ::popen("ss -tnpH state established 2>/dev/null", "r");
+  if (!p) return -1;
+  char buf[1024];
+  const std::regex pid_re("pid=([0-9]+)");
+  while (std::fgets(buf, sizeof buf, p)) {
+    std::istringstream line(buf);
+    std::string recvq, sendq, local, peer;
+    line >> recvq >> sendq >> local >> peer;
+    std::smatch m;
+    const std::string rest(buf);
+    if (!std::regex_search(rest, m, pid_re)) continue;
+    const pid_t pid = pid_t(std::stol(m[1]));
+    owner[local] = pid;
+    if (pid == a) of_a.emplace_back(local, peer);
+  }
+  ::pclose(p);
+  int n = 0;
+  auto port = [](const std::string& addr) { return addr.substr(addr.rfind(':') + 1); };
+  for (const auto& [local, peer] : of_a) {
+    if (owner.count(peer) == 0 || owner[peer] != b) continue;
+    if (port(local) == std::to_string(keep_port) || port(peer) == std::to_string(keep_port)) continue;
+    const std::string cmd = "ss -K -tn state established src " + local.substr(0, local.rfind(':')) + " sport = :" +
+                            port(local) + " dst " + peer.substr(0, peer.rfind(':')) + " dport = :" + port(peer) +
+                            " >/dev/null 2>&1";
+    n += std::system(cmd.c_str()) == 0;
+  }
+  return n;
+}
+
+// The coordinator's data-plane connection to a serving worker is reset (twice, at random
+// moments) while both stay alive: the pipeline is replayed on fresh connections and every
+// answer is still the engine's.
+class DataPlaneReset : public ::testing::TestWithParam<uint32_t> {};
+TEST_P(DataPlaneReset, CoordinatorConnectionLosesNothing) {
+  if (std::system("ss -V >/dev/null 2>&1") != 0) GTEST_SKIP() << "ss (iproute2) is missing";
+  Cluster cluster;
+  ASSERT_TRUE(cluster.start("reset-" + std::to_string(GetParam()), 3, 4, "heartbeat: {interval_ms: 200, liveness_ms: 2000}\n"));
+  int resets = 0;
+  run_with_chaos(cluster, GetParam() + 200, [&](std::mt19937& rng) {
+    for (int k = 0; k < 2; ++k) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(150 + rng() % 500));
+      const std::string victim = serving_worker(cluster, rng);
+      if (victim.empty()) continue;
+      resets += reset_connections(cluster.coordinator->pid(), worker_named(cluster, victim)->pid(), cluster.control_port);
+    }
+  });
+  EXPECT_GT(resets, 0) << "no connection was reset: the test did not test anything";
+}
+INSTANTIATE_TEST_SUITE_P(Seeds, DataPlaneReset, ::testing::Values(1u, 2u));
+
+// The coordinator is SIGKILLed and started again on its ports: the workers register again
+// saying what they hold and get the same stages back without loading anything.
+TEST(CoordinatorRestart, WorkersKeepTheirLayers) {
+  Cluster cluster;
+  ASSERT_TRUE(cluster.start("restart", 3, 3));
+  Reference ref;
+  std::vector<Case> cases = make_cases(ref, 16, 31);
+  for (const auto& f : run_cases(cluster, cases, 8)) ADD_FAILURE() << f;
+  std::map<std::string, json> layers_before;
+  for (const auto& w : cluster.info().at("workers")) layers_before[w.at("name")] = w.at("layers");
+  cluster.coordinator->signal(SIGKILL);
+  ASSERT_TRUE(cluster.coordinator->wait_exit(std::chrono::seconds(5)));
+  ASSERT_TRUE(cluster.restart_coordinator());
+  ASSERT_TRUE(cluster.wait_until([](const json& i) { return i.at("workers").size() == 3; }, std::chrono::seconds(30)));
+  for (const auto& w : cluster.info().at("workers")) {
+    EXPECT_EQ(w.at("layers"), layers_before[w.at("name")]) << w.dump();
+    EXPECT_EQ(w.at("load_seconds"), 0.0) << "it loaded again: " << w.dump();
+  }
+  for (const auto& w : cluster.workers) EXPECT_TRUE(w->running());
+  cases = make_cases(ref, 32, 32);
+  for (const auto& f : run_cases(cluster, cases, 8)) ADD_FAILURE() << f;
+}
+
+// SIGTERM to a serving worker under load: it asks the coordinator to take its stage (a
+// spare does), exits 0 once told to drop it, and nothing fails.
+TEST(Sigterm, WorkerHandsItsStageOver) {
+  Cluster cluster;
+  ASSERT_TRUE(cluster.start("sigterm-w", 3, 4));
+  ChildProcess* victim = nullptr;
+  run_with_chaos(cluster, 41, [&](std::mt19937& rng) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(300));
+    victim = worker_named(cluster, serving_worker(cluster, rng));
+    ASSERT_NE(victim, nullptr);
+    victim->signal(SIGTERM);
+    EXPECT_EQ(victim->wait_exit(std::chrono::seconds(20)), 0);
+  });
+  EXPECT_TRUE(cluster.wait_until([](const json& i) { return i["plan"]["stages"] == 3; }));
+}
+
+// SIGTERM to the only worker: nothing can take its stage, so its pipeline takes no new
+// requests, finishes the running ones and then lets it go; the requests that arrived
+// meanwhile wait in the queue and are served by the worker that joins next.
+TEST(Sigterm, LastWorkerFinishesItsRequestsFirst) {
+  Cluster cluster;
+  ASSERT_TRUE(cluster.start("sigterm-last", 1, 1));
+  Reference ref;
+  std::vector<Case> cases = make_cases(ref, 32, 61);
+  std::vector<std::string> failures;
+  std::thread load([&] { failures = run_cases(cluster, cases, 8); });
+  EXPECT_TRUE(cluster.wait_until([](const json& i) { return i["pipelines"][0]["kv_reserved_tokens"].get<int64_t>() > 0; },
+                                 std::chrono::seconds(30)));
+  cluster.workers[0]->signal(SIGTERM);
+  EXPECT_EQ(cluster.workers[0]->wait_exit(std::chrono::seconds(30)), 0);
+  cluster.add_worker("w1", cluster.token);
+  load.join();
+  for (const auto& f : failures) ADD_FAILURE() << f;
+  EXPECT_TRUE(cluster.wait_until([](const json& i) { return i["pipelines"][0]["stages"][0]["worker"] == "w1"; }));
+}
+
+// SIGTERM to the coordinator while requests run: it takes no new request (503), lets the
+// accepted ones finish with exactly the engine's tokens, and exits 0.
+TEST(Sigterm, CoordinatorFinishesAcceptedRequests) {
+  Cluster cluster;
+  ASSERT_TRUE(cluster.start("sigterm-c", 2, 2));
+  Reference ref;
+  std::vector<Case> cases = make_cases(ref, 32, 51);
+  std::vector<std::string> failures;
+  std::thread load([&] { failures = run_cases(cluster, cases, 8); });
+  // SIGTERM once requests run (they hold K/V reservations).
+  EXPECT_TRUE(cluster.wait_until([](const json& i) { return i["pipelines"][0]["kv_reserved_tokens"].get<int64_t>() > 0; },
+                                 std::chrono::seconds(30)));
+  cluster.coordinator->signal(SIGTERM);
+  bool refused = false;
+  for (int k = 0; k < 200 && !refused; ++k) {
+    auto h = cluster.get("/health");
+    refused = h && h->status == 503 && h->body.find("shutting down") != std::string::npos;
+    if (!refused) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  EXPECT_TRUE(refused) << "/health never said it is shutting down";
+  auto late = cluster.post("/v1/completions", {{"prompt", "The"}, {"max_tokens", 4}});
+  load.join();
+  // Requests sent after the signal are refused with 503; every one accepted before it
+  // completes with the engine's answer.
+  size_t refused_later = 0;
+  for (const auto& f : failures) {
+    if (f.find(": HTTP 503") != std::string::npos) ++refused_later;
+    else ADD_FAILURE() << f;
+  }
+  EXPECT_LE(refused_later, cases.size() - 8) << "fewer than the 8 running requests completed";
+  ASSERT_TRUE(late.ok()) << late.error();
+  EXPECT_EQ(late->status, 503) << late->body;
+  EXPECT_NE(late->body.find("shutting down"), std::string::npos) << late->body;
+  EXPECT_EQ(cluster.coordinator->wait_exit(std::chrono::seconds(30)), 0);
 }
 
 }  // namespace
