@@ -8,12 +8,13 @@
 //     requests, one at a time: the added latency per request is the coordinator, HTTP and
 //     transport cost. Also requests/s with --concurrency clients.
 //
-//   --recovery: a cluster of --stages stages and one spare under a steady streaming load;
-//     a serving worker (the last stage) is killed with SIGKILL and the pause every stream
-//     sees is measured: from the kill to each stream's next token (the longest and the
-//     median), with the replacement's weight-loading time reported beside it, so the
-//     recovery time both with and without loading can be read. Every request must still
-//     complete.
+//   --recovery: a cluster of --stages stages and --spares spares (default 1) under a steady
+//     streaming load; a serving worker (the last stage) is killed with SIGKILL and the pause
+//     every stream sees is measured: from the kill to each stream's next token (the longest
+//     and the median), with the weight-loading time reported beside it (the spare's; with
+//     --spares 0 the survivors are re-planned and the slowest of their loads counts), so
+//     the recovery time both with and without loading can be read. Every request must
+//     still complete.
 //   --random L,C,H: instead of --model's weights, random weights of that shape (L layers,
 //     width C, H heads) with --model's tokenizer and vocabulary, written to a temporary
 //     checkpoint (e.g. a 1-layer model for --overhead, or a shape whose stages balance).
@@ -118,10 +119,10 @@ json cluster_info(int port) {
 
 // The --recovery mode (see the top of the file).
 int recovery(const std::string& bin_dir, const std::string& model, const std::string& backend, int stages,
-             int concurrency) {
+             int spares, int concurrency) {
   LocalCluster cluster;
   cluster.backend = backend;
-  cluster.spares = 1;
+  cluster.spares = spares;
   if (!cluster.start(bin_dir, model, stages, 0)) {
     std::fprintf(stderr, "the cluster did not start\n");
     return 1;
@@ -180,14 +181,16 @@ int recovery(const std::string& bin_dir, const std::string& model, const std::st
   stop = true;
   for (auto& t : clients) t.join();
   double load_s = 0;
-  for (const auto& w : cluster_info(cluster.port).value("workers", json::array()))
-    if (w.value("stage", -1) == stages - 1) load_s = w.value("load_seconds", 0.0);
+  const json after = cluster_info(cluster.port);
+  for (const auto& w : after.value("workers", json::array()))
+    if (w.value("stage", -1) >= 0) load_s = std::max(load_s, w.value("load_seconds", 0.0));
   std::vector<double> p = pause;
   std::sort(p.begin(), p.end());
-  std::printf("%s, %d stages + 1 spare, %d streams: killed %s (last stage); pause to the next token: "
-              "median %.3f s, longest %.3f s; the replacement loaded its layers in %.3f s "
+  std::printf("%s, %d stages + %d spare(s), %d streams: killed %s (last stage); now %d stage(s); pause to the next "
+              "token: median %.3f s, longest %.3f s; the slowest weight load took %.3f s "
               "(longest pause without loading: %.3f s); %d requests failed\n",
-              backend.c_str(), stages, concurrency, victim_name.c_str(), p[p.size() / 2], p.back(), load_s,
+              backend.c_str(), stages, spares, concurrency, victim_name.c_str(),
+              after.value("plan", json::object()).value("stages", 0), p[p.size() / 2], p.back(), load_s,
               p.back() - load_s, failed.load());
   return failed ? 1 : 0;
 }
@@ -210,6 +213,8 @@ int main(int argc, char** argv) {
   app.add_option("--backend", backend, "the workers' backend: cpu or cuda (one GPU)");
   app.add_option("--random", random_shape, "random weights of shape L,C,H with --model's vocabulary");
   app.add_flag("--recovery", recovery_mode, "kill the last stage under a streaming load and measure the pause");
+  int spares = 1;
+  app.add_option("--spares", spares, "--recovery: spare workers (0: the survivors are re-planned)")->check(CLI::NonNegativeNumber);
   app.add_flag("--overhead", overhead, "measure the coordinator's added latency against the in-process engine");
   CLI11_PARSE(app, argc, argv);
   const std::string bin_dir = std::filesystem::canonical("/proc/self/exe").parent_path().string();
@@ -231,7 +236,7 @@ int main(int argc, char** argv) {
     }
   } remove_random{random_dir};
 
-  if (recovery_mode) return recovery(bin_dir, model, backend, stages, concurrency);
+  if (recovery_mode) return recovery(bin_dir, model, backend, stages, spares, concurrency);
   if (overhead) {
     if (backend != "cpu") {
       std::fprintf(stderr, "--overhead compares with the in-process CPU engine: use --backend cpu\n");

@@ -71,28 +71,35 @@ pid_t spawn(const std::vector<std::string>& argv, const std::string& log, int* o
   return pid;
 }
 
-void stop_children(std::vector<Child>& children) {
-  // Workers first (they say goodbye), then the coordinator.
-  for (auto it = children.rbegin(); it != children.rend(); ++it)
-    if (it->pid > 0) ::kill(it->pid, SIGTERM);
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
-  for (Child& c : children) {
-    while (c.pid > 0) {
-      int status = 0;
-      const pid_t r = ::waitpid(c.pid, &status, WNOHANG);
-      if (r == c.pid || r < 0) {
-        c.pid = -1;
-        break;
-      }
-      if (std::chrono::steady_clock::now() > deadline) {
-        ::kill(c.pid, SIGKILL);
-        ::waitpid(c.pid, &status, 0);
-        c.pid = -1;
-        break;
-      }
-      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+// SIGTERM to `c`; SIGKILL at `deadline` if it is still there.
+void stop_child(Child& c, std::chrono::steady_clock::time_point deadline) {
+  if (c.pid <= 0) return;
+  ::kill(c.pid, SIGTERM);
+  while (c.pid > 0) {
+    int status = 0;
+    const pid_t r = ::waitpid(c.pid, &status, WNOHANG);
+    if (r == c.pid || r < 0) {
+      c.pid = -1;
+      break;
     }
+    if (std::chrono::steady_clock::now() > deadline) {
+      ::kill(c.pid, SIGKILL);
+      ::waitpid(c.pid, &status, 0);
+      c.pid = -1;
+      break;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
+}
+
+void stop_children(std::vector<Child>& children) {
+  // The coordinator first (children[0]): it finishes what it accepted and says goodbye, so
+  // the workers then leave at once instead of handing their stages to each other.
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+  if (!children.empty()) stop_child(children[0], deadline);
+  for (size_t i = 1; i < children.size(); ++i)
+    if (children[i].pid > 0) ::kill(children[i].pid, SIGTERM);
+  for (size_t i = 1; i < children.size(); ++i) stop_child(children[i], deadline + std::chrono::seconds(3));
 }
 
 // Reads one line from fd within the timeout ("" on timeout or EOF).

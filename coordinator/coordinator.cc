@@ -146,6 +146,7 @@ struct Coordinator::Impl {
   };
   Shape target;
   bool reshape_pending = false;
+  bool ever_whole = false;  // a plan is not shrunk while its workers are still joining
 
   // ---------------------------------------------------------------- helpers (mu held)
 
@@ -351,7 +352,7 @@ struct Coordinator::Impl {
     if (!reshape_pending) return;
     reshape_pending = false;
     const bool is_whole = whole();
-    if (is_whole && current_shape() == target) return;
+    if (!ever_whole || (is_whole && current_shape() == target)) return;
     std::string why;
     auto shape = feasible_shape("", why);
     if (!shape) {
@@ -441,7 +442,9 @@ struct Coordinator::Impl {
       }
       if (changed) send_assignments(p);
     }
-    reshape_pending = reshape_pending || !whole() || current_shape() != target;
+    const bool is_whole = whole();
+    ever_whole = ever_whole || is_whole;
+    reshape_pending = reshape_pending || !is_whole || current_shape() != target;
   }
 
   // A stage of `p` is lost: new epoch, the work in flight is void, sequences restart.
@@ -562,6 +565,9 @@ struct Coordinator::Impl {
       // not retried here: the dead neighbour behind it is found by its silence.
       if (w.pipeline >= 0 && size_t(w.pipeline) < pipelines.size()) {
         Pipeline& p = pipelines[size_t(w.pipeline)];
+        // First what our own endpoints say: a re-wire would replace a failed endpoint to a
+        // dead worker with a fresh one that has not failed yet, and hide the death.
+        if (check_own_endpoints(p, w.last_error)) return;
         if (b.value("epoch", uint32_t(0)) == p.epoch && pipeline_ready(p)) {
           p.down_reason = "replaying after a data-plane error at " + peer + ": " + w.last_error;
           restart_pipeline(p);
@@ -574,6 +580,21 @@ struct Coordinator::Impl {
     } else if (type == "leaving") {
       mark_dead(w, "left (" + b.value("reason", std::string("?")) + ")");
     }
+  }
+
+  // The coordinator's own endpoint to a pipeline's first or last stage failed: that worker
+  // is dead to us (if it is alive it registers again and becomes a spare). Returns whether
+  // one was found.
+  bool check_own_endpoints(Pipeline& p, const std::string& why) {
+    for (PeerId peer : {p.first_peer, p.last_peer})
+      if (peer != transport::kNoPeer && !channel->peer_status(peer).ok()) {
+        const std::string name = peer == p.first_peer ? p.workers.front() : p.workers.back();
+        if (workers.count(name) && workers.at(name).state != "dead") {
+          mark_dead(workers.at(name), "data plane: " + why);
+          return true;
+        }
+      }
+    return false;
   }
 
   void mark_dead(WorkerInfo& w, const std::string& why) {
@@ -640,6 +661,7 @@ struct Coordinator::Impl {
       if (auto slot = std::find(p.workers.begin(), p.workers.end(), name); slot != p.workers.end())
         served.emplace_back(&p, size_t(slot - p.workers.begin()));
     json body = {{"worker", name}, {"state", "drained"}};
+    if (wait && !accepting && running.empty() && queue.empty()) served.clear();  // we stop too: no re-plan
     std::optional<std::pair<Shape, std::vector<std::string>>> smaller;
     std::string why_not;
     const bool spare = std::any_of(workers.begin(), workers.end(), [&](const auto& o) {
@@ -932,15 +954,7 @@ struct Coordinator::Impl {
       std::unique_lock lk(mu);
       if (!got) {
         spdlog::warn("coordinator: data plane: {}", got.error());
-        // A failed peer: find the pipeline whose first or last stage it was.
-        for (Pipeline& p : pipelines)
-          for (PeerId peer : {p.first_peer, p.last_peer})
-            if (peer != transport::kNoPeer && !channel->peer_status(peer).ok()) {
-              const std::string name = peer == p.first_peer ? p.workers.front() : p.workers.back();
-              if (workers.count(name) && workers.at(name).state != "dead")
-                mark_dead(workers.at(name), "data plane: " + got.error());
-              break;
-            }
+        for (Pipeline& p : pipelines) check_own_endpoints(p, got.error());
       } else if (got->has_value()) {
         const auto& h = (**got).header;
         auto res = decode_batch_result(std::span(reinterpret_cast<const uint8_t*>(h.data()), h.size()));

@@ -16,6 +16,7 @@ PACKAGES=(
   nlohmann-json3-dev libspdlog-dev libcli11-dev libopenblas-dev
   libgtest-dev libgmock-dev libbenchmark-dev libsystemd-dev
   python3 patchelf systemd
+  slurmctld slurmd slurm-client munge curl
 )
 # Node.js and npm run the reference tokenizer; a Node.js from elsewhere (one that bundles
 # npm, whose package then conflicts with Debian's npm) is fine.
