@@ -1,6 +1,7 @@
 // CPU decode throughput of one CpuStage holding the whole model: tokens/s for decode
-// steps of batch 1 and 8 (each sequence with a 32-token prompt already prefilled), plus
-// the prefill rate and the cost of sample_next over a GPT-2 vocabulary.
+// steps of batch 1 and 8 (each sequence with a 32-token prompt already prefilled), on one
+// thread's layers (tp 1) and tensor parallel over 2 (tp 2), plus the prefill rate and the
+// cost of sample_next over a GPT-2 vocabulary.
 //
 //   conveyor-bench-cpu-decode [--model DIR] [--shape L,C,H|gpt2-xl] [benchmark flags]
 //
@@ -11,6 +12,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <map>
 #include <memory>
 #include <random>
 #include <string>
@@ -28,8 +30,12 @@ std::string g_model_dir, g_shape = "12,768,12";
 constexpr int32_t kPromptTokens = 32;
 constexpr int32_t kMaxDecodeTokens = 224;  // re-prefill before the context grows further
 
-CpuStage& stage() {
-  static std::unique_ptr<CpuStage> st = [] {
+// The stage at `tp` tensor-parallel ranks (built once per tp).
+CpuStage& stage(int tp = 1) {
+  static std::map<int, std::unique_ptr<CpuStage>> stages;
+  std::unique_ptr<CpuStage>& st = stages[tp];
+  if (st) return *st;
+  st = [tp] {
     StageWeights w;
     if (!g_model_dir.empty()) {
       auto loaded = load_stage_weights(g_model_dir, 0, load_model_config(g_model_dir).value().n_layer);
@@ -46,7 +52,7 @@ CpuStage& stage() {
                    long(c.n_embd), long(c.n_head), long(c.vocab_size));
       w = random_stage_weights(c, 0, c.n_layer, 1);
     }
-    return std::make_unique<CpuStage>(std::move(w));
+    return std::make_unique<CpuStage>(std::move(w), tp);
   }();
   return *st;
 }
@@ -77,7 +83,7 @@ std::vector<SeqSlice> prefill(CpuStage& st, int batch, std::vector<int32_t>& nex
 }
 
 void BM_Decode(benchmark::State& state) {
-  CpuStage& st = stage();
+  CpuStage& st = stage(int(state.range(1)));
   const int batch = int(state.range(0));
   const int64_t V = st.config().vocab_size;
   std::vector<int32_t> ids;
@@ -101,7 +107,7 @@ void BM_Decode(benchmark::State& state) {
   state.counters["tokens/s"] = benchmark::Counter(double(state.iterations()) * batch, benchmark::Counter::kIsRate);
   st.clear();
 }
-BENCHMARK(BM_Decode)->ArgName("batch")->Arg(1)->Arg(8)->UseRealTime()->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_Decode)->ArgNames({"batch", "tp"})->ArgsProduct({{1, 8}, {1, 2}})->UseRealTime()->Unit(benchmark::kMillisecond);
 
 void BM_Prefill(benchmark::State& state) {
   CpuStage& st = stage();

@@ -20,7 +20,7 @@ void check_size(const std::vector<float>& v, size_t expected, const std::string&
 
 }  // namespace
 
-CpuStage::CpuStage(StageWeights weights) : weights_(std::move(weights)) {
+CpuStage::CpuStage(StageWeights weights, int tp) : weights_(std::move(weights)), tp_(tp) {
   const ModelConfig& c = weights_.config;
   const size_t C = size_t(c.n_embd), I = size_t(c.n_inner), V = size_t(c.vocab_size),
                P = size_t(c.n_positions);
@@ -57,17 +57,65 @@ CpuStage::CpuStage(StageWeights weights) : weights_(std::move(weights)) {
     check_size(w.mlp_proj_w, I * C, h + "mlp.c_proj.weight");
     check_size(w.mlp_proj_b, C, h + "mlp.c_proj.bias");
   }
+  if (tp < 1 || tp > c.n_inner)
+    throw Error("CpuStage: tensor parallel " + std::to_string(tp) + " must be from 1 to the MLP width " +
+                std::to_string(c.n_inner));
+  make_shards(tp);
+}
+
+void CpuStage::make_shards(int tp) {
+  const ModelConfig& c = config();
+  const int64_t C = c.n_embd, I = c.n_inner, H = c.n_head, D = c.head_dim();
+  shards_.resize(size_t(tp));
+  partials_.assign(size_t(tp), nullptr);
+  for (int r = 0; r < tp; ++r) {
+    Shard& sh = shards_[size_t(r)];
+    const int64_t h0 = H * r / tp, h1 = H * (r + 1) / tp, i0 = I * r / tp, i1 = I * (r + 1) / tp;
+    sh.heads = h1 - h0, sh.width = sh.heads * D, sh.inner = i1 - i0;
+    const int64_t W = sh.width, c0 = h0 * D, N = sh.inner;
+    sh.layers.resize(weights_.layers.size());
+    for (size_t l = 0; l < weights_.layers.size(); ++l) {
+      const LayerWeights& lw = weights_.layers[l];
+      ShardLayer& s = sh.layers[l];
+      if (tp == 1) {
+        s.qkv_w = lw.attn_qkv_w.data(), s.qkv_b = lw.attn_qkv_b.data(), s.proj_w = lw.attn_proj_w.data();
+        s.fc_w = lw.mlp_fc_w.data(), s.fc_b = lw.mlp_fc_b.data(), s.fc2_w = lw.mlp_proj_w.data();
+        continue;
+      }
+      s.owned_qkv_w.resize(size_t(C * 3 * W));
+      s.owned_qkv_b.resize(size_t(3 * W));
+      for (int64_t part = 0; part < 3; ++part) {  // q, k, v: the rank's heads of each
+        for (int64_t row = 0; row < C; ++row)
+          std::copy_n(lw.attn_qkv_w.data() + row * 3 * C + part * C + c0, W, s.owned_qkv_w.data() + row * 3 * W + part * W);
+        std::copy_n(lw.attn_qkv_b.data() + part * C + c0, W, s.owned_qkv_b.data() + part * W);
+      }
+      s.owned_proj_w.assign(lw.attn_proj_w.begin() + c0 * C, lw.attn_proj_w.begin() + (c0 + W) * C);
+      s.owned_fc_w.resize(size_t(C * N));
+      for (int64_t row = 0; row < C; ++row)
+        std::copy_n(lw.mlp_fc_w.data() + row * I + i0, N, s.owned_fc_w.data() + row * N);
+      s.owned_fc_b.assign(lw.mlp_fc_b.begin() + i0, lw.mlp_fc_b.begin() + i1);
+      s.owned_fc2_w.assign(lw.mlp_proj_w.begin() + i0 * C, lw.mlp_proj_w.begin() + i1 * C);
+      s.qkv_w = s.owned_qkv_w.data(), s.qkv_b = s.owned_qkv_b.data(), s.proj_w = s.owned_proj_w.data();
+      s.fc_w = s.owned_fc_w.data(), s.fc_b = s.owned_fc_b.data(), s.fc2_w = s.owned_fc2_w.data();
+    }
+  }
+  if (tp > 1)  // the ranks hold the matrices now; the output biases stay for the all-reduce
+    for (LayerWeights& lw : weights_.layers)
+      for (std::vector<float>* m : {&lw.attn_qkv_w, &lw.attn_qkv_b, &lw.attn_proj_w, &lw.mlp_fc_w, &lw.mlp_fc_b, &lw.mlp_proj_w})
+        std::vector<float>().swap(*m);
 }
 
 void CpuStage::ensure_activations(int64_t T) {
   if (T <= act_tokens_) return;
-  const int64_t C = config().n_embd, I = config().n_inner;
+  const int64_t C = config().n_embd;
   act_.ln.resize(size_t(T * C));
-  act_.qkv.resize(size_t(T * 3 * C));
-  act_.atty.resize(size_t(T * C));
-  act_.proj.resize(size_t(T * C));
-  act_.fch.resize(size_t(T * I));
   act_.pos.resize(size_t(T));
+  for (Shard& sh : shards_) {
+    sh.qkv.resize(size_t(T * 3 * sh.width));
+    sh.atty.resize(size_t(T * sh.width));
+    sh.fch.resize(size_t(T * sh.inner));
+    sh.partial.resize(size_t(T * C));
+  }
   act_tokens_ = T;
 }
 
@@ -118,14 +166,15 @@ Status CpuStage::forward(std::span<const SeqSlice> slices, float* hidden) {
                            " but the stage has " + std::to_string(cached) + " tokens cached for it");
   }
   // All checks passed: from here on nothing fails.
-  const int64_t T = total_tokens(slices), C = config().n_embd;
-  const size_t n_layers = weights_.layers.size();
+  const int64_t T = total_tokens(slices);
+  const size_t n_layers = weights_.layers.size(), tp = shards_.size();
   ensure_activations(T);
   slice_caches_.clear();
   for (const SeqSlice& s : slices) {
     SequenceCache& sc = cache_[s.seq_id];
-    sc.kv.resize(n_layers);
-    for (auto& kv : sc.kv) kv.resize(size_t((int64_t(s.start_pos) + s.num_tokens) * 2 * C));
+    sc.kv.resize(n_layers * tp);
+    for (size_t i = 0; i < sc.kv.size(); ++i)
+      sc.kv[i].resize(size_t((int64_t(s.start_pos) + s.num_tokens) * 2 * shards_[i % tp].width));
     slice_caches_.push_back(&sc);
   }
   for (size_t l = 0; l < n_layers; ++l) layer_forward(int64_t(l), slices, slice_caches_, hidden, T);
@@ -133,44 +182,63 @@ Status CpuStage::forward(std::span<const SeqSlice> slices, float* hidden) {
   return ok_status();
 }
 
-// One transformer block (pre-LayerNorm GPT-2), in place on hidden [T, C].
+// One transformer block (pre-LayerNorm GPT-2), in place on hidden [T, C]: each rank its
+// heads and FC1 units, each projection's partial sums joined by an all-reduce that also
+// adds the bias and the residual.
 void CpuStage::layer_forward(int64_t layer, std::span<const SeqSlice> slices,
                              std::span<SequenceCache* const> caches, float* hidden, int64_t T) {
   const ModelConfig& c = config();
-  const int64_t C = c.n_embd, I = c.n_inner, H = c.n_head, D = c.head_dim();
+  const int64_t C = c.n_embd, D = c.head_dim();
   const float eps = c.layer_norm_epsilon;
   const LayerWeights& w = weights_.layers[size_t(layer)];
-  float *ln = act_.ln.data(), *qkv = act_.qkv.data(), *atty = act_.atty.data(), *proj = act_.proj.data(),
-        *fch = act_.fch.data();
+  const int tp = tp_.ranks();
+  float* ln = act_.ln.data();
+  auto all_reduce = [&](const std::vector<float>& bias, bool attention) {
+    for (size_t r = 0; r < shards_.size(); ++r)
+      partials_[r] = (attention ? shards_[r].width : shards_[r].inner) > 0 ? shards_[r].partial.data() : nullptr;
+    tp_.run([&](int r) { TpGroup::all_reduce_add(hidden, partials_, bias.data(), T * C, C, r, tp); });
+  };
 
   // Attention.
   cpu::layernorm_forward(ln, hidden, w.ln_1_g.data(), w.ln_1_b.data(), T, C, eps);
-  cpu::matmul_forward(qkv, ln, w.attn_qkv_w.data(), w.attn_qkv_b.data(), T, C, 3 * C);
-  int64_t row = 0;
-  for (size_t i = 0; i < slices.size(); ++i) {
-    const SeqSlice& s = slices[i];
-    float* kv = caches[i]->kv[size_t(layer)].data();
-    for (int32_t j = 0; j < s.num_tokens; ++j) {  // append K and V of the new tokens
-      const float* src = qkv + (row + j) * 3 * C;
-      std::memcpy(kv + (int64_t(s.start_pos) + j) * 2 * C, src + C, sizeof(float) * size_t(2 * C));
+  tp_.run([&](int r) {
+    Shard& sh = shards_[size_t(r)];
+    const ShardLayer& sw = sh.layers[size_t(layer)];
+    const int64_t W = sh.width;
+    if (W == 0) return;
+    float *qkv = sh.qkv.data(), *atty = sh.atty.data();
+    cpu::matmul_forward(qkv, ln, sw.qkv_w, sw.qkv_b, T, C, 3 * W);
+    int64_t row = 0;
+    for (size_t i = 0; i < slices.size(); ++i) {
+      const SeqSlice& s = slices[i];
+      float* kv = caches[i]->kv[size_t(layer * tp + r)].data();
+      for (int32_t j = 0; j < s.num_tokens; ++j)  // append K and V of the new tokens
+        std::memcpy(kv + (int64_t(s.start_pos) + j) * 2 * W, qkv + (row + j) * 3 * W + W, sizeof(float) * size_t(2 * W));
+      const int64_t kv_len = int64_t(s.start_pos) + s.num_tokens;
+      cpu::attention_context(atty + row * W, qkv + row * 3 * W, 3 * W, kv, kv + W, 2 * W, s.num_tokens, kv_len,
+                             sh.heads, D);
+      row += s.num_tokens;
     }
-    const int64_t kv_len = int64_t(s.start_pos) + s.num_tokens;
-    cpu::attention_context(atty + row * C, qkv + row * 3 * C, 3 * C, kv, kv + C, 2 * C, s.num_tokens,
-                           kv_len, H, D);
-    row += s.num_tokens;
-  }
-  cpu::matmul_forward(proj, atty, w.attn_proj_w.data(), w.attn_proj_b.data(), T, C, C);
-  cpu::residual_forward(hidden, hidden, proj, T * C);
+    cpu::matmul_forward(sh.partial.data(), atty, sw.proj_w, nullptr, T, W, C);
+  });
+  all_reduce(w.attn_proj_b, true);
 
   // MLP.
   cpu::layernorm_forward(ln, hidden, w.ln_2_g.data(), w.ln_2_b.data(), T, C, eps);
-  cpu::matmul_forward(fch, ln, w.mlp_fc_w.data(), w.mlp_fc_b.data(), T, C, I);
-  if (c.activation == Activation::GeluNew)
-    cpu::gelu_forward(fch, T * I);
-  else
-    cpu::gelu_erf_forward(fch, T * I);
-  cpu::matmul_forward(proj, fch, w.mlp_proj_w.data(), w.mlp_proj_b.data(), T, I, C);
-  cpu::residual_forward(hidden, hidden, proj, T * C);
+  tp_.run([&](int r) {
+    Shard& sh = shards_[size_t(r)];
+    const ShardLayer& sw = sh.layers[size_t(layer)];
+    const int64_t N = sh.inner;
+    if (N == 0) return;
+    float* fch = sh.fch.data();
+    cpu::matmul_forward(fch, ln, sw.fc_w, sw.fc_b, T, C, N);
+    if (c.activation == Activation::GeluNew)
+      cpu::gelu_forward(fch, T * N);
+    else
+      cpu::gelu_erf_forward(fch, T * N);
+    cpu::matmul_forward(sh.partial.data(), fch, sw.fc2_w, nullptr, T, N, C);
+  });
+  all_reduce(w.mlp_proj_b, false);
 }
 
 Status CpuStage::logits(std::span<const SeqSlice> slices, const float* hidden, bool all_positions,

@@ -12,6 +12,14 @@
 //   middle:       forward(slices, hidden);                             -> next stage
 //   last stage:   forward(slices, hidden); logits(slices, hidden, all_positions, out)
 //
+// Tensor parallel (tp > 1), Megatron style over `tp` threads (model/tp_group.h): each rank
+// holds a slice of every layer, QKV and FC1 split by columns (whole attention heads and
+// FC1 units, as evenly as they divide; a rank may get none when there are fewer heads than
+// ranks), the attention and MLP output projections split by the matching rows, its heads'
+// K/V cache. Each layer needs two all-reduces of the ranks' partial projections; the
+// LayerNorms, the embedding and the LM head run on the calling thread. The results equal
+// tp = 1 up to float rounding (the projections' sums are split), and stay batch-invariant.
+//
 // Not thread-safe: one caller at a time (the stage worker's engine thread).
 #pragma once
 
@@ -21,6 +29,7 @@
 #include <vector>
 
 #include "common/status.h"
+#include "model/tp_group.h"
 #include "model/weights.h"
 
 namespace conveyor {
@@ -41,7 +50,11 @@ inline int64_t total_tokens(std::span<const SeqSlice> slices) {
 
 class CpuStage {
  public:
-  explicit CpuStage(StageWeights weights);
+  // tp: tensor-parallel ranks (threads), 1 to min(n_head, n_inner). With tp > 1 the
+  // layers' matrices move into the ranks' slices (weights().layers keeps the norms only).
+  explicit CpuStage(StageWeights weights, int tp = 1);
+
+  int tensor_parallel() const { return tp_.ranks(); }
 
   const ModelConfig& config() const { return weights_.config; }
   const StageWeights& weights() const { return weights_; }
@@ -72,32 +85,46 @@ class CpuStage {
   int64_t kv_bytes_per_token() const;  // layers x 2C x 4
 
  private:
-  // Per layer one [length, 2C] buffer: row p = K of position p (C floats) then its V.
+  // Per layer and rank one [length, 2 Cr] buffer (Cr: the rank's heads x head_dim): row p
+  // = K of position p for the rank's heads, then their V.
   struct SequenceCache {
     int32_t length = 0;
-    std::vector<std::vector<float>> kv;  // one per layer of this stage
+    std::vector<std::vector<float>> kv;  // [layer * tp + rank]
   };
-  // The activation buffers, sized for the largest micro-batch seen and reused by every
-  // layer and call.
+  // One rank's slice of a layer: QKV columns [C, 3 Cr] (q | k | v of its heads), the
+  // attention projection's rows [Cr, C], FC1 columns [C, Ir] and FC2 rows [Ir, C]. With
+  // tp = 1 the pointers are the layer's own matrices; otherwise into `owned`.
+  struct ShardLayer {
+    const float *qkv_w = nullptr, *qkv_b = nullptr, *proj_w = nullptr, *fc_w = nullptr, *fc_b = nullptr,
+                *fc2_w = nullptr;
+    std::vector<float> owned_qkv_w, owned_qkv_b, owned_proj_w, owned_fc_w, owned_fc_b, owned_fc2_w;
+  };
+  struct Shard {
+    int64_t heads = 0, width = 0, inner = 0;  // its heads, their width (heads x head_dim), its FC1 units
+    std::vector<ShardLayer> layers;
+    std::vector<float> qkv, atty, fch, partial;  // [T, 3 Cr], [T, Cr], [T, Ir], [T, C]
+  };
+  // The calling thread's buffers, sized for the largest micro-batch seen and reused by
+  // every layer and call.
   struct Activations {
     std::vector<float> ln;     // [T, C]   LayerNorm output (ln_1, ln_2, ln_f)
-    std::vector<float> qkv;    // [T, 3C]
-    std::vector<float> atty;   // [T, C]   attention output before the projection
-    std::vector<float> proj;   // [T, C]   attention / MLP projection output
-    std::vector<float> fch;    // [T, I]   MLP hidden
     std::vector<int32_t> pos;  // [T]      positions, for embed
   };
 
   Status check_slices(std::span<const SeqSlice> slices) const;
+  void make_shards(int tp);
   void ensure_activations(int64_t num_tokens);
   void layer_forward(int64_t layer, std::span<const SeqSlice> slices,
                      std::span<SequenceCache* const> caches, float* hidden, int64_t T);
 
   StageWeights weights_;
+  std::vector<Shard> shards_;
+  TpGroup tp_;
   std::unordered_map<uint64_t, SequenceCache> cache_;
   Activations act_;
   int64_t act_tokens_ = 0;  // rows the activation buffers hold
   std::vector<SequenceCache*> slice_caches_;
+  std::vector<const float*> partials_;  // per rank, its partial output (null: empty shard)
 };
 
 }  // namespace conveyor

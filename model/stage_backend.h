@@ -42,7 +42,8 @@ class StageBackend {
 // The CPU stage as a StageBackend.
 class CpuStageBackend final : public StageBackend {
  public:
-  explicit CpuStageBackend(StageWeights weights) : stage_(std::move(weights)) {}
+  // tp > 1: the layers run tensor parallel over that many threads (CpuStage).
+  explicit CpuStageBackend(StageWeights weights, int tp = 1) : stage_(std::move(weights), tp) {}
 
   const ModelConfig& config() const override { return stage_.config(); }
   bool has_embedding() const override { return stage_.weights().has_embedding(); }
@@ -60,7 +61,9 @@ class CpuStageBackend final : public StageBackend {
   int64_t kv_used_tokens() const override { return stage_.kv_bytes_used() / std::max<int64_t>(1, stage_.kv_bytes_per_token()); }
   int64_t kv_capacity_tokens() const override { return -1; }
   int64_t kv_bytes_per_token() const override { return stage_.kv_bytes_per_token(); }
-  std::string describe() const override { return "cpu"; }
+  std::string describe() const override {
+    return stage_.tensor_parallel() > 1 ? "cpu tp=" + std::to_string(stage_.tensor_parallel()) : "cpu";
+  }
 
   CpuStage& stage() { return stage_; }
 

@@ -146,7 +146,7 @@ struct Worker::Impl {
 
   void send_register() {
     json body = {{"name", opt.name}, {"host", host}, {"pid", ::getpid()}, {"token", opt.join_token},
-                 {"backend", opt.backend}, {"gpus", opt.backend == "cuda" ? json::array({opt.device}) : json::array()},
+                 {"backend", opt.backend}, {"tensor_parallel", opt.tensor_parallel}, {"gpus", opt.backend == "cuda" ? json::array({opt.device}) : json::array()},
                  {"memory_bytes", memory_bytes(opt)},
                  {"kv_cache_bytes", opt.kv_cache_bytes}};
     {
@@ -239,7 +239,12 @@ struct Worker::Impl {
 
   // The backend this worker was started with, holding `weights`.
   Expected<std::unique_ptr<StageBackend>> make_backend(StageWeights weights, const Assignment& a) {
-    if (opt.backend == "cpu") return std::unique_ptr<StageBackend>(std::make_unique<CpuStageBackend>(std::move(weights)));
+    if (opt.backend == "cpu") {
+      if (opt.tensor_parallel > weights.config.n_inner)
+        return Status::error("--tp " + std::to_string(opt.tensor_parallel) + " exceeds the model's MLP width " +
+                             std::to_string(weights.config.n_inner));
+      return std::unique_ptr<StageBackend>(std::make_unique<CpuStageBackend>(std::move(weights), opt.tensor_parallel));
+    }
 #ifdef CONVEYOR_HAVE_CUDA
     cuda::GpuStageOptions o;
     o.dtype = opt.dtype == "bf16" ? DType::BF16 : DType::F16;

@@ -34,6 +34,7 @@ struct WorkerOptions {
   std::string curve_server_key;        // the coordinator's CURVE public key, when it uses CURVE
   int64_t kv_cache_bytes = 512ll << 20;  // KV-cache budget of this worker's stage (CPU backend)
   std::string backend = "cpu";           // cpu | cuda
+  int tensor_parallel = 1;               // cpu: the stage's layers run over this many threads
   int device = 0;                        // cuda: the GPU this worker's stage runs on
   std::string dtype = "f16";             // cuda: f16 | bf16
   double gpu_memory_fraction = 0.9;      // cuda: of the memory left after weights, for the K/V cache

@@ -34,10 +34,16 @@ int main(int argc, char** argv) {
   app.add_option("--heartbeat-ms", heartbeat_ms, "heartbeat period")->check(CLI::Range(10, 60000));
   app.add_option("--coordinator-liveness-ms", liveness_ms, "register again after this much silence")
       ->check(CLI::Range(100, 600000));
+  app.add_option("--tp", opt.tensor_parallel, "cpu: tensor-parallel threads for the stage's layers")
+      ->check(CLI::Range(1, 256));
   int64_t drain_ms = opt.drain_timeout.count();
   app.add_option("--drain-timeout-ms", drain_ms, "on SIGTERM, how long to wait for the stage to be taken over")
       ->check(CLI::Range(0, 3600000));
   CLI11_PARSE(app, argc, argv);
+  if (opt.tensor_parallel > 1 && opt.backend != "cpu") {
+    std::cerr << "conveyor-worker: --tp is implemented for the cpu backend only; the CUDA stage runs on one GPU\n";
+    return 2;
+  }
   spdlog::set_default_logger(spdlog::stderr_color_mt("worker"));
   if (const char* lvl = std::getenv("CONVEYOR_LOG_LEVEL")) spdlog::set_level(spdlog::level::from_str(lvl));  // stdout is for the ready line
   if (opt.join_token.empty())

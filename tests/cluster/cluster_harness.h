@@ -52,7 +52,8 @@ struct Cluster {
 
   // Starts the coordinator from `yaml_extra` (appended to a base config) and `n_workers`
   // workers; returns false (with a message) when it does not come up.
-  ::testing::AssertionResult start(const std::string& tag, int stages, int n_workers, const std::string& yaml_extra = "") {
+  ::testing::AssertionResult start(const std::string& tag, int stages, int n_workers, const std::string& yaml_extra = "",
+                                   const std::vector<std::string>& worker_args = {}) {
     dir = temp_dir(tag);
     std::ofstream(dir / "cluster.yaml") << "model: {path: \"" << model_dir() << "\"}\n"
                                         << "http: {host: 127.0.0.1, port: 0" << (api_key.empty() ? "" : ", api_key: " + api_key) << "}\n"
@@ -66,7 +67,7 @@ struct Cluster {
     if (std::sscanf(line.c_str(), "conveyor-coordinator: listening on http://127.0.0.1:%d (control tcp://127.0.0.1:%d)",
                     &http_port, &control_port) != 2)
       return ::testing::AssertionFailure() << "coordinator did not start: " << read(dir / "coordinator.log");
-    for (int i = 0; i < n_workers; ++i) add_worker("w" + std::to_string(i), token);
+    for (int i = 0; i < n_workers; ++i) add_worker("w" + std::to_string(i), token, worker_args);
     const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
     while (std::chrono::steady_clock::now() < deadline) {
       auto r = get("/health");
@@ -76,11 +77,12 @@ struct Cluster {
     return ::testing::AssertionFailure() << "cluster not healthy: " << read(dir / "coordinator.log");
   }
 
-  ChildProcess& add_worker(const std::string& name, const std::string& join_token) {
-    workers.push_back(std::make_unique<ChildProcess>(
-        std::vector<std::string>{bin("conveyor-worker"), "--coordinator", "127.0.0.1:" + std::to_string(control_port),
-                                 "--name", name, "--join-token", join_token, "--kv-cache-mb", "64"},
-        (dir / (name + ".log")).string()));
+  ChildProcess& add_worker(const std::string& name, const std::string& join_token,
+                           const std::vector<std::string>& extra_args = {}) {
+    std::vector<std::string> argv = {bin("conveyor-worker"), "--coordinator", "127.0.0.1:" + std::to_string(control_port),
+                                     "--name", name, "--join-token", join_token, "--kv-cache-mb", "64"};
+    argv.insert(argv.end(), extra_args.begin(), extra_args.end());
+    workers.push_back(std::make_unique<ChildProcess>(argv, (dir / (name + ".log")).string()));
     return *workers.back();
   }
 

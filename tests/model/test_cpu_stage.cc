@@ -249,6 +249,63 @@ TEST(CpuStage, PipelineSplitEqualsOneStage) {
   EXPECT_FALSE(s0.logits(slices, hidden.data(), true, got.data()).ok());
 }
 
+// Tensor parallel on 2 to 5 ranks against one (4 heads, 100 MLP units: 3 ranks split both
+// unevenly, 5 leaves a rank without a head): the same logits up to the float rounding of
+// the split sums, over steps that mix prefill chunks and decode steps of several
+// sequences; still batch-invariant (a sequence alone = in a batch, bit for bit); a rank
+// count beyond the MLP width is refused.
+TEST(CpuStage, TensorParallelEqualsOneRank) {
+  const ModelConfig c = tiny_config();
+  const StageWeights w = random_stage_weights(c, 0, c.n_layer, 21);
+  const auto t1 = random_tokens(20, c.vocab_size, 31), t2 = random_tokens(20, c.vocab_size, 32),
+             t3 = random_tokens(20, c.vocab_size, 33);
+  struct Step {
+    std::vector<SeqSlice> slices;
+    std::vector<int32_t> ids;
+  };
+  auto ids_of = [&](std::initializer_list<std::pair<const std::vector<int32_t>*, SeqSlice>> parts) {
+    Step st;
+    for (auto [t, sl] : parts) {
+      st.slices.push_back(sl);
+      st.ids.insert(st.ids.end(), t->begin() + sl.start_pos, t->begin() + sl.start_pos + sl.num_tokens);
+    }
+    return st;
+  };
+  const std::vector<Step> steps = {
+      ids_of({{&t1, {1, 0, 12}}, {&t2, {2, 0, 5}}}),
+      ids_of({{&t1, {1, 12, 1}}, {&t2, {2, 5, 7}}, {&t3, {3, 0, 3}}}),
+      ids_of({{&t3, {3, 3, 1}}, {&t1, {1, 13, 1}}, {&t2, {2, 12, 1}}}),
+  };
+  std::vector<std::vector<float>> want;
+  {
+    CpuStage one(w);
+    for (const Step& st : steps) want.push_back(run(one, st.slices, st.ids, false));
+  }
+  for (int tp : {2, 3, 4, 5}) {
+    CpuStage par(w, tp);
+    ASSERT_EQ(par.tensor_parallel(), tp);
+    for (size_t k = 0; k < steps.size(); ++k) {
+      const auto got = run(par, steps[k].slices, steps[k].ids, false);
+      ASSERT_EQ(got.size(), want[k].size());
+      double scale = 0;
+      for (float v : want[k]) scale = std::max(scale, double(std::abs(v)));
+      for (size_t i = 0; i < got.size(); ++i)
+        ASSERT_NEAR(got[i], want[k][i], 1e-5 * scale) << "tp " << tp << " step " << k << " logit " << i;
+    }
+    EXPECT_EQ(par.kv_bytes_used(), (14 + 13 + 4) * par.kv_bytes_per_token());
+  }
+  // Batch invariance at tp 3: sequence 1's last step alone equals it inside the batch.
+  CpuStage alone(w, 3), batch(w, 3);
+  run(alone, {{1, 0, 13}}, {t1.begin(), t1.begin() + 13}, false);
+  const auto mine = run(alone, {{1, 13, 1}}, {t1[13]}, false);
+  run(batch, steps[0].slices, steps[0].ids, false);
+  run(batch, steps[1].slices, steps[1].ids, false);
+  const auto all = run(batch, steps[2].slices, steps[2].ids, false);
+  EXPECT_TRUE(same_bits(mine, std::vector<float>(all.begin() + c.vocab_size, all.begin() + 2 * c.vocab_size)));
+  EXPECT_THROW(CpuStage(w, 0), Error);
+  EXPECT_THROW(CpuStage(w, int(c.n_inner) + 1), Error);
+}
+
 TEST(CpuStage, RejectsBadSlicesAndLeavesTheCacheUntouched) {
   const ModelConfig c = tiny_config();
   CpuStage st(random_stage_weights(c, 0, c.n_layer, 12));

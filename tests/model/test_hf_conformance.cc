@@ -42,8 +42,9 @@ struct CheckReport {
   std::vector<std::string> problems;  // empty: conformant
 };
 
-// Runs every case of the fixture in `dir`; returns what disagreed.
-CheckReport check_fixture(const fs::path& dir) {
+// Runs every case of the fixture in `dir` on a stage of `tp` tensor-parallel ranks;
+// returns what disagreed.
+CheckReport check_fixture(const fs::path& dir, int tp = 1) {
   CheckReport report;
   const std::string name = dir.filename().string();
   auto problem = [&](const std::string& what) { report.problems.push_back(name + ": " + what); };
@@ -66,7 +67,7 @@ CheckReport check_fixture(const fs::path& dir) {
     problem(weights.error());
     return report;
   }
-  CpuStage stage(std::move(*weights));
+  CpuStage stage(std::move(*weights), tp);
   const int64_t C = cfg->n_embd, V = cfg->vocab_size, P = cfg->n_positions;
   if (!golden.contains("cases") || !golden["cases"].is_array() || golden["cases"].empty()) {
     problem("golden.json has no cases");
@@ -173,6 +174,22 @@ TEST(HfConformance, GoldenFixtures) {
     std::cout << "[fixture] " << dir.filename().string() << ": " << r.cases << " cases, " << r.steps << " steps, max |logprob diff| "
               << r.max_logprob_diff << ", " << r.problems.size() << " problems\n";
   }
+}
+
+// Tensor parallel on 2 and 3 ranks (threads) meets the same bounds as one: the sharding
+// (heads and MLP units split unevenly where they do not divide, ranks without a head) and
+// the CPU all-reduce are right.
+TEST(HfConformance, TensorParallelRanksMatchGolden) {
+  const auto dirs = testing::hf_fixture_dirs();
+  ASSERT_FALSE(dirs.empty());
+  for (int tp : {2, 3})
+    for (const fs::path& dir : dirs) {
+      const CheckReport r = check_fixture(dir, tp);
+      EXPECT_TRUE(r.problems.empty()) << "fixture " << dir.string() << " at tp " << tp << ":\n" << join(r.problems);
+      EXPECT_GT(r.steps, 0);
+      std::cout << "[fixture] " << dir.filename().string() << " tp " << tp << ": max |logprob diff| "
+                << r.max_logprob_diff << "\n";
+    }
 }
 
 // The checker itself, without HF: a checkpoint written here with random weights, a golden
