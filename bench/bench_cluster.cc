@@ -1,6 +1,7 @@
 // conveyor-bench-cluster: the cluster through its REST API, on this machine.
 //
-//   throughput mode (default): starts `conveyor local --stages N`, sends --requests
+//   throughput mode (default): starts `conveyor local --stages N`, reports each worker's
+//     weight load (GB/s), sends --requests
 //     completions from --concurrency client threads, and reports generated tokens/s,
 //     requests/s, mean latency and each stage's busy fraction (the workers' own compute
 //     time over wall time, polled from /v1/cluster while the load runs).
@@ -301,6 +302,13 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "the cluster did not start\n");
     return 1;
   }
+  // Each worker's weight load (checkpoint bytes read, converted and placed on its device).
+  for (const auto& w : cluster_info(cluster.port).value("workers", json::array()))
+    if (w.contains("stage")) {
+      const double secs = w.value("load_seconds", 0.0), bytes = w.value("load_bytes_total", 0.0);
+      std::printf("load: %s stage %d, %.1f MB in %.2f s = %.2f GB/s\n", w.value("name", std::string()).c_str(),
+                  w["stage"].get<int>(), bytes / 1e6, secs, secs > 0 ? bytes / secs / 1e9 : 0.0);
+    }
   const char* prompts[] = {"The jury said", "In the morning the old man walked down to the river, where",
                            "It was a time of great change in the country, and", "Mr. Brown"};
   std::atomic<int> next{0}, tokens{0}, failed{0};
