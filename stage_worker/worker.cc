@@ -325,6 +325,7 @@ struct Worker::Impl {
     };
     if (!weights) return fail(weights.error());
     const int64_t bytes = weights->checkpoint_bytes_read;
+    const double read_secs = std::chrono::duration<double>(Clock::now() - t0).count();
     auto backend = make_backend(std::move(weights).value(), a);
     if (!backend) return fail(backend.error());
     executor = std::make_shared<StageExecutor>(std::move(backend).value());
@@ -335,8 +336,9 @@ struct Worker::Impl {
     }
     state = "ready";
     const double secs = std::chrono::duration<double>(Clock::now() - t0).count();
-    spdlog::info("{}: layers [{}, {}) loaded in {:.2f} s ({:.1f} MB) on {}", opt.name, a.layer_begin, a.layer_end, secs,
-                 double(bytes) / 1e6, executor->backend().describe());
+    spdlog::info("{}: layers [{}, {}) loaded in {:.2f} s ({:.1f} MB; read and converted in {:.2f} s, placed on {} in {:.2f} s)",
+                 opt.name, a.layer_begin, a.layer_end, secs, double(bytes) / 1e6, read_secs,
+                 executor->backend().describe(), secs - read_secs);
     send_ready(secs, bytes);
   }
 
