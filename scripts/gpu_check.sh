@@ -22,6 +22,7 @@ if [[ "${1:-}" == "--pack" ]]; then
   build="$2"; bundle="$3"
   stage="$(mktemp -d)"
   for p in tests/test_cuda_ops tests/test_gpu_stage tests/test_gpu_hf_conformance tests/test_gpu_stage_backend \
+           tests/test_custom_all_reduce bin/conveyor-bench-all-reduce \
            bin/conveyor-bench-gpu-decode bin/conveyor-bench-gpu-kernels bin/conveyor-bench-cluster \
            bin/conveyor bin/conveyor-coordinator bin/conveyor-worker; do
     strip -o "$stage/$(basename "$p")" "$build/$p" || exit 1
@@ -29,9 +30,9 @@ if [[ "${1:-}" == "--pack" ]]; then
   # UCX loads its transports as modules at run time.
   ucx_modules=$(pkg-config --variable=libdir ucx)/ucx
   [[ -d "$ucx_modules" ]] && cp -rL "$ucx_modules" "$stage/ucx"
-  # Shared libraries that are neither glibc/libstdc++ nor CUDA's (the GPU machine has those).
+  # Shared libraries that are neither glibc/libstdc++ nor CUDA's or NCCL's (the GPU machine has those).
   ldd "$stage"/test_* "$stage"/conveyor* | awk '/=> \//{print $3}' | sort -u |
-    grep -v -E '/(libc|libm|libdl|libpthread|librt|libgcc_s|libstdc\+\+|ld-linux[^/]*)\.so|/libcu(dart|blas|blasLt)\.so' |
+    grep -v -E '/(libc|libm|libdl|libpthread|librt|libgcc_s|libstdc\+\+|ld-linux[^/]*)\.so|/libcu(dart|blas|blasLt)\.so|/libnccl\.so' |
     while read -r lib; do cp -L "$lib" "$stage/" && strip --strip-unneeded "$stage/$(basename "$lib")"; done
   # xz -9: a 64 MiB window, so the three programs' common GPU code is stored once.
   tar -C "$stage" -cf - . | xz -9 -T1 >"$bundle" && rm -rf "$stage"

@@ -1,0 +1,189 @@
+#include "kernels/cuda/custom_all_reduce.h"
+
+#include <algorithm>
+#include <cstdint>
+#include <string>
+
+namespace conveyor::cuda {
+namespace {
+
+constexpr int kMaxRanks = 8;
+constexpr int kMaxBlocks = 64;
+constexpr int kThreads = 512;
+constexpr int64_t kUnit = 8;  // halves per 16-byte unit
+
+struct Peers {
+  __half* buf[kMaxRanks];      // every rank's staging buffer
+  uint32_t* flags[kMaxRanks];  // every rank's flags
+};
+
+__device__ __forceinline__ void store_release(uint32_t* p, uint32_t v) {
+  asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+__device__ __forceinline__ uint32_t load_acquire(const uint32_t* p) {
+  uint32_t v;
+  asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+// Block b of this rank meets block b of every rank: tells each that it reached `value`,
+// then waits until each has told it the same. The block's earlier writes are visible to
+// the peers after it (release), and the peers' to this block (acquire, then the CTA barrier).
+__device__ void barrier(const Peers& peers, int rank, int ranks, uint32_t value) {
+  __syncthreads();
+  if (int(threadIdx.x) < ranks) {
+    const int p = int(threadIdx.x);
+    store_release(peers.flags[p] + blockIdx.x * kMaxRanks + rank, value);
+    const uint32_t* mine = peers.flags[rank] + blockIdx.x * kMaxRanks + p;
+    while (int32_t(load_acquire(mine) - value) < 0) {
+    }
+  }
+  __syncthreads();
+}
+
+// Unit u of a message of n halves: a 16-byte load when it is whole and aligned, else per
+// element with zeros past the end.
+__device__ __forceinline__ uint4 load_unit(const __half* data, int64_t u, int64_t n, bool aligned) {
+  if (aligned && (u + 1) * kUnit <= n) return reinterpret_cast<const uint4*>(data)[u];
+  __align__(16) __half h[kUnit];
+  for (int i = 0; i < kUnit; ++i) h[i] = u * kUnit + i < n ? data[u * kUnit + i] : __float2half(0.0f);
+  return *reinterpret_cast<const uint4*>(h);
+}
+__device__ __forceinline__ void store_unit(__half* data, int64_t u, int64_t n, bool aligned, uint4 v) {
+  if (aligned && (u + 1) * kUnit <= n) {
+    reinterpret_cast<uint4*>(data)[u] = v;
+    return;
+  }
+  const __half* h = reinterpret_cast<const __half*>(&v);
+  for (int i = 0; i < kUnit; ++i)
+    if (u * kUnit + i < n) data[u * kUnit + i] = h[i];
+}
+
+// The sum over ranks 0..R-1, in that order, of unit u of every staging buffer.
+__device__ __forceinline__ uint4 sum_unit(const Peers& peers, int ranks, int64_t u) {
+  float acc[kUnit] = {};
+  for (int p = 0; p < ranks; ++p) {
+    const uint4 raw = reinterpret_cast<const uint4*>(peers.buf[p])[u];
+    const __half2* h = reinterpret_cast<const __half2*>(&raw);
+    for (int i = 0; i < kUnit / 2; ++i) {
+      const float2 f = __half22float2(h[i]);
+      acc[2 * i] += f.x;
+      acc[2 * i + 1] += f.y;
+    }
+  }
+  uint4 out;
+  __half2* o = reinterpret_cast<__half2*>(&out);
+  for (int i = 0; i < kUnit / 2; ++i) o[i] = __floats2half2_rn(acc[2 * i], acc[2 * i + 1]);
+  return out;
+}
+
+template <bool kTwoShot>
+__global__ void __launch_bounds__(kThreads) all_reduce_kernel(Peers peers, __half* data, int64_t n, int rank, int ranks,
+                                                              bool aligned, uint32_t* counters) {
+  const int64_t units = (n + kUnit - 1) / kUnit;
+  const int64_t begin = units * blockIdx.x / gridDim.x, end = units * (blockIdx.x + 1) / gridDim.x;
+  __shared__ uint32_t epoch;
+  if (threadIdx.x == 0) epoch = counters[blockIdx.x];
+  __syncthreads();
+  const uint32_t base = epoch * 3;  // this call's barrier values: base + 1, + 2, + 3
+  uint4* mine = reinterpret_cast<uint4*>(peers.buf[rank]);
+  for (int64_t u = begin + threadIdx.x; u < end; u += blockDim.x) mine[u] = load_unit(data, u, n, aligned);
+  barrier(peers, rank, ranks, base + 1);
+  if constexpr (!kTwoShot) {
+    for (int64_t u = begin + threadIdx.x; u < end; u += blockDim.x) store_unit(data, u, n, aligned, sum_unit(peers, ranks, u));
+  } else {
+    const int64_t len = end - begin;
+    const int64_t pb = begin + len * rank / ranks, pe = begin + len * (rank + 1) / ranks;
+    for (int64_t u = pb + threadIdx.x; u < pe; u += blockDim.x) mine[u] = sum_unit(peers, ranks, u);  // reduce-scatter
+    barrier(peers, rank, ranks, base + 2);
+    for (int q = 0; q < ranks; ++q) {  // all-gather: part q as rank q reduced it
+      const int64_t qb = begin + len * q / ranks, qe = begin + len * (q + 1) / ranks;
+      const uint4* theirs = reinterpret_cast<const uint4*>(peers.buf[q]);
+      for (int64_t u = qb + threadIdx.x; u < qe; u += blockDim.x) store_unit(data, u, n, aligned, theirs[u]);
+    }
+  }
+  barrier(peers, rank, ranks, base + 3);  // nobody reads this rank's buffer any more
+  if (threadIdx.x == 0) counters[blockIdx.x] = epoch + 1;
+}
+
+}  // namespace
+
+Expected<std::unique_ptr<CustomAllReduce>> CustomAllReduce::create(const std::vector<int>& devices, size_t max_bytes) {
+  const int R = int(devices.size());
+  if (R < 2 || R > kMaxRanks)
+    return Status::error("custom all-reduce: " + std::to_string(R) + " GPUs given; it needs 2 to " + std::to_string(kMaxRanks));
+  std::unique_ptr<CustomAllReduce> ar(new CustomAllReduce());
+  ar->devices_ = devices;
+  ar->max_bytes_ = max_bytes;
+  const size_t buf_bytes = (max_bytes + 15) / 16 * 16;
+  const size_t flag_bytes = size_t(kMaxBlocks) * kMaxRanks * sizeof(uint32_t), counter_bytes = kMaxBlocks * sizeof(uint32_t);
+  try {
+    for (int a = 0; a < R; ++a)
+      for (int b = 0; b < R; ++b) {
+        if (a == b) continue;
+        int can = 0;
+        CUDA_CHECK(cudaDeviceCanAccessPeer(&can, devices[size_t(a)], devices[size_t(b)]));
+        if (!can)
+          return Status::error("custom all-reduce: GPU " + std::to_string(devices[size_t(a)]) + " cannot access GPU " +
+                               std::to_string(devices[size_t(b)]) + "'s memory (no peer access: use NCCL)");
+      }
+    for (int r = 0; r < R; ++r) {
+      DeviceGuard on(devices[size_t(r)]);
+      for (int p = 0; p < R; ++p) {
+        if (p == r) continue;
+        const cudaError_t e = cudaDeviceEnablePeerAccess(devices[size_t(p)], 0);
+        if (e == cudaErrorPeerAccessAlreadyEnabled) (void)cudaGetLastError();
+        else CUDA_CHECK(e);
+      }
+      DeviceBuffer mem = device_alloc(buf_bytes + flag_bytes + counter_bytes, "custom all-reduce",
+                                      "staging buffer and flags on GPU " + std::to_string(devices[size_t(r)]));
+      CUDA_CHECK(cudaMemset(mem.as<char>() + buf_bytes, 0, flag_bytes + counter_bytes));
+      ar->buffers_.push_back(mem.as<__half>());
+      ar->flags_.push_back(reinterpret_cast<uint32_t*>(mem.as<char>() + buf_bytes));
+      ar->counters_.push_back(reinterpret_cast<uint32_t*>(mem.as<char>() + buf_bytes + flag_bytes));
+      ar->memory_.push_back(std::move(mem));
+    }
+    for (int r = 0; r < R; ++r) {
+      DeviceGuard on(devices[size_t(r)]);
+      CUDA_CHECK(cudaDeviceSynchronize());
+    }
+  } catch (const Error& e) {
+    return Status::error(std::string("custom all-reduce: ") + e.what());
+  }
+  return std::move(ar);
+}
+
+CustomAllReduce::~CustomAllReduce() {
+  for (size_t r = 0; r < memory_.size(); ++r) {
+    DeviceGuard on(devices_[r]);
+    memory_[r].reset();
+  }
+}
+
+Status CustomAllReduce::all_reduce(int rank, __half* data, size_t count, cudaStream_t stream, Algo algo) {
+  const int R = ranks();
+  if (rank < 0 || rank >= R) return Status::error("custom all-reduce: rank " + std::to_string(rank) + " of " + std::to_string(R));
+  if (count * sizeof(__half) > max_bytes_)
+    return Status::error("custom all-reduce: " + std::to_string(count * sizeof(__half)) + " bytes exceed the buffers' " +
+                         std::to_string(max_bytes_));
+  if (count == 0) return ok_status();
+  Peers peers{};
+  for (int p = 0; p < R; ++p) peers.buf[p] = buffers_[size_t(p)], peers.flags[p] = flags_[size_t(p)];
+  const bool two_shot =
+      algo == Algo::TwoShot || (algo == Algo::Auto && R > 2 && count * sizeof(__half) > kOneShotMaxBytes);
+  const int64_t units = int64_t((count + kUnit - 1) / kUnit);
+  // Enough blocks to keep the GPU's memory system busy, few enough to be co-resident (a
+  // block waits for the same block on the peers). The same on every rank for a count.
+  const int blocks = int(std::min<int64_t>(kMaxBlocks, std::max<int64_t>(1, units / (two_shot ? 1024 : 256))));
+  const bool aligned = reinterpret_cast<uintptr_t>(data) % 16 == 0;
+  DeviceGuard on(devices_[size_t(rank)]);
+  if (two_shot)
+    all_reduce_kernel<true><<<blocks, kThreads, 0, stream>>>(peers, data, int64_t(count), rank, R, aligned, counters_[size_t(rank)]);
+  else
+    all_reduce_kernel<false><<<blocks, kThreads, 0, stream>>>(peers, data, int64_t(count), rank, R, aligned, counters_[size_t(rank)]);
+  const cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess) return Status::error(std::string("custom all-reduce: launch: ") + cudaGetErrorString(e));
+  return ok_status();
+}
+
+}  // namespace conveyor::cuda

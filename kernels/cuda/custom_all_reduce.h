@@ -1,0 +1,75 @@
+// CustomAllReduce: an in-place fp16 sum all-reduce over the GPUs of one process, for the
+// decode regime where NCCL is latency-bound (two all-reduces per layer of a few KiB to a
+// few MiB each).
+//
+// Every rank owns a peer-visible staging buffer and an array of flags in its device
+// memory; peer access is enabled between all pairs, so a kernel on one GPU reads the other
+// GPUs' buffers directly and signals them by storing into their flags. One kernel per call
+// and rank, no host round trip:
+//   one-shot (small messages): each block copies its slice of the input into the rank's
+//     buffer, meets the same block of every other rank at a flag barrier, then sums that
+//     slice over all ranks' buffers in rank order (so every rank gets the same bits) into
+//     the output;
+//   two-shot (larger): the slice is split in one part per rank; rank r reduces part r from
+//     every buffer into its own buffer (reduce-scatter), a second barrier, then every rank
+//     gathers the reduced parts (all-gather): each GPU reads 2(R-1)/R of the message
+//     instead of.
+// A last barrier keeps a rank from overwriting its buffer while a peer still reads it.
+// Barrier values come from per-block counters in device memory that the kernel itself
+// advances, so a call captured in a CUDA graph is correct on every replay. Sums are taken
+// in fp32 and rounded to fp16 once.
+//
+// Every rank must make the same sequence of calls with the same counts (as with NCCL).
+// Ranks are driven from one thread or one thread each; a call only launches a kernel.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include "common/status.h"
+#include "kernels/cuda/check.h"
+
+namespace conveyor::cuda {
+
+class CustomAllReduce {
+ public:
+  enum class Algo { Auto, OneShot, TwoShot };
+
+  // Enables peer access between `devices` (2 to 8 GPUs, each able to reach every other)
+  // and allocates on each a staging buffer of `max_bytes` and the flags. Errors name the
+  // pair without peer access or the failed call.
+  static Expected<std::unique_ptr<CustomAllReduce>> create(const std::vector<int>& devices, size_t max_bytes);
+  ~CustomAllReduce();
+  CustomAllReduce(const CustomAllReduce&) = delete;
+  CustomAllReduce& operator=(const CustomAllReduce&) = delete;
+
+  int ranks() const { return int(devices_.size()); }
+  size_t max_bytes() const { return max_bytes_; }
+  // Auto: one-shot on 2 GPUs (two-shot reads as much there and adds a barrier), else
+  // one-shot up to kOneShotMaxBytes and two-shot above.
+  static constexpr size_t kOneShotMaxBytes = 256 << 10;
+  // Above this, NCCL is faster (2 H200s over NVLink, conveyor-bench-all-reduce,
+  // docs/PERFORMANCE.md): a caller hands larger messages to NCCL.
+  static constexpr size_t kNcclCrossoverBytes = size_t(16) << 20;
+
+  // Rank `rank`'s part of a call: sums `count` halves at `data` (on the rank's device) over
+  // all ranks, in place, on `stream` (of that device). count * 2 <= max_bytes. Capturable.
+  Status all_reduce(int rank, __half* data, size_t count, cudaStream_t stream, Algo algo = Algo::Auto);
+
+ private:
+  CustomAllReduce() = default;
+
+  std::vector<int> devices_;
+  size_t max_bytes_ = 0;
+  std::vector<DeviceBuffer> memory_;  // per rank, on its device: staging buffer, flags, counters
+  std::vector<__half*> buffers_;      // per rank: staging buffer (max_bytes, rounded up to 16)
+  std::vector<uint32_t*> flags_;      // per rank: [kMaxBlocks][kMaxRanks] barrier flags
+  std::vector<uint32_t*> counters_;   // per rank: [kMaxBlocks] calls each block has finished
+};
+
+}  // namespace conveyor::cuda
