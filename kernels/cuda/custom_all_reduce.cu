@@ -77,33 +77,44 @@ __device__ __forceinline__ uint4 sum_unit(const Peers& peers, int ranks, int64_t
   return out;
 }
 
+// state[0]: calls this rank has finished; state[1]: blocks of the running call finished.
+// Call c stages its data in half c % 2 of every buffer, so no barrier is needed at the end:
+// before a rank writes half c % 2 again (call c + 2), every peer has started call c + 1
+// (its block met ours at that call's barrier), so its call c, and every read of ours in it,
+// is over.
 template <bool kTwoShot>
 __global__ void __launch_bounds__(kThreads) all_reduce_kernel(Peers peers, __half* data, int64_t n, int rank, int ranks,
-                                                              bool aligned, uint32_t* counters) {
+                                                              bool aligned, uint32_t* state, int64_t half_units) {
   const int64_t units = (n + kUnit - 1) / kUnit;
   const int64_t begin = units * blockIdx.x / gridDim.x, end = units * (blockIdx.x + 1) / gridDim.x;
-  __shared__ uint32_t epoch;
-  if (threadIdx.x == 0) epoch = counters[blockIdx.x];
+  __shared__ uint32_t call;
+  if (threadIdx.x == 0) call = *reinterpret_cast<volatile uint32_t*>(state);  // the last block advances it
   __syncthreads();
-  const uint32_t base = epoch * 3;  // this call's barrier values: base + 1, + 2, + 3
-  uint4* mine = reinterpret_cast<uint4*>(peers.buf[rank]);
+  const uint32_t base = call * 2;  // this call's barrier values: base + 1 (and base + 2 for two-shot)
+  const int64_t offset = (call & 1) * half_units;
+  Peers half = peers;
+  for (int p = 0; p < ranks; ++p) half.buf[p] = peers.buf[p] + offset * kUnit;
+  uint4* mine = reinterpret_cast<uint4*>(half.buf[rank]);
   for (int64_t u = begin + threadIdx.x; u < end; u += blockDim.x) mine[u] = load_unit(data, u, n, aligned);
-  barrier(peers, rank, ranks, base + 1);
+  barrier(half, rank, ranks, base + 1);
   if constexpr (!kTwoShot) {
-    for (int64_t u = begin + threadIdx.x; u < end; u += blockDim.x) store_unit(data, u, n, aligned, sum_unit(peers, ranks, u));
+    for (int64_t u = begin + threadIdx.x; u < end; u += blockDim.x) store_unit(data, u, n, aligned, sum_unit(half, ranks, u));
   } else {
     const int64_t len = end - begin;
     const int64_t pb = begin + len * rank / ranks, pe = begin + len * (rank + 1) / ranks;
-    for (int64_t u = pb + threadIdx.x; u < pe; u += blockDim.x) mine[u] = sum_unit(peers, ranks, u);  // reduce-scatter
-    barrier(peers, rank, ranks, base + 2);
+    for (int64_t u = pb + threadIdx.x; u < pe; u += blockDim.x) mine[u] = sum_unit(half, ranks, u);  // reduce-scatter
+    barrier(half, rank, ranks, base + 2);
     for (int q = 0; q < ranks; ++q) {  // all-gather: part q as rank q reduced it
       const int64_t qb = begin + len * q / ranks, qe = begin + len * (q + 1) / ranks;
-      const uint4* theirs = reinterpret_cast<const uint4*>(peers.buf[q]);
+      const uint4* theirs = reinterpret_cast<const uint4*>(half.buf[q]);
       for (int64_t u = qb + threadIdx.x; u < qe; u += blockDim.x) store_unit(data, u, n, aligned, theirs[u]);
     }
   }
-  barrier(peers, rank, ranks, base + 3);  // nobody reads this rank's buffer any more
-  if (threadIdx.x == 0) counters[blockIdx.x] = epoch + 1;
+  __syncthreads();
+  if (threadIdx.x == 0 && atomicAdd(state + 1, 1u) == gridDim.x - 1) {  // the last block of this call
+    state[1] = 0;
+    state[0] = call + 1;
+  }
 }
 
 }  // namespace
@@ -115,8 +126,8 @@ Expected<std::unique_ptr<CustomAllReduce>> CustomAllReduce::create(const std::ve
   std::unique_ptr<CustomAllReduce> ar(new CustomAllReduce());
   ar->devices_ = devices;
   ar->max_bytes_ = max_bytes;
-  const size_t buf_bytes = (max_bytes + 15) / 16 * 16;
-  const size_t flag_bytes = size_t(kMaxBlocks) * kMaxRanks * sizeof(uint32_t), counter_bytes = kMaxBlocks * sizeof(uint32_t);
+  const size_t buf_bytes = 2 * ((max_bytes + 15) / 16 * 16);  // two halves, alternate calls
+  const size_t flag_bytes = size_t(kMaxBlocks) * kMaxRanks * sizeof(uint32_t), counter_bytes = 2 * sizeof(uint32_t);
   try {
     for (int a = 0; a < R; ++a)
       for (int b = 0; b < R; ++b) {
@@ -176,11 +187,14 @@ Status CustomAllReduce::all_reduce(int rank, __half* data, size_t count, cudaStr
   // block waits for the same block on the peers). The same on every rank for a count.
   const int blocks = int(std::min<int64_t>(kMaxBlocks, std::max<int64_t>(1, units / (two_shot ? 1024 : 256))));
   const bool aligned = reinterpret_cast<uintptr_t>(data) % 16 == 0;
+  const int64_t half_units = int64_t((max_bytes_ + 15) / 16);
   DeviceGuard on(devices_[size_t(rank)]);
   if (two_shot)
-    all_reduce_kernel<true><<<blocks, kThreads, 0, stream>>>(peers, data, int64_t(count), rank, R, aligned, counters_[size_t(rank)]);
+    all_reduce_kernel<true><<<blocks, kThreads, 0, stream>>>(peers, data, int64_t(count), rank, R, aligned,
+                                                             counters_[size_t(rank)], half_units);
   else
-    all_reduce_kernel<false><<<blocks, kThreads, 0, stream>>>(peers, data, int64_t(count), rank, R, aligned, counters_[size_t(rank)]);
+    all_reduce_kernel<false><<<blocks, kThreads, 0, stream>>>(peers, data, int64_t(count), rank, R, aligned,
+                                                              counters_[size_t(rank)], half_units);
   const cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess) return Status::error(std::string("custom all-reduce: launch: ") + cudaGetErrorString(e));
   return ok_status();

@@ -14,12 +14,15 @@
 //     every buffer into its own buffer (reduce-scatter), a second barrier, then every rank
 //     gathers the reduced parts (all-gather): each GPU reads 2(R-1)/R of the message
 //     instead of.
-// A last barrier keeps a rank from overwriting its buffer while a peer still reads it.
-// Barrier values come from per-block counters in device memory that the kernel itself
+// Consecutive calls stage their data in alternate halves of the buffers, so no barrier is
+// needed at the end of a call (a rank writes a half again only after every peer has begun
+// the call in between, which ends their reads of it): one flag round trip per one-shot
+// call. Barrier values come from a call counter in device memory that the kernel itself
 // advances, so a call captured in a CUDA graph is correct on every replay. Sums are taken
 // in fp32 and rounded to fp16 once.
 //
-// Every rank must make the same sequence of calls with the same counts (as with NCCL).
+// Every rank must make the same sequence of calls with the same counts (as with NCCL), and
+// a rank's calls must be ordered on the GPU (one stream, or streams that wait on each other).
 // Ranks are driven from one thread or one thread each; a call only launches a kernel.
 #pragma once
 
@@ -67,9 +70,9 @@ class CustomAllReduce {
   std::vector<int> devices_;
   size_t max_bytes_ = 0;
   std::vector<DeviceBuffer> memory_;  // per rank, on its device: staging buffer, flags, counters
-  std::vector<__half*> buffers_;      // per rank: staging buffer (max_bytes, rounded up to 16)
+  std::vector<__half*> buffers_;      // per rank: staging buffer, two halves of max_bytes (rounded up to 16)
   std::vector<uint32_t*> flags_;      // per rank: [kMaxBlocks][kMaxRanks] barrier flags
-  std::vector<uint32_t*> counters_;   // per rank: [kMaxBlocks] calls each block has finished
+  std::vector<uint32_t*> counters_;   // per rank: calls finished, blocks of the running call finished
 };
 
 }  // namespace conveyor::cuda
