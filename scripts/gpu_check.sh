@@ -22,7 +22,7 @@ if [[ "${1:-}" == "--pack" ]]; then
   build="$2"; bundle="$3"
   stage="$(mktemp -d)"
   for p in tests/test_cuda_ops tests/test_gpu_stage tests/test_gpu_hf_conformance tests/test_gpu_stage_backend \
-           tests/test_custom_all_reduce bin/conveyor-bench-all-reduce \
+           tests/test_custom_all_reduce tests/test_tp_all_reduce bin/conveyor-bench-all-reduce \
            bin/conveyor-bench-gpu-decode bin/conveyor-bench-gpu-kernels bin/conveyor-bench-cluster \
            bin/conveyor bin/conveyor-coordinator bin/conveyor-worker; do
     strip -o "$stage/$(basename "$p")" "$build/$p" || exit 1
