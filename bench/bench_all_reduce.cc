@@ -45,6 +45,13 @@ struct Gpu {
   ncclComm_t comm = nullptr;
 };
 
+void sync_all(std::vector<Gpu>& gpus) {
+  for (Gpu& g : gpus) {
+    DeviceGuard on(g.device);
+    CUDA_CHECK(cudaStreamSynchronize(g.stream));
+  }
+}
+
 // Captures `iters` calls of `call(rank)` per GPU, one graph each (all captures open at
 // once, so NCCL's grouped calls across GPUs can be recorded), replays them `repeats` times
 // and returns the median microseconds per call (timed on GPU 0, after a warm-up replay).
@@ -68,14 +75,8 @@ double time_graphs(std::vector<Gpu>& gpus, int iters, int repeats, const std::fu
       CUDA_CHECK(cudaGraphLaunch(execs[r], gpus[r].stream));
     }
   };
-  auto sync_all = [&] {
-    for (Gpu& g : gpus) {
-      DeviceGuard on(g.device);
-      CUDA_CHECK(cudaStreamSynchronize(g.stream));
-    }
-  };
   launch_all();
-  sync_all();
+  sync_all(gpus);
   std::vector<double> us;
   DeviceGuard on0(gpus[0].device);
   cudaEvent_t start, stop;
@@ -91,7 +92,7 @@ double time_graphs(std::vector<Gpu>& gpus, int iters, int repeats, const std::fu
       DeviceGuard on(gpus[0].device);
       CUDA_CHECK(cudaEventRecord(stop, gpus[0].stream));
     }
-    sync_all();
+    sync_all(gpus);
     float ms = 0;
     CUDA_CHECK(cudaEventElapsedTime(&ms, start, stop));
     us.push_back(double(ms) * 1000.0 / iters);
@@ -108,19 +109,13 @@ double time_graphs(std::vector<Gpu>& gpus, int iters, int repeats, const std::fu
 
 // `iters` calls launched eagerly from this thread, `repeats` times; the median per call.
 double time_eager(std::vector<Gpu>& gpus, int iters, int repeats, const std::function<void()>& one_call_all_ranks) {
-  auto sync_all = [&] {
-    for (Gpu& g : gpus) {
-      DeviceGuard on(g.device);
-      CUDA_CHECK(cudaStreamSynchronize(g.stream));
-    }
-  };
   for (int i = 0; i < 5; ++i) one_call_all_ranks();
-  sync_all();
+  sync_all(gpus);
   std::vector<double> us;
   for (int k = 0; k < repeats; ++k) {
     const auto t0 = std::chrono::steady_clock::now();
     for (int i = 0; i < iters; ++i) one_call_all_ranks();
-    sync_all();
+    sync_all(gpus);
     us.push_back(std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count() / iters);
   }
   std::sort(us.begin(), us.end());

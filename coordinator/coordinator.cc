@@ -648,6 +648,18 @@ struct Coordinator::Impl {
 
   // ---------------------------------------------------------------- taking workers out
 
+  using Served = std::vector<std::pair<Pipeline*, size_t>>;
+  using Placement = std::optional<std::pair<Shape, std::vector<std::string>>>;
+
+  // The pipelines and stages `name` serves.
+  Served stages_served_by(const std::string& name) {
+    Served served;
+    for (Pipeline& p : pipelines)
+      if (auto slot = std::find(p.workers.begin(), p.workers.end(), name); slot != p.workers.end())
+        served.emplace_back(&p, size_t(slot - p.workers.begin()));
+    return served;
+  }
+
   // Takes `w` out of service without failing anything (the operator's drain, a worker's
   // SIGTERM): a spare takes its stage, or else the plan shrinks over the other workers when
   // their memory allows; every running sequence of its pipeline is replayed. When neither
@@ -656,18 +668,11 @@ struct Coordinator::Impl {
   std::pair<int, json> take_out(WorkerInfo& w, bool wait, const std::string& why) {
     const std::string name = w.name;
     if (w.state == "drained") return {200, {{"worker", name}, {"state", "drained"}}};
-    std::vector<std::pair<Pipeline*, size_t>> served;
-    for (Pipeline& p : pipelines)
-      if (auto slot = std::find(p.workers.begin(), p.workers.end(), name); slot != p.workers.end())
-        served.emplace_back(&p, size_t(slot - p.workers.begin()));
-    json body = {{"worker", name}, {"state", "drained"}};
+    Served served = stages_served_by(name);
     if (wait && !accepting && running.empty() && queue.empty()) served.clear();  // we stop too: no re-plan
-    std::optional<std::pair<Shape, std::vector<std::string>>> smaller;
+    Placement smaller;
     std::string why_not;
-    const bool spare = std::any_of(workers.begin(), workers.end(), [&](const auto& o) {
-      return o.first != name && o.second.state == "joined" && !o.second.leaving;
-    });
-    if (!served.empty() && !spare && !(smaller = feasible_shape(name, why_not))) {
+    if (!served.empty() && !has_spare() && !(smaller = feasible_shape(name, why_not))) {
       const std::string msg = "worker '" + name + "' serves pipeline " + std::to_string(served[0].first->index) +
                               " stage " + std::to_string(served[0].second) +
                               ", no spare worker can take it and the others cannot run the model without it (" +
@@ -677,7 +682,16 @@ struct Coordinator::Impl {
       w.leaving = true;
       return {202, {{"worker", name}, {"state", "leaving"}, {"reason", msg}}};
     }
-    w.state = "drained";  // never planned again (a re-registration makes it a spare)
+    return {200, retire(w, why, served, smaller)};
+  }
+
+  // Takes `w` off the stages it serves for good (state "drained": never planned again; a
+  // re-registration makes it a spare) and tells it to drop them; the stages go to the
+  // smaller plan when one is given, else to spares (plan()). Returns the drain's body.
+  json retire(WorkerInfo& w, const std::string& why, const Served& served, const Placement& smaller) {
+    const std::string name = w.name;
+    json body = {{"worker", name}, {"state", "drained"}};
+    w.state = "drained";
     w.leaving = false;
     for (auto [p, stage] : served) fail_stage(*p, name, why);
     w.pipeline = w.stage = -1;
@@ -691,7 +705,7 @@ struct Coordinator::Impl {
         if (!p->workers[stage].empty()) body["replaced_by"] = p->workers[stage];
     }
     spdlog::info("coordinator: {} drained ({}): {}", name, why, body.dump());
-    return {200, body};
+    return body;
   }
 
   bool has_leaver(const Pipeline& p) const {
@@ -706,21 +720,13 @@ struct Coordinator::Impl {
   void release_leavers() {
     for (auto& [name, w] : workers) {
       if (!w.leaving || w.state == "dead") continue;
-      bool busy = false;
-      for (const auto& [_, s] : seqs)
-        busy = busy || (!s.finished && s.pipeline >= 0 && size_t(s.pipeline) < pipelines.size() &&
-                        std::count(pipelines[size_t(s.pipeline)].workers.begin(),
-                                   pipelines[size_t(s.pipeline)].workers.end(), name));
-      if (busy && take_out(w, true, "leaving").first != 200) continue;
-      if (!busy) {
-        w.state = "drained";
-        w.leaving = false;
-        for (Pipeline& p : pipelines)
-          if (std::count(p.workers.begin(), p.workers.end(), name)) fail_stage(p, name, "left when its work was done");
-        w.pipeline = w.stage = -1;
-        send_control(name, ControlMessage::make("unassign"));
-        plan();
-      }
+      const Served served = stages_served_by(name);
+      const bool busy = std::any_of(seqs.begin(), seqs.end(), [&](const auto& e) {
+        const Sequence& s = e.second;
+        return !s.finished && std::any_of(served.begin(), served.end(), [&](const auto& ps) { return ps.first->index == s.pipeline; });
+      });
+      if (busy) take_out(w, true, "leaving");
+      else retire(w, "left when its work was done", served, std::nullopt);
     }
   }
 

@@ -110,7 +110,6 @@ struct Worker::Impl {
 
   // Control-thread state.
   bool welcomed = false;
-  bool coordinator_gone = false;  // it said goodbye; cleared by the next welcome
   Clock::time_point last_from_coordinator = Clock::now();
   Clock::time_point last_register{};
   Clock::time_point last_heartbeat{};
@@ -240,10 +239,11 @@ struct Worker::Impl {
   // The backend this worker was started with, holding `weights`.
   Expected<std::unique_ptr<StageBackend>> make_backend(StageWeights weights, const Assignment& a) {
     if (opt.backend == "cpu") {
-      if (opt.tensor_parallel > weights.config.n_inner)
-        return Status::error("--tp " + std::to_string(opt.tensor_parallel) + " exceeds the model's MLP width " +
-                             std::to_string(weights.config.n_inner));
-      return std::unique_ptr<StageBackend>(std::make_unique<CpuStageBackend>(std::move(weights), opt.tensor_parallel));
+      try {  // CpuStage refuses a --tp the model cannot split
+        return std::unique_ptr<StageBackend>(std::make_unique<CpuStageBackend>(std::move(weights), opt.tensor_parallel));
+      } catch (const Error& e) {
+        return Status::error(e.what());
+      }
     }
 #ifdef CONVEYOR_HAVE_CUDA
     cuda::GpuStageOptions o;
@@ -428,7 +428,6 @@ struct Worker::Impl {
     const std::string type = m.type();
     if (type == "welcome") {
       welcomed = true;
-      coordinator_gone = false;
       service::ready("joined " + opt.coordinator + " as " + opt.name);
       spdlog::info("{}: joined the coordinator", opt.name);
     } else if (type == "rejected") {
@@ -445,7 +444,6 @@ struct Worker::Impl {
       exit_code = 0;
     } else if (type == "goodbye") {  // it stops; a new one will find us holding our layers
       spdlog::info("{}: the coordinator says goodbye: {}", opt.name, m.body.value("reason", std::string("?")));
-      coordinator_gone = true;
       welcomed = false;
     } else if (type == "heartbeat") {
       if (m.body.value("register", false) && welcomed) {  // a restarted coordinator does not know us
@@ -478,7 +476,7 @@ struct Worker::Impl {
         send(ControlMessage::make("draining", {{"reason", "signal"}}));
         leave_by = now + opt.drain_timeout;
       }
-      if (leave_by && (!has_stage() || !welcomed || coordinator_gone || now > *leave_by)) {
+      if (leave_by && (!has_stage() || !welcomed || now > *leave_by)) {  // !welcomed: it is gone
         if (has_stage()) spdlog::warn("{}: the stage was not taken over in time; leaving anyway", opt.name);
         break;
       }

@@ -318,4 +318,22 @@ inline std::vector<std::string> run_cases(Cluster& cluster, std::vector<Case>& c
   return failures;
 }
 
+// Sends `n` cases drawn from `seed` from 16 clients while `meanwhile` runs on this thread;
+// every answer must be the engine's.
+inline void run_load(Cluster& cluster, uint32_t seed, int n, const std::function<void()>& meanwhile) {
+  Reference ref;
+  std::vector<Case> cases = make_cases(ref, n, seed);
+  std::vector<std::string> failures;
+  std::thread load([&] { failures = run_cases(cluster, cases, 16); });
+  meanwhile();
+  load.join();
+  for (const auto& f : failures) ADD_FAILURE() << f;
+  EXPECT_TRUE(failures.empty()) << "coordinator log:\n" << Cluster::read(cluster.dir / "coordinator.log").substr(0, 20000);
+}
+
+// /v1/cluster says requests are running on pipeline 0 (they hold K/V reservations).
+inline bool requests_running(const json& info) {
+  return info["pipelines"][0]["kv_reserved_tokens"].get<int64_t>() > 0;
+}
+
 }  // namespace conveyor::cluster_test

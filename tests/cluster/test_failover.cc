@@ -36,15 +36,8 @@ ChildProcess* worker_named(Cluster& cluster, const std::string& name) {
 
 // Runs the mixed load while `chaos` does its damage on another thread.
 void run_with_chaos(Cluster& cluster, uint32_t seed, const std::function<void(std::mt19937&)>& chaos) {
-  Reference ref;
-  std::vector<Case> cases = make_cases(ref, 64, seed);
   std::mt19937 rng(seed);
-  std::vector<std::string> failures;
-  std::thread load([&] { failures = run_cases(cluster, cases, 16); });
-  chaos(rng);
-  load.join();
-  for (const auto& f : failures) ADD_FAILURE() << f;
-  EXPECT_TRUE(failures.empty()) << "coordinator log:\n" << Cluster::read(cluster.dir / "coordinator.log").substr(0, 20000);
+  run_load(cluster, seed, 64, [&] { chaos(rng); });
   auto health = cluster.get("/health");
   EXPECT_TRUE(health && health->status == 200) << (health ? health->body : health.error());
 }
@@ -233,8 +226,7 @@ TEST(Sigterm, LastWorkerFinishesItsRequestsFirst) {
   std::vector<Case> cases = make_cases(ref, 32, 61);
   std::vector<std::string> failures;
   std::thread load([&] { failures = run_cases(cluster, cases, 8); });
-  EXPECT_TRUE(cluster.wait_until([](const json& i) { return i["pipelines"][0]["kv_reserved_tokens"].get<int64_t>() > 0; },
-                                 std::chrono::seconds(30)));
+  EXPECT_TRUE(cluster.wait_until(requests_running, std::chrono::seconds(30)));
   cluster.workers[0]->signal(SIGTERM);
   EXPECT_EQ(cluster.workers[0]->wait_exit(std::chrono::seconds(30)), 0);
   cluster.add_worker("w1", cluster.token);
@@ -252,9 +244,8 @@ TEST(Sigterm, CoordinatorFinishesAcceptedRequests) {
   std::vector<Case> cases = make_cases(ref, 32, 51);
   std::vector<std::string> failures;
   std::thread load([&] { failures = run_cases(cluster, cases, 8); });
-  // SIGTERM once requests run (they hold K/V reservations).
-  EXPECT_TRUE(cluster.wait_until([](const json& i) { return i["pipelines"][0]["kv_reserved_tokens"].get<int64_t>() > 0; },
-                                 std::chrono::seconds(30)));
+  // SIGTERM once requests run.
+  EXPECT_TRUE(cluster.wait_until(requests_running, std::chrono::seconds(30)));
   cluster.coordinator->signal(SIGTERM);
   bool refused = false;
   for (int k = 0; k < 200 && !refused; ++k) {

@@ -20,17 +20,6 @@ bool all_ready(const json& info) {
   return true;
 }
 
-void run_load(Cluster& cluster, uint32_t seed, int n, const std::function<void()>& meanwhile) {
-  Reference ref;
-  std::vector<Case> cases = make_cases(ref, n, seed);
-  std::vector<std::string> failures;
-  std::thread load([&] { failures = run_cases(cluster, cases, 16); });
-  meanwhile();
-  load.join();
-  for (const auto& f : failures) ADD_FAILURE() << f;
-  EXPECT_TRUE(failures.empty()) << "coordinator log:\n" << Cluster::read(cluster.dir / "coordinator.log").substr(0, 20000);
-}
-
 int plan_cli(Cluster& cluster, const std::vector<std::string>& args, std::string* line = nullptr) {
   std::vector<std::string> argv = {bin("conveyor"), "plan", "--url", "http://127.0.0.1:" + std::to_string(cluster.http_port)};
   argv.insert(argv.end(), args.begin(), args.end());
