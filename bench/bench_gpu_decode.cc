@@ -1,14 +1,17 @@
-// Decode benchmark of one GpuStage holding a whole model with synthetic weights (drawn on
-// the GPU): for each shape, prompt length and batch, prefill the prompts (chunks of at most
-// --max-tokens tokens), then generate --new-tokens tokens greedily through the CUDA-graph
-// decode path. Prints time to first token, ms per decode step ("ms/token": one token for
+// Decode benchmark of one stage holding a whole model with synthetic weights (drawn on
+// the GPU), on one GPU or tensor parallel over --tp GPUs (TpStage): for each shape, prompt
+// length and batch, prefill the prompts (chunks of at most --max-tokens tokens), then
+// generate --new-tokens tokens greedily through the CUDA-graph decode path. Prints time to first token, ms per decode step ("ms/token": one token for
 // every sequence of the batch), tokens/s over the batch, and for batch 1 the bandwidth
 // floor: the bytes one decode step must read (weights) over the device-to-device copy
 // bandwidth measured in the same run (bytes read + bytes written per second).
 //
 //   conveyor-bench-gpu-decode [--shapes gpt2-xl,gpt3-6.7b] [--batches 1,8,32,128]
 //       [--prompts 128,1024] [--new-tokens 128] [--dtype f16|bf16] [--max-tokens 8192]
-//       [--kv-fraction 0.9] [--no-graphs] [--csv FILE]
+//       [--kv-fraction 0.9] [--no-graphs] [--tp N] [--csv FILE]
+//
+// --tp N runs the stage over GPUs 0..N-1 (ranks share GPUs where the machine has fewer:
+// a correctness run only, its times mean nothing).
 //
 // Each configuration runs twice: a warm-up (GEMM plans timed, graphs captured) with a few
 // decode steps, then the measured run. A configuration whose K/V cache does not fit is
@@ -30,7 +33,7 @@
 
 #include "common/model_config.h"
 #include "kernels/cuda/check.h"
-#include "kernels/cuda/gpu_stage.h"
+#include "kernels/cuda/tp_stage.h"
 #include "bench/gpu_bandwidth.h"
 #endif
 
@@ -59,13 +62,14 @@ struct Args {
   int64_t max_tokens = 8192;
   double kv_fraction = 0.9;
   bool graphs = true;
+  int tp = 1;
   std::string csv;
 };
 
 [[noreturn]] void usage() {
   std::fprintf(stderr,
                "usage: conveyor-bench-gpu-decode [--shapes S,..] [--batches N,..] [--prompts N,..] [--new-tokens N]\n"
-               "       [--dtype f16|bf16] [--max-tokens N] [--kv-fraction F] [--no-graphs] [--csv FILE]\n");
+               "       [--dtype f16|bf16] [--max-tokens N] [--kv-fraction F] [--no-graphs] [--tp N] [--csv FILE]\n");
   std::exit(2);
 }
 
@@ -85,10 +89,11 @@ Args parse(int argc, char** argv) {
     else if (k == "--max-tokens") a.max_tokens = std::stoll(val());
     else if (k == "--kv-fraction") a.kv_fraction = std::stod(val());
     else if (k == "--no-graphs") a.graphs = false;
+    else if (k == "--tp") a.tp = std::stoi(val());
     else if (k == "--csv") a.csv = val();
     else usage();
   }
-  if (a.new_tokens < 2 || a.batches.empty() || a.prompts.empty() || a.shapes.empty()) usage();
+  if (a.new_tokens < 2 || a.batches.empty() || a.prompts.empty() || a.shapes.empty() || a.tp < 1 || a.tp > 8) usage();
   return a;
 }
 
@@ -124,7 +129,7 @@ void check(const Status& s, const char* what) {
 }
 
 // Prefill `batch` prompts of `prompt` tokens, then `decode_steps` greedy decode steps.
-Result run_once(cuda::GpuStage& stage, int batch, int prompt, int decode_steps, std::mt19937& rng) {
+Result run_once(cuda::TpStage& stage, int batch, int prompt, int decode_steps, std::mt19937& rng) {
   const int64_t V = stage.config().vocab_size;
   stage.clear();
   std::vector<std::vector<int32_t>> prompts(static_cast<size_t>(batch));
@@ -209,7 +214,7 @@ int main(int argc, char** argv) {
     std::ofstream csv;
     if (!args.csv.empty()) {
       csv.open(args.csv);
-      csv << "shape,dtype,batch,prompt,new_tokens,ttft_ms,ms_per_token,p50_ms,tokens_per_s,floor_ms,fraction_of_floor\n";
+      csv << "shape,dtype,tp,batch,prompt,new_tokens,ttft_ms,ms_per_token,p50_ms,tokens_per_s,floor_ms,fraction_of_floor\n";
     }
     std::vector<std::string> table;
     char line[512];
@@ -232,9 +237,12 @@ int main(int argc, char** argv) {
       o.kv_cache_fraction = args.kv_fraction;
       o.cuda_graphs = args.graphs;
       const auto t0 = Clock::now();
-      auto stage = cuda::GpuStage::create_synthetic(cfg, 0, cfg.n_layer, 42, o);
-      std::printf("# %s (n_positions %lld): built in %.1f s; %s\n", shape.c_str(), (long long)cfg.n_positions,
-                  ms_since(t0) / 1e3, stage->memory_report().c_str());
+      std::vector<int> gpus;
+      for (int r = 0; r < args.tp; ++r) gpus.push_back(r % devices);
+      auto stage = cuda::TpStage::create_synthetic(cfg, 0, cfg.n_layer, 42, gpus, o);
+      std::printf("# %s (n_positions %lld, tp %d%s): built in %.1f s; %s\n", shape.c_str(), (long long)cfg.n_positions,
+                  args.tp, args.tp > devices ? ", ranks sharing GPUs: times not meaningful" : "", ms_since(t0) / 1e3,
+                  stage->memory_report().c_str());
       const double floor_ms = double(stage->decode_weight_bytes()) / bw * 1e3;
       for (int prompt : args.prompts) {
         for (int batch : args.batches) {
@@ -261,12 +269,13 @@ int main(int argc, char** argv) {
           std::printf("%s\n", line);
           std::fflush(stdout);
           if (csv.is_open())
-            csv << shape << "," << args.dtype << "," << batch << "," << prompt << "," << args.new_tokens << "," << r.ttft_ms
+            csv << shape << "," << args.dtype << "," << args.tp << "," << batch << "," << prompt << "," << args.new_tokens << "," << r.ttft_ms
                 << "," << r.ms_per_token << "," << r.p50_ms << "," << tps << "," << (batch == 1 ? floor_ms : 0) << ","
                 << (batch == 1 ? floor_ms / r.ms_per_token : 0) << "\n";
         }
       }
-      if (std::getenv("CONVEYOR_BENCH_PLANS")) std::printf("# GEMM plans:\n%s", stage->gemm().describe_plans().c_str());
+      if (std::getenv("CONVEYOR_BENCH_PLANS"))
+        std::printf("# GEMM plans:\n%s", stage->lead().gemm().describe_plans().c_str());
     }
     std::printf("\n");
     for (const auto& l : table) std::printf("%s\n", l.c_str());

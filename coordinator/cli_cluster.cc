@@ -147,7 +147,7 @@ void add_local_command(CLI::App& app, LocalOptions& o) {
   cmd->add_option("--gpus", o.gpus, "cuda: GPUs to spread the workers over (worker i on GPU i % gpus)")
       ->check(CLI::Range(1, 64));
   cmd->add_option("--dtype", o.dtype, "cuda: f16 or bf16")->check(CLI::IsMember({"f16", "bf16"}));
-  cmd->add_option("--tp", o.tp, "cpu: tensor-parallel threads per worker")->check(CLI::Range(1, 256));
+  cmd->add_option("--tp", o.tp, "tensor-parallel ranks per worker: threads (cpu) or GPUs (cuda)")->check(CLI::Range(1, 256));
   cmd->add_flag("--verbose", o.verbose, "daemons log to this terminal");
 }
 
@@ -214,10 +214,14 @@ int local_command(const LocalOptions& o) {
                                      "127.0.0.1:" + std::to_string(control_port), "--name", name, "--join-token", token,
                                      "--kv-cache-mb", std::to_string(o.kv_cache_mb), "--backend", o.backend};
     if (o.tp > 1) argv.insert(argv.end(), {"--tp", std::to_string(o.tp)});
-    if (o.backend == "cuda")
-      argv.insert(argv.end(), {"--device", std::to_string(i % o.gpus), "--dtype", o.dtype,
-                               // several stages may share a GPU: each takes a share of what is left
-                               "--gpu-memory-fraction", std::to_string(0.9 / std::max(1, (n_workers + o.gpus - 1) / o.gpus))});
+    if (o.backend == "cuda") {  // worker i's ranks on GPUs (i * tp + k) % gpus
+      std::string gpus;
+      for (int k = 0; k < o.tp; ++k) gpus += (k ? "," : "") + std::to_string((i * o.tp + k) % o.gpus);
+      const int per_gpu = std::max(1, (n_workers * o.tp + o.gpus - 1) / o.gpus);
+      argv.insert(argv.end(), {"--gpus", gpus, "--dtype", o.dtype,
+                               // several ranks may share a GPU: each takes a share of what is left
+                               "--gpu-memory-fraction", std::to_string(0.9 / per_gpu)});
+    }
     const pid_t pid = spawn(argv,
                             o.verbose ? "" : (dir / (name + ".log")).string(), nullptr);
     if (pid < 0) {

@@ -65,38 +65,20 @@ CpuStage::CpuStage(StageWeights weights, int tp) : weights_(std::move(weights)),
 
 void CpuStage::make_shards(int tp) {
   const ModelConfig& c = config();
-  const int64_t C = c.n_embd, I = c.n_inner, H = c.n_head, D = c.head_dim();
+  const int64_t D = c.head_dim();
   shards_.resize(size_t(tp));
   partials_.assign(size_t(tp), nullptr);
   for (int r = 0; r < tp; ++r) {
     Shard& sh = shards_[size_t(r)];
-    const int64_t h0 = H * r / tp, h1 = H * (r + 1) / tp, i0 = I * r / tp, i1 = I * (r + 1) / tp;
-    sh.heads = h1 - h0, sh.width = sh.heads * D, sh.inner = i1 - i0;
-    const int64_t W = sh.width, c0 = h0 * D, N = sh.inner;
+    const TpShard part = TpShard::of(c, r, tp);
+    sh.heads = part.heads(), sh.width = sh.heads * D, sh.inner = part.inner();
     sh.layers.resize(weights_.layers.size());
     for (size_t l = 0; l < weights_.layers.size(); ++l) {
       const LayerWeights& lw = weights_.layers[l];
       ShardLayer& s = sh.layers[l];
-      if (tp == 1) {
-        s.qkv_w = lw.attn_qkv_w.data(), s.qkv_b = lw.attn_qkv_b.data(), s.proj_w = lw.attn_proj_w.data();
-        s.fc_w = lw.mlp_fc_w.data(), s.fc_b = lw.mlp_fc_b.data(), s.fc2_w = lw.mlp_proj_w.data();
-        continue;
-      }
-      s.owned_qkv_w.resize(size_t(C * 3 * W));
-      s.owned_qkv_b.resize(size_t(3 * W));
-      for (int64_t part = 0; part < 3; ++part) {  // q, k, v: the rank's heads of each
-        for (int64_t row = 0; row < C; ++row)
-          std::copy_n(lw.attn_qkv_w.data() + row * 3 * C + part * C + c0, W, s.owned_qkv_w.data() + row * 3 * W + part * W);
-        std::copy_n(lw.attn_qkv_b.data() + part * C + c0, W, s.owned_qkv_b.data() + part * W);
-      }
-      s.owned_proj_w.assign(lw.attn_proj_w.begin() + c0 * C, lw.attn_proj_w.begin() + (c0 + W) * C);
-      s.owned_fc_w.resize(size_t(C * N));
-      for (int64_t row = 0; row < C; ++row)
-        std::copy_n(lw.mlp_fc_w.data() + row * I + i0, N, s.owned_fc_w.data() + row * N);
-      s.owned_fc_b.assign(lw.mlp_fc_b.begin() + i0, lw.mlp_fc_b.begin() + i1);
-      s.owned_fc2_w.assign(lw.mlp_proj_w.begin() + i0 * C, lw.mlp_proj_w.begin() + i1 * C);
-      s.qkv_w = s.owned_qkv_w.data(), s.qkv_b = s.owned_qkv_b.data(), s.proj_w = s.owned_proj_w.data();
-      s.fc_w = s.owned_fc_w.data(), s.fc_b = s.owned_fc_b.data(), s.fc2_w = s.owned_fc2_w.data();
+      const LayerWeights& m = tp == 1 ? lw : (s.owned = shard_layer(lw, c, part));
+      s.qkv_w = m.attn_qkv_w.data(), s.qkv_b = m.attn_qkv_b.data(), s.proj_w = m.attn_proj_w.data();
+      s.fc_w = m.mlp_fc_w.data(), s.fc_b = m.mlp_fc_b.data(), s.fc2_w = m.mlp_proj_w.data();
     }
   }
   if (tp > 1)  // the ranks hold the matrices now; the output biases stay for the all-reduce

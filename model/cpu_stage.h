@@ -12,7 +12,7 @@
 //   middle:       forward(slices, hidden);                             -> next stage
 //   last stage:   forward(slices, hidden); logits(slices, hidden, all_positions, out)
 //
-// Tensor parallel (tp > 1), Megatron style over `tp` threads (model/tp_group.h): each rank
+// Tensor parallel (tp > 1), Megatron style over `tp` threads (common/tp_group.h): each rank
 // holds a slice of every layer, QKV and FC1 split by columns (whole attention heads and
 // FC1 units, as evenly as they divide; a rank may get none when there are fewer heads than
 // ranks), the attention and MLP output projections split by the matching rows, its heads'
@@ -29,7 +29,7 @@
 #include <vector>
 
 #include "common/status.h"
-#include "model/tp_group.h"
+#include "common/tp_group.h"
 #include "model/weights.h"
 
 namespace conveyor {
@@ -93,11 +93,11 @@ class CpuStage {
   };
   // One rank's slice of a layer: QKV columns [C, 3 Cr] (q | k | v of its heads), the
   // attention projection's rows [Cr, C], FC1 columns [C, Ir] and FC2 rows [Ir, C]. With
-  // tp = 1 the pointers are the layer's own matrices; otherwise into `owned`.
+  // tp = 1 the pointers are the layer's own matrices; otherwise into `owned` (shard_layer).
   struct ShardLayer {
     const float *qkv_w = nullptr, *qkv_b = nullptr, *proj_w = nullptr, *fc_w = nullptr, *fc_b = nullptr,
                 *fc2_w = nullptr;
-    std::vector<float> owned_qkv_w, owned_qkv_b, owned_proj_w, owned_fc_w, owned_fc_b, owned_fc2_w;
+    LayerWeights owned;
   };
   struct Shard {
     int64_t heads = 0, width = 0, inner = 0;  // its heads, their width (heads x head_dim), its FC1 units

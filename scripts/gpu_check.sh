@@ -11,7 +11,11 @@
 #   scripts/gpu_check.sh --bundle BUNDLE           unpack BUNDLE and run from it
 #
 # Environment: OUT (logs go to $OUT, else /tmp/gpu_check), CHECK_PEER=0 skips the PyTorch
-# peer, BENCH_ARGS / PEER_ARGS override the benchmark arguments.
+# peer, CHECK_BENCH=0 the decode benchmark, CHECK_KERNELS=0 the per-kernel profile,
+# CHECK_CLUSTER=0 the local cluster, CHECK_TP=0 the tensor-parallel part (the all-reduce and
+# TpStage tests everywhere; with two GPUs or more also the all-reduce table and the decode
+# benchmark at tp 1 and 2), BENCH_ARGS / PEER_ARGS / TP_BENCH_ARGS override the benchmark
+# arguments.
 set -u
 set -o pipefail
 
@@ -22,7 +26,7 @@ if [[ "${1:-}" == "--pack" ]]; then
   build="$2"; bundle="$3"
   stage="$(mktemp -d)"
   for p in tests/test_cuda_ops tests/test_gpu_stage tests/test_gpu_hf_conformance tests/test_gpu_stage_backend \
-           tests/test_custom_all_reduce tests/test_tp_all_reduce bin/conveyor-bench-all-reduce \
+           tests/test_custom_all_reduce tests/test_tp_all_reduce tests/test_tp_stage bin/conveyor-bench-all-reduce \
            bin/conveyor-bench-gpu-decode bin/conveyor-bench-gpu-kernels bin/conveyor-bench-cluster \
            bin/conveyor bin/conveyor-coordinator bin/conveyor-worker; do
     strip -o "$stage/$(basename "$p")" "$build/$p" || exit 1
@@ -80,11 +84,33 @@ echo "== HF conformance on the GPU"; run_tests test_gpu_hf_conformance "$tests/t
 echo "== the worker's GPU backend"; run_tests test_gpu_stage_backend "$tests/test_gpu_stage_backend"
 grep -E '^\[(fixture|note)\]' "$out/test_gpu_hf_conformance.log" | head -40
 
-echo "== decode benchmark"
-bench_args=${BENCH_ARGS:-"--shapes gpt2-xl,gpt3-6.7b --batches 1,8,32,128 --prompts 128,1024 --new-tokens 128"}
-# shellcheck disable=SC2086
-timeout 330 "$bins/conveyor-bench-gpu-decode" $bench_args --csv "$out/bench.csv" 2>&1 | tee "$out/bench.log"
-summary+=("bench: rc=$?")
+if [[ "${CHECK_TP:-1}" != "0" ]]; then
+  echo "== tensor parallel: all-reduce and TpStage tests"
+  run_tests test_custom_all_reduce "$tests/test_custom_all_reduce"
+  run_tests test_tp_all_reduce "$tests/test_tp_all_reduce"
+  run_tests test_tp_stage "$tests/test_tp_stage"
+  if [[ $(nvidia-smi -L | wc -l) -ge 2 ]]; then
+    echo "== all-reduce: custom vs NCCL (fp16)"
+    timeout 120 "$bins/conveyor-bench-all-reduce" 2>&1 | tee "$out/all_reduce.log"
+    summary+=("bench-all-reduce: rc=$?")
+    tp_args=${TP_BENCH_ARGS:-"--shapes gpt3-6.7b,gpt3-13b --batches 1,32 --prompts 128 --new-tokens 64"}
+    for tp in 1 2; do
+      echo "== decode benchmark, tp $tp"
+      # shellcheck disable=SC2086
+      timeout 240 "$bins/conveyor-bench-gpu-decode" $tp_args --tp "$tp" --csv "$out/bench_tp$tp.csv" 2>&1 |
+        tee "$out/bench_tp$tp.log"
+      summary+=("bench tp $tp: rc=$?")
+    done
+  fi
+fi
+
+if [[ "${CHECK_BENCH:-1}" != "0" ]]; then
+  echo "== decode benchmark"
+  bench_args=${BENCH_ARGS:-"--shapes gpt2-xl,gpt3-6.7b --batches 1,8,32,128 --prompts 128,1024 --new-tokens 128"}
+  # shellcheck disable=SC2086
+  timeout 330 "$bins/conveyor-bench-gpu-decode" $bench_args --csv "$out/bench.csv" 2>&1 | tee "$out/bench.log"
+  summary+=("bench: rc=$?")
+fi
 
 if [[ "${CHECK_CLUSTER:-1}" != "0" ]]; then
   echo "== a local cluster on the GPU, through REST"
@@ -94,10 +120,12 @@ if [[ "${CHECK_CLUSTER:-1}" != "0" ]]; then
   done
 fi
 
-echo "== where a decode step's time goes (batch 1)"
-for shape in gpt2-xl gpt3-6.7b; do
-  timeout 120 "$bins/conveyor-bench-gpu-kernels" --shape "$shape" 2>&1 | sed '/^$/,$d' | tee -a "$out/kernels.log"
-done
+if [[ "${CHECK_KERNELS:-1}" != "0" ]]; then
+  echo "== where a decode step's time goes (batch 1)"
+  for shape in gpt2-xl gpt3-6.7b; do
+    timeout 120 "$bins/conveyor-bench-gpu-kernels" --shape "$shape" 2>&1 | sed '/^$/,$d' | tee -a "$out/kernels.log"
+  done
+fi
 
 if [[ "${CHECK_PEER:-1}" != "0" ]] && python3 -c 'import torch; assert torch.cuda.is_available()' 2>/dev/null; then
   echo "== PyTorch peer (torch.compile reduce-overhead)"

@@ -40,14 +40,18 @@ std::string host_name() {
 // The coordinator checks a stage's size against it before it gives this worker more layers.
 int64_t memory_bytes(const WorkerOptions& opt) {
 #ifdef CONVEYOR_HAVE_CUDA
-  if (opt.backend == "cuda") {
-    try {
-      cuda::DeviceGuard on(opt.device);
-      return int64_t(cuda::device_memory_info().second);
-    } catch (const std::exception& e) {
-      spdlog::warn("{}: cannot read the memory of GPU {}: {}", opt.name, opt.device, e.what());
-      return 0;
+  if (opt.backend == "cuda") {  // a tensor-parallel stage spreads its weights over all its GPUs
+    int64_t total = 0;
+    for (int gpu : opt.gpus) {
+      try {
+        cuda::DeviceGuard on(gpu);
+        total += int64_t(cuda::device_memory_info().second);
+      } catch (const std::exception& e) {
+        spdlog::warn("{}: cannot read the memory of GPU {}: {}", opt.name, gpu, e.what());
+        return 0;
+      }
     }
+    return total;
   }
 #else
   (void)opt;
@@ -145,7 +149,7 @@ struct Worker::Impl {
 
   void send_register() {
     json body = {{"name", opt.name}, {"host", host}, {"pid", ::getpid()}, {"token", opt.join_token},
-                 {"backend", opt.backend}, {"tensor_parallel", opt.tensor_parallel}, {"gpus", opt.backend == "cuda" ? json::array({opt.device}) : json::array()},
+                 {"backend", opt.backend}, {"tensor_parallel", opt.tensor_parallel}, {"gpus", opt.backend == "cuda" ? json(opt.gpus) : json::array()},
                  {"memory_bytes", memory_bytes(opt)},
                  {"kv_cache_bytes", opt.kv_cache_bytes}};
     {
@@ -251,7 +255,7 @@ struct Worker::Impl {
     o.name = opt.name + " stage " + std::to_string(a.stage) + " (layers " + std::to_string(a.layer_begin) + ".." +
              std::to_string(a.layer_end) + ")";
     o.kv_cache_fraction = opt.gpu_memory_fraction;
-    auto b = cuda::GpuStageBackend::create(weights, opt.device, o);
+    auto b = cuda::GpuStageBackend::create(weights, opt.gpus, o);
     if (!b) return b.status();
     return std::unique_ptr<StageBackend>(std::move(b).value());
 #else

@@ -22,6 +22,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "common/status.h"
 
@@ -34,8 +35,8 @@ struct WorkerOptions {
   std::string curve_server_key;        // the coordinator's CURVE public key, when it uses CURVE
   int64_t kv_cache_bytes = 512ll << 20;  // KV-cache budget of this worker's stage (CPU backend)
   std::string backend = "cpu";           // cpu | cuda
-  int tensor_parallel = 1;               // cpu: the stage's layers run over this many threads
-  int device = 0;                        // cuda: the GPU this worker's stage runs on
+  int tensor_parallel = 1;               // the stage's layers run over this many threads (cpu) or GPUs (cuda)
+  std::vector<int> gpus = {0};           // cuda: the GPUs of the stage, in rank order (tensor_parallel of them)
   std::string dtype = "f16";             // cuda: f16 | bf16
   double gpu_memory_fraction = 0.9;      // cuda: of the memory left after weights, for the K/V cache
   std::chrono::milliseconds heartbeat_interval{500};

@@ -26,7 +26,13 @@ int main(int argc, char** argv) {
   app.add_option("--curve-server-key", opt.curve_server_key, "the coordinator's CURVE public key (Z85)");
   app.add_option("--kv-cache-mb", kv_mb, "KV-cache budget of this worker's stage, MiB")->check(CLI::Range(1, 1 << 24));
   app.add_option("--backend", opt.backend, "where the stage runs: cpu or cuda")->check(CLI::IsMember({"cpu", "cuda"}));
-  app.add_option("--device", opt.device, "cuda: the GPU to use")->check(CLI::NonNegativeNumber);
+  int device = 0;
+  std::vector<int> gpus;
+  app.add_option("--device", device, "cuda: the stage's first GPU (with --tp N: GPUs device .. device+N-1)")
+      ->check(CLI::NonNegativeNumber);
+  app.add_option("--gpus", gpus, "cuda: the stage's GPUs, tensor parallel over them (e.g. 0,1,2,3)")
+      ->delimiter(',')
+      ->check(CLI::NonNegativeNumber);
   app.add_option("--dtype", opt.dtype, "cuda: f16 or bf16")->check(CLI::IsMember({"f16", "bf16"}));
   app.add_option("--gpu-memory-fraction", opt.gpu_memory_fraction,
                  "cuda: share of the GPU memory left after the weights that the K/V cache takes")
@@ -34,14 +40,28 @@ int main(int argc, char** argv) {
   app.add_option("--heartbeat-ms", heartbeat_ms, "heartbeat period")->check(CLI::Range(10, 60000));
   app.add_option("--coordinator-liveness-ms", liveness_ms, "register again after this much silence")
       ->check(CLI::Range(100, 600000));
-  app.add_option("--tp", opt.tensor_parallel, "cpu: tensor-parallel threads for the stage's layers")
+  app.add_option("--tp", opt.tensor_parallel, "tensor-parallel ranks of the stage: threads (cpu) or GPUs (cuda)")
       ->check(CLI::Range(1, 256));
   int64_t drain_ms = opt.drain_timeout.count();
   app.add_option("--drain-timeout-ms", drain_ms, "on SIGTERM, how long to wait for the stage to be taken over")
       ->check(CLI::Range(0, 3600000));
   CLI11_PARSE(app, argc, argv);
-  if (opt.tensor_parallel > 1 && opt.backend != "cpu") {
-    std::cerr << "conveyor-worker: --tp is implemented for the cpu backend only; the CUDA stage runs on one GPU\n";
+  if (opt.backend == "cuda") {
+    if (gpus.empty()) {
+      gpus.clear();
+      for (int r = 0; r < opt.tensor_parallel; ++r) gpus.push_back(device + r);
+    } else if (opt.tensor_parallel > 1 && opt.tensor_parallel != int(gpus.size())) {
+      std::cerr << "conveyor-worker: --tp " << opt.tensor_parallel << " but --gpus names " << gpus.size() << " GPUs\n";
+      return 2;
+    }
+    if (gpus.size() > 8) {
+      std::cerr << "conveyor-worker: a stage runs tensor parallel over at most 8 GPUs; --gpus names " << gpus.size() << "\n";
+      return 2;
+    }
+    opt.gpus = gpus;
+    opt.tensor_parallel = int(gpus.size());
+  } else if (!gpus.empty()) {
+    std::cerr << "conveyor-worker: --gpus is for --backend cuda\n";
     return 2;
   }
   spdlog::set_default_logger(spdlog::stderr_color_mt("worker"));

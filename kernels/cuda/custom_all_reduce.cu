@@ -2,18 +2,26 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <set>
 #include <string>
+#include <utility>
+
+#include "kernels/cuda/dtype.cuh"
 
 namespace conveyor::cuda {
 namespace {
 
+using detail::from_float;
+using detail::pack8;
+using detail::unpack8;
+
 constexpr int kMaxRanks = 8;
 constexpr int kMaxBlocks = 64;
 constexpr int kThreads = 512;
-constexpr int64_t kUnit = 8;  // halves per 16-byte unit
+constexpr int64_t kUnit = 8;  // elements (fp16 or bf16) per 16-byte unit
 
 struct Peers {
-  __half* buf[kMaxRanks];      // every rank's staging buffer
+  uint4* buf[kMaxRanks];       // every rank's staging buffer (this call's half)
   uint32_t* flags[kMaxRanks];  // every rank's flags
 };
 
@@ -41,40 +49,38 @@ __device__ void barrier(const Peers& peers, int rank, int ranks, uint32_t value)
   __syncthreads();
 }
 
-// Unit u of a message of n halves: a 16-byte load when it is whole and aligned, else per
+// Unit u of a message of n elements: a 16-byte load when it is whole and aligned, else per
 // element with zeros past the end.
-__device__ __forceinline__ uint4 load_unit(const __half* data, int64_t u, int64_t n, bool aligned) {
+template <class T>
+__device__ __forceinline__ uint4 load_unit(const T* data, int64_t u, int64_t n, bool aligned) {
   if (aligned && (u + 1) * kUnit <= n) return reinterpret_cast<const uint4*>(data)[u];
-  __align__(16) __half h[kUnit];
-  for (int i = 0; i < kUnit; ++i) h[i] = u * kUnit + i < n ? data[u * kUnit + i] : __float2half(0.0f);
+  __align__(16) T h[kUnit];
+  for (int i = 0; i < kUnit; ++i) h[i] = u * kUnit + i < n ? data[u * kUnit + i] : from_float<T>(0.0f);
   return *reinterpret_cast<const uint4*>(h);
 }
-__device__ __forceinline__ void store_unit(__half* data, int64_t u, int64_t n, bool aligned, uint4 v) {
+template <class T>
+__device__ __forceinline__ void store_unit(T* data, int64_t u, int64_t n, bool aligned, uint4 v) {
   if (aligned && (u + 1) * kUnit <= n) {
     reinterpret_cast<uint4*>(data)[u] = v;
     return;
   }
-  const __half* h = reinterpret_cast<const __half*>(&v);
+  const T* h = reinterpret_cast<const T*>(&v);
   for (int i = 0; i < kUnit; ++i)
     if (u * kUnit + i < n) data[u * kUnit + i] = h[i];
 }
 
-// The sum over ranks 0..R-1, in that order, of unit u of every staging buffer.
+// The sum over ranks 0..R-1, in that order, of unit u of every staging buffer, in fp32,
+// rounded to T once.
+template <class T>
 __device__ __forceinline__ uint4 sum_unit(const Peers& peers, int ranks, int64_t u) {
   float acc[kUnit] = {};
   for (int p = 0; p < ranks; ++p) {
-    const uint4 raw = reinterpret_cast<const uint4*>(peers.buf[p])[u];
-    const __half2* h = reinterpret_cast<const __half2*>(&raw);
-    for (int i = 0; i < kUnit / 2; ++i) {
-      const float2 f = __half22float2(h[i]);
-      acc[2 * i] += f.x;
-      acc[2 * i + 1] += f.y;
-    }
+    float f[kUnit];
+    unpack8<T>(peers.buf[p][u], f);
+#pragma unroll
+    for (int i = 0; i < kUnit; ++i) acc[i] += f[i];
   }
-  uint4 out;
-  __half2* o = reinterpret_cast<__half2*>(&out);
-  for (int i = 0; i < kUnit / 2; ++i) o[i] = __floats2half2_rn(acc[2 * i], acc[2 * i + 1]);
-  return out;
+  return pack8<T>(acc);
 }
 
 // state[0]: calls this rank has finished; state[1]: blocks of the running call finished.
@@ -82,8 +88,8 @@ __device__ __forceinline__ uint4 sum_unit(const Peers& peers, int ranks, int64_t
 // before a rank writes half c % 2 again (call c + 2), every peer has started call c + 1
 // (its block met ours at that call's barrier), so its call c, and every read of ours in it,
 // is over.
-template <bool kTwoShot>
-__global__ void __launch_bounds__(kThreads) all_reduce_kernel(Peers peers, __half* data, int64_t n, int rank, int ranks,
+template <class T, bool kTwoShot>
+__global__ void __launch_bounds__(kThreads) all_reduce_kernel(Peers peers, T* data, int64_t n, int rank, int ranks,
                                                               bool aligned, uint32_t* state, int64_t half_units) {
   const int64_t units = (n + kUnit - 1) / kUnit;
   const int64_t begin = units * blockIdx.x / gridDim.x, end = units * (blockIdx.x + 1) / gridDim.x;
@@ -93,20 +99,20 @@ __global__ void __launch_bounds__(kThreads) all_reduce_kernel(Peers peers, __hal
   const uint32_t base = call * 2;  // this call's barrier values: base + 1 (and base + 2 for two-shot)
   const int64_t offset = (call & 1) * half_units;
   Peers half = peers;
-  for (int p = 0; p < ranks; ++p) half.buf[p] = peers.buf[p] + offset * kUnit;
-  uint4* mine = reinterpret_cast<uint4*>(half.buf[rank]);
+  for (int p = 0; p < ranks; ++p) half.buf[p] = peers.buf[p] + offset;
+  uint4* mine = half.buf[rank];
   for (int64_t u = begin + threadIdx.x; u < end; u += blockDim.x) mine[u] = load_unit(data, u, n, aligned);
   barrier(half, rank, ranks, base + 1);
   if constexpr (!kTwoShot) {
-    for (int64_t u = begin + threadIdx.x; u < end; u += blockDim.x) store_unit(data, u, n, aligned, sum_unit(half, ranks, u));
+    for (int64_t u = begin + threadIdx.x; u < end; u += blockDim.x) store_unit(data, u, n, aligned, sum_unit<T>(half, ranks, u));
   } else {
     const int64_t len = end - begin;
     const int64_t pb = begin + len * rank / ranks, pe = begin + len * (rank + 1) / ranks;
-    for (int64_t u = pb + threadIdx.x; u < pe; u += blockDim.x) mine[u] = sum_unit(half, ranks, u);  // reduce-scatter
+    for (int64_t u = pb + threadIdx.x; u < pe; u += blockDim.x) mine[u] = sum_unit<T>(half, ranks, u);  // reduce-scatter
     barrier(half, rank, ranks, base + 2);
     for (int q = 0; q < ranks; ++q) {  // all-gather: part q as rank q reduced it
       const int64_t qb = begin + len * q / ranks, qe = begin + len * (q + 1) / ranks;
-      const uint4* theirs = reinterpret_cast<const uint4*>(half.buf[q]);
+      const uint4* theirs = half.buf[q];
       for (int64_t u = qb + threadIdx.x; u < qe; u += blockDim.x) store_unit(data, u, n, aligned, theirs[u]);
     }
   }
@@ -131,25 +137,27 @@ Expected<std::unique_ptr<CustomAllReduce>> CustomAllReduce::create(const std::ve
   try {
     for (int a = 0; a < R; ++a)
       for (int b = 0; b < R; ++b) {
-        if (a == b) continue;
+        if (devices[size_t(a)] == devices[size_t(b)]) continue;  // ranks sharing a GPU
         int can = 0;
         CUDA_CHECK(cudaDeviceCanAccessPeer(&can, devices[size_t(a)], devices[size_t(b)]));
         if (!can)
           return Status::error("custom all-reduce: GPU " + std::to_string(devices[size_t(a)]) + " cannot access GPU " +
                                std::to_string(devices[size_t(b)]) + "'s memory (no peer access: use NCCL)");
       }
+    std::set<std::pair<int, int>> enabled;
     for (int r = 0; r < R; ++r) {
       DeviceGuard on(devices[size_t(r)]);
       for (int p = 0; p < R; ++p) {
-        if (p == r) continue;
-        const cudaError_t e = cudaDeviceEnablePeerAccess(devices[size_t(p)], 0);
+        const int from = devices[size_t(r)], to = devices[size_t(p)];
+        if (from == to || !enabled.insert({from, to}).second) continue;
+        const cudaError_t e = cudaDeviceEnablePeerAccess(to, 0);
         if (e == cudaErrorPeerAccessAlreadyEnabled) (void)cudaGetLastError();
         else CUDA_CHECK(e);
       }
       DeviceBuffer mem = device_alloc(buf_bytes + flag_bytes + counter_bytes, "custom all-reduce",
                                       "staging buffer and flags on GPU " + std::to_string(devices[size_t(r)]));
       CUDA_CHECK(cudaMemset(mem.as<char>() + buf_bytes, 0, flag_bytes + counter_bytes));
-      ar->buffers_.push_back(mem.as<__half>());
+      ar->buffers_.push_back(mem.as<uint4>());
       ar->flags_.push_back(reinterpret_cast<uint32_t*>(mem.as<char>() + buf_bytes));
       ar->counters_.push_back(reinterpret_cast<uint32_t*>(mem.as<char>() + buf_bytes + flag_bytes));
       ar->memory_.push_back(std::move(mem));
@@ -171,33 +179,38 @@ CustomAllReduce::~CustomAllReduce() {
   }
 }
 
-Status CustomAllReduce::all_reduce(int rank, __half* data, size_t count, cudaStream_t stream, Algo algo) {
+template <class T>
+Status CustomAllReduce::all_reduce(int rank, T* data, size_t count, cudaStream_t stream, Algo algo) {
   const int R = ranks();
   if (rank < 0 || rank >= R) return Status::error("custom all-reduce: rank " + std::to_string(rank) + " of " + std::to_string(R));
-  if (count * sizeof(__half) > max_bytes_)
-    return Status::error("custom all-reduce: " + std::to_string(count * sizeof(__half)) + " bytes exceed the buffers' " +
+  if (count * sizeof(T) > max_bytes_)
+    return Status::error("custom all-reduce: " + std::to_string(count * sizeof(T)) + " bytes exceed the buffers' " +
                          std::to_string(max_bytes_));
   if (count == 0) return ok_status();
   Peers peers{};
   for (int p = 0; p < R; ++p) peers.buf[p] = buffers_[size_t(p)], peers.flags[p] = flags_[size_t(p)];
   const bool two_shot =
-      algo == Algo::TwoShot || (algo == Algo::Auto && R > 2 && count * sizeof(__half) > kOneShotMaxBytes);
+      algo == Algo::TwoShot || (algo == Algo::Auto && R > 2 && count * sizeof(T) > kOneShotMaxBytes);
   const int64_t units = int64_t((count + kUnit - 1) / kUnit);
   // Enough blocks to keep the GPU's memory system busy, few enough to be co-resident (a
-  // block waits for the same block on the peers). The same on every rank for a count.
+  // block waits for the same block on the peers; ranks sharing a GPU need room for all of
+  // theirs). The same on every rank for a count.
   const int blocks = int(std::min<int64_t>(kMaxBlocks, std::max<int64_t>(1, units / (two_shot ? 1024 : 256))));
   const bool aligned = reinterpret_cast<uintptr_t>(data) % 16 == 0;
   const int64_t half_units = int64_t((max_bytes_ + 15) / 16);
   DeviceGuard on(devices_[size_t(rank)]);
   if (two_shot)
-    all_reduce_kernel<true><<<blocks, kThreads, 0, stream>>>(peers, data, int64_t(count), rank, R, aligned,
-                                                             counters_[size_t(rank)], half_units);
+    all_reduce_kernel<T, true><<<blocks, kThreads, 0, stream>>>(peers, data, int64_t(count), rank, R, aligned,
+                                                                counters_[size_t(rank)], half_units);
   else
-    all_reduce_kernel<false><<<blocks, kThreads, 0, stream>>>(peers, data, int64_t(count), rank, R, aligned,
-                                                              counters_[size_t(rank)], half_units);
+    all_reduce_kernel<T, false><<<blocks, kThreads, 0, stream>>>(peers, data, int64_t(count), rank, R, aligned,
+                                                                 counters_[size_t(rank)], half_units);
   const cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess) return Status::error(std::string("custom all-reduce: launch: ") + cudaGetErrorString(e));
   return ok_status();
 }
+
+template Status CustomAllReduce::all_reduce<__half>(int, __half*, size_t, cudaStream_t, Algo);
+template Status CustomAllReduce::all_reduce<__nv_bfloat16>(int, __nv_bfloat16*, size_t, cudaStream_t, Algo);
 
 }  // namespace conveyor::cuda

@@ -1,4 +1,4 @@
-// CustomAllReduce: an in-place fp16 sum all-reduce over the GPUs of one process, for the
+// CustomAllReduce: an in-place fp16 or bf16 sum all-reduce over the GPUs of one process, for the
 // decode regime where NCCL is latency-bound (two all-reduces per layer of a few KiB to a
 // few MiB each).
 //
@@ -21,6 +21,10 @@
 // advances, so a call captured in a CUDA graph is correct on every replay. Sums are taken
 // in fp32 and rounded to fp16 once.
 //
+// Ranks may share a GPU (a tensor-parallel stage tested on a one-GPU machine): their
+// buffers are then plain device memory of that GPU, and their kernels run side by side on
+// it (at most kMaxBlocks blocks each, so all of them fit at once).
+//
 // Every rank must make the same sequence of calls with the same counts (as with NCCL), and
 // a rank's calls must be ordered on the GPU (one stream, or streams that wait on each other).
 // Ranks are driven from one thread or one thread each; a call only launches a kernel.
@@ -31,6 +35,7 @@
 #include <memory>
 #include <vector>
 
+#include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
@@ -43,7 +48,7 @@ class CustomAllReduce {
  public:
   enum class Algo { Auto, OneShot, TwoShot };
 
-  // Enables peer access between `devices` (2 to 8 GPUs, each able to reach every other)
+  // Enables peer access between `devices` (2 to 8 ranks' GPUs, each able to reach every other)
   // and allocates on each a staging buffer of `max_bytes` and the flags. Errors name the
   // pair without peer access or the failed call.
   static Expected<std::unique_ptr<CustomAllReduce>> create(const std::vector<int>& devices, size_t max_bytes);
@@ -60,9 +65,11 @@ class CustomAllReduce {
   // docs/PERFORMANCE.md): a caller hands larger messages to NCCL.
   static constexpr size_t kNcclCrossoverBytes = size_t(16) << 20;
 
-  // Rank `rank`'s part of a call: sums `count` halves at `data` (on the rank's device) over
-  // all ranks, in place, on `stream` (of that device). count * 2 <= max_bytes. Capturable.
-  Status all_reduce(int rank, __half* data, size_t count, cudaStream_t stream, Algo algo = Algo::Auto);
+  // Rank `rank`'s part of a call: sums `count` elements at `data` (on the rank's device) over
+  // all ranks, in place, on `stream` (of that device). count * sizeof(T) <= max_bytes.
+  // T: __half or __nv_bfloat16 (sums in fp32, rounded once). Capturable.
+  template <class T>
+  Status all_reduce(int rank, T* data, size_t count, cudaStream_t stream, Algo algo = Algo::Auto);
 
  private:
   CustomAllReduce() = default;
@@ -70,7 +77,7 @@ class CustomAllReduce {
   std::vector<int> devices_;
   size_t max_bytes_ = 0;
   std::vector<DeviceBuffer> memory_;  // per rank, on its device: staging buffer, flags, counters
-  std::vector<__half*> buffers_;      // per rank: staging buffer, two halves of max_bytes (rounded up to 16)
+  std::vector<uint4*> buffers_;       // per rank: staging buffer, two halves of max_bytes (rounded up to 16)
   std::vector<uint32_t*> flags_;      // per rank: [kMaxBlocks][kMaxRanks] barrier flags
   std::vector<uint32_t*> counters_;   // per rank: calls finished, blocks of the running call finished
 };

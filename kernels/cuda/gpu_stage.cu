@@ -58,6 +58,16 @@ GpuStage::GpuStage(const ModelConfig& config, int64_t layer_begin, int64_t layer
     throw Error(n + ": kv_cache_fraction must be in (0, 1]");
   if (config_.n_embd % 8 != 0)
     throw Error(n + ": n_embd must be a multiple of 8 on the GPU (got " + std::to_string(config_.n_embd) + ")");
+  const int R = options_.tp_ranks;
+  if (R < 1 || R > config_.n_head || R > config_.n_inner || options_.tp_rank < 0 || options_.tp_rank >= R)
+    throw Error(n + ": tensor-parallel rank " + std::to_string(options_.tp_rank) + " of " + std::to_string(R) +
+                " (ranks must be from 1 to the model's " + std::to_string(config_.n_head) + " heads)");
+  if (R > 1 && (options_.all_reduce == nullptr || options_.all_reduce->ranks() != R))
+    throw Error(n + ": a tensor-parallel stage needs an all-reduce over its " + std::to_string(R) + " ranks");
+  shard_ = TpShard::of(config_, options_.tp_rank, R);
+  heads_ = shard_.heads();
+  width_ = heads_ * config_.head_dim();
+  inner_ = shard_.inner();
 
   CUDA_CHECK(cudaGetDevice(&device_));
   CUDA_CHECK(cudaDeviceGetAttribute(&num_sms_, cudaDevAttrMultiProcessorCount, device_));
@@ -66,8 +76,13 @@ GpuStage::GpuStage(const ModelConfig& config, int64_t layer_begin, int64_t layer
 
   const int64_t largest_bucket = options_.max_seqs <= kMaxGraphRows ? bucket_for(options_.max_seqs) : 0;
   max_pages_ = (config_.n_positions + kPageTokens - 1) / kPageTokens;
-  max_rows_ = std::max({options_.max_tokens, options_.max_seqs, largest_bucket});
+  max_rows_ = activation_rows(options_);
   max_step_seqs_ = std::max(options_.max_seqs, largest_bucket);
+}
+
+int64_t GpuStage::activation_rows(const GpuStageOptions& o) {
+  const int64_t largest_bucket = o.max_seqs <= kMaxGraphRows ? bucket_for(o.max_seqs) : 0;
+  return std::max({o.max_tokens, o.max_seqs, largest_bucket});
 }
 
 GpuStage::~GpuStage() {
@@ -103,7 +118,7 @@ std::unique_ptr<GpuStage> GpuStage::create_synthetic(const ModelConfig& config, 
 // ---- memory ----
 
 void GpuStage::allocate_weights() {
-  const int64_t C = config_.n_embd, I = config_.n_inner, V = config_.vocab_size, P = config_.n_positions;
+  const int64_t C = config_.n_embd, W = width_, I = inner_, V = config_.vocab_size, P = config_.n_positions;
   const int64_t e = int64_t(dtype_bytes(options_.dtype));
   const int64_t L = layer_end_ - layer_begin_;
   // Offsets first (elements -> bytes, each aligned), then one allocation.
@@ -120,7 +135,7 @@ void GpuStage::allocate_weights() {
   int64_t layer_bytes = 0;
   for (int64_t l = 0; l < L; ++l) {
     const int64_t before = bytes;
-    const int64_t sizes[12] = {C, C, 3 * C * C, 3 * C, C * C, C, C, C, I * C, I, C * I, C};
+    const int64_t sizes[12] = {C, C, 3 * W * C, 3 * W, C * W, C, C, C, I * C, I, C * I, C};
     for (int i = 0; i < 12; ++i) lo[size_t(l)].v[i] = take(sizes[i]);
     layer_bytes += bytes - before;
   }
@@ -129,7 +144,7 @@ void GpuStage::allocate_weights() {
     wte = take(V * C);
     wpe = take(P * C);
   }
-  if (has_head()) {
+  if (holds_head()) {
     lnf_g = take(C);
     lnf_b = take(C);
     if (!(has_embedding() && config_.tie_word_embeddings)) head = take(V * C);
@@ -145,27 +160,27 @@ void GpuStage::allocate_weights() {
   }
   if (wte >= 0) wte_ = base + wte, wpe_ = base + wpe;
   if (lnf_g >= 0) lnf_g_ = base + lnf_g, lnf_b_ = base + lnf_b;
-  if (has_head()) head_ = head >= 0 ? base + head : wte_;
+  if (holds_head()) head_ = head >= 0 ? base + head : wte_;
   weight_bytes_ = bytes;
-  decode_weight_bytes_ = layer_bytes + (has_head() ? (V * C + 2 * C) * e : 0);
+  decode_weight_bytes_ = layer_bytes + (holds_head() ? (V * C + 2 * C) * e : 0);
 }
 
 void GpuStage::allocate_runtime() {
   const std::string& n = options_.name;
-  const int64_t C = config_.n_embd, I = config_.n_inner, V = config_.vocab_size, H = config_.n_head;
+  const int64_t C = config_.n_embd, W = width_, I = inner_, V = config_.vocab_size, H = heads_;
   const int64_t D = config_.head_dim();
   const size_t e = dtype_bytes(options_.dtype);
   const size_t R = size_t(max_rows_);
   hidden_ = device_alloc(R * C * e, n, "activations (hidden)");
   ln_ = device_alloc(R * C * e, n, "activations (layernorm)");
-  qkv_ = device_alloc(R * 3 * C * e, n, "activations (qkv)");
-  attn_ = device_alloc(R * C * e, n, "activations (attention)");
+  qkv_ = device_alloc(R * 3 * W * e, n, "activations (qkv)");
+  attn_ = device_alloc(R * W * e, n, "activations (attention)");
   proj_ = device_alloc(R * C * e, n, "activations (projection)");
   fc_ = device_alloc(R * I * e, n, "activations (mlp)");
   staging_f32_ = device_alloc(R * C * sizeof(float), n, "fp32 staging");
   for (DeviceBuffer* b : {&hidden_, &ln_, &qkv_, &attn_, &proj_, &fc_})
     CUDA_CHECK(cudaMemsetAsync(b->get(), 0, b->bytes(), stream_));
-  if (has_head()) {
+  if (holds_head()) {
     logits_rows_ = max_step_seqs_;
     head_in_ = device_alloc(size_t(logits_rows_ * C) * e, n, "LM head input");
     logits_ = device_alloc(size_t(logits_rows_ * V) * sizeof(float), n, "logits");
@@ -209,11 +224,22 @@ void GpuStage::allocate_runtime() {
 }
 
 int GpuStage::decode_splits(int64_t rows) const {
-  return decode_splits_for(rows, config_.n_head, config_.n_positions, num_sms_);
+  return decode_splits_for(rows, heads_, config_.n_positions, num_sms_);
 }
 
 int64_t GpuStage::kv_bytes_per_token() const {
-  return (layer_end_ - layer_begin_) * 2 * config_.n_embd * int64_t(dtype_bytes(options_.dtype));
+  return (layer_end_ - layer_begin_) * 2 * width_ * int64_t(dtype_bytes(options_.dtype));
+}
+
+void GpuStage::shrink_kv_cache(int64_t pages) {
+  DeviceGuard guard(device_);
+  if (!kv_ || pages == kv_->num_pages()) return;
+  if (pages < 1 || pages > kv_->num_pages() || kv_->num_sequences() > 0)
+    throw Error(options_.name + ": cannot shrink a K/V cache of " + std::to_string(kv_->num_pages()) + " pages to " +
+                std::to_string(pages));
+  kv_.reset();
+  kv_ = std::make_unique<KvCache>(options_.name, layer_end_ - layer_begin_, heads_, config_.head_dim(), options_.dtype,
+                                  pages);
 }
 
 std::string GpuStage::memory_report() const {
@@ -222,7 +248,9 @@ std::string GpuStage::memory_report() const {
                               head_in_.bytes() + logits_.bytes() + staging_f32_.bytes());
   const int64_t ws = int64_t(Gemm::kWorkspaceBytes + decode_partial_.bytes() + decode_counters_.bytes() + meta_dev_.bytes()) +
                      (sampler_ ? sampler_->device_bytes() : 0);
-  os << options_.name << " on device " << device_ << ": layers [" << layer_begin_ << ", " << layer_end_ << ") "
+  os << options_.name << " on device " << device_;
+  if (options_.tp_ranks > 1) os << " (tensor-parallel rank " << options_.tp_rank << " of " << options_.tp_ranks << ")";
+  os << ": layers [" << layer_begin_ << ", " << layer_end_ << ") "
      << dtype_name(options_.dtype) << "; weights " << gib(weight_bytes_) << " (a decode step reads "
      << gib(decode_weight_bytes_) << "), activations " << gib(act) << " for " << max_rows_ << " rows, workspaces "
      << gib(ws) << ", K/V cache " << gib(kv_ ? kv_->bytes() : 0) << " = " << (kv_ ? kv_capacity_tokens() : 0)
@@ -234,7 +262,7 @@ std::string GpuStage::memory_report() const {
 
 void GpuStage::upload(const StageWeights& w) {
   DeviceGuard guard(device_);
-  const int64_t C = config_.n_embd, I = config_.n_inner, V = config_.vocab_size, P = config_.n_positions;
+  const int64_t C = config_.n_embd, W = width_, I = inner_, V = config_.vocab_size, P = config_.n_positions;
   const int64_t staging_elems = int64_t(staging_f32_.bytes() / sizeof(float));
   float* staging = staging_f32_.as<float>();
   auto check = [&](const std::vector<float>& v, int64_t expected, const std::string& name) {
@@ -264,28 +292,39 @@ void GpuStage::upload(const StageWeights& w) {
         convert_transpose_from_float<T>(static_cast<T*>(dst) + k0, staging, kc, N, K, stream_);
       }
     };
+    const bool split = options_.tp_ranks > 1;
     for (size_t l = 0; l < layers_.size(); ++l) {
       const LayerWeights& lw = w.layers[l];
       const LayerPtrs& d = layers_[l];
       const std::string h = "h." + std::to_string(layer_begin_ + int64_t(l)) + ".";
+      if (split) {  // the full matrices' sizes first, so a short tensor is named as such
+        check(lw.attn_qkv_w, C * 3 * C, h + "attn.c_attn.weight");
+        check(lw.attn_qkv_b, 3 * C, h + "attn.c_attn.bias");
+        check(lw.attn_proj_w, C * C, h + "attn.c_proj.weight");
+        check(lw.mlp_fc_w, C * config_.n_inner, h + "mlp.c_fc.weight");
+        check(lw.mlp_fc_b, config_.n_inner, h + "mlp.c_fc.bias");
+        check(lw.mlp_proj_w, config_.n_inner * C, h + "mlp.c_proj.weight");
+      }
+      const LayerWeights sliced = split ? shard_layer(lw, config_, shard_) : LayerWeights{};
+      const LayerWeights& m = split ? sliced : lw;  // this rank's matrices
       put(d.ln1_g, lw.ln_1_g, C, h + "ln_1.weight");
       put(d.ln1_b, lw.ln_1_b, C, h + "ln_1.bias");
-      put_t(d.qkv_w, lw.attn_qkv_w, C, 3 * C, h + "attn.c_attn.weight");
-      put(d.qkv_b, lw.attn_qkv_b, 3 * C, h + "attn.c_attn.bias");
-      put_t(d.proj_w, lw.attn_proj_w, C, C, h + "attn.c_proj.weight");
+      put_t(d.qkv_w, m.attn_qkv_w, C, 3 * W, h + "attn.c_attn.weight");
+      put(d.qkv_b, m.attn_qkv_b, 3 * W, h + "attn.c_attn.bias");
+      put_t(d.proj_w, m.attn_proj_w, W, C, h + "attn.c_proj.weight");
       put(d.proj_b, lw.attn_proj_b, C, h + "attn.c_proj.bias");
       put(d.ln2_g, lw.ln_2_g, C, h + "ln_2.weight");
       put(d.ln2_b, lw.ln_2_b, C, h + "ln_2.bias");
-      put_t(d.fc_w, lw.mlp_fc_w, C, I, h + "mlp.c_fc.weight");
-      put(d.fc_b, lw.mlp_fc_b, I, h + "mlp.c_fc.bias");
-      put_t(d.fc2_w, lw.mlp_proj_w, I, C, h + "mlp.c_proj.weight");
+      put_t(d.fc_w, m.mlp_fc_w, C, I, h + "mlp.c_fc.weight");
+      put(d.fc_b, m.mlp_fc_b, I, h + "mlp.c_fc.bias");
+      put_t(d.fc2_w, m.mlp_proj_w, I, C, h + "mlp.c_proj.weight");
       put(d.fc2_b, lw.mlp_proj_b, C, h + "mlp.c_proj.bias");
     }
     if (has_embedding()) {
       put(wte_, w.wte, V * C, "wte");
       put(wpe_, w.wpe, P * C, "wpe");
     }
-    if (has_head()) {
+    if (holds_head()) {
       put(lnf_g_, w.ln_f_g, C, "ln_f.weight");
       put(lnf_b_, w.ln_f_b, C, "ln_f.bias");
       if (head_ != wte_) put(head_, w.head_matrix(), V * C, "lm_head");
@@ -296,7 +335,7 @@ void GpuStage::upload(const StageWeights& w) {
 
 void GpuStage::synthesize(uint64_t seed) {
   DeviceGuard guard(device_);
-  const int64_t C = config_.n_embd, I = config_.n_inner, V = config_.vocab_size, P = config_.n_positions;
+  const int64_t C = config_.n_embd, W = width_, I = inner_, V = config_.vocab_size, P = config_.n_positions;
   uint64_t tensor = 0;
   with_dtype(options_.dtype, [&](auto tag) {
     using T = decltype(tag);
@@ -305,15 +344,15 @@ void GpuStage::synthesize(uint64_t seed) {
     for (auto& d : layers_) {
       tensor = (tensor / 64 + 1) * 64;  // each layer its own range of tensor ids
       ones(d.ln1_g, C), normal(d.ln1_b, C);
-      normal(d.qkv_w, 3 * C * C), normal(d.qkv_b, 3 * C);
-      normal(d.proj_w, C * C), normal(d.proj_b, C);
+      normal(d.qkv_w, 3 * W * C), normal(d.qkv_b, 3 * W);
+      normal(d.proj_w, C * W), normal(d.proj_b, C);
       ones(d.ln2_g, C), normal(d.ln2_b, C);
       normal(d.fc_w, I * C), normal(d.fc_b, I);
       normal(d.fc2_w, C * I), normal(d.fc2_b, C);
     }
     tensor = 1 << 20;
     if (has_embedding()) normal(wte_, V * C), normal(wpe_, P * C);
-    if (has_head()) {
+    if (holds_head()) {
       ones(lnf_g_, C), normal(lnf_b_, C);
       if (head_ != wte_) normal(head_, V * C);
     }
@@ -434,7 +473,7 @@ void GpuStage::embed_impl(const Meta& m, int64_t num_tokens) {
 template <class T>
 void GpuStage::layers_impl(const Meta& m, int64_t num_tokens, int64_t num_seqs, int64_t max_q_len,
                            bool decode_attention, bool fuse_final_ln) {
-  const int64_t C = config_.n_embd, I = config_.n_inner, H = config_.n_head, D = config_.head_dim();
+  const int64_t C = config_.n_embd, W = width_, I = inner_, H = heads_, D = config_.head_dim();
   const float eps = config_.layer_norm_epsilon;
   const GemmAct act = gemm_act(config_.activation);
   T* hidden = hidden_.as<T>();
@@ -446,7 +485,7 @@ void GpuStage::layers_impl(const Meta& m, int64_t num_tokens, int64_t num_seqs, 
   const auto c = [](void* p) { return static_cast<const T*>(p); };
   const int64_t L = int64_t(layers_.size());
   if (L == 0) {
-    if (fuse_final_ln) layernorm_forward<T>(ln, hidden, c(lnf_g_), c(lnf_b_), num_tokens, C, eps, stream_);
+    if (fuse_final_ln && holds_head()) layernorm_forward<T>(ln, hidden, c(lnf_g_), c(lnf_b_), num_tokens, C, eps, stream_);
     return;
   }
   DecodeWorkspace ws;
@@ -460,24 +499,34 @@ void GpuStage::layers_impl(const Meta& m, int64_t num_tokens, int64_t num_seqs, 
   for (int64_t l = 0; l < L; ++l) {
     const LayerPtrs& w = layers_[size_t(l)];
     if (l == 0) layernorm_forward<T>(ln, hidden, c(w.ln1_g), c(w.ln1_b), num_tokens, C, eps, stream_);
-    gemm_->run<T, T>(qkv, ln, c(w.qkv_w), c(w.qkv_b), num_tokens, C, 3 * C, WeightLayout::NK, GemmAct::None, stream_);
+    gemm_->run<T, T>(qkv, ln, c(w.qkv_w), c(w.qkv_b), num_tokens, C, 3 * W, WeightLayout::NK, GemmAct::None, stream_);
     const KvLayerView kv = kv_->layer(l, m.tables, int32_t(max_pages_));
     if (decode_attention) {
       attention_decode_paged<T>(attn, qkv, kv, m.kv_len, num_seqs, H, D, splits, ws, stream_);
     } else {
-      kv_cache_append<T>(kv, qkv, 3 * C, m.token_row, m.pos, num_tokens, H, D, stream_);
+      kv_cache_append<T>(kv, qkv, 3 * W, m.token_row, m.pos, num_tokens, H, D, stream_);
       attention_context_paged<T>(attn, qkv, kv, seqs, max_q_len, H, D, stream_);
     }
-    gemm_->run<T, T>(proj, attn, c(w.proj_w), nullptr, num_tokens, C, C, WeightLayout::NK, GemmAct::None, stream_);
+    gemm_->run<T, T>(proj, attn, c(w.proj_w), nullptr, num_tokens, W, C, WeightLayout::NK, GemmAct::None, stream_);
+    all_reduce<T>(proj, num_tokens);
     add_bias_residual_layernorm<T>(hidden, ln, proj, c(w.proj_b), c(w.ln2_g), c(w.ln2_b), num_tokens, C, eps, stream_);
     gemm_->run<T, T>(fc, ln, c(w.fc_w), c(w.fc_b), num_tokens, C, I, WeightLayout::NK, act, stream_);
     gemm_->run<T, T>(proj, fc, c(w.fc2_w), nullptr, num_tokens, I, C, WeightLayout::NK, GemmAct::None, stream_);
+    all_reduce<T>(proj, num_tokens);
     const T* g = nullptr;
     const T* b = nullptr;
     if (l + 1 < L) g = c(layers_[size_t(l + 1)].ln1_g), b = c(layers_[size_t(l + 1)].ln1_b);
-    else if (fuse_final_ln) g = c(lnf_g_), b = c(lnf_b_);
+    else if (fuse_final_ln && holds_head()) g = c(lnf_g_), b = c(lnf_b_);
     add_bias_residual_layernorm<T>(hidden, g ? ln : nullptr, proj, c(w.fc2_b), g, b, num_tokens, C, eps, stream_);
   }
+}
+
+// The ranks' partial sums [num_tokens, C] of a row-split projection, summed in place.
+template <class T>
+void GpuStage::all_reduce(T* partial, int64_t num_tokens) {
+  if (options_.tp_ranks == 1) return;
+  const Status s = options_.all_reduce->all_reduce(options_.tp_rank, partial, size_t(num_tokens * config_.n_embd), stream_);
+  if (!s) throw Error(options_.name + ": " + s.message());
 }
 
 template <class T>
@@ -490,7 +539,7 @@ template <class T>
 void GpuStage::decode_step_impl(const Meta& m, int64_t rows) {
   if (has_embedding()) embed_impl<T>(m, rows);
   layers_impl<T>(m, rows, rows, 1, /*decode_attention=*/true, /*fuse_final_ln=*/has_head());
-  if (has_head()) {
+  if (holds_head()) {
     head_impl<T>(ln_.as<T>(), rows, logits_.as<float>());
     sampler_->argmax(tokens_dev_.as<int32_t>(), logits_.as<float>(), rows, stream_);
   }
@@ -550,7 +599,7 @@ Status GpuStage::forward(std::span<const SeqSlice> slices) {
 
 Status GpuStage::logits(std::span<const SeqSlice> slices, bool all_positions, float* out) {
   DeviceGuard guard(device_);
-  if (!has_head())
+  if (!holds_head())
     return Status::error(options_.name + ": logits called on a stage without the LM head (layers " +
                          std::to_string(layer_begin_) + ".." + std::to_string(layer_end_) + ")");
   if (all_positions && out == nullptr) return Status::error(options_.name + ": logits over all positions need `out`");
@@ -601,7 +650,7 @@ Status GpuStage::logits(std::span<const SeqSlice> slices, bool all_positions, fl
 
 Status GpuStage::sample(std::span<const SampleRow> rows, int32_t* tokens) {
   DeviceGuard guard(device_);
-  if (!has_head()) return Status::error(options_.name + ": sample called on a stage without the LM head");
+  if (!holds_head()) return Status::error(options_.name + ": sample called on a stage without the LM head");
   if (int64_t(rows.size()) != last_logit_rows_)
     return Status::error(options_.name + ": sample needs the logits of the last logits(..., all_positions=false) call (" +
                          std::to_string(rows.size()) + " rows asked, " + std::to_string(std::max<int64_t>(last_logit_rows_, 0)) +
@@ -638,7 +687,7 @@ Status GpuStage::decode(std::span<const SeqSlice> slices, const int32_t* token_i
                              " is outside the vocabulary [0, " + std::to_string(config_.vocab_size) + ")");
   }
   bool full = false;
-  if (has_head()) {
+  if (holds_head()) {
     if (int64_t(sampling.size()) != S || tokens == nullptr)
       return Status::error(options_.name + ": decode on the last stage needs one sampling row per sequence and `tokens`");
     for (const SampleRow& r : sampling) {
@@ -686,7 +735,7 @@ Status GpuStage::decode(std::span<const SeqSlice> slices, const int32_t* token_i
   for (const SeqSlice& s : slices) lengths_[s.seq_id] = s.start_pos + 1;
   last_logit_rows_ = -1;
 
-  if (has_head()) {
+  if (holds_head()) {
     if (full) sampler_->sample(logits_.as<float>(), sampling, tokens_dev_.as<int32_t>(), stream_);
     CUDA_CHECK(cudaMemcpyAsync(tokens_host_.get(), tokens_dev_.get(), size_t(S) * sizeof(int32_t), cudaMemcpyDeviceToHost,
                                stream_));

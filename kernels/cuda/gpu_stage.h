@@ -22,6 +22,12 @@
 // the sampled ids back: the only synchronisation of a step. Rows that need more than argmax
 // (temperature, penalties) go through GpuSampler after the replay.
 //
+// Tensor parallel: a GpuStage may be rank r of a stage split over several GPUs (tp_stage.h
+// builds and drives them): it then holds its TpShard of every layer (its heads' Q, K, V
+// columns and projection rows, its MLP units), its heads' K/V, and the whole residual
+// stream; the attention projection and FC2 produce partial sums that `all_reduce` joins
+// before their bias and the residual are added. Rank 0 alone holds ln_f and the LM head.
+//
 // Not thread-safe: one caller at a time (the stage worker's engine thread for this GPU).
 #pragma once
 
@@ -42,6 +48,7 @@
 #include "kernels/cuda/gemm.h"
 #include "kernels/cuda/kv_cache.h"
 #include "kernels/cuda/sampling.h"
+#include "kernels/cuda/tp_all_reduce.h"
 #include "model/cpu_stage.h"  // SeqSlice (a plain struct; nothing of conveyor_model is linked)
 #include "model/weights.h"    // StageWeights (likewise)
 
@@ -55,6 +62,10 @@ struct GpuStageOptions {
   double kv_cache_fraction = 0.90;  // of the device memory free after everything else
   int64_t kv_cache_max_bytes = 0;   // cap on the K/V cache (0: none)
   bool cuda_graphs = true;          // decode() replays graphs (false: runs the same kernels eagerly)
+  // Tensor parallel: this stage is rank tp_rank of tp_ranks (1 <= tp_ranks <= n_head, n_inner),
+  // and all_reduce (rank tp_rank's GPU must be this stage's) joins the ranks' partial sums.
+  int tp_rank = 0, tp_ranks = 1;
+  TpAllReduce* all_reduce = nullptr;
 };
 
 class GpuStage {
@@ -68,6 +79,9 @@ class GpuStage {
                                                     const GpuStageOptions& options);
   ~GpuStage();
   GpuStage(const GpuStage&) = delete;
+  // Activation rows a stage built with `options` holds: the most tokens one call may carry
+  // (and so the largest all-reduce of a tensor-parallel stage: rows x n_embd elements).
+  static int64_t activation_rows(const GpuStageOptions& options);
   GpuStage& operator=(const GpuStage&) = delete;
 
   const ModelConfig& config() const { return config_; }
@@ -77,6 +91,9 @@ class GpuStage {
   int64_t layer_end() const { return layer_end_; }
   bool has_embedding() const { return layer_begin_ == 0; }
   bool has_head() const { return layer_end_ == config_.n_layer; }
+  // The LM head is this stage's and this rank holds it (rank 0 of a tensor-parallel stage).
+  bool holds_head() const { return has_head() && options_.tp_rank == 0; }
+  const TpShard& shard() const { return shard_; }
   int64_t hidden_size() const { return config_.n_embd; }
   int64_t max_tokens() const { return options_.max_tokens; }
   int64_t max_seqs() const { return options_.max_seqs; }
@@ -91,7 +108,7 @@ class GpuStage {
   // This stage's layers, in place on hidden [total_tokens, C], appending K/V. Same checks as
   // CpuStage::forward; on error nothing has changed.
   Status forward(std::span<const SeqSlice> slices);
-  // Last stage only: ln_f + LM head. out (host) is [total_tokens, V] when all_positions, else
+  // Last stage, rank 0 only: ln_f + LM head. out (host) is [total_tokens, V] when all_positions, else
   // [slices.size(), V] (each slice's last token). out may be null when !all_positions: the
   // logits then stay on the device for sample().
   Status logits(std::span<const SeqSlice> slices, bool all_positions, float* out);
@@ -123,6 +140,9 @@ class GpuStage {
   int64_t kv_bytes_per_token() const;
   int64_t kv_capacity_tokens() const { return kv_->num_pages() * kPageTokens; }
   int64_t kv_free_tokens() const { return kv_->free_pages() * kPageTokens; }
+  // Rebuilds the K/V cache with `pages` pages (at most as many as now; no sequence may be
+  // cached): a tensor-parallel stage gives every rank the smallest rank's capacity.
+  void shrink_kv_cache(int64_t pages);
   std::string memory_report() const;
   Gemm& gemm() { return *gemm_; }
   size_t captured_graphs() const { return graphs_.size(); }
@@ -157,6 +177,7 @@ class GpuStage {
   template <class T> void layers_impl(const Meta& m, int64_t num_tokens, int64_t num_seqs, int64_t max_q_len,
                                       bool decode_attention, bool fuse_final_ln);
   template <class T> void head_impl(const T* in_rows, int64_t rows, float* logits);
+  template <class T> void all_reduce(T* partial, int64_t num_tokens);
   template <class T> void decode_step_impl(const Meta& m, int64_t rows);
   void decode_step(const Meta& m, int64_t rows);
   int decode_splits(int64_t rows) const;
@@ -165,6 +186,10 @@ class GpuStage {
   ModelConfig config_;
   int64_t layer_begin_, layer_end_;
   GpuStageOptions options_;
+  TpShard shard_;          // this rank's heads and MLP units (all of them when tp_ranks == 1)
+  int64_t heads_ = 0;      // shard_.heads()
+  int64_t width_ = 0;      // heads_ x head_dim: this rank's share of the attention width
+  int64_t inner_ = 0;      // shard_.inner()
   int device_ = 0;
   int num_sms_ = 0;
   int64_t max_pages_ = 0;   // block-table entries per sequence: ceil(n_positions / kPageTokens)

@@ -18,24 +18,31 @@ Status guarded(const std::string& stage, F&& f) {
 
 }  // namespace
 
-Expected<std::unique_ptr<GpuStageBackend>> GpuStageBackend::create(const StageWeights& weights, int device,
+Expected<std::unique_ptr<GpuStageBackend>> GpuStageBackend::create(const StageWeights& weights,
+                                                                   const std::vector<int>& devices,
                                                                    const GpuStageOptions& options) {
   int count = 0;
   if (cudaError_t e = cudaGetDeviceCount(&count); e != cudaSuccess)
     return Status::error(options.name + ": no CUDA device usable: " + cudaGetErrorString(e));
-  if (device < 0 || device >= count)
-    return Status::error(options.name + ": CUDA device " + std::to_string(device) + " asked, this node has " +
-                         std::to_string(count));
+  if (devices.empty()) return Status::error(options.name + ": no CUDA device given");
+  for (int device : devices)
+    if (device < 0 || device >= count)
+      return Status::error(options.name + ": CUDA device " + std::to_string(device) + " asked, this node has " +
+                           std::to_string(count));
   try {
-    CUDA_CHECK(cudaSetDevice(device));
-    return std::unique_ptr<GpuStageBackend>(new GpuStageBackend(GpuStage::create(weights, options)));
+    CUDA_CHECK(cudaSetDevice(devices[0]));
+    return std::unique_ptr<GpuStageBackend>(new GpuStageBackend(TpStage::create(weights, devices, options)));
   } catch (const std::exception& e) {
     return Status::error(e.what());
   }
 }
 
 std::string GpuStageBackend::describe() const {
-  return "cuda:" + std::to_string(stage_->device()) + " " + std::string(dtype_name(stage_->dtype()));
+  std::string d = "cuda:";
+  for (size_t i = 0; i < stage_->devices().size(); ++i) d += (i ? "," : "") + std::to_string(stage_->devices()[i]);
+  d += " " + std::string(dtype_name(stage_->lead().dtype()));
+  if (stage_->ranks() > 1) d += " tp=" + std::to_string(stage_->ranks());
+  return d;
 }
 
 Status GpuStageBackend::ensure_on_device(std::span<const SeqSlice> slices, const float* hidden) {

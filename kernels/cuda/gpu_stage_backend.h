@@ -1,4 +1,5 @@
-// A GpuStage behind model/stage_backend.h, for the stage worker: activations arrive and
+// A GPU stage (a TpStage: one GPU, or several tensor parallel) behind model/stage_backend.h,
+// for the stage worker: activations arrive and
 // leave as fp32 host rows (the wire format) and are converted on the GPU; between embed,
 // forward and logits of one micro-batch they stay on the device. Sampling stays on the host
 // (StageExecutor), so a GPU stage draws tokens with the CPU's code from its own logits.
@@ -8,15 +9,15 @@
 
 #include <memory>
 
-#include "kernels/cuda/gpu_stage.h"
+#include "kernels/cuda/tp_stage.h"
 #include "model/stage_backend.h"
 
 namespace conveyor::cuda {
 
 class GpuStageBackend final : public StageBackend {
  public:
-  // Makes `device` current on the calling thread and builds the stage there.
-  static Expected<std::unique_ptr<GpuStageBackend>> create(const StageWeights& weights, int device,
+  // Builds the stage over `devices` (one GPU, or the tensor-parallel group in rank order).
+  static Expected<std::unique_ptr<GpuStageBackend>> create(const StageWeights& weights, const std::vector<int>& devices,
                                                            const GpuStageOptions& options);
 
   const ModelConfig& config() const override { return stage_->config(); }
@@ -33,14 +34,14 @@ class GpuStageBackend final : public StageBackend {
   int64_t kv_bytes_per_token() const override { return stage_->kv_bytes_per_token(); }
   std::string describe() const override;
 
-  GpuStage& stage() { return *stage_; }
+  TpStage& stage() { return *stage_; }
 
  private:
-  explicit GpuStageBackend(std::unique_ptr<GpuStage> stage) : stage_(std::move(stage)) {}
+  explicit GpuStageBackend(std::unique_ptr<TpStage> stage) : stage_(std::move(stage)) {}
   // Puts `hidden` on the device unless the device copy is the current one.
   Status ensure_on_device(std::span<const SeqSlice> slices, const float* hidden);
 
-  std::unique_ptr<GpuStage> stage_;
+  std::unique_ptr<TpStage> stage_;
   bool device_current_ = false;  // the device holds this micro-batch's activations
 };
 

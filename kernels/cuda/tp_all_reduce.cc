@@ -1,6 +1,9 @@
 #include "kernels/cuda/tp_all_reduce.h"
 
+#include <algorithm>
+#include <set>
 #include <string>
+#include <type_traits>
 
 #include <nccl.h>
 
@@ -14,11 +17,15 @@ struct TpAllReduce::Nccl {
   }
 };
 
-Expected<std::unique_ptr<TpAllReduce>> TpAllReduce::create(const std::vector<int>& devices) {
+Expected<std::unique_ptr<TpAllReduce>> TpAllReduce::create(const std::vector<int>& devices, size_t max_bytes) {
   std::unique_ptr<TpAllReduce> t(new TpAllReduce());
-  auto custom = CustomAllReduce::create(devices, CustomAllReduce::kNcclCrossoverBytes);
+  t->max_bytes_ = max_bytes;
+  const bool distinct = std::set<int>(devices.begin(), devices.end()).size() == devices.size();
+  const size_t custom_bytes = distinct ? std::min(max_bytes, CustomAllReduce::kNcclCrossoverBytes) : max_bytes;
+  auto custom = CustomAllReduce::create(devices, custom_bytes);
   if (!custom) return custom.status();
   t->custom_ = std::move(custom).value();
+  if (!distinct || max_bytes <= custom_bytes) return t;
   t->nccl_ = std::make_unique<Nccl>();
   t->nccl_->comms.assign(devices.size(), nullptr);
   const ncclResult_t r = ncclCommInitAll(t->nccl_->comms.data(), int(devices.size()), devices.data());
@@ -31,12 +38,21 @@ Expected<std::unique_ptr<TpAllReduce>> TpAllReduce::create(const std::vector<int
 
 TpAllReduce::~TpAllReduce() = default;
 
-Status TpAllReduce::all_reduce(int rank, __half* data, size_t count, cudaStream_t stream) {
-  if (count * sizeof(__half) <= CustomAllReduce::kNcclCrossoverBytes) return custom_->all_reduce(rank, data, count, stream);
+template <class T>
+Status TpAllReduce::all_reduce(int rank, T* data, size_t count, cudaStream_t stream) {
+  const size_t bytes = count * sizeof(T);
+  if (bytes <= custom_->max_bytes()) return custom_->all_reduce(rank, data, count, stream);
   if (rank < 0 || rank >= ranks()) return Status::error("tensor-parallel all-reduce: no rank " + std::to_string(rank));
-  const ncclResult_t r = ncclAllReduce(data, data, count, ncclFloat16, ncclSum, nccl_->comms[size_t(rank)], stream);
+  if (!nccl_ || bytes > max_bytes_)
+    return Status::error("tensor-parallel all-reduce: " + std::to_string(bytes) + " bytes exceed the group's " +
+                         std::to_string(max_bytes_) + "-byte messages");
+  const ncclDataType_t type = std::is_same_v<T, __half> ? ncclFloat16 : ncclBfloat16;
+  const ncclResult_t r = ncclAllReduce(data, data, count, type, ncclSum, nccl_->comms[size_t(rank)], stream);
   if (r != ncclSuccess) return Status::error(std::string("tensor-parallel all-reduce: ncclAllReduce: ") + ncclGetErrorString(r));
   return ok_status();
 }
+
+template Status TpAllReduce::all_reduce<__half>(int, __half*, size_t, cudaStream_t);
+template Status TpAllReduce::all_reduce<__nv_bfloat16>(int, __nv_bfloat16*, size_t, cudaStream_t);
 
 }  // namespace conveyor::cuda

@@ -1,13 +1,18 @@
 // TpAllReduce: the all-reduce a tensor-parallel GPU stage calls twice per layer. Messages
 // up to CustomAllReduce::kNcclCrossoverBytes go through the custom peer-memory kernel
 // (faster there, docs/PERFORMANCE.md); larger ones through NCCL, so it is never slower
-// than NCCL. One object per process; rank r's calls come from the thread that drives GPU r
+// than NCCL. One object per stage; rank r's calls come from the thread that drives GPU r
 // (NCCL requires that, or group calls, when one thread drives several GPUs).
+//
+// Ranks may share a GPU (tests of a tensor-parallel stage on a one-GPU machine). NCCL
+// refuses that, so such a group sizes the custom kernel's buffers for its largest message
+// and uses it at every size.
 #pragma once
 
 #include <memory>
 #include <vector>
 
+#include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
@@ -18,24 +23,28 @@ namespace conveyor::cuda {
 
 class TpAllReduce {
  public:
-  // The GPUs of the group, in rank order; NCCL communicators for all of them and the custom
-  // kernel's buffers (sized for the crossover).
-  static Expected<std::unique_ptr<TpAllReduce>> create(const std::vector<int>& devices);
+  // The GPUs of the group, in rank order; `max_bytes` bounds one message. NCCL
+  // communicators for all of them (distinct GPUs) and the custom kernel's buffers.
+  static Expected<std::unique_ptr<TpAllReduce>> create(const std::vector<int>& devices,
+                                                       size_t max_bytes = size_t(1) << 30);
   ~TpAllReduce();
   TpAllReduce(const TpAllReduce&) = delete;
   TpAllReduce& operator=(const TpAllReduce&) = delete;
 
   int ranks() const { return custom_->ranks(); }
-  // In place, fp16 sum of `count` halves at `data` (on GPU `rank`), on `stream`. Capturable
-  // in a CUDA graph whichever path it takes.
-  Status all_reduce(int rank, __half* data, size_t count, cudaStream_t stream);
+  bool uses_nccl() const { return nccl_ != nullptr; }
+  // In place, sum of `count` elements at `data` (on GPU `rank`), on `stream`. T: __half or
+  // __nv_bfloat16. Capturable in a CUDA graph whichever path it takes.
+  template <class T>
+  Status all_reduce(int rank, T* data, size_t count, cudaStream_t stream);
 
   struct Nccl;
 
  private:
   TpAllReduce() = default;
+  size_t max_bytes_ = 0;
   std::unique_ptr<CustomAllReduce> custom_;
-  std::unique_ptr<Nccl> nccl_;
+  std::unique_ptr<Nccl> nccl_;  // null when ranks share a GPU
 };
 
 }  // namespace conveyor::cuda

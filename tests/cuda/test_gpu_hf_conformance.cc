@@ -8,6 +8,9 @@
 //   - through decode(), the CUDA-graph step with greedy sampling on the GPU: the same
 //     argmax condition.
 // Every step with a gap <= 0.05 where we chose differently is printed as a note.
+// Each runs on one GPU and tensor parallel over two ranks (TpStage; two GPUs where the
+// machine has them, else both ranks on GPU 0): the same bounds hold at tp 2 (the fixtures
+// with two heads or more: a GPU rank holds at least one).
 //
 // Skips cleanly when built without CUDA or run where no GPU is present.
 #include <gtest/gtest.h>
@@ -24,10 +27,12 @@ TEST(GpuHfConformance, NotBuilt) { GTEST_SKIP() << "built without the CUDA backe
 #include <fstream>
 #include <iostream>
 #include <sstream>
+#include <tuple>
+#include <vector>
 
 #include <nlohmann/json.hpp>
 
-#include "kernels/cuda/gpu_stage.h"
+#include "kernels/cuda/tp_stage.h"
 #include "model/sampling.h"
 #include "model/weights.h"
 #include "tests/hf_fixtures.h"
@@ -71,7 +76,7 @@ struct Report {
   std::vector<std::string> problems, notes;
 };
 
-void check(const fs::path& dir, DType dtype, bool graph_path, Report& r) {
+void check(const fs::path& dir, DType dtype, int tp, bool graph_path, Report& r) {
   auto cfg = load_model_config(dir.string());
   ASSERT_TRUE(cfg) << cfg.error();
   auto weights = load_stage_weights(dir.string(), 0, cfg->n_layer);
@@ -82,7 +87,11 @@ void check(const fs::path& dir, DType dtype, bool graph_path, Report& r) {
   o.max_tokens = cfg->n_positions;
   o.max_seqs = 8;
   o.kv_cache_max_bytes = int64_t(256) << 20;
-  auto stage = cuda::GpuStage::create(*weights, o);
+  int gpus = 0;
+  ASSERT_EQ(cudaGetDeviceCount(&gpus), cudaSuccess);
+  std::vector<int> devices;
+  for (int k = 0; k < tp; ++k) devices.push_back(gpus >= tp ? k : 0);
+  auto stage = cuda::TpStage::create(*weights, devices, o);
   const int64_t V = cfg->vocab_size;
   std::vector<float> logits(static_cast<size_t>(V));
   SamplingParams greedy_params;  // temperature 0: argmax
@@ -90,7 +99,8 @@ void check(const fs::path& dir, DType dtype, bool graph_path, Report& r) {
   uint64_t seq = 0;
   for (const Case& c : load_cases(dir)) {
     ++seq;
-    const std::string where = dir.filename().string() + (dtype == DType::F16 ? " fp16" : " bf16") +
+    const std::string where = dir.filename().string() + (dtype == DType::F16 ? " fp16" : " bf16") + " tp " +
+                              std::to_string(tp) +
                               (graph_path ? " decode()" : " forward()") + " case " + std::to_string(seq - 1);
     std::vector<int32_t> feed = c.prompt;
     int32_t pos = 0;
@@ -150,30 +160,45 @@ bool have_gpu() {
   return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
 }
 
-class GpuHfConformance : public ::testing::TestWithParam<DType> {};
+class GpuHfConformance : public ::testing::TestWithParam<std::tuple<DType, int>> {};
 
 TEST_P(GpuHfConformance, GoldenFixtures) {
   if (!have_gpu()) GTEST_SKIP() << "no CUDA device on this host";
+  const auto [dtype, tp] = GetParam();
   const auto dirs = testing::hf_fixture_dirs();
   ASSERT_FALSE(dirs.empty());
+  int split = 0;
   for (const fs::path& dir : dirs) {
+    auto cfg = load_model_config(dir.string());
+    ASSERT_TRUE(cfg) << cfg.error();
+    if (cfg->n_head < tp) {  // a GPU rank holds whole heads, at least one
+      std::cout << "[note] " << dir.filename().string() << ": " << cfg->n_head << " head(s), not split over " << tp
+                << " GPUs\n";
+      continue;
+    }
+    ++split;
     for (bool graph : {false, true}) {
       Report r;
-      check(dir, GetParam(), graph, r);
+      check(dir, dtype, tp, graph, r);
       std::string all;
       for (size_t i = 0; i < r.problems.size() && i < 20; ++i) all += "  " + r.problems[i] + "\n";
       EXPECT_TRUE(r.problems.empty()) << r.problems.size() << " problems:\n" << all;
       EXPECT_GE(r.steps, 40) << dir;
       for (const std::string& n : r.notes) std::cout << "[note] " << n << " (tolerated: near-tie)\n";
-      std::cout << "[fixture] " << dir.filename().string() << (GetParam() == DType::F16 ? " fp16" : " bf16")
+      std::cout << "[fixture] " << dir.filename().string() << (dtype == DType::F16 ? " fp16" : " bf16") << " tp " << tp
                 << (graph ? " decode()" : " forward()") << ": " << r.steps << " steps, " << r.decisive
                 << " decisive, max |logprob diff| " << r.max_diff << ", " << r.notes.size() << " near-tie divergences\n";
     }
   }
+  EXPECT_GE(split, 2) << "fixtures run at tp " << tp;
 }
 
-INSTANTIATE_TEST_SUITE_P(Dtypes, GpuHfConformance, ::testing::Values(DType::F16, DType::BF16),
-                         [](const auto& info) { return std::string(info.param == DType::F16 ? "F16" : "BF16"); });
+INSTANTIATE_TEST_SUITE_P(DtypesAndTp, GpuHfConformance,
+                         ::testing::Combine(::testing::Values(DType::F16, DType::BF16), ::testing::Values(1, 2)),
+                         [](const auto& info) {
+                           return std::string(std::get<0>(info.param) == DType::F16 ? "F16" : "BF16") + "_Tp" +
+                                  std::to_string(std::get<1>(info.param));
+                         });
 
 }  // namespace
 }  // namespace conveyor

@@ -62,7 +62,7 @@ Pipeline make_pipeline(bool gpu, DType dtype) {
     o.name = "stage " + std::to_string(b);
     o.max_tokens = 256;
     o.kv_cache_max_bytes = int64_t(64) << 20;
-    auto backend = cuda::GpuStageBackend::create(*w, 0, o);
+    auto backend = cuda::GpuStageBackend::create(*w, {0}, o);
     EXPECT_TRUE(backend) << backend.error();
     p.stages.push_back(std::make_unique<StageExecutor>(std::move(backend).value()));
   }
@@ -135,10 +135,10 @@ TEST_P(GpuStageBackendTest, ErrorsAreStatusesAndChangeNothing) {
   o.dtype = GetParam();
   o.max_tokens = 16;
   o.kv_cache_max_bytes = int64_t(16) << 20;
-  auto bad_device = cuda::GpuStageBackend::create(*w, 4096, o);
+  auto bad_device = cuda::GpuStageBackend::create(*w, {4096}, o);
   ASSERT_FALSE(bad_device);
   EXPECT_NE(bad_device.error().find("device 4096"), std::string::npos) << bad_device.error();
-  auto b = cuda::GpuStageBackend::create(*w, 0, o);
+  auto b = cuda::GpuStageBackend::create(*w, {0}, o);
   ASSERT_TRUE(b) << b.error();
   StageBackend& s = **b;
   std::vector<float> hidden(size_t(32 * 256), 0.01f);

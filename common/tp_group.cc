@@ -1,4 +1,4 @@
-#include "model/tp_group.h"
+#include "common/tp_group.h"
 
 namespace conveyor {
 

@@ -1,5 +1,6 @@
-// TpGroup: the threads of a tensor-parallel CPU stage, one per rank (the caller is rank 0),
-// and the all-reduce that joins their partial outputs.
+// TpGroup: the threads of a tensor-parallel stage, one per rank (the caller is rank 0):
+// a CPU stage's ranks, or the threads that drive a GPU stage's GPUs, one each; and the CPU
+// all-reduce that joins the CPU ranks' partial outputs.
 //
 // run(fn) runs fn(rank) on every rank at once and returns when all are done. all_reduce
 // sums the ranks' partial outputs into a destination the two-shot way: every rank sums, in
