@@ -119,4 +119,10 @@ __device__ __forceinline__ float gelu_tanh(float x) {
 }
 __device__ __forceinline__ float gelu_erf(float x) { return 0.5f * x * (1.f + erff(x * 0.7071067811865476f)); }
 
+// The fused epilogue activation of the matrix products; act is GemmAct's value (0 none,
+// 1 GeLU tanh, 2 GeLU erf).
+__device__ __forceinline__ float activate(float v, int act) {
+  return act == 1 ? gelu_tanh(v) : act == 2 ? gelu_erf(v) : v;
+}
+
 }  // namespace conveyor::cuda::detail

@@ -12,6 +12,7 @@
 
 #include "kernels/cuda/gemv.h"
 #include "kernels/cuda/ops.h"
+#include "kernels/cuda/quant.h"
 
 namespace conveyor::cuda {
 namespace {
@@ -32,6 +33,13 @@ const char* type_name(int t) {
   }
 }
 
+// Key::layout of the int8 weight-only plans (beside WeightLayout's KN and NK).
+constexpr int kInt8Layout = 2;
+
+const char* layout_name(int layout) {
+  return layout == int(WeightLayout::KN) ? "KN" : layout == int(WeightLayout::NK) ? "NK" : "NK int8";
+}
+
 int alignment_of(const void* p) {
   if (p == nullptr) return 16;
   const auto a = reinterpret_cast<uintptr_t>(p);
@@ -44,6 +52,7 @@ int alignment_of(const void* p) {
 
 struct Gemm::Plan {
   bool use_gemv = false;
+  int int8_kernel = -1;        // int8 plans: the detail::Int8Kernel
   bool bias_epilogue = false;  // cuBLASLt adds the bias (no activation)
   cublasLtMatmulAlgo_t algo{};
   cublasLtMatmulDesc_t desc = nullptr;
@@ -90,7 +99,7 @@ Gemm& Gemm::thread_default() {
 std::string Gemm::describe_plans() const {
   std::ostringstream os;
   for (const auto& [k, p] : plans_) {
-    os << (k.layout == int(WeightLayout::NK) ? "NK" : "KN") << " " << type_name(k.in_type) << "->"
+    os << layout_name(k.layout) << " " << type_name(k.in_type) << "->"
        << type_name(k.out_type) << " T=" << k.T << " K=" << k.K << " N=" << k.N
        << (k.has_bias ? " bias" : "") << (k.act ? " gelu" : "") << ": " << p->choice;
     if (p->ms >= 0) os << " " << p->ms * 1000.f << " us";
@@ -162,24 +171,8 @@ Gemm::Plan& Gemm::plan_for(const Key& key, const void* out, const void* in, cons
     return *plans_.emplace(key, std::move(plan)).first->second;
   }
 
-  // Time each candidate on the caller's buffers: one warm-up, then enough repetitions for
-  // about a millisecond (2 to 10). `out` is overwritten; the caller's run follows.
-  auto time_it = [&](auto&& fn) -> float {
-    CUDA_CHECK(cudaEventRecord(ev_start_, stream));
-    if (!fn()) return -1.f;
-    CUDA_CHECK(cudaEventRecord(ev_stop_, stream));
-    CUDA_CHECK(cudaEventSynchronize(ev_stop_));
-    float ms = 0.f;
-    CUDA_CHECK(cudaEventElapsedTime(&ms, ev_start_, ev_stop_));
-    const int reps = std::clamp(int(1.0f / std::max(ms, 1e-4f)), 2, 10);
-    CUDA_CHECK(cudaEventRecord(ev_start_, stream));
-    for (int i = 0; i < reps; ++i)
-      if (!fn()) return -1.f;
-    CUDA_CHECK(cudaEventRecord(ev_stop_, stream));
-    CUDA_CHECK(cudaEventSynchronize(ev_stop_));
-    CUDA_CHECK(cudaEventElapsedTime(&ms, ev_start_, ev_stop_));
-    return ms / float(reps);
-  };
+  // Time each candidate on the caller's buffers. `out` is overwritten; the caller's run follows.
+  auto time_it = [&](const std::function<bool()>& fn) { return time_ms(stream, fn); };
 
   float best = -1.f;
   int best_index = -2;  // -1: gemv, >= 0: heuristic result
@@ -210,6 +203,30 @@ Gemm::Plan& Gemm::plan_for(const Key& key, const void* out, const void* in, cons
     plan->choice = "cublasLt #" + std::to_string(best_index) + " of " + std::to_string(found);
   }
   return *plans_.emplace(key, std::move(plan)).first->second;
+}
+
+void Gemm::check_device() const {
+  int dev = 0;
+  CUDA_CHECK(cudaGetDevice(&dev));
+  if (dev != device_)
+    throw Error("gemm: a Gemm made on device " + std::to_string(device_) + " used on device " + std::to_string(dev));
+}
+
+float Gemm::time_ms(cudaStream_t stream, const std::function<bool()>& fn) {
+  CUDA_CHECK(cudaEventRecord(ev_start_, stream));
+  if (!fn()) return -1.f;
+  CUDA_CHECK(cudaEventRecord(ev_stop_, stream));
+  CUDA_CHECK(cudaEventSynchronize(ev_stop_));
+  float ms = 0.f;
+  CUDA_CHECK(cudaEventElapsedTime(&ms, ev_start_, ev_stop_));
+  const int reps = std::clamp(int(1.0f / std::max(ms, 1e-4f)), 2, 10);
+  CUDA_CHECK(cudaEventRecord(ev_start_, stream));
+  for (int i = 0; i < reps; ++i)
+    if (!fn()) return -1.f;
+  CUDA_CHECK(cudaEventRecord(ev_stop_, stream));
+  CUDA_CHECK(cudaEventSynchronize(ev_stop_));
+  CUDA_CHECK(cudaEventElapsedTime(&ms, ev_start_, ev_stop_));
+  return ms / float(reps);
 }
 
 void Gemm::execute_gemv_for_timing(const Key& key, void* out, const void* in, const void* w,
@@ -244,10 +261,7 @@ void Gemm::run(OutT* out, const T* in, const T* w, const T* bias, int64_t T_, in
     if (bias != nullptr || act != GemmAct::None)
       throw Error("gemm: fp32 output supports neither bias nor activation");
   }
-  int dev = 0;
-  CUDA_CHECK(cudaGetDevice(&dev));
-  if (dev != device_)
-    throw Error("gemm: a Gemm made on device " + std::to_string(device_) + " used on device " + std::to_string(dev));
+  check_device();
 
   Key key{};
   key.layout = int(layout);
@@ -284,6 +298,87 @@ template void Gemm::run<__nv_bfloat16, __nv_bfloat16>(__nv_bfloat16*, const __nv
 template void Gemm::run<__nv_bfloat16, float>(float*, const __nv_bfloat16*, const __nv_bfloat16*,
                                               const __nv_bfloat16*, int64_t, int64_t, int64_t, WeightLayout,
                                               GemmAct, cudaStream_t);
+
+// ---- int8 weight-only ----
+
+// The int8 plan choice beyond detail::Int8Kernel's: dequantise the weight, then run().
+constexpr int kDequantChoice = detail::kInt8Kernels;
+
+std::string int8_choice_name(int k) {
+  return k == kDequantChoice ? "dequant+cublasLt" : detail::int8_kernel_name(detail::Int8Kernel(k));
+}
+
+Gemm::Plan& Gemm::plan_int8(const Key& key, const void* in, const void* w, bool dequant,
+                             const std::function<void(int)>& launch, cudaStream_t stream) {
+  if (auto it = plans_.find(key); it != plans_.end()) return *it->second;
+  std::vector<int> candidates;
+  for (detail::Int8Kernel k : detail::int8_candidates(key.T, key.K, key.N, in, w)) candidates.push_back(int(k));
+  auto plan = std::make_unique<Plan>();
+
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
+  const bool untimed = !tuning_ || capture != cudaStreamCaptureStatusNone;
+  if (dequant && !untimed) candidates.push_back(kDequantChoice);
+  if (untimed || candidates.size() == 1) {
+    const int k = candidates.size() == 1 ? candidates[0] : int(detail::int8_default_kernel(key.T, key.K, key.N, in, w));
+    plan->int8_kernel = k;
+    plan->choice = int8_choice_name(k) + " (untimed)";
+    return *plans_.emplace(key, std::move(plan)).first->second;
+  }
+  if (dequant) launch(kDequantChoice);  // plans run()'s GEMM (its own timing) before this timing starts
+  float best = -1.f;
+  for (int k : candidates) {
+    const float ms = time_ms(stream, [&] {
+      launch(k);
+      return true;
+    });
+    if (ms >= 0 && (best < 0 || ms < best)) best = ms, plan->int8_kernel = k;
+  }
+  plan->ms = best;
+  plan->choice = int8_choice_name(plan->int8_kernel) + " of " + std::to_string(candidates.size());
+  return *plans_.emplace(key, std::move(plan)).first->second;
+}
+
+template <class T, class OutT>
+void Gemm::run_int8(OutT* out, const T* in, const int8_t* w, const float* scales, const T* bias, int64_t T_,
+                    int64_t K, int64_t N, GemmAct act, cudaStream_t stream) {
+  static_assert(std::is_same_v<T, __half> || std::is_same_v<T, __nv_bfloat16>, "T is __half or __nv_bfloat16");
+  static_assert(std::is_same_v<OutT, T> || std::is_same_v<OutT, float>, "OutT is T or float");
+  detail::int8_check_args(out, in, w, scales, T_, K, N);
+  check_device();
+
+  Key key{};
+  key.layout = kInt8Layout;
+  key.in_type = int(cuda_type<T>());
+  key.out_type = int(cuda_type<OutT>());
+  key.has_bias = bias != nullptr;
+  key.act = int(act);
+  key.align = std::min(alignment_of(in), alignment_of(w));  // what the kernels' choice depends on
+  key.T = T_, key.K = K, key.N = N;
+  T* dequant = static_cast<T*>(dequant_);
+  const bool can_dequant = dequant && T_ > detail::kGemvMaxTokens && size_t(N * K) * sizeof(T) <= dequant_bytes_;
+  auto launch = [&](int k) {
+    if (k == kDequantChoice) {
+      dequantize_rows_int8<T>(dequant, w, scales, N, K, stream);
+      run<T, OutT>(out, in, dequant, bias, T_, K, N, WeightLayout::NK, act, stream);
+      return;
+    }
+    detail::int8_matmul<T, OutT>(detail::Int8Kernel(k), out, in, w, scales, bias, T_, K, N, act, stream);
+  };
+  const Plan& plan = plan_int8(key, in, w, can_dequant, launch, stream);
+  launch(plan.int8_kernel);
+}
+
+template void Gemm::run_int8<__half, __half>(__half*, const __half*, const int8_t*, const float*, const __half*,
+                                             int64_t, int64_t, int64_t, GemmAct, cudaStream_t);
+template void Gemm::run_int8<__half, float>(float*, const __half*, const int8_t*, const float*, const __half*,
+                                            int64_t, int64_t, int64_t, GemmAct, cudaStream_t);
+template void Gemm::run_int8<__nv_bfloat16, __nv_bfloat16>(__nv_bfloat16*, const __nv_bfloat16*, const int8_t*,
+                                                           const float*, const __nv_bfloat16*, int64_t, int64_t,
+                                                           int64_t, GemmAct, cudaStream_t);
+template void Gemm::run_int8<__nv_bfloat16, float>(float*, const __nv_bfloat16*, const int8_t*, const float*,
+                                                   const __nv_bfloat16*, int64_t, int64_t, int64_t, GemmAct,
+                                                   cudaStream_t);
 
 // ---- the ops.h twins that go through the thread's default Gemm ----
 

@@ -11,6 +11,10 @@
 // capture; a shape first seen while the stream is capturing takes the heuristic's first
 // choice untimed (GpuStage plans every shape before it captures).
 //
+// run_int8 is the int8 weight-only twin for the [N, K] layout (quant.h): weights int8 with one
+// fp32 scale per row, planned the same way among our own kernels (an int8 GEMV for T <= 8 and
+// tensor-core tiles of several sizes; quant.cu).
+//
 // A Gemm owns a cuBLASLt handle and a workspace and is used by one thread on one device,
 // one stream at a time (the workspace is shared by all its calls). Results are not bitwise
 // batch-invariant: the algorithm, hence the summation order, may change with T.
@@ -20,6 +24,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -31,7 +36,8 @@
 namespace conveyor::cuda {
 
 enum class WeightLayout : uint8_t { KN, NK };
-enum class GemmAct : uint8_t { None, GeluTanh, GeluErf };
+// The values are the activation codes the kernels take (dtype.cuh activate()).
+enum class GemmAct : uint8_t { None = 0, GeluTanh = 1, GeluErf = 2 };
 
 inline GemmAct gemm_act(Activation a) {
   return a == Activation::GeluNew ? GemmAct::GeluTanh : GemmAct::GeluErf;
@@ -53,6 +59,24 @@ class Gemm {
   void run(OutT* out, const T* in, const T* w, const T* bias, int64_t T_, int64_t K, int64_t N,
            WeightLayout layout, GemmAct act, cudaStream_t stream);
 
+  // Int8 weight-only product: out[t, n] = act(scales[n] * sum_k in[t, k] w[n, k] + bias[n]), w
+  // [N, K] int8 and scales [N] fp32 as quantize_rows_int8 (quant.h) makes them, fp32
+  // accumulation. T is __half or __nv_bfloat16; OutT is T or float, either with bias (length N,
+  // type T, may be null) and activation. All pointers device. The first call of a shape
+  // outside graph capture times the int8 kernels that suit it (detail::int8_candidates) and
+  // keeps the fastest; a shape first seen while capturing takes detail::int8_default_kernel
+  // untimed. Every call is kernel launches on `stream` only (no allocation): capturable.
+  // Throws conveyor::Error for a null out, in, w or scales, or T_, K, N <= 0.
+  template <class T, class OutT>
+  void run_int8(OutT* out, const T* in, const int8_t* w, const float* scales, const T* bias, int64_t T_,
+                int64_t K, int64_t N, GemmAct act, cudaStream_t stream);
+
+  // Lets run_int8 also weigh, for T > 8, dequantising the weight into `workspace` (at least
+  // N x K elements of T) and then run(): cuBLASLt's tensor cores at full rate, for 3 extra
+  // bytes moved per weight, which wins in prefill. The caller owns the buffer (allocated at
+  // load, before the K/V cache takes the rest).
+  void set_dequant_workspace(void* workspace, size_t bytes) { dequant_ = workspace, dequant_bytes_ = bytes; }
+
   // Off: every new shape takes the heuristic's first choice (or the GEMV for T <= 8, [N, K])
   // without timing. The environment variable CONVEYOR_GEMM_TUNE=0 sets it off at start.
   void set_tuning(bool on) { tuning_ = on; }
@@ -65,7 +89,7 @@ class Gemm {
 
  private:
   struct Key {
-    int layout, in_type, out_type, has_bias, act, align;
+    int layout, in_type, out_type, has_bias, act, align;  // layout: WeightLayout, or kInt8Layout
     int64_t T, K, N;
     auto tie() const { return std::tie(layout, in_type, out_type, has_bias, act, align, T, K, N); }
     bool operator<(const Key& o) const { return tie() < o.tie(); }
@@ -74,6 +98,15 @@ class Gemm {
 
   Plan& plan_for(const Key& key, const void* out, const void* in, const void* w, const void* bias,
                  cudaStream_t stream);
+  // The int8 plan of `key` (in and w: the caller's, for their alignment); launch(k) runs
+  // detail::Int8Kernel k on the caller's buffers.
+  // dequant: the dequantise-then-run() path (kDequantChoice) is a candidate too.
+  Plan& plan_int8(const Key& key, const void* in, const void* w, bool dequant, const std::function<void(int)>& launch,
+                  cudaStream_t stream);
+  void check_device() const;  // throws when the current device is not the Gemm's
+  // Milliseconds per call of fn (which returns false when it failed: then -1) on `stream`: one
+  // warm-up, then 2 to 10 repetitions, about a millisecond in all.
+  float time_ms(cudaStream_t stream, const std::function<bool()>& fn);
   void execute_gemv_for_timing(const Key& key, void* out, const void* in, const void* w,
                                const void* bias, cudaStream_t stream);
 
@@ -82,6 +115,8 @@ class Gemm {
   DeviceBuffer workspace_;
   cudaEvent_t ev_start_ = nullptr, ev_stop_ = nullptr;
   bool tuning_ = true;
+  void* dequant_ = nullptr;
+  size_t dequant_bytes_ = 0;
   std::map<Key, std::unique_ptr<Plan>> plans_;
 };
 

@@ -144,9 +144,7 @@ __global__ void __launch_bounds__(kWarps * 32)
     const float b = (bias != nullptr && n < N) ? to_float(bias[n]) : 0.f;
 #pragma unroll
     for (int t = 0; t < TOK; ++t) {
-      float v = acc[r][t] + b;
-      if (act == 1) v = gelu_tanh(v);
-      else if (act == 2) v = gelu_erf(v);
+      const float v = activate(acc[r][t] + b, act);
       if (n < N && lane == ((r * TOK + t) & 31)) out[int64_t(t) * N + n] = from_float<OutT>(v);
     }
   }
@@ -203,7 +201,7 @@ void gemv_nk(OutT* out, const T* in, const T* w, const T* bias, int64_t T_, int6
   if (!gemv_nk_supported(T_, K, N, in, w))
     throw Error("gemv_nk: unsupported problem T=" + std::to_string(T_) + " K=" + std::to_string(K) +
                 " N=" + std::to_string(N));
-  const int a = act == GemmAct::None ? 0 : act == GemmAct::GeluTanh ? 1 : 2;
+  const int a = int(act);  // the code activate() takes (dtype.cuh)
   const int k = int(K), n = int(N);
   switch (T_) {
     case 1: launch<T, OutT, 1>(out, in, w, bias, k, n, a, stream); break;
