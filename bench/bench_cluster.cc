@@ -54,6 +54,7 @@ struct LocalCluster {
   std::unique_ptr<testing::ChildProcess> proc;
   int port = 0;
   std::string backend = "cpu";
+  int gpus = 1;  // cuda: worker i on GPU i % gpus
   int spares = 0;
   bool start(const std::string& bin_dir, const std::string& model, int stages, int in_flight) {
     const std::string logs = (std::filesystem::temp_directory_path() / ("conveyor-bench-" + std::to_string(::getpid()))).string();
@@ -61,6 +62,7 @@ struct LocalCluster {
                                      "--port", "0", "--log-dir", logs};
     if (in_flight > 0) argv.insert(argv.end(), {"--in-flight", std::to_string(in_flight)});
     argv.insert(argv.end(), {"--backend", backend, "--spares", std::to_string(spares)});
+    if (backend == "cuda") argv.insert(argv.end(), {"--gpus", std::to_string(gpus)});
     proc = std::make_unique<testing::ChildProcess>(argv);
     const std::string line = proc->read_line_matching("ready at", std::chrono::seconds(120));
     return std::sscanf(line.c_str(), "conveyor local: ready at http://127.0.0.1:%d", &port) == 1;
@@ -211,7 +213,10 @@ int main(int argc, char** argv) {
   app.add_option("--concurrency", concurrency, "client threads");
   app.add_option("--max-tokens", max_tokens, "tokens per request");
   app.add_option("--in-flight", in_flight, "micro-batches in flight (0: = stages)");
-  app.add_option("--backend", backend, "the workers' backend: cpu or cuda (one GPU)");
+  app.add_option("--backend", backend, "the workers' backend: cpu or cuda");
+  int gpus = 1;
+  app.add_option("--gpus", gpus, "cuda: GPUs to spread the workers over (worker i on GPU i % gpus)")
+      ->check(CLI::Range(1, 64));
   app.add_option("--random", random_shape, "random weights of shape L,C,H with --model's vocabulary");
   app.add_flag("--recovery", recovery_mode, "kill the last stage under a streaming load and measure the pause");
   int spares = 1;
@@ -252,6 +257,7 @@ int main(int argc, char** argv) {
     Engine engine(std::move(w).value());
     LocalCluster cluster;
     cluster.backend = backend;
+    cluster.gpus = gpus;
     if (!cluster.start(bin_dir, model, 1, 0)) {
       std::fprintf(stderr, "the cluster did not start\n");
       return 1;
@@ -298,6 +304,7 @@ int main(int argc, char** argv) {
 
   LocalCluster cluster;
   cluster.backend = backend;
+  cluster.gpus = gpus;
   if (!cluster.start(bin_dir, model, stages, in_flight)) {
     std::fprintf(stderr, "the cluster did not start\n");
     return 1;

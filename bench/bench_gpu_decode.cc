@@ -1,17 +1,24 @@
-// Decode benchmark of one stage holding a whole model with synthetic weights (drawn on
-// the GPU), on one GPU or tensor parallel over --tp GPUs (TpStage): for each shape, prompt
-// length and batch, prefill the prompts (chunks of at most --max-tokens tokens), then
-// generate --new-tokens tokens greedily through the CUDA-graph decode path. Prints time to first token, ms per decode step ("ms/token": one token for
-// every sequence of the batch), tokens/s over the batch, and for batch 1 the bandwidth
-// floor: the bytes one decode step must read (weights) over the device-to-device copy
-// bandwidth measured in the same run (bytes read + bytes written per second).
+// Decode benchmark of a whole model with synthetic weights (drawn on the GPU): one stage on
+// one GPU, tensor parallel over --tp GPUs (TpStage), and/or cut into --pp pipeline stages
+// in this process (stage s on the next --tp GPUs; a stage hands its output rows to every
+// rank of the next with a device-to-device copy, as GPU-direct transfers would, and the
+// host waits for it). For each shape, prompt length and batch, prefill the prompts (chunks
+// of at most --max-tokens tokens), then generate --new-tokens tokens greedily through the
+// CUDA-graph decode path. Prints time to first token, ms per decode step ("ms/token": one
+// token for every sequence of the batch), tokens/s over the batch, the whole request's
+// latency (first token + the decode steps: what FasterTransformer's figures measure), and
+// for batch 1 the bandwidth floor: the bytes one decode step must read (the busiest rank's
+// weights, summed over the pipeline's stages) over the device-to-device copy bandwidth
+// measured in the same run (bytes read + bytes written per second).
 //
 //   conveyor-bench-gpu-decode [--shapes gpt2-xl,gpt3-6.7b] [--batches 1,8,32,128]
 //       [--prompts 128,1024] [--new-tokens 128] [--dtype f16|bf16] [--max-tokens 8192]
-//       [--kv-fraction 0.9] [--no-graphs] [--tp N] [--csv FILE]
+//       [--kv-fraction 0.9] [--no-graphs] [--tp N] [--pp N] [--int8] [--fused-ar] [--csv FILE]
 //
-// --tp N runs the stage over GPUs 0..N-1 (ranks share GPUs where the machine has fewer:
-// a correctness run only, its times mean nothing).
+// --tp N runs each stage over N GPUs (ranks share GPUs where the machine has fewer than
+// tp x pp: a correctness run only, its times mean nothing). --int8: int8 weight-only
+// matrices (quant.h). --fused-ar: tensor-parallel decode steps join the all-reduce with the
+// bias, residual and LayerNorm after it (GpuStageOptions::fused_all_reduce).
 //
 // Each configuration runs twice: a warm-up (GEMM plans timed, graphs captured) with a few
 // decode steps, then the measured run. A configuration whose K/V cache does not fit is
@@ -19,11 +26,14 @@
 // the named shape has less (gpt2-xl: 1024), so every row runs the same work.
 #include <algorithm>
 #include <chrono>
+#include <climits>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
+#include <memory>
 #include <random>
+#include <span>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -57,19 +67,21 @@ struct Args {
   std::vector<std::string> shapes = {"gpt2-xl", "gpt3-6.7b"};
   std::vector<int> batches = {1, 8, 32, 128};
   std::vector<int> prompts = {128, 1024};
-  int new_tokens = 128;
+  std::vector<int> new_tokens = {128};
   std::string dtype = "f16";
   int64_t max_tokens = 8192;
   double kv_fraction = 0.9;
   bool graphs = true;
-  int tp = 1;
+  int tp = 1, pp = 1;
+  bool int8 = false, fused_ar = false;
   std::string csv;
 };
 
 [[noreturn]] void usage() {
   std::fprintf(stderr,
                "usage: conveyor-bench-gpu-decode [--shapes S,..] [--batches N,..] [--prompts N,..] [--new-tokens N]\n"
-               "       [--dtype f16|bf16] [--max-tokens N] [--kv-fraction F] [--no-graphs] [--tp N] [--csv FILE]\n");
+               "       [--dtype f16|bf16] [--max-tokens N] [--kv-fraction F] [--no-graphs] [--tp N] [--pp N] [--int8]\n"
+               "       [--fused-ar] [--csv FILE]\n");
   std::exit(2);
 }
 
@@ -84,16 +96,19 @@ Args parse(int argc, char** argv) {
     if (k == "--shapes") a.shapes = split(val());
     else if (k == "--batches") a.batches = split_ints(val());
     else if (k == "--prompts") a.prompts = split_ints(val());
-    else if (k == "--new-tokens") a.new_tokens = std::stoi(val());
+    else if (k == "--new-tokens") a.new_tokens = split_ints(val());
     else if (k == "--dtype") a.dtype = val();
     else if (k == "--max-tokens") a.max_tokens = std::stoll(val());
     else if (k == "--kv-fraction") a.kv_fraction = std::stod(val());
     else if (k == "--no-graphs") a.graphs = false;
     else if (k == "--tp") a.tp = std::stoi(val());
+    else if (k == "--pp") a.pp = std::stoi(val());
+    else if (k == "--int8") a.int8 = true;
+    else if (k == "--fused-ar") a.fused_ar = true;
     else if (k == "--csv") a.csv = val();
     else usage();
   }
-  if (a.new_tokens < 2 || a.batches.empty() || a.prompts.empty() || a.shapes.empty() || a.tp < 1 || a.tp > 8) usage();
+  if (a.new_tokens.empty() || *std::min_element(a.new_tokens.begin(), a.new_tokens.end()) < 2 || a.batches.empty() || a.prompts.empty() || a.shapes.empty() || a.tp < 1 || a.tp > 8 || a.pp < 1) usage();
   return a;
 }
 
@@ -120,7 +135,7 @@ double ms_since(Clock::time_point t0) {
 
 
 struct Result {
-  double ttft_ms = 0, ms_per_token = 0, p50_ms = 0;
+  double ttft_ms = 0, ms_per_token = 0, p50_ms = 0, total_ms = 0;
   int steps = 0;
 };
 
@@ -128,8 +143,72 @@ void check(const Status& s, const char* what) {
   if (!s.ok()) throw Error(std::string(what) + ": " + s.message());
 }
 
+// The model's layers as pipeline stages of this process, with TpStage's calls.
+class Pipeline {
+ public:
+  explicit Pipeline(std::vector<std::unique_ptr<cuda::TpStage>> stages) : stages_(std::move(stages)) {}
+  const ModelConfig& config() const { return stages_[0]->config(); }
+  int64_t max_tokens() const { return stages_[0]->max_tokens(); }
+  int64_t max_seqs() const { return stages_[0]->max_seqs(); }
+  int64_t kv_capacity_tokens() const {
+    int64_t n = INT64_MAX;
+    for (const auto& s : stages_) n = std::min(n, s->kv_capacity_tokens());
+    return n;
+  }
+  int64_t decode_weight_bytes() const {  // the stages run one after the other
+    int64_t n = 0;
+    for (const auto& s : stages_) n += s->decode_weight_bytes();
+    return n;
+  }
+  std::string memory_report() const {
+    std::string r;
+    for (const auto& s : stages_) r += "\n#   " + s->memory_report();
+    return r;
+  }
+  cuda::TpStage& last() { return *stages_.back(); }
+  void clear() {
+    for (auto& s : stages_) s->clear();
+  }
+  Status embed(std::span<const SeqSlice> slices, const int32_t* ids) { return stages_[0]->embed(slices, ids); }
+  Status forward(std::span<const SeqSlice> slices) {
+    for (size_t i = 0; i < stages_.size(); ++i) {
+      if (Status s = stages_[i]->forward(slices); !s) return s;
+      if (i + 1 < stages_.size()) hand_over(i, total_tokens(slices));
+    }
+    return ok_status();
+  }
+  Status logits(std::span<const SeqSlice> slices, bool all, float* out) { return last().logits(slices, all, out); }
+  Status sample(std::span<const cuda::SampleRow> rows, int32_t* out) { return last().sample(rows, out); }
+  Status decode(std::span<const SeqSlice> slices, const int32_t* ids, std::span<const cuda::SampleRow> rows,
+                int32_t* out) {
+    for (size_t i = 0; i < stages_.size(); ++i) {
+      const bool is_last = i + 1 == stages_.size();
+      if (Status s = stages_[i]->decode(slices, i == 0 ? ids : nullptr, is_last ? rows : std::span<const cuda::SampleRow>{},
+                                        is_last ? out : nullptr);
+          !s)
+        return s;
+      if (!is_last) hand_over(i, int64_t(slices.size()));
+    }
+    return ok_status();
+  }
+
+ private:
+  // Stage i's output rows (rank 0's copy) into every rank of stage i + 1.
+  void hand_over(size_t i, int64_t rows) {
+    cuda::GpuStage& from = stages_[i]->lead();
+    const size_t bytes = size_t(rows * config().n_embd) * dtype_bytes(from.dtype());
+    for (int r = 0; r < stages_[i + 1]->ranks(); ++r) {
+      cuda::GpuStage& to = stages_[i + 1]->rank(r);
+      CUDA_CHECK(cudaMemcpyPeerAsync(to.hidden_device(), to.device(), from.hidden_device(), from.device(), bytes,
+                                     from.stream()));
+    }
+    CUDA_CHECK(cudaStreamSynchronize(from.stream()));
+  }
+  std::vector<std::unique_ptr<cuda::TpStage>> stages_;
+};
+
 // Prefill `batch` prompts of `prompt` tokens, then `decode_steps` greedy decode steps.
-Result run_once(cuda::TpStage& stage, int batch, int prompt, int decode_steps, std::mt19937& rng) {
+Result run_once(Pipeline& stage, int batch, int prompt, int decode_steps, std::mt19937& rng) {
   const int64_t V = stage.config().vocab_size;
   stage.clear();
   std::vector<std::vector<int32_t>> prompts(static_cast<size_t>(batch));
@@ -186,9 +265,11 @@ Result run_once(cuda::TpStage& stage, int batch, int prompt, int decode_steps, s
     next = out;
   }
   r.steps = decode_steps;
+  r.total_ms = r.ttft_ms;
   if (!times.empty()) {
     double sum = 0;
     for (double t : times) sum += t;
+    r.total_ms += sum;
     r.ms_per_token = sum / double(times.size());
     std::nth_element(times.begin(), times.begin() + int64_t(times.size() / 2), times.end());
     r.p50_ms = times[times.size() / 2];
@@ -214,12 +295,13 @@ int main(int argc, char** argv) {
     std::ofstream csv;
     if (!args.csv.empty()) {
       csv.open(args.csv);
-      csv << "shape,dtype,tp,batch,prompt,new_tokens,ttft_ms,ms_per_token,p50_ms,tokens_per_s,floor_ms,fraction_of_floor\n";
+      csv << "shape,dtype,weights,tp,pp,batch,prompt,new_tokens,ttft_ms,ms_per_token,p50_ms,tokens_per_s,floor_ms,"
+             "fraction_of_floor,total_ms\n";
     }
     std::vector<std::string> table;
     char line[512];
-    std::snprintf(line, sizeof line, "%-10s %-5s %5s %6s %10s %9s %9s %10s %9s %8s", "shape", "dtype", "batch", "prompt",
-                  "ttft_ms", "ms/token", "p50_ms", "tokens/s", "floor_ms", "floor%");
+    std::snprintf(line, sizeof line, "%-10s %-5s %5s %6s %5s %10s %9s %9s %10s %9s %8s %10s", "shape", "dtype", "batch",
+                  "prompt", "new", "ttft_ms", "ms/token", "p50_ms", "tokens/s", "floor_ms", "floor%", "total_ms");
     table.push_back(line);
     std::mt19937 rng(1234);
     const int max_prompt = *std::max_element(args.prompts.begin(), args.prompts.end());
@@ -228,7 +310,8 @@ int main(int argc, char** argv) {
       auto cfg_or = named_model_shape(shape);
       if (!cfg_or.ok()) throw Error(cfg_or.error());
       ModelConfig cfg = *cfg_or;
-      cfg.n_positions = std::max<int64_t>(cfg.n_positions, max_prompt + args.new_tokens);
+      const int max_new = *std::max_element(args.new_tokens.begin(), args.new_tokens.end());
+      cfg.n_positions = std::max<int64_t>(cfg.n_positions, max_prompt + max_new);
       cuda::GpuStageOptions o;
       o.dtype = args.dtype == "bf16" ? DType::BF16 : DType::F16;
       o.name = shape;
@@ -236,46 +319,59 @@ int main(int argc, char** argv) {
       o.max_seqs = std::max(max_batch, 1);
       o.kv_cache_fraction = args.kv_fraction;
       o.cuda_graphs = args.graphs;
+      o.int8_weights = args.int8;
+      o.fused_all_reduce = args.fused_ar;
       const auto t0 = Clock::now();
-      std::vector<int> gpus;
-      for (int r = 0; r < args.tp; ++r) gpus.push_back(r % devices);
-      auto stage = cuda::TpStage::create_synthetic(cfg, 0, cfg.n_layer, 42, gpus, o);
-      std::printf("# %s (n_positions %lld, tp %d%s): built in %.1f s; %s\n", shape.c_str(), (long long)cfg.n_positions,
-                  args.tp, args.tp > devices ? ", ranks sharing GPUs: times not meaningful" : "", ms_since(t0) / 1e3,
+      std::vector<std::unique_ptr<cuda::TpStage>> stages;
+      for (int s = 0; s < args.pp; ++s) {
+        std::vector<int> gpus;
+        for (int r = 0; r < args.tp; ++r) gpus.push_back((s * args.tp + r) % devices);
+        o.name = shape + (args.pp > 1 ? " stage " + std::to_string(s) : "");
+        stages.push_back(cuda::TpStage::create_synthetic(cfg, cfg.n_layer * s / args.pp, cfg.n_layer * (s + 1) / args.pp,
+                                                         42, gpus, o));
+      }
+      auto stage = std::make_unique<Pipeline>(std::move(stages));
+      std::printf("# %s (n_positions %lld, %s weights, tp %d, pp %d%s): built in %.1f s%s\n", shape.c_str(),
+                  (long long)cfg.n_positions, args.int8 ? "int8" : args.dtype.c_str(), args.tp, args.pp,
+                  args.tp * args.pp > devices ? ", ranks sharing GPUs: times not meaningful" : "", ms_since(t0) / 1e3,
                   stage->memory_report().c_str());
       const double floor_ms = double(stage->decode_weight_bytes()) / bw * 1e3;
       for (int prompt : args.prompts) {
         for (int batch : args.batches) {
-          const int64_t pages_per_seq = (prompt + args.new_tokens + cuda::kPageTokens - 1) / cuda::kPageTokens;
+         for (int new_tokens : args.new_tokens) {
+          const int64_t pages_per_seq = (prompt + new_tokens + cuda::kPageTokens - 1) / cuda::kPageTokens;
           if (batch * pages_per_seq * cuda::kPageTokens > stage->kv_capacity_tokens()) {
-            std::snprintf(line, sizeof line, "%-10s %-5s %5d %6d   skipped: the K/V cache holds %lld positions, %lld needed",
-                          shape.c_str(), args.dtype.c_str(), batch, prompt, (long long)stage->kv_capacity_tokens(),
+            std::snprintf(line, sizeof line, "%-10s %-5s %5d %6d %5d   skipped: the K/V cache holds %lld positions, %lld needed",
+                          shape.c_str(), args.dtype.c_str(), batch, prompt, new_tokens, (long long)stage->kv_capacity_tokens(),
                           (long long)(batch * pages_per_seq * cuda::kPageTokens));
             table.push_back(line);
             std::printf("%s\n", line);
             continue;
           }
           run_once(*stage, batch, prompt, 3, rng);  // warm-up: plans, graphs
-          const Result r = run_once(*stage, batch, prompt, args.new_tokens - 1, rng);
+          const Result r = run_once(*stage, batch, prompt, new_tokens - 1, rng);
           const double tps = batch * 1e3 / r.ms_per_token;
           char floor_s[32] = "-", frac_s[32] = "-";
           if (batch == 1) {
             std::snprintf(floor_s, sizeof floor_s, "%.3f", floor_ms);
             std::snprintf(frac_s, sizeof frac_s, "%.1f%%", 100.0 * floor_ms / r.ms_per_token);
           }
-          std::snprintf(line, sizeof line, "%-10s %-5s %5d %6d %10.2f %9.3f %9.3f %10.1f %9s %8s", shape.c_str(),
-                        args.dtype.c_str(), batch, prompt, r.ttft_ms, r.ms_per_token, r.p50_ms, tps, floor_s, frac_s);
+          std::snprintf(line, sizeof line, "%-10s %-5s %5d %6d %5d %10.2f %9.3f %9.3f %10.1f %9s %8s %10.1f", shape.c_str(),
+                        args.int8 ? "int8" : args.dtype.c_str(), batch, prompt, new_tokens, r.ttft_ms, r.ms_per_token, r.p50_ms, tps,
+                        floor_s, frac_s, r.total_ms);
           table.push_back(line);
           std::printf("%s\n", line);
           std::fflush(stdout);
           if (csv.is_open())
-            csv << shape << "," << args.dtype << "," << args.tp << "," << batch << "," << prompt << "," << args.new_tokens << "," << r.ttft_ms
+            csv << shape << "," << args.dtype << "," << (args.int8 ? "int8" : args.dtype) << "," << args.tp << ","
+                << args.pp << "," << batch << "," << prompt << "," << new_tokens << "," << r.ttft_ms
                 << "," << r.ms_per_token << "," << r.p50_ms << "," << tps << "," << (batch == 1 ? floor_ms : 0) << ","
-                << (batch == 1 ? floor_ms / r.ms_per_token : 0) << "\n";
+                << (batch == 1 ? floor_ms / r.ms_per_token : 0) << "," << r.total_ms << "\n";
+         }
         }
       }
       if (std::getenv("CONVEYOR_BENCH_PLANS"))
-        std::printf("# GEMM plans:\n%s", stage->lead().gemm().describe_plans().c_str());
+        std::printf("# GEMM plans:\n%s", stage->last().lead().gemm().describe_plans().c_str());
     }
     std::printf("\n");
     for (const auto& l : table) std::printf("%s\n", l.c_str());

@@ -50,6 +50,7 @@ struct LocalOptions {
   std::string backend = "cpu";  // the workers' --backend
   int gpus = 1;                  // cuda: worker i runs on GPU i % gpus
   std::string dtype = "f16";
+  bool int8_weights = false;     // cuda: int8 weight-only layer matrices
   int tp = 1;                    // cpu: tensor-parallel threads per worker
 };
 void add_local_command(CLI::App& app, LocalOptions& options);

@@ -147,6 +147,7 @@ void add_local_command(CLI::App& app, LocalOptions& o) {
   cmd->add_option("--gpus", o.gpus, "cuda: GPUs to spread the workers over (worker i on GPU i % gpus)")
       ->check(CLI::Range(1, 64));
   cmd->add_option("--dtype", o.dtype, "cuda: f16 or bf16")->check(CLI::IsMember({"f16", "bf16"}));
+  cmd->add_flag("--int8-weights", o.int8_weights, "cuda: int8 weight-only layer matrices (converted at load)");
   cmd->add_option("--tp", o.tp, "tensor-parallel ranks per worker: threads (cpu) or GPUs (cuda)")->check(CLI::Range(1, 256));
   cmd->add_flag("--verbose", o.verbose, "daemons log to this terminal");
 }
@@ -221,6 +222,7 @@ int local_command(const LocalOptions& o) {
       argv.insert(argv.end(), {"--gpus", gpus, "--dtype", o.dtype,
                                // several ranks may share a GPU: each takes a share of what is left
                                "--gpu-memory-fraction", std::to_string(0.9 / per_gpu)});
+      if (o.int8_weights) argv.push_back("--int8-weights");
     }
     const pid_t pid = spawn(argv,
                             o.verbose ? "" : (dir / (name + ".log")).string(), nullptr);

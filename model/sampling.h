@@ -57,6 +57,15 @@ struct SamplingParams {
 // finite penalties, min_tokens >= 0, stop ids in [0, vocab_size)); the error names the field.
 Status validate_sampling_params(const SamplingParams& params, int64_t vocab_size);
 
+// One row of logits to choose from, with what sample_next would be given for it (a
+// backend that samples where its logits are, e.g. the GPU, takes these).
+struct SampleRow {
+  const SamplingParams* params = nullptr;
+  std::span<const int32_t> prompt;     // repetition penalty history (with generated)
+  std::span<const int32_t> generated;  // its size is the step (the Philox counter)
+  uint64_t sample_index = 0;
+};
+
 // Steps 1-8 above. `logits` is mutated (penalties, temperature). `sample_index` tells
 // apart the n independent choices of one request.
 int32_t sample_next(std::span<float> logits, const SamplingParams& params,

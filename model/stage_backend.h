@@ -12,6 +12,7 @@
 #include "common/model_config.h"
 #include "common/status.h"
 #include "model/cpu_stage.h"
+#include "model/sampling.h"
 
 namespace conveyor {
 
@@ -26,6 +27,16 @@ class StageBackend {
   virtual Status embed(std::span<const SeqSlice> slices, const int32_t* token_ids, float* hidden) = 0;
   virtual Status forward(std::span<const SeqSlice> slices, float* hidden) = 0;
   virtual Status logits(std::span<const SeqSlice> slices, const float* hidden, bool all_positions, float* out) = 0;
+
+  // Last stage, a backend that chooses tokens where its logits are (the GPU: no logits cross
+  // to the host): for slice i, the token sample_next would draw from its last row given
+  // rows[i], and that token's log-prob under the raw logits. The executor uses it when no
+  // slice asks for more than the chosen token's log-prob.
+  virtual bool samples_in_place() const { return false; }
+  virtual Status sample_last(std::span<const SeqSlice> /*slices*/, const float* /*hidden*/,
+                             std::span<const SampleRow> /*rows*/, int32_t* /*tokens*/, float* /*logprobs*/) {
+    return Status::error(describe() + ": this backend samples on the host");
+  }
 
   virtual void free_sequence(uint64_t seq_id) = 0;
   virtual void clear() = 0;

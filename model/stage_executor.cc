@@ -53,11 +53,44 @@ Status StageExecutor::run(const MicroBatch& batch, std::vector<float>& hidden, B
   return sample_outputs(batch, hidden, *result);
 }
 
+Status StageExecutor::sample_in_place(const MicroBatch& batch, const std::vector<float>& hidden, BatchResult& result) {
+  static const SamplingParams kGreedy = [] {
+    SamplingParams p;
+    p.temperature = 0;
+    return p;
+  }();
+  const std::vector<SeqSlice> slices = batch.slices();
+  std::vector<SampleRow> rows(slices.size());
+  for (size_t i = 0; i < batch.seqs.size(); ++i) {
+    const SeqWork& w = batch.seqs[i];
+    rows[i].params = &kGreedy;  // a slice that does not sample: its choice is dropped
+    if (!w.sample) continue;
+    const std::vector<int32_t>& h = history_[w.slice.seq_id];
+    const size_t plen = std::min(h.size(), size_t(std::max(0, w.prompt_len)));
+    rows[i] = SampleRow{&w.sampling, {h.data(), plen}, {h.data() + plen, h.size() - plen}, w.sample_index};
+  }
+  std::vector<int32_t> tokens(slices.size());
+  std::vector<float> logprobs(slices.size());
+  if (Status s = backend_->sample_last(slices, hidden.data(), rows, tokens.data(), logprobs.data()); !s.ok()) return s;
+  result.seqs.clear();
+  for (size_t i = 0; i < batch.seqs.size(); ++i) {
+    SeqResult out;
+    out.seq_id = batch.seqs[i].slice.seq_id;
+    if (batch.seqs[i].sample) out.token = tokens[i], out.logprob = logprobs[i];
+    result.seqs.push_back(std::move(out));
+  }
+  return ok_status();
+}
+
 Status StageExecutor::sample_outputs(const MicroBatch& batch, const std::vector<float>& hidden,
                                      BatchResult& result) {
   const int64_t V = config().vocab_size;
-  bool all_rows = false;
-  for (const SeqWork& w : batch.seqs) all_rows = all_rows || w.prompt_logprobs;
+  bool all_rows = false, host_only = false;  // host_only: a slice asks for log-probs beyond the chosen token's
+  for (const SeqWork& w : batch.seqs) {
+    all_rows = all_rows || w.prompt_logprobs;
+    host_only = host_only || w.prompt_logprobs || w.top_logprobs > 0;
+  }
+  if (backend_->samples_in_place() && !host_only) return sample_in_place(batch, hidden, result);
   const std::vector<SeqSlice> slices = batch.slices();
   const int64_t rows = all_rows ? batch.total_tokens() : int64_t(slices.size());
   logits_.resize(size_t(rows * V));

@@ -1,11 +1,13 @@
 // StageExecutor: what a stage worker does with one MicroBatch, on any StageBackend (the CPU
-// stage, or a GPU stage: sampling runs here on the host either way, so both backends draw
-// tokens with the same code).
+// stage, or a GPU stage).
 //
 //   first stage:  embed the header's token ids, run the layers, hand on the activations
 //   middle:       run the layers on the activations received, hand them on
 //   last stage:   run the layers, then ln_f + LM head, sample (model/sampling.h) and
-//                 report log-probs into a BatchResult for the coordinator
+//                 report log-probs into a BatchResult for the coordinator. A backend that
+//                 samples in place (the GPU: the same algorithm and Philox counters)
+//                 chooses the tokens where its logits are, unless a slice asks for top or
+//                 prompt log-probs: those batches bring their logits to the host.
 //
 // The last stage keeps each sequence's token history (every token id that passed through
 // in a header) for the repetition/presence penalties and min_tokens; it is dropped with
@@ -47,6 +49,8 @@ class StageExecutor {
 
  private:
   Status sample_outputs(const MicroBatch& batch, const std::vector<float>& hidden, BatchResult& result);
+  // The backend chooses the tokens where its logits are (StageBackend::samples_in_place).
+  Status sample_in_place(const MicroBatch& batch, const std::vector<float>& hidden, BatchResult& result);
 
   std::unique_ptr<StageBackend> backend_;
   std::unordered_map<uint64_t, std::vector<int32_t>> history_;  // last stage only

@@ -14,8 +14,9 @@
 # peer, CHECK_BENCH=0 the decode benchmark, CHECK_KERNELS=0 the per-kernel profile,
 # CHECK_CLUSTER=0 the local cluster, CHECK_TP=0 the tensor-parallel part (the all-reduce and
 # TpStage tests everywhere; with two GPUs or more also the all-reduce table and the decode
-# benchmark at tp 1 and 2), BENCH_ARGS / PEER_ARGS / TP_BENCH_ARGS override the benchmark
-# arguments.
+# benchmark at tp 1 and 2, for each of TP_WEIGHTS: "f16", "int8" or both), CHECK_INT8=0
+# the int8 weight-only tests and GEMM benchmark, BENCH_ARGS / PEER_ARGS / TP_BENCH_ARGS
+# override the benchmark arguments.
 set -u
 set -o pipefail
 
@@ -26,7 +27,9 @@ if [[ "${1:-}" == "--pack" ]]; then
   build="$2"; bundle="$3"
   stage="$(mktemp -d)"
   for p in tests/test_cuda_ops tests/test_gpu_stage tests/test_gpu_hf_conformance tests/test_gpu_stage_backend \
-           tests/test_custom_all_reduce tests/test_tp_all_reduce tests/test_tp_stage bin/conveyor-bench-all-reduce \
+           tests/test_custom_all_reduce tests/test_tp_all_reduce tests/test_tp_stage tests/test_quant \
+           tests/test_gpu_pipeline \
+           bin/conveyor-bench-all-reduce bin/conveyor-bench-int8-gemm \
            bin/conveyor-bench-gpu-decode bin/conveyor-bench-gpu-kernels bin/conveyor-bench-cluster \
            bin/conveyor bin/conveyor-coordinator bin/conveyor-worker; do
     strip -o "$stage/$(basename "$p")" "$build/$p" || exit 1
@@ -48,6 +51,7 @@ if [[ "${1:-}" == "--bundle" ]]; then
   dir="$(mktemp -d)"
   tar -C "$dir" -xJf "$2" || exit 1
   tests="$dir"; bins="$dir"
+  export CONVEYOR_BIN_DIR="$dir"
   export LD_LIBRARY_PATH="$dir:/usr/local/cuda/lib64:/usr/local/cuda/lib:${LD_LIBRARY_PATH:-}"
   [[ -d "$dir/ucx" ]] && export UCX_MODULE_DIR="$dir/ucx"
 elif [[ $# -ge 1 ]]; then
@@ -59,6 +63,10 @@ fi
 out="${OUT:-/tmp/gpu_check}"
 mkdir -p "$out"
 export CONVEYOR_SOURCE_DIR="$repo"
+# Ranks of a tensor-parallel test that share a GPU wait for each other inside kernels: their
+# streams must not share a hardware queue (8 by default), and no kernel may be loaded on
+# first launch (that waits for the running ones). See tests/test_util.h.
+export CUDA_DEVICE_MAX_CONNECTIONS="${CUDA_DEVICE_MAX_CONNECTIONS:-32}" CUDA_MODULE_LOADING=EAGER
 summary=()
 t_start=$SECONDS
 
@@ -82,6 +90,7 @@ echo "== CUDA op tests"; run_tests test_cuda_ops "$tests/test_cuda_ops"
 echo "== GPU stage tests"; run_tests test_gpu_stage "$tests/test_gpu_stage"
 echo "== HF conformance on the GPU"; run_tests test_gpu_hf_conformance "$tests/test_gpu_hf_conformance"
 echo "== the worker's GPU backend"; run_tests test_gpu_stage_backend "$tests/test_gpu_stage_backend"
+echo "== two GPU worker processes as a pipeline"; run_tests test_gpu_pipeline "$tests/test_gpu_pipeline"
 grep -E '^\[(fixture|note)\]' "$out/test_gpu_hf_conformance.log" | head -40
 
 if [[ "${CHECK_TP:-1}" != "0" ]]; then
@@ -94,14 +103,23 @@ if [[ "${CHECK_TP:-1}" != "0" ]]; then
     timeout 120 "$bins/conveyor-bench-all-reduce" 2>&1 | tee "$out/all_reduce.log"
     summary+=("bench-all-reduce: rc=$?")
     tp_args=${TP_BENCH_ARGS:-"--shapes gpt3-6.7b,gpt3-13b --batches 1,32 --prompts 128 --new-tokens 64"}
-    for tp in 1 2; do
-      echo "== decode benchmark, tp $tp"
-      # shellcheck disable=SC2086
-      timeout 240 "$bins/conveyor-bench-gpu-decode" $tp_args --tp "$tp" --csv "$out/bench_tp$tp.csv" 2>&1 |
-        tee "$out/bench_tp$tp.log"
-      summary+=("bench tp $tp: rc=$?")
+    for w in ${TP_WEIGHTS:-f16}; do
+      for tp in 1 2; do
+        echo "== decode benchmark, $w weights, tp $tp"
+        # shellcheck disable=SC2046,SC2086
+        timeout 240 "$bins/conveyor-bench-gpu-decode" $tp_args --tp "$tp" $([[ $w == int8 ]] && echo --int8) \
+          --csv "$out/bench_${w}_tp$tp.csv" 2>&1 | tee "$out/bench_${w}_tp$tp.log"
+        summary+=("bench $w tp $tp: rc=$?")
+      done
     done
   fi
+fi
+
+if [[ "${CHECK_INT8:-1}" != "0" ]]; then
+  echo "== int8 weight-only: kernels and GEMM benchmark"
+  run_tests test_quant "$tests/test_quant"
+  timeout 180 "$bins/conveyor-bench-int8-gemm" 2>&1 | tee "$out/int8_gemm.log"
+  summary+=("bench-int8-gemm: rc=$?")
 fi
 
 if [[ "${CHECK_BENCH:-1}" != "0" ]]; then
@@ -149,7 +167,10 @@ def rows(path):
         f = line.split()
         if len(f) >= 8 and f[2].isdigit() and f[3].isdigit() and "skipped" not in line:
             try:
-                r[(f[0], int(f[2]), int(f[3]))] = (float(f[4]), float(f[5]), f[8], f[9] if len(f) > 9 else "-")
+                if f[4].isdigit() and len(f) >= 12:  # ours: shape dtype batch prompt new ttft ms/token p50 tok/s floor floor% total
+                    r[(f[0], int(f[2]), int(f[3]))] = (float(f[5]), float(f[6]), f[9], f[10])
+                else:  # the peer's
+                    r[(f[0], int(f[2]), int(f[3]))] = (float(f[4]), float(f[5]), f[8], f[9] if len(f) > 9 else "-")
             except ValueError:
                 pass
     return r

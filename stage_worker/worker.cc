@@ -252,6 +252,7 @@ struct Worker::Impl {
 #ifdef CONVEYOR_HAVE_CUDA
     cuda::GpuStageOptions o;
     o.dtype = opt.dtype == "bf16" ? DType::BF16 : DType::F16;
+    o.int8_weights = opt.int8_weights;
     o.name = opt.name + " stage " + std::to_string(a.stage) + " (layers " + std::to_string(a.layer_begin) + ".." +
              std::to_string(a.layer_end) + ")";
     o.kv_cache_fraction = opt.gpu_memory_fraction;

@@ -38,6 +38,7 @@ struct WorkerOptions {
   int tensor_parallel = 1;               // the stage's layers run over this many threads (cpu) or GPUs (cuda)
   std::vector<int> gpus = {0};           // cuda: the GPUs of the stage, in rank order (tensor_parallel of them)
   std::string dtype = "f16";             // cuda: f16 | bf16
+  bool int8_weights = false;             // cuda: layer matrices int8 weight-only (per-channel scales)
   double gpu_memory_fraction = 0.9;      // cuda: of the memory left after weights, for the K/V cache
   std::chrono::milliseconds heartbeat_interval{500};
   std::chrono::milliseconds coordinator_liveness{3000};

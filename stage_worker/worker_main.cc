@@ -34,6 +34,8 @@ int main(int argc, char** argv) {
       ->delimiter(',')
       ->check(CLI::NonNegativeNumber);
   app.add_option("--dtype", opt.dtype, "cuda: f16 or bf16")->check(CLI::IsMember({"f16", "bf16"}));
+  app.add_flag("--int8-weights", opt.int8_weights,
+               "cuda: store the layer matrices as int8 with a scale per output channel (converted at load)");
   app.add_option("--gpu-memory-fraction", opt.gpu_memory_fraction,
                  "cuda: share of the GPU memory left after the weights that the K/V cache takes")
       ->check(CLI::Range(0.01, 0.99));
@@ -60,8 +62,8 @@ int main(int argc, char** argv) {
     }
     opt.gpus = gpus;
     opt.tensor_parallel = int(gpus.size());
-  } else if (!gpus.empty()) {
-    std::cerr << "conveyor-worker: --gpus is for --backend cuda\n";
+  } else if (!gpus.empty() || opt.int8_weights) {
+    std::cerr << "conveyor-worker: --gpus and --int8-weights are for --backend cuda\n";
     return 2;
   }
   spdlog::set_default_logger(spdlog::stderr_color_mt("worker"));

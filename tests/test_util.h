@@ -13,4 +13,25 @@ inline std::string source_dir() {
   return CONVEYOR_SOURCE_DIR;
 }
 
+// Tensor-parallel ranks sharing one GPU (how a one-GPU machine tests the split) wait for
+// each other inside kernels, which only works when nothing makes one rank wait for the
+// GPU to go idle while another spins: their streams must never share a hardware queue
+// (CUDA_DEVICE_MAX_CONNECTIONS >= 16; the default, 8, can serialise two ranks' kernels),
+// and kernels must be loaded at start (CUDA_MODULE_LOADING=EAGER; loading one lazily, on
+// first launch, waits for the context's running kernels). scripts/gpu_check.sh sets both;
+// tests skip their shared-GPU variants otherwise.
+inline bool gpu_sharing_ranks_allowed() {
+  const char* connections = std::getenv("CUDA_DEVICE_MAX_CONNECTIONS");
+  const char* loading = std::getenv("CUDA_MODULE_LOADING");
+  return connections != nullptr && std::atoi(connections) >= 16 && loading != nullptr &&
+         std::string(loading) == "EAGER";
+}
+
+// The folder of the programs (conveyor-coordinator, conveyor-worker, ...): $CONVEYOR_BIN_DIR
+// when set (a bundle keeps them beside the tests), else the build tree's bin/.
+inline std::string bin_dir() {
+  if (const char* env = std::getenv("CONVEYOR_BIN_DIR"); env && *env) return env;
+  return std::string(CONVEYOR_BINARY_DIR) + "/bin";
+}
+
 }  // namespace conveyor::testing

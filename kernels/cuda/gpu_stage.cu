@@ -8,6 +8,7 @@
 
 #include "kernels/cuda/attention.h"
 #include "kernels/cuda/ops.h"
+#include "kernels/cuda/quant.h"
 #include "kernels/cuda/synthetic.h"
 
 namespace conveyor::cuda {
@@ -121,42 +122,54 @@ void GpuStage::allocate_weights() {
   const int64_t C = config_.n_embd, W = width_, I = inner_, V = config_.vocab_size, P = config_.n_positions;
   const int64_t e = int64_t(dtype_bytes(options_.dtype));
   const int64_t L = layer_end_ - layer_begin_;
+  const bool int8 = options_.int8_weights;
   // Offsets first (elements -> bytes, each aligned), then one allocation.
   int64_t bytes = 0;
-  auto take = [&](int64_t elems) {
+  auto take = [&](int64_t elems, int64_t elem_bytes) {
     const int64_t off = bytes;
-    bytes = align_up(bytes + elems * e, kAlign);
+    bytes = align_up(bytes + elems * elem_bytes, kAlign);
     return off;
   };
   struct Offsets {
-    int64_t v[12];
+    int64_t v[12], s[4];
   };
   std::vector<Offsets> lo(static_cast<size_t>(L));
   int64_t layer_bytes = 0;
   for (int64_t l = 0; l < L; ++l) {
     const int64_t before = bytes;
     const int64_t sizes[12] = {C, C, 3 * W * C, 3 * W, C * W, C, C, C, I * C, I, C * I, C};
-    for (int i = 0; i < 12; ++i) lo[size_t(l)].v[i] = take(sizes[i]);
+    const bool matrix[12] = {false, false, true, false, true, false, false, false, true, false, true, false};
+    for (int i = 0; i < 12; ++i) lo[size_t(l)].v[i] = take(sizes[i], matrix[i] && int8 ? 1 : e);
+    const int64_t rows[4] = {3 * W, C, I, C};  // output channels of qkv, proj, fc, fc2
+    for (int i = 0; i < 4 && int8; ++i) lo[size_t(l)].s[i] = take(rows[i], int64_t(sizeof(float)));
     layer_bytes += bytes - before;
   }
+  auto take_e = [&](int64_t elems) { return take(elems, e); };
   int64_t wte = -1, wpe = -1, lnf_g = -1, lnf_b = -1, head = -1;
   if (has_embedding()) {
-    wte = take(V * C);
-    wpe = take(P * C);
+    wte = take_e(V * C);
+    wpe = take_e(P * C);
   }
   if (holds_head()) {
-    lnf_g = take(C);
-    lnf_b = take(C);
-    if (!(has_embedding() && config_.tie_word_embeddings)) head = take(V * C);
+    lnf_g = take_e(C);
+    lnf_b = take_e(C);
+    if (!(has_embedding() && config_.tie_word_embeddings)) head = take_e(V * C);
   }
   weights_buf_ = device_alloc(size_t(bytes), options_.name,
-                              "weights (" + std::to_string(L) + " layers, " + std::string(dtype_name(options_.dtype)) + ")");
+                              "weights (" + std::to_string(L) + " layers, " + std::string(dtype_name(options_.dtype)) +
+                                  (int8 ? ", int8 matrices" : "") + ")");
   char* base = weights_buf_.as<char>();
   layers_.resize(size_t(L));
   for (int64_t l = 0; l < L; ++l) {
     const int64_t* o = lo[size_t(l)].v;
-    layers_[size_t(l)] = LayerPtrs{base + o[0], base + o[1], base + o[2], base + o[3], base + o[4],  base + o[5],
-                                   base + o[6], base + o[7], base + o[8], base + o[9], base + o[10], base + o[11]};
+    LayerPtrs& p = layers_[size_t(l)];
+    p = LayerPtrs{base + o[0], base + o[1], base + o[2], base + o[3], base + o[4],  base + o[5],
+                  base + o[6], base + o[7], base + o[8], base + o[9], base + o[10], base + o[11]};
+    if (int8) {
+      const int64_t* s = lo[size_t(l)].s;
+      auto f = [&](int64_t off) { return reinterpret_cast<float*>(base + off); };
+      p.qkv_s = f(s[0]), p.proj_s = f(s[1]), p.fc_s = f(s[2]), p.fc2_s = f(s[3]);
+    }
   }
   if (wte >= 0) wte_ = base + wte, wpe_ = base + wpe;
   if (lnf_g >= 0) lnf_g_ = base + lnf_g, lnf_b_ = base + lnf_b;
@@ -178,6 +191,10 @@ void GpuStage::allocate_runtime() {
   proj_ = device_alloc(R * C * e, n, "activations (projection)");
   fc_ = device_alloc(R * I * e, n, "activations (mlp)");
   staging_f32_ = device_alloc(R * C * sizeof(float), n, "fp32 staging");
+  if (options_.int8_weights && layer_end_ > layer_begin_) {  // the largest layer matrix, for prefill GEMMs
+    dequant_ = device_alloc(size_t(std::max({3 * W * C, C * W, I * C})) * e, n, "int8 dequantisation workspace");
+    gemm_->set_dequant_workspace(dequant_.get(), dequant_.bytes());
+  }
   for (DeviceBuffer* b : {&hidden_, &ln_, &qkv_, &attn_, &proj_, &fc_})
     CUDA_CHECK(cudaMemsetAsync(b->get(), 0, b->bytes(), stream_));
   if (holds_head()) {
@@ -186,6 +203,9 @@ void GpuStage::allocate_runtime() {
     logits_ = device_alloc(size_t(logits_rows_ * V) * sizeof(float), n, "logits");
     tokens_dev_ = device_alloc(size_t(max_step_seqs_) * sizeof(int32_t), n, "sampled tokens");
     tokens_host_ = PinnedBuffer(size_t(max_step_seqs_) * sizeof(int32_t), n + " sampled tokens");
+    raw_logits_ = device_alloc(size_t(logits_rows_ * V) * sizeof(float), n, "raw logits");
+    logprobs_dev_ = device_alloc(size_t(max_step_seqs_) * sizeof(float), n, "sampled log-probs");
+    logprobs_host_ = PinnedBuffer(size_t(max_step_seqs_) * sizeof(float), n + " sampled log-probs");
     sampler_ = std::make_unique<GpuSampler>(n, max_step_seqs_, V);
   }
   const int64_t meta_ints = 3 * max_rows_ + 4 * max_step_seqs_ + max_step_seqs_ * max_pages_;
@@ -245,13 +265,14 @@ void GpuStage::shrink_kv_cache(int64_t pages) {
 std::string GpuStage::memory_report() const {
   std::ostringstream os;
   const int64_t act = int64_t(hidden_.bytes() + ln_.bytes() + qkv_.bytes() + attn_.bytes() + proj_.bytes() + fc_.bytes() +
-                              head_in_.bytes() + logits_.bytes() + staging_f32_.bytes());
-  const int64_t ws = int64_t(Gemm::kWorkspaceBytes + decode_partial_.bytes() + decode_counters_.bytes() + meta_dev_.bytes()) +
+                              head_in_.bytes() + logits_.bytes() + raw_logits_.bytes() + staging_f32_.bytes());
+  const int64_t ws = int64_t(Gemm::kWorkspaceBytes + decode_partial_.bytes() + decode_counters_.bytes() + meta_dev_.bytes() +
+                             dequant_.bytes()) +
                      (sampler_ ? sampler_->device_bytes() : 0);
   os << options_.name << " on device " << device_;
   if (options_.tp_ranks > 1) os << " (tensor-parallel rank " << options_.tp_rank << " of " << options_.tp_ranks << ")";
   os << ": layers [" << layer_begin_ << ", " << layer_end_ << ") "
-     << dtype_name(options_.dtype) << "; weights " << gib(weight_bytes_) << " (a decode step reads "
+     << dtype_name(options_.dtype) << (options_.int8_weights ? " (int8 weights)" : "") << "; weights " << gib(weight_bytes_) << " (a decode step reads "
      << gib(decode_weight_bytes_) << "), activations " << gib(act) << " for " << max_rows_ << " rows, workspaces "
      << gib(ws) << ", K/V cache " << gib(kv_ ? kv_->bytes() : 0) << " = " << (kv_ ? kv_capacity_tokens() : 0)
      << " positions";
@@ -281,15 +302,30 @@ void GpuStage::upload(const StageWeights& w) {
         convert_from_float<T>(static_cast<T*>(dst) + i, staging, n, stream_);
       }
     };
-    // [K, N] on the host -> [N, K] on the device, in chunks of K rows.
-    auto put_t = [&](void* dst, const std::vector<float>& src, int64_t K, int64_t N, const std::string& name) {
+    // A layer matrix, [K, N] on the host -> [N, K] on the device. In dtype: chunks of K rows.
+    // Int8: chunks of output channels (host columns) through the staging buffer, transposed
+    // to dtype in the LayerNorm activation buffer (free while loading), then quantised.
+    auto put_t = [&](void* dst, float* scales, const std::vector<float>& src, int64_t K, int64_t N,
+                     const std::string& name) {
       check(src, K * N, name);
-      const int64_t rows = std::max<int64_t>(1, staging_elems / N);
-      for (int64_t k0 = 0; k0 < K; k0 += rows) {
-        const int64_t kc = std::min(rows, K - k0);
-        CUDA_CHECK(cudaMemcpyAsync(staging, src.data() + k0 * N, size_t(kc * N) * sizeof(float), cudaMemcpyHostToDevice,
-                                   stream_));
-        convert_transpose_from_float<T>(static_cast<T*>(dst) + k0, staging, kc, N, K, stream_);
+      if (!options_.int8_weights) {
+        const int64_t rows = std::max<int64_t>(1, staging_elems / N);
+        for (int64_t k0 = 0; k0 < K; k0 += rows) {
+          const int64_t kc = std::min(rows, K - k0);
+          CUDA_CHECK(cudaMemcpyAsync(staging, src.data() + k0 * N, size_t(kc * N) * sizeof(float),
+                                     cudaMemcpyHostToDevice, stream_));
+          convert_transpose_from_float<T>(static_cast<T*>(dst) + k0, staging, kc, N, K, stream_);
+        }
+        return;
+      }
+      if (K > staging_elems) throw Error(options_.name + ": " + name + " is too wide for the load buffers");
+      const int64_t cols = staging_elems / K;
+      for (int64_t n0 = 0; n0 < N; n0 += cols) {
+        const int64_t nc = std::min(cols, N - n0);
+        CUDA_CHECK(cudaMemcpy2DAsync(staging, size_t(nc) * sizeof(float), src.data() + n0, size_t(N) * sizeof(float),
+                                     size_t(nc) * sizeof(float), size_t(K), cudaMemcpyHostToDevice, stream_));
+        convert_transpose_from_float<T>(ln_.as<T>(), staging, K, nc, K, stream_);
+        quantize_rows_int8<T>(static_cast<int8_t*>(dst) + n0 * K, scales + n0, ln_.as<T>(), nc, K, stream_);
       }
     };
     const bool split = options_.tp_ranks > 1;
@@ -309,15 +345,15 @@ void GpuStage::upload(const StageWeights& w) {
       const LayerWeights& m = split ? sliced : lw;  // this rank's matrices
       put(d.ln1_g, lw.ln_1_g, C, h + "ln_1.weight");
       put(d.ln1_b, lw.ln_1_b, C, h + "ln_1.bias");
-      put_t(d.qkv_w, m.attn_qkv_w, C, 3 * W, h + "attn.c_attn.weight");
+      put_t(d.qkv_w, d.qkv_s, m.attn_qkv_w, C, 3 * W, h + "attn.c_attn.weight");
       put(d.qkv_b, m.attn_qkv_b, 3 * W, h + "attn.c_attn.bias");
-      put_t(d.proj_w, m.attn_proj_w, W, C, h + "attn.c_proj.weight");
+      put_t(d.proj_w, d.proj_s, m.attn_proj_w, W, C, h + "attn.c_proj.weight");
       put(d.proj_b, lw.attn_proj_b, C, h + "attn.c_proj.bias");
       put(d.ln2_g, lw.ln_2_g, C, h + "ln_2.weight");
       put(d.ln2_b, lw.ln_2_b, C, h + "ln_2.bias");
-      put_t(d.fc_w, m.mlp_fc_w, C, I, h + "mlp.c_fc.weight");
+      put_t(d.fc_w, d.fc_s, m.mlp_fc_w, C, I, h + "mlp.c_fc.weight");
       put(d.fc_b, m.mlp_fc_b, I, h + "mlp.c_fc.bias");
-      put_t(d.fc2_w, m.mlp_proj_w, I, C, h + "mlp.c_proj.weight");
+      put_t(d.fc2_w, d.fc2_s, m.mlp_proj_w, I, C, h + "mlp.c_proj.weight");
       put(d.fc2_b, lw.mlp_proj_b, C, h + "mlp.c_proj.bias");
     }
     if (has_embedding()) {
@@ -341,14 +377,27 @@ void GpuStage::synthesize(uint64_t seed) {
     using T = decltype(tag);
     auto normal = [&](void* p, int64_t n) { fill_normal<T>(static_cast<T*>(p), n, 0.f, 0.02f, seed, tensor++, stream_); };
     auto ones = [&](void* p, int64_t n) { fill_constant<T>(static_cast<T*>(p), n, 1.f, stream_); };
+    // A layer matrix [N, K]; int8: drawn in chunks of rows into the LayerNorm activation
+    // buffer (free while loading), then quantised.
+    const int64_t tmp_elems = int64_t(ln_.bytes() / sizeof(T));
+    auto matrix = [&](void* p, float* scales, int64_t N, int64_t K) {
+      if (!options_.int8_weights) return normal(p, N * K);
+      const uint64_t id = tensor++;
+      const int64_t rows = std::max<int64_t>(1, tmp_elems / K);
+      for (int64_t n0 = 0; n0 < N; n0 += rows) {
+        const int64_t nc = std::min(rows, N - n0);
+        fill_normal<T>(ln_.as<T>(), nc * K, 0.f, 0.02f, seed, (id << 20) + uint64_t(n0 / rows), stream_);
+        quantize_rows_int8<T>(static_cast<int8_t*>(p) + n0 * K, scales + n0, ln_.as<T>(), nc, K, stream_);
+      }
+    };
     for (auto& d : layers_) {
       tensor = (tensor / 64 + 1) * 64;  // each layer its own range of tensor ids
       ones(d.ln1_g, C), normal(d.ln1_b, C);
-      normal(d.qkv_w, 3 * W * C), normal(d.qkv_b, 3 * W);
-      normal(d.proj_w, C * W), normal(d.proj_b, C);
+      matrix(d.qkv_w, d.qkv_s, 3 * W, C), normal(d.qkv_b, 3 * W);
+      matrix(d.proj_w, d.proj_s, C, W), normal(d.proj_b, C);
       ones(d.ln2_g, C), normal(d.ln2_b, C);
-      normal(d.fc_w, I * C), normal(d.fc_b, I);
-      normal(d.fc2_w, C * I), normal(d.fc2_b, C);
+      matrix(d.fc_w, d.fc_s, I, C), normal(d.fc_b, I);
+      matrix(d.fc2_w, d.fc2_s, C, I), normal(d.fc2_b, C);
     }
     tensor = 1 << 20;
     if (has_embedding()) normal(wte_, V * C), normal(wpe_, P * C);
@@ -499,7 +548,7 @@ void GpuStage::layers_impl(const Meta& m, int64_t num_tokens, int64_t num_seqs, 
   for (int64_t l = 0; l < L; ++l) {
     const LayerPtrs& w = layers_[size_t(l)];
     if (l == 0) layernorm_forward<T>(ln, hidden, c(w.ln1_g), c(w.ln1_b), num_tokens, C, eps, stream_);
-    gemm_->run<T, T>(qkv, ln, c(w.qkv_w), c(w.qkv_b), num_tokens, C, 3 * W, WeightLayout::NK, GemmAct::None, stream_);
+    matmul<T>(qkv, ln, w.qkv_w, w.qkv_s, w.qkv_b, num_tokens, C, 3 * W, GemmAct::None);
     const KvLayerView kv = kv_->layer(l, m.tables, int32_t(max_pages_));
     if (decode_attention) {
       attention_decode_paged<T>(attn, qkv, kv, m.kv_len, num_seqs, H, D, splits, ws, stream_);
@@ -507,25 +556,46 @@ void GpuStage::layers_impl(const Meta& m, int64_t num_tokens, int64_t num_seqs, 
       kv_cache_append<T>(kv, qkv, 3 * W, m.token_row, m.pos, num_tokens, H, D, stream_);
       attention_context_paged<T>(attn, qkv, kv, seqs, max_q_len, H, D, stream_);
     }
-    gemm_->run<T, T>(proj, attn, c(w.proj_w), nullptr, num_tokens, W, C, WeightLayout::NK, GemmAct::None, stream_);
-    all_reduce<T>(proj, num_tokens);
-    add_bias_residual_layernorm<T>(hidden, ln, proj, c(w.proj_b), c(w.ln2_g), c(w.ln2_b), num_tokens, C, eps, stream_);
-    gemm_->run<T, T>(fc, ln, c(w.fc_w), c(w.fc_b), num_tokens, C, I, WeightLayout::NK, act, stream_);
-    gemm_->run<T, T>(proj, fc, c(w.fc2_w), nullptr, num_tokens, I, C, WeightLayout::NK, GemmAct::None, stream_);
-    all_reduce<T>(proj, num_tokens);
+    matmul<T>(proj, attn, w.proj_w, w.proj_s, nullptr, num_tokens, W, C, GemmAct::None);
+    reduce_residual_layernorm<T>(hidden, ln, proj, c(w.proj_b), c(w.ln2_g), c(w.ln2_b), num_tokens);
+    matmul<T>(fc, ln, w.fc_w, w.fc_s, w.fc_b, num_tokens, C, I, act);
+    matmul<T>(proj, fc, w.fc2_w, w.fc2_s, nullptr, num_tokens, I, C, GemmAct::None);
     const T* g = nullptr;
     const T* b = nullptr;
     if (l + 1 < L) g = c(layers_[size_t(l + 1)].ln1_g), b = c(layers_[size_t(l + 1)].ln1_b);
     else if (fuse_final_ln && holds_head()) g = c(lnf_g_), b = c(lnf_b_);
-    add_bias_residual_layernorm<T>(hidden, g ? ln : nullptr, proj, c(w.fc2_b), g, b, num_tokens, C, eps, stream_);
+    reduce_residual_layernorm<T>(hidden, g ? ln : nullptr, proj, c(w.fc2_b), g, b, num_tokens);
   }
 }
 
-// The ranks' partial sums [num_tokens, C] of a row-split projection, summed in place.
 template <class T>
-void GpuStage::all_reduce(T* partial, int64_t num_tokens) {
-  if (options_.tp_ranks == 1) return;
-  const Status s = options_.all_reduce->all_reduce(options_.tp_rank, partial, size_t(num_tokens * config_.n_embd), stream_);
+void GpuStage::matmul(T* out, const T* in, const void* w, const float* scales, const void* bias, int64_t num_tokens,
+                      int64_t K, int64_t N, GemmAct act) {
+  const T* b = static_cast<const T*>(bias);
+  if (options_.int8_weights)
+    gemm_->run_int8<T, T>(out, in, static_cast<const int8_t*>(w), scales, b, num_tokens, K, N, act, stream_);
+  else
+    gemm_->run<T, T>(out, in, static_cast<const T*>(w), b, num_tokens, K, N, WeightLayout::NK, act, stream_);
+}
+
+// hidden = hidden + x + bias (x: this rank's partial sums of a row-split projection,
+// [num_tokens, C], joined over the ranks first), then ln_out = LayerNorm(hidden) with gamma,
+// beta (ln_out null: none). Tensor parallel: one fused kernel when the rows fit its buffers
+// (the decode steps), else the all-reduce and then the LayerNorm kernel.
+template <class T>
+void GpuStage::reduce_residual_layernorm(T* hidden, T* ln_out, T* x, const T* bias, const T* gamma, const T* beta,
+                                         int64_t num_tokens) {
+  const int64_t C = config_.n_embd;
+  const float eps = config_.layer_norm_epsilon;
+  TpAllReduce* ar = options_.tp_ranks > 1 ? options_.all_reduce : nullptr;
+  Status s;
+  if (ar && num_tokens * C <= ar->fused_max_elems()) {
+    s = ar->all_reduce_residual_layernorm(options_.tp_rank, x, hidden, bias, ln_out ? gamma : nullptr,
+                                          ln_out ? beta : nullptr, ln_out, num_tokens, C, eps, stream_);
+  } else {
+    if (ar) s = ar->all_reduce(options_.tp_rank, x, size_t(num_tokens * C), stream_);
+    if (s) add_bias_residual_layernorm<T>(hidden, ln_out, x, bias, gamma, beta, num_tokens, C, eps, stream_);
+  }
   if (!s) throw Error(options_.name + ": " + s.message());
 }
 
@@ -648,7 +718,7 @@ Status GpuStage::logits(std::span<const SeqSlice> slices, bool all_positions, fl
   return ok_status();
 }
 
-Status GpuStage::sample(std::span<const SampleRow> rows, int32_t* tokens) {
+Status GpuStage::sample(std::span<const SampleRow> rows, int32_t* tokens, float* logprobs) {
   DeviceGuard guard(device_);
   if (!holds_head()) return Status::error(options_.name + ": sample called on a stage without the LM head");
   if (int64_t(rows.size()) != last_logit_rows_)
@@ -661,12 +731,26 @@ Status GpuStage::sample(std::span<const SampleRow> rows, int32_t* tokens) {
     if (r.params == nullptr) return Status::error(options_.name + ": a sample row has no parameters");
     full = full || GpuSampler::needs_sampler(*r.params, r.generated.size());
   }
+  const int64_t V = config_.vocab_size;
+  // The sampler mutates its rows (penalties, temperature): log-probs come from a copy.
+  const float* raw = logits_.as<float>();
+  if (full && logprobs) {
+    CUDA_CHECK(cudaMemcpyAsync(raw_logits_.get(), logits_.get(), size_t(n * V) * sizeof(float), cudaMemcpyDeviceToDevice,
+                               stream_));
+    raw = raw_logits_.as<float>();
+  }
   if (full) sampler_->sample(logits_.as<float>(), rows, tokens_dev_.as<int32_t>(), stream_);
   else sampler_->argmax(tokens_dev_.as<int32_t>(), logits_.as<float>(), n, stream_);
   CUDA_CHECK(cudaMemcpyAsync(tokens_host_.get(), tokens_dev_.get(), size_t(n) * sizeof(int32_t), cudaMemcpyDeviceToHost,
                              stream_));
+  if (logprobs) {
+    token_logprob(logprobs_dev_.as<float>(), raw, tokens_dev_.as<int32_t>(), n, V, stream_);
+    CUDA_CHECK(cudaMemcpyAsync(logprobs_host_.get(), logprobs_dev_.get(), size_t(n) * sizeof(float),
+                               cudaMemcpyDeviceToHost, stream_));
+  }
   CUDA_CHECK(cudaStreamSynchronize(stream_));
   std::memcpy(tokens, tokens_host_.get(), size_t(n) * sizeof(int32_t));
+  if (logprobs) std::memcpy(logprobs, logprobs_host_.get(), size_t(n) * sizeof(float));
   last_logit_rows_ = -1;
   return ok_status();
 }

@@ -62,10 +62,18 @@ struct GpuStageOptions {
   double kv_cache_fraction = 0.90;  // of the device memory free after everything else
   int64_t kv_cache_max_bytes = 0;   // cap on the K/V cache (0: none)
   bool cuda_graphs = true;          // decode() replays graphs (false: runs the same kernels eagerly)
+  // Int8 weight-only (quant.h): the four matrices of every layer stored as int8 with one fp32
+  // scale per output channel, quantised at load; activations, embeddings and the LM head
+  // stay in `dtype`.
+  bool int8_weights = false;
   // Tensor parallel: this stage is rank tp_rank of tp_ranks (1 <= tp_ranks <= n_head, n_inner),
   // and all_reduce (rank tp_rank's GPU must be this stage's) joins the ranks' partial sums.
   int tp_rank = 0, tp_ranks = 1;
   TpAllReduce* all_reduce = nullptr;
+  // Tensor parallel: decode steps join their partial sums with the bias, the residual and
+  // the next LayerNorm in one kernel (CustomAllReduce::all_reduce_residual_layernorm).
+  // Off until it is measured on several GPUs: so far it ran on ranks sharing one GPU only.
+  bool fused_all_reduce = false;
 };
 
 class GpuStage {
@@ -86,6 +94,7 @@ class GpuStage {
 
   const ModelConfig& config() const { return config_; }
   DType dtype() const { return options_.dtype; }
+  bool int8_weights() const { return options_.int8_weights; }
   const std::string& name() const { return options_.name; }
   int64_t layer_begin() const { return layer_begin_; }
   int64_t layer_end() const { return layer_end_; }
@@ -114,7 +123,8 @@ class GpuStage {
   Status logits(std::span<const SeqSlice> slices, bool all_positions, float* out);
   // Chooses a token for each row of the last logits(..., all_positions = false) call; tokens
   // is host memory of rows.size() entries. Mutates those device logits (penalties).
-  Status sample(std::span<const SampleRow> rows, int32_t* tokens);
+  // logprobs (host, optional): each chosen token's log-prob under the raw logits.
+  Status sample(std::span<const SampleRow> rows, int32_t* tokens, float* logprobs = nullptr);
 
   // Decode fast path: each slice is one token (start_pos = cached length). First stage:
   // token_ids (host, one per slice). Other stages: the input rows are already in
@@ -150,8 +160,10 @@ class GpuStage {
   void synchronize();
 
  private:
+  // The matrices are of dtype(), or int8 with fp32 scales (*_s) per output channel.
   struct LayerPtrs {
     void *ln1_g, *ln1_b, *qkv_w, *qkv_b, *proj_w, *proj_b, *ln2_g, *ln2_b, *fc_w, *fc_b, *fc2_w, *fc2_b;
+    float *qkv_s = nullptr, *proj_s = nullptr, *fc_s = nullptr, *fc2_s = nullptr;
   };
   // Device views of one block of step metadata (int32), laid out for `tokens` rows and `seqs`
   // sequences; the pinned host staging buffer uses the same offsets.
@@ -177,7 +189,11 @@ class GpuStage {
   template <class T> void layers_impl(const Meta& m, int64_t num_tokens, int64_t num_seqs, int64_t max_q_len,
                                       bool decode_attention, bool fuse_final_ln);
   template <class T> void head_impl(const T* in_rows, int64_t rows, float* logits);
-  template <class T> void all_reduce(T* partial, int64_t num_tokens);
+  template <class T> void reduce_residual_layernorm(T* hidden, T* ln_out, T* x, const T* bias, const T* gamma,
+                                                    const T* beta, int64_t num_tokens);
+  // out[T, N] = act(in[T, K] @ w^T + bias) for a layer matrix w [N, K] (scales: int8 weights).
+  template <class T> void matmul(T* out, const T* in, const void* w, const float* scales, const void* bias,
+                                 int64_t num_tokens, int64_t K, int64_t N, GemmAct act);
   template <class T> void decode_step_impl(const Meta& m, int64_t rows);
   void decode_step(const Meta& m, int64_t rows);
   int decode_splits(int64_t rows) const;
@@ -205,8 +221,9 @@ class GpuStage {
   int64_t weight_bytes_ = 0, decode_weight_bytes_ = 0;
 
   DeviceBuffer hidden_, ln_, qkv_, attn_, proj_, fc_, head_in_, logits_, staging_f32_, tokens_dev_;
-  DeviceBuffer meta_dev_, decode_partial_, decode_counters_;
-  PinnedBuffer meta_host_[2], tokens_host_;
+  DeviceBuffer raw_logits_, logprobs_dev_;  // sample(): the logits before the sampler mutates them, the chosen log-probs
+  DeviceBuffer meta_dev_, decode_partial_, decode_counters_, dequant_;
+  PinnedBuffer meta_host_[2], tokens_host_, logprobs_host_;
   cudaEvent_t meta_sent_[2] = {nullptr, nullptr};
   int meta_slot_ = 0;
   int64_t logits_rows_ = 0;       // rows logits_ holds

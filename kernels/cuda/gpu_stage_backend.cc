@@ -41,6 +41,7 @@ std::string GpuStageBackend::describe() const {
   std::string d = "cuda:";
   for (size_t i = 0; i < stage_->devices().size(); ++i) d += (i ? "," : "") + std::to_string(stage_->devices()[i]);
   d += " " + std::string(dtype_name(stage_->lead().dtype()));
+  if (stage_->lead().int8_weights()) d += " int8-weights";
   if (stage_->ranks() > 1) d += " tp=" + std::to_string(stage_->ranks());
   return d;
 }
@@ -84,6 +85,19 @@ Status GpuStageBackend::logits(std::span<const SeqSlice> slices, const float* hi
     if (Status s = ensure_on_device(slices, hidden); !s) return s;
     device_current_ = false;
     return stage_->logits(slices, all_positions, out);
+  });
+}
+
+Status GpuStageBackend::sample_last(std::span<const SeqSlice> slices, const float* hidden, std::span<const SampleRow> rows,
+                                    int32_t* tokens, float* logprobs) {
+  return guarded(stage_->name(), [&]() -> Status {
+    if (rows.size() != slices.size())
+      return Status::error(stage_->name() + ": " + std::to_string(rows.size()) + " sampling rows for " +
+                           std::to_string(slices.size()) + " slices");
+    if (Status s = ensure_on_device(slices, hidden); !s) return s;
+    device_current_ = false;
+    if (Status s = stage_->logits(slices, false, nullptr); !s) return s;
+    return stage_->sample(rows, tokens, logprobs);
   });
 }
 

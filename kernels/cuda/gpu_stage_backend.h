@@ -1,8 +1,10 @@
 // A GPU stage (a TpStage: one GPU, or several tensor parallel) behind model/stage_backend.h,
 // for the stage worker: activations arrive and
 // leave as fp32 host rows (the wire format) and are converted on the GPU; between embed,
-// forward and logits of one micro-batch they stay on the device. Sampling stays on the host
-// (StageExecutor), so a GPU stage draws tokens with the CPU's code from its own logits.
+// forward and logits of one micro-batch they stay on the device. The last stage samples on
+// the GPU (sample_last: GpuSampler, the CPU's algorithm and Philox counters) unless a slice
+// asks for top log-probs or prompt log-probs; then its logits go to the host and the
+// executor samples there.
 //
 // Every CUDA failure comes back as a Status naming the stage; nothing throws.
 #pragma once
@@ -26,6 +28,9 @@ class GpuStageBackend final : public StageBackend {
   Status embed(std::span<const SeqSlice> slices, const int32_t* token_ids, float* hidden) override;
   Status forward(std::span<const SeqSlice> slices, float* hidden) override;
   Status logits(std::span<const SeqSlice> slices, const float* hidden, bool all_positions, float* out) override;
+  bool samples_in_place() const override { return true; }
+  Status sample_last(std::span<const SeqSlice> slices, const float* hidden, std::span<const SampleRow> rows,
+                     int32_t* tokens, float* logprobs) override;
   void free_sequence(uint64_t seq_id) override { stage_->free_sequence(seq_id); }
   void clear() override;
   int64_t num_sequences() const override { return stage_->num_sequences(); }

@@ -292,6 +292,18 @@ __global__ void log_softmax_kernel(float* x, int64_t n) {
   for (int64_t i = threadIdx.x; i < n; i += blockDim.x) r[i] -= lse;
 }
 
+__global__ void token_logprob_kernel(float* out, const float* x, const int32_t* tokens, int64_t n) {
+  __shared__ float scratch[32];
+  const float* r = x + int64_t(blockIdx.x) * n;
+  float m = -INFINITY;
+  for (int64_t i = threadIdx.x; i < n; i += blockDim.x) m = fmaxf(m, r[i]);
+  m = block_max(m, scratch);
+  float s = 0.f;
+  for (int64_t i = threadIdx.x; i < n; i += blockDim.x) s += expf(r[i] - m);
+  s = block_sum(s, scratch);
+  if (threadIdx.x == 0) out[blockIdx.x] = r[tokens[blockIdx.x]] - (m + logf(s));
+}
+
 // ---- conversion and gather ----
 
 template <class To, class From>
@@ -391,6 +403,12 @@ void residual_forward(T* out, const T* a, const T* b, int64_t n, cudaStream_t st
 void log_softmax_forward(float* x, int64_t rows, int64_t n, cudaStream_t stream) {
   if (rows <= 0 || n <= 0) return;
   log_softmax_kernel<<<unsigned(rows), 512, 0, stream>>>(x, n);
+  CUDA_CHECK(cudaGetLastError());
+}
+
+void token_logprob(float* out, const float* x, const int32_t* tokens, int64_t rows, int64_t n, cudaStream_t stream) {
+  if (rows <= 0 || n <= 0) return;
+  token_logprob_kernel<<<unsigned(rows), 512, 0, stream>>>(out, x, tokens, n);
   CUDA_CHECK(cudaGetLastError());
 }
 

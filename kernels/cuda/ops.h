@@ -79,6 +79,8 @@ void attention_decode(T* out, const T* q, const T* k, const T* v, int64_t kv_str
 // In place over rows of length n: x = log_softmax(x) (fp32; sums in fp32 per thread, then a
 // tree, so the result differs from the CPU's double sum by rounding only).
 void log_softmax_forward(float* x, int64_t rows, int64_t n, cudaStream_t stream);
+// out[r] = log-softmax of row r of x [rows, n] at column tokens[r] (x unchanged).
+void token_logprob(float* out, const float* x, const int32_t* tokens, int64_t rows, int64_t n, cudaStream_t stream);
 
 // ---- fused kernels -------------------------------------------------------------------------
 

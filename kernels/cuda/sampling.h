@@ -24,13 +24,7 @@
 
 namespace conveyor::cuda {
 
-// One row of logits to choose from, with what sample_next would be given for it.
-struct SampleRow {
-  const SamplingParams* params = nullptr;
-  std::span<const int32_t> prompt;     // repetition penalty history (with generated)
-  std::span<const int32_t> generated;  // its size is the step (the Philox counter)
-  uint64_t sample_index = 0;
-};
+using conveyor::SampleRow;  // model/sampling.h
 
 // tokens[r] = argmax of logits row r (the lowest id on ties): greedy without penalties.
 void argmax_rows(int32_t* tokens, const float* logits, int64_t rows, int64_t V, cudaStream_t stream);

@@ -17,12 +17,16 @@ struct TpAllReduce::Nccl {
   }
 };
 
-Expected<std::unique_ptr<TpAllReduce>> TpAllReduce::create(const std::vector<int>& devices, size_t max_bytes) {
+Expected<std::unique_ptr<TpAllReduce>> TpAllReduce::create(const std::vector<int>& devices, size_t max_bytes,
+                                                           int64_t fused_max_elems) {
   std::unique_ptr<TpAllReduce> t(new TpAllReduce());
   t->max_bytes_ = max_bytes;
   const bool distinct = std::set<int>(devices.begin(), devices.end()).size() == devices.size();
   const size_t custom_bytes = distinct ? std::min(max_bytes, CustomAllReduce::kNcclCrossoverBytes) : max_bytes;
-  auto custom = CustomAllReduce::create(devices, custom_bytes);
+  // Ranks sharing a GPU run the plain all-reduce only: the fused kernel's ranks wait for
+  // each other's stores without a barrier, which kernels of one GPU can only do when their
+  // streams never share a hardware queue.
+  auto custom = CustomAllReduce::create(devices, custom_bytes, distinct ? fused_max_elems : 0);
   if (!custom) return custom.status();
   t->custom_ = std::move(custom).value();
   if (!distinct || max_bytes <= custom_bytes) return t;

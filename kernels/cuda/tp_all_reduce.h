@@ -6,7 +6,10 @@
 //
 // Ranks may share a GPU (tests of a tensor-parallel stage on a one-GPU machine). NCCL
 // refuses that, so such a group sizes the custom kernel's buffers for its largest message
-// and uses it at every size.
+// and uses it at every size, and has no fused call (fused_max_elems() is 0). Its ranks
+// still wait for each other inside the kernel, so nothing may make one wait for the GPU to
+// go idle: such tests raise CUDA_DEVICE_MAX_CONNECTIONS and load kernels eagerly
+// (tests/test_util.h, scripts/gpu_check.sh).
 #pragma once
 
 #include <memory>
@@ -23,10 +26,11 @@ namespace conveyor::cuda {
 
 class TpAllReduce {
  public:
-  // The GPUs of the group, in rank order; `max_bytes` bounds one message. NCCL
-  // communicators for all of them (distinct GPUs) and the custom kernel's buffers.
+  // The GPUs of the group, in rank order; `max_bytes` bounds one message, fused_max_elems
+  // one fused decode step (rows x width). NCCL communicators for all of them (distinct
+  // GPUs) and the custom kernel's buffers.
   static Expected<std::unique_ptr<TpAllReduce>> create(const std::vector<int>& devices,
-                                                       size_t max_bytes = size_t(1) << 30);
+                                                       size_t max_bytes = size_t(1) << 30, int64_t fused_max_elems = 0);
   ~TpAllReduce();
   TpAllReduce(const TpAllReduce&) = delete;
   TpAllReduce& operator=(const TpAllReduce&) = delete;
@@ -37,6 +41,16 @@ class TpAllReduce {
   // __nv_bfloat16. Capturable in a CUDA graph whichever path it takes.
   template <class T>
   Status all_reduce(int rank, T* data, size_t count, cudaStream_t stream);
+  // The custom kernel's fused decode step (CustomAllReduce::all_reduce_residual_layernorm),
+  // for rows x width <= fused_max_elems().
+  template <class T>
+  Status all_reduce_residual_layernorm(int rank, const T* partial, T* hidden, const T* bias, const T* gamma,
+                                       const T* beta, T* ln_out, int64_t rows, int64_t width, float eps,
+                                       cudaStream_t stream) {
+    return custom_->all_reduce_residual_layernorm(rank, partial, hidden, bias, gamma, beta, ln_out, rows, width, eps,
+                                                  stream);
+  }
+  int64_t fused_max_elems() const { return custom_->fused_max_elems(); }
 
   struct Nccl;
 

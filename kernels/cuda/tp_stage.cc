@@ -31,8 +31,10 @@ std::unique_ptr<TpStage> TpStage::build(const ModelConfig& config, const std::ve
   t->name_ = options.name;
   t->devices_ = devices;
   if (R > 1) {
-    const int64_t max_elems = GpuStage::activation_rows(options) * config.n_embd;
-    auto ar = TpAllReduce::create(devices, size_t(max_elems) * dtype_bytes(options.dtype));
+    const int64_t rows = GpuStage::activation_rows(options);
+    // Fused steps (when asked for): up to the largest decode graph's rows (128).
+    auto ar = TpAllReduce::create(devices, size_t(rows * config.n_embd) * dtype_bytes(options.dtype),
+                                  options.fused_all_reduce ? std::min<int64_t>(rows, 128) * config.n_embd : 0);
     if (!ar) throw Error(options.name + ": " + ar.error());
     t->all_reduce_ = std::move(ar).value();
   }
@@ -103,7 +105,9 @@ Status TpStage::logits(std::span<const SeqSlice> slices, bool all_positions, flo
   return lead().logits(slices, all_positions, out);
 }
 
-Status TpStage::sample(std::span<const SampleRow> rows, int32_t* tokens) { return lead().sample(rows, tokens); }
+Status TpStage::sample(std::span<const SampleRow> rows, int32_t* tokens, float* logprobs) {
+  return lead().sample(rows, tokens, logprobs);
+}
 
 Status TpStage::decode(std::span<const SeqSlice> slices, const int32_t* token_ids, std::span<const SampleRow> sampling,
                        int32_t* tokens) {

@@ -63,7 +63,7 @@ class TpStage {
   Status embed(std::span<const SeqSlice> slices, const int32_t* token_ids);
   Status forward(std::span<const SeqSlice> slices);
   Status logits(std::span<const SeqSlice> slices, bool all_positions, float* out);
-  Status sample(std::span<const SampleRow> rows, int32_t* tokens);
+  Status sample(std::span<const SampleRow> rows, int32_t* tokens, float* logprobs = nullptr);
   Status decode(std::span<const SeqSlice> slices, const int32_t* token_ids, std::span<const SampleRow> sampling,
                 int32_t* tokens);
   void upload_hidden(const float* host, int64_t num_tokens);  // to every rank

@@ -31,7 +31,7 @@ using json = nlohmann::json;
 namespace fs = std::filesystem;
 using testing::ChildProcess;
 
-inline std::string bin(const std::string& name) { return std::string(CONVEYOR_BINARY_DIR) + "/bin/" + name; }
+inline std::string bin(const std::string& name) { return testing::bin_dir() + "/" + name; }
 inline std::string model_dir() { return testing::source_dir() + "/models/brown-gpt2"; }
 
 inline fs::path temp_dir(const std::string& tag) {
@@ -49,6 +49,8 @@ struct Cluster {
   int http_port = 0, control_port = 0;
   std::string token = "test-token";
   std::string api_key;  // set before start(): the coordinator requires it
+  // Set before start(): worker i's own arguments, after `worker_args` (e.g. its GPU).
+  std::function<std::vector<std::string>(int)> worker_args_for;
 
   // Starts the coordinator from `yaml_extra` (appended to a base config) and `n_workers`
   // workers; returns false (with a message) when it does not come up.
@@ -67,7 +69,14 @@ struct Cluster {
     if (std::sscanf(line.c_str(), "conveyor-coordinator: listening on http://127.0.0.1:%d (control tcp://127.0.0.1:%d)",
                     &http_port, &control_port) != 2)
       return ::testing::AssertionFailure() << "coordinator did not start: " << read(dir / "coordinator.log");
-    for (int i = 0; i < n_workers; ++i) add_worker("w" + std::to_string(i), token, worker_args);
+    for (int i = 0; i < n_workers; ++i) {
+      std::vector<std::string> args = worker_args;
+      if (worker_args_for) {
+        const auto own = worker_args_for(i);
+        args.insert(args.end(), own.begin(), own.end());
+      }
+      add_worker("w" + std::to_string(i), token, args);
+    }
     const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
     while (std::chrono::steady_clock::now() < deadline) {
       auto r = get("/health");

@@ -48,10 +48,16 @@ TEST(Cluster, TensorParallelWorkersMatchTheEngine) {
   ASSERT_TRUE(cluster.wait_until([](const json& i) { return i["plan"]["stages"] == 3; }));
   cases = make_cases(ref, 32, 20261124);
   for (const auto& f : run_cases(cluster, cases, 8)) ADD_FAILURE() << f;
-  // The CUDA stage has no tensor parallel yet: --tp there is refused at start.
-  auto bad = testing::ChildProcess({bin("conveyor-worker"), "--coordinator", "127.0.0.1:1", "--join-token", "x",
-                                    "--backend", "cuda", "--tp", "2"});
-  EXPECT_EQ(bad.wait_exit(std::chrono::seconds(10)), 2);
+  // Contradictory tensor-parallel options are refused at start (exit 2): a --tp that is
+  // not the number of --gpus, and --gpus on the CPU backend.
+  for (const std::vector<std::string>& args :
+       {std::vector<std::string>{"--backend", "cuda", "--tp", "3", "--gpus", "0,1"},
+        std::vector<std::string>{"--backend", "cpu", "--gpus", "0"}}) {
+    std::vector<std::string> argv = {bin("conveyor-worker"), "--coordinator", "127.0.0.1:1", "--join-token", "x"};
+    argv.insert(argv.end(), args.begin(), args.end());
+    auto bad = testing::ChildProcess(argv);
+    EXPECT_EQ(bad.wait_exit(std::chrono::seconds(10)), 2) << args[1];
+  }
 }
 
 TEST(Cluster, OverloadGets429AndEveryAcceptedRequestCompletes) {

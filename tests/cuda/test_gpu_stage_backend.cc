@@ -128,6 +128,52 @@ TEST_P(GpuStageBackendTest, TwoStagePipelineMatchesCpu) {
   EXPECT_EQ(gpu.stages[1]->backend().kv_used_tokens(), 0);
 }
 
+// The last stage samples on the GPU (StageBackend::sample_last) unless a slice asks for top
+// log-probs: both ways must choose the same tokens (greedy, seeded temperature sampling,
+// and a repetition penalty, which makes the GPU sampler mutate its logits) and report the
+// same log-prob of the chosen token. Untimed GEMM plans, so both pipelines compute the
+// same logits.
+TEST_P(GpuStageBackendTest, SamplingOnTheGpuMatchesTheHostPath) {
+  auto tok = Tokenizer::load(model_dir());
+  ASSERT_TRUE(tok) << tok.error();
+  Pipeline on_gpu = make_pipeline(true, GetParam()), on_host = make_pipeline(true, GetParam());
+  for (Pipeline* p : {&on_gpu, &on_host})
+    for (auto& st : p->stages) static_cast<cuda::GpuStageBackend&>(st->backend()).stage().lead().gemm().set_tuning(false);
+  ASSERT_TRUE(on_gpu.stages.back()->backend().samples_in_place());
+  const std::vector<std::string> texts = {"The jury said", "It was a cold", "Mr. Brown"};
+  std::vector<std::vector<int32_t>> seqs;
+  for (const auto& t : texts) seqs.push_back(tok->encode(t));
+  int sampled = 0;
+  for (int step = 0; step < 16; ++step) {
+    MicroBatch b;
+    b.batch_id = uint64_t(step);
+    for (size_t i = 0; i < seqs.size(); ++i) {
+      SeqWork w;
+      const int32_t start = step == 0 ? 0 : int32_t(seqs[i].size()) - 1;
+      w.slice = {i + 1, start, int32_t(seqs[i].size()) - start};
+      w.prompt_len = int32_t(tok->encode(texts[i]).size());
+      w.sample = true;
+      w.sampling.temperature = i == 0 ? 0.f : 0.8f;
+      w.sampling.seed = 7 + i;
+      if (i == 2) w.sampling.repetition_penalty = 1.3f;
+      b.seqs.push_back(w);
+      b.token_ids.insert(b.token_ids.end(), seqs[i].begin() + start, seqs[i].end());
+    }
+    const BatchResult g = on_gpu.run(b);
+    for (SeqWork& w : b.seqs) w.top_logprobs = 1;  // the same batch, sampled on the host
+    const BatchResult h = on_host.run(b);
+    ASSERT_EQ(g.seqs.size(), seqs.size());
+    ASSERT_EQ(h.seqs.size(), seqs.size());
+    for (size_t i = 0; i < seqs.size(); ++i) {
+      EXPECT_EQ(g.seqs[i].token, h.seqs[i].token) << "sequence " << i << " step " << step;
+      EXPECT_NEAR(g.seqs[i].logprob, h.seqs[i].logprob, 1e-3) << "sequence " << i << " step " << step;
+      seqs[i].push_back(h.seqs[i].token);
+      ++sampled;
+    }
+  }
+  EXPECT_EQ(sampled, 48);
+}
+
 TEST_P(GpuStageBackendTest, ErrorsAreStatusesAndChangeNothing) {
   auto w = load_stage_weights(model_dir(), 3, 6);
   ASSERT_TRUE(w) << w.error();
