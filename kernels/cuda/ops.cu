@@ -279,29 +279,28 @@ __global__ void residual_kernel(T* out, const T* a, const T* b, int64_t n) {
 
 // ---- log-softmax over fp32 rows ----
 
-__global__ void log_softmax_kernel(float* x, int64_t n) {
-  __shared__ float scratch[32];
-  float* r = x + int64_t(blockIdx.x) * n;
+// log(sum_i exp(r[i])) over a row of n, by the whole block (every thread gets it).
+__device__ float row_logsumexp(const float* r, int64_t n, float* scratch) {
   float m = -INFINITY;
   for (int64_t i = threadIdx.x; i < n; i += blockDim.x) m = fmaxf(m, r[i]);
   m = block_max(m, scratch);
   float s = 0.f;
   for (int64_t i = threadIdx.x; i < n; i += blockDim.x) s += expf(r[i] - m);
-  s = block_sum(s, scratch);
-  const float lse = m + logf(s);
+  return m + logf(block_sum(s, scratch));
+}
+
+__global__ void log_softmax_kernel(float* x, int64_t n) {
+  __shared__ float scratch[32];
+  float* r = x + int64_t(blockIdx.x) * n;
+  const float lse = row_logsumexp(r, n, scratch);
   for (int64_t i = threadIdx.x; i < n; i += blockDim.x) r[i] -= lse;
 }
 
 __global__ void token_logprob_kernel(float* out, const float* x, const int32_t* tokens, int64_t n) {
   __shared__ float scratch[32];
   const float* r = x + int64_t(blockIdx.x) * n;
-  float m = -INFINITY;
-  for (int64_t i = threadIdx.x; i < n; i += blockDim.x) m = fmaxf(m, r[i]);
-  m = block_max(m, scratch);
-  float s = 0.f;
-  for (int64_t i = threadIdx.x; i < n; i += blockDim.x) s += expf(r[i] - m);
-  s = block_sum(s, scratch);
-  if (threadIdx.x == 0) out[blockIdx.x] = r[tokens[blockIdx.x]] - (m + logf(s));
+  const float lse = row_logsumexp(r, n, scratch);
+  if (threadIdx.x == 0) out[blockIdx.x] = r[tokens[blockIdx.x]] - lse;
 }
 
 // ---- conversion and gather ----

@@ -35,6 +35,7 @@ TEST(CudaOps, NotBuilt) { GTEST_SKIP() << "built without the CUDA backend"; }
 #include "kernels/cuda/sampling.h"
 #include "kernels/cuda/synthetic.h"
 #include "model/sampling.h"
+#include "tests/cuda/gpu_test_util.h"
 
 namespace conveyor {
 namespace {
@@ -42,28 +43,12 @@ namespace {
 using cuda::bf16;
 using cuda::half;
 
-bool have_gpu() {
-  int n = 0;
-  return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
-}
-
-#define REQUIRE_GPU()                                              \
-  do {                                                             \
-    if (!have_gpu()) GTEST_SKIP() << "no CUDA device on this host"; \
-  } while (0)
+using testing::have_gpu;
 
 // ---- host <-> device in a given element type ----
 
-template <class T>
-uint16_t to_bits(float f) {
-  if constexpr (std::is_same_v<T, half>) return float_to_fp16(f);
-  else return float_to_bf16(f);
-}
-template <class T>
-float from_bits(uint16_t b) {
-  if constexpr (std::is_same_v<T, half>) return fp16_to_float(b);
-  else return bf16_to_float(b);
-}
+using testing::from_bits;
+using testing::to_bits;
 
 template <class T>
 float round_to(float f) {
@@ -158,13 +143,7 @@ struct Rng {
 cudaStream_t s0 = nullptr;  // the default stream
 
 template <class T>
-class CudaOps : public ::testing::Test {
- protected:
-  void SetUp() override { REQUIRE_GPU(); }
-  void TearDown() override {
-    if (have_gpu()) CUDA_CHECK(cudaDeviceSynchronize());
-  }
-};
+class CudaOps : public testing::GpuTypedTest<T> {};
 using ElemTypes = ::testing::Types<half, bf16>;
 TYPED_TEST_SUITE(CudaOps, ElemTypes);
 

@@ -18,6 +18,7 @@ TEST(CustomAllReduce, NotBuilt) { GTEST_SKIP() << "built without the CUDA backen
 
 #include "kernels/cuda/check.h"
 #include "kernels/cuda/custom_all_reduce.h"
+#include "tests/cuda/gpu_test_util.h"
 
 namespace conveyor::cuda {
 namespace {
@@ -25,10 +26,7 @@ namespace {
 using Algo = CustomAllReduce::Algo;
 constexpr size_t kMaxBytes = size_t(64) << 20;
 
-int gpu_count() {
-  int n = 0;
-  return cudaGetDeviceCount(&n) == cudaSuccess ? n : 0;
-}
+using testing::gpu_count;
 
 // Per rank: its device buffer (with `offset` halves of slack in front, for unaligned
 // pointers) and stream.

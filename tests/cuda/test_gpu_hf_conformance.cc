@@ -37,6 +37,7 @@ TEST(GpuHfConformance, NotBuilt) { GTEST_SKIP() << "built without the CUDA backe
 #include "model/sampling.h"
 #include "model/weights.h"
 #include "tests/hf_fixtures.h"
+#include "tests/cuda/gpu_test_util.h"
 
 namespace conveyor {
 namespace {
@@ -154,10 +155,7 @@ void check(const fs::path& dir, DType dtype, int tp, bool graph_path, Report& r)
   }
 }
 
-bool have_gpu() {
-  int n = 0;
-  return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
-}
+using testing::have_gpu;
 
 class GpuHfConformance : public ::testing::TestWithParam<std::tuple<DType, int>> {};
 

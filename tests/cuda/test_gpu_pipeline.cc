@@ -16,14 +16,12 @@ TEST(GpuPipeline, NotBuilt) { GTEST_SKIP() << "built without the CUDA backend"; 
 #include <cuda_runtime.h>
 
 #include "tests/cluster/cluster_harness.h"
+#include "tests/cuda/gpu_test_util.h"
 
 namespace conveyor::cluster_test {
 namespace {
 
-int gpu_count() {
-  int n = 0;
-  return cudaGetDeviceCount(&n) == cudaSuccess ? n : 0;
-}
+using conveyor::testing::gpu_count;
 
 // Greedy completions of `prompts`, one request at a time (so every micro-batch has the same
 // shape in both clusters): the generated token ids of each.

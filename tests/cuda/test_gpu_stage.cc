@@ -27,6 +27,7 @@ TEST(GpuStage, NotBuilt) { GTEST_SKIP() << "built without the CUDA backend"; }
 #include "model/cpu_stage.h"
 #include "model/sampling.h"
 #include "model/weights.h"
+#include "tests/cuda/gpu_test_util.h"
 
 namespace conveyor {
 namespace {
@@ -34,10 +35,10 @@ namespace {
 using cuda::GpuStage;
 using cuda::GpuStageOptions;
 
-bool have_gpu() {
-  int n = 0;
-  return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
-}
+using testing::have_gpu;
+using testing::rel_err;
+using testing::step_both;
+using testing::top1;
 
 ModelConfig small_config(Activation act = Activation::GeluNew, bool tied = true) {
   ModelConfig c;
@@ -64,15 +65,6 @@ GpuStageOptions options(DType dt, bool graphs = true) {
   return o;
 }
 
-double rel_err(const float* a, const float* ref, size_t n) {
-  double num = 0, den = 0;
-  for (size_t i = 0; i < n; ++i) {
-    if (!std::isfinite(a[i])) return INFINITY;
-    num += (double(a[i]) - ref[i]) * (double(a[i]) - ref[i]);
-    den += double(ref[i]) * ref[i];
-  }
-  return std::sqrt(num / std::max(den, 1e-30));
-}
 
 double max_abs_diff(const float* a, const float* b, size_t n) {
   double m = 0;
@@ -80,16 +72,6 @@ double max_abs_diff(const float* a, const float* b, size_t n) {
   return m;
 }
 
-// argmax and the gap to the runner-up.
-std::pair<int32_t, float> top1(const float* row, int64_t V) {
-  int32_t best = 0;
-  for (int64_t i = 1; i < V; ++i)
-    if (row[i] > row[best]) best = int32_t(i);
-  float second = -INFINITY;
-  for (int64_t i = 0; i < V; ++i)
-    if (i != best) second = std::max(second, row[i]);
-  return {best, row[best] - second};
-}
 
 std::vector<int32_t> random_tokens(std::mt19937& rng, size_t n, int64_t V) {
   std::vector<int32_t> t(n);
@@ -117,29 +99,6 @@ TYPED_TEST_SUITE(GpuStageTest, ElemTypes);
 
 #define SEED_TRACE() SCOPED_TRACE("seed " + std::to_string(this->seed))
 
-// Runs one micro-batch through both stages (embed, forward, logits of the last rows) and
-// checks the logits; returns the CPU logits.
-template <class Test>
-std::vector<float> step_both(Test* t, CpuStage& cpu, GpuStage& gpu, const std::vector<SeqSlice>& slices,
-                             const std::vector<int32_t>& ids, const char* what) {
-  const int64_t C = cpu.hidden_size(), V = cpu.config().vocab_size;
-  std::vector<float> hidden(static_cast<size_t>(total_tokens(slices) * C));
-  EXPECT_TRUE(cpu.embed(slices, ids.data(), hidden.data()).ok());
-  EXPECT_TRUE(cpu.forward(slices, hidden.data()).ok());
-  std::vector<float> ref(slices.size() * static_cast<size_t>(V)), got(ref.size());
-  EXPECT_TRUE(cpu.logits(slices, hidden.data(), false, ref.data()).ok());
-  Status s = gpu.embed(slices, ids.data());
-  EXPECT_TRUE(s.ok()) << s.message();
-  s = gpu.forward(slices);
-  EXPECT_TRUE(s.ok()) << s.message();
-  s = gpu.logits(slices, false, got.data());
-  EXPECT_TRUE(s.ok()) << s.message();
-  for (size_t i = 0; i < slices.size(); ++i)
-    EXPECT_LT(rel_err(got.data() + i * V, ref.data() + i * V, static_cast<size_t>(V)), t->logit_tol())
-        << what << ": sequence " << slices[i].seq_id << " row " << i;
-  return ref;
-}
-
 TYPED_TEST(GpuStageTest, PrefillChunksAndDecodeMatchCpu) {
   SEED_TRACE();
   for (bool tied : {true, false}) {
@@ -153,9 +112,9 @@ TYPED_TEST(GpuStageTest, PrefillChunksAndDecodeMatchCpu) {
     std::vector<int32_t> ids(p1.begin(), p1.begin() + 20);
     ids.insert(ids.end(), p2.begin(), p2.end());
     ids.insert(ids.end(), p3.begin(), p3.end());
-    step_both(this, cpu, *gpu, {{1, 0, 20}, {2, 0, 5}, {3, 0, 100}}, ids, "prefill");
+    step_both(cpu, *gpu, {{1, 0, 20}, {2, 0, 5}, {3, 0, 100}}, ids, this->logit_tol(), "prefill");
     std::vector<int32_t> rest(p1.begin() + 20, p1.end());
-    auto ref = step_both(this, cpu, *gpu, {{1, 20, 17}}, rest, "second chunk");
+    auto ref = step_both(cpu, *gpu, {{1, 20, 17}}, rest, this->logit_tol(), "second chunk");
     EXPECT_EQ(gpu->cached_tokens(1), 37);
     EXPECT_EQ(gpu->cached_tokens(3), 100);
     int32_t next[3] = {top1(ref.data(), V).first, 11, 12};
@@ -163,7 +122,7 @@ TYPED_TEST(GpuStageTest, PrefillChunksAndDecodeMatchCpu) {
     for (int step = 0; step < 5; ++step) {
       std::vector<SeqSlice> slices;
       for (int s = 0; s < 3; ++s) slices.push_back({uint64_t(s + 1), len[s], 1});
-      auto out = step_both(this, cpu, *gpu, slices, std::vector<int32_t>(next, next + 3), "decode");
+      auto out = step_both(cpu, *gpu, slices, std::vector<int32_t>(next, next + 3), this->logit_tol(), "decode");
       for (int s = 0; s < 3; ++s) next[s] = top1(out.data() + s * V, V).first, ++len[s];
     }
   }
@@ -186,7 +145,7 @@ TYPED_TEST(GpuStageTest, GraphDecodeMatchesCpuGreedy) {
       auto p = random_tokens(this->rng, static_cast<size_t>(len[static_cast<size_t>(s)]), V);
       ids.insert(ids.end(), p.begin(), p.end());
     }
-    auto ref = step_both(this, cpu, *gpu, prefill, ids, "prefill");
+    auto ref = step_both(cpu, *gpu, prefill, ids, this->logit_tol(), "prefill");
     std::vector<int32_t> next(static_cast<size_t>(batch));
     for (int s = 0; s < batch; ++s) next[static_cast<size_t>(s)] = top1(ref.data() + s * V, V).first;
     SamplingParams greedy;

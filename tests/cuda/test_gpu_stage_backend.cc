@@ -22,15 +22,13 @@ TEST(GpuStageBackend, NotBuilt) { GTEST_SKIP() << "built without the CUDA backen
 #include "model/stage_executor.h"
 #include "model/tokenizer.h"
 #include "model/weights.h"
+#include "tests/cuda/gpu_test_util.h"
 #include "tests/test_util.h"
 
 namespace conveyor {
 namespace {
 
-bool have_gpu() {
-  int n = 0;
-  return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
-}
+using testing::have_gpu;
 
 std::string model_dir() { return testing::source_dir() + "/models/brown-gpt2"; }
 
@@ -69,6 +67,26 @@ Pipeline make_pipeline(bool gpu, DType dtype) {
   return p;
 }
 
+// Step `step` of every sequence as one micro-batch: the whole prompt first, then the last
+// token; `sampling(i, w)` sets sequence i's sampling.
+template <class F>
+MicroBatch step_batch(int step, const std::vector<std::vector<int32_t>>& seqs, const std::vector<int32_t>& prompt_lens,
+                      F&& sampling) {
+  MicroBatch b;
+  b.batch_id = uint64_t(step);
+  for (size_t i = 0; i < seqs.size(); ++i) {
+    SeqWork w;
+    const int32_t start = step == 0 ? 0 : int32_t(seqs[i].size()) - 1;
+    w.slice = {i + 1, start, int32_t(seqs[i].size()) - start};
+    w.prompt_len = prompt_lens[i];
+    w.sample = true;
+    sampling(i, w);
+    b.seqs.push_back(w);
+    b.token_ids.insert(b.token_ids.end(), seqs[i].begin() + start, seqs[i].end());
+  }
+  return b;
+}
+
 class GpuStageBackendTest : public ::testing::TestWithParam<DType> {
  protected:
   void SetUp() override {
@@ -83,24 +101,16 @@ TEST_P(GpuStageBackendTest, TwoStagePipelineMatchesCpu) {
   const std::vector<std::string> texts = {"The jury said", "In the morning the old man walked down to the river",
                                           "Mr. Brown"};
   std::vector<std::vector<int32_t>> seqs;
-  for (const auto& t : texts) seqs.push_back(tok->encode(t));
+  std::vector<int32_t> prompt_lens;
+  for (const auto& t : texts) seqs.push_back(tok->encode(t)), prompt_lens.push_back(int32_t(seqs.back().size()));
 
   const double tol = GetParam() == DType::F16 ? 0.05 : 0.15;
   int decisive = 0, agreed = 0;
   for (int step = 0; step < 24; ++step) {
-    MicroBatch b;
-    b.batch_id = uint64_t(step);
-    for (size_t i = 0; i < seqs.size(); ++i) {
-      SeqWork w;
-      const int32_t start = step == 0 ? 0 : int32_t(seqs[i].size()) - 1;
-      w.slice = {i + 1, start, int32_t(seqs[i].size()) - start};
-      w.prompt_len = int32_t(tok->encode(texts[i]).size());
-      w.sample = true;
+    const MicroBatch b = step_batch(step, seqs, prompt_lens, [](size_t, SeqWork& w) {
       w.top_logprobs = 2;
       w.sampling.temperature = 0;
-      b.seqs.push_back(w);
-      b.token_ids.insert(b.token_ids.end(), seqs[i].begin() + start, seqs[i].end());
-    }
+    });
     const BatchResult rc = cpu.run(b), rg = gpu.run(b);
     ASSERT_EQ(rc.seqs.size(), seqs.size());
     ASSERT_EQ(rg.seqs.size(), seqs.size());
@@ -142,23 +152,15 @@ TEST_P(GpuStageBackendTest, SamplingOnTheGpuMatchesTheHostPath) {
   ASSERT_TRUE(on_gpu.stages.back()->backend().samples_in_place());
   const std::vector<std::string> texts = {"The jury said", "It was a cold", "Mr. Brown"};
   std::vector<std::vector<int32_t>> seqs;
-  for (const auto& t : texts) seqs.push_back(tok->encode(t));
+  std::vector<int32_t> prompt_lens;
+  for (const auto& t : texts) seqs.push_back(tok->encode(t)), prompt_lens.push_back(int32_t(seqs.back().size()));
   int sampled = 0;
   for (int step = 0; step < 16; ++step) {
-    MicroBatch b;
-    b.batch_id = uint64_t(step);
-    for (size_t i = 0; i < seqs.size(); ++i) {
-      SeqWork w;
-      const int32_t start = step == 0 ? 0 : int32_t(seqs[i].size()) - 1;
-      w.slice = {i + 1, start, int32_t(seqs[i].size()) - start};
-      w.prompt_len = int32_t(tok->encode(texts[i]).size());
-      w.sample = true;
+    MicroBatch b = step_batch(step, seqs, prompt_lens, [](size_t i, SeqWork& w) {
       w.sampling.temperature = i == 0 ? 0.f : 0.8f;
       w.sampling.seed = 7 + i;
       if (i == 2) w.sampling.repetition_penalty = 1.3f;
-      b.seqs.push_back(w);
-      b.token_ids.insert(b.token_ids.end(), seqs[i].begin() + start, seqs[i].end());
-    }
+    });
     const BatchResult g = on_gpu.run(b);
     for (SeqWork& w : b.seqs) w.top_logprobs = 1;  // the same batch, sampled on the host
     const BatchResult h = on_host.run(b);

@@ -36,6 +36,7 @@ TEST(Quant, NotBuilt) { GTEST_SKIP() << "built without the CUDA backend"; }
 #include "kernels/cuda/check.h"
 #include "kernels/cuda/gemm.h"
 #include "kernels/cuda/quant.h"
+#include "tests/cuda/gpu_test_util.h"
 
 namespace conveyor {
 namespace {
@@ -45,28 +46,12 @@ using cuda::detail::Int8Kernel;
 using half = __half;
 using bf16 = __nv_bfloat16;
 
-bool have_gpu() {
-  int n = 0;
-  return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
-}
-
-#define REQUIRE_GPU()                                              \
-  do {                                                             \
-    if (!have_gpu()) GTEST_SKIP() << "no CUDA device on this host"; \
-  } while (0)
+using testing::have_gpu;
 
 // ---- host values in a device element type ----
 
-template <class T>
-uint16_t to_bits(float f) {
-  if constexpr (std::is_same_v<T, half>) return float_to_fp16(f);
-  else return float_to_bf16(f);
-}
-template <class T>
-float from_bits(uint16_t b) {
-  if constexpr (std::is_same_v<T, half>) return fp16_to_float(b);
-  else return bf16_to_float(b);
-}
+using testing::from_bits;
+using testing::to_bits;
 // The values rounded to T, as bits (for the device) and as floats (for the host).
 template <class T>
 struct Rounded {
@@ -219,13 +204,7 @@ void quantize_host(const std::vector<float>& w, int N, int K, std::vector<int8_t
 }
 
 template <class T>
-class Quant : public ::testing::Test {
- protected:
-  void SetUp() override { REQUIRE_GPU(); }
-  void TearDown() override {
-    if (have_gpu()) CUDA_CHECK(cudaDeviceSynchronize());
-  }
-};
+class Quant : public testing::GpuTypedTest<T> {};
 using ElemTypes = ::testing::Types<half, bf16>;
 TYPED_TEST_SUITE(Quant, ElemTypes);
 
@@ -358,7 +337,7 @@ TYPED_TEST(Quant, DequantisingPathMatchesReference) {
   using T = TypeParam;
   Rng rng;
   SEED_TRACE(rng);
-  for (const auto [N, K] : {std::pair{96, 512}, std::pair{37, 300}}) {
+  for (const auto& [N, K] : {std::pair{96, 512}, std::pair{37, 300}}) {
     const Rounded<T> w(rng.normal(size_t(N) * K, 0.02f));
     std::vector<int8_t> q;
     std::vector<float> sc;

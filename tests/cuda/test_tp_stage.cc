@@ -29,6 +29,7 @@ TEST(TpStage, NotBuilt) { GTEST_SKIP() << "built without the CUDA backend"; }
 #include "kernels/cuda/tp_stage.h"
 #include "model/cpu_stage.h"
 #include "model/weights.h"
+#include "tests/cuda/gpu_test_util.h"
 #include "tests/test_util.h"
 
 namespace conveyor {
@@ -37,10 +38,10 @@ namespace {
 using cuda::GpuStageOptions;
 using cuda::TpStage;
 
-int gpu_count() {
-  int n = 0;
-  return cudaGetDeviceCount(&n) == cudaSuccess ? n : 0;
-}
+using testing::gpu_count;
+using testing::rel_err;
+using testing::step_both;
+using testing::top1;
 
 // The tests' largest group: 3 ranks (a 5-rank group is only refused). With fewer GPUs the
 // ranks share them, where that is allowed (tests/test_util.h).
@@ -78,25 +79,7 @@ GpuStageOptions options(DType dt) {
   return o;
 }
 
-double rel_err(const float* a, const float* ref, size_t n) {
-  double num = 0, den = 0;
-  for (size_t i = 0; i < n; ++i) {
-    if (!std::isfinite(a[i])) return INFINITY;
-    num += (double(a[i]) - ref[i]) * (double(a[i]) - ref[i]);
-    den += double(ref[i]) * ref[i];
-  }
-  return std::sqrt(num / std::max(den, 1e-30));
-}
 
-std::pair<int32_t, float> top1(const float* row, int64_t V) {
-  int32_t best = 0;
-  for (int64_t i = 1; i < V; ++i)
-    if (row[i] > row[best]) best = int32_t(i);
-  float second = -INFINITY;
-  for (int64_t i = 0; i < V; ++i)
-    if (i != best) second = std::max(second, row[i]);
-  return {best, row[best] - second};
-}
 
 template <class T>
 class TpStageTest : public ::testing::Test {
@@ -123,29 +106,6 @@ TYPED_TEST_SUITE(TpStageTest, ElemTypes);
 
 #define SEED_TRACE() SCOPED_TRACE("seed " + std::to_string(this->seed))
 
-// One micro-batch through the CPU stage and the tensor-parallel one; the CPU's logits of
-// each slice's last row, after checking the GPU's against them.
-template <class Test>
-std::vector<float> step_both(Test* t, CpuStage& cpu, TpStage& gpu, const std::vector<SeqSlice>& slices,
-                             const std::vector<int32_t>& ids, const std::string& what) {
-  const int64_t C = cpu.hidden_size(), V = cpu.config().vocab_size;
-  std::vector<float> hidden(size_t(total_tokens(slices) * C));
-  EXPECT_TRUE(cpu.embed(slices, ids.data(), hidden.data()).ok());
-  EXPECT_TRUE(cpu.forward(slices, hidden.data()).ok());
-  std::vector<float> ref(slices.size() * size_t(V)), got(ref.size());
-  EXPECT_TRUE(cpu.logits(slices, hidden.data(), false, ref.data()).ok());
-  Status s = gpu.embed(slices, ids.data());
-  EXPECT_TRUE(s.ok()) << s.message();
-  s = gpu.forward(slices);
-  EXPECT_TRUE(s.ok()) << s.message();
-  s = gpu.logits(slices, false, got.data());
-  EXPECT_TRUE(s.ok()) << s.message();
-  for (size_t i = 0; i < slices.size(); ++i)
-    EXPECT_LT(rel_err(got.data() + i * size_t(V), ref.data() + i * size_t(V), size_t(V)), t->logit_tol())
-        << what << ": sequence " << slices[i].seq_id;
-  return ref;
-}
-
 TYPED_TEST(TpStageTest, PrefillChunksAndGraphDecodeMatchCpu) {
   SEED_TRACE();
   const ModelConfig cfg = tp_config();
@@ -163,8 +123,8 @@ TYPED_TEST(TpStageTest, PrefillChunksAndGraphDecodeMatchCpu) {
     std::vector<int32_t> ids(p1.begin(), p1.begin() + 20);
     ids.insert(ids.end(), p2.begin(), p2.end());
     ids.insert(ids.end(), p3.begin(), p3.end());
-    auto ref = step_both(this, cpu, *gpu, {{1, 0, 20}, {2, 0, 5}, {3, 0, 100}}, ids, "prefill");
-    ref = step_both(this, cpu, *gpu, {{1, 20, 17}}, std::vector<int32_t>(p1.begin() + 20, p1.end()), "second chunk");
+    auto ref = step_both(cpu, *gpu, {{1, 0, 20}, {2, 0, 5}, {3, 0, 100}}, ids, this->logit_tol(), "prefill");
+    ref = step_both(cpu, *gpu, {{1, 20, 17}}, std::vector<int32_t>(p1.begin() + 20, p1.end()), this->logit_tol(), "second chunk");
     for (int r = 0; r < ranks; ++r) EXPECT_EQ(gpu->rank(r).cached_tokens(1), 37);
 
     // Graph decode of the three sequences (bucket 4: one padding row) against the CPU's greedy choice.
