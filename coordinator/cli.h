@@ -48,10 +48,10 @@ struct LocalOptions {
   std::string log_dir;
   bool verbose = false;
   std::string backend = "cpu";  // the workers' --backend
-  int gpus = 1;                  // cuda: worker i runs on GPU i % gpus
+  int gpus = 1;                  // cuda: GPUs to use; worker i's ranks on GPUs (i * tp + k) % gpus
   std::string dtype = "f16";
   bool int8_weights = false;     // cuda: int8 weight-only layer matrices
-  int tp = 1;                    // cpu: tensor-parallel threads per worker
+  int tp = 1;                    // tensor-parallel ranks per worker: threads (cpu) or GPUs (cuda)
 };
 void add_local_command(CLI::App& app, LocalOptions& options);
 int local_command(const LocalOptions& options);

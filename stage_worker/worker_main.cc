@@ -50,7 +50,6 @@ int main(int argc, char** argv) {
   CLI11_PARSE(app, argc, argv);
   if (opt.backend == "cuda") {
     if (gpus.empty()) {
-      gpus.clear();
       for (int r = 0; r < opt.tensor_parallel; ++r) gpus.push_back(device + r);
     } else if (opt.tensor_parallel > 1 && opt.tensor_parallel != int(gpus.size())) {
       std::cerr << "conveyor-worker: --tp " << opt.tensor_parallel << " but --gpus names " << gpus.size() << " GPUs\n";

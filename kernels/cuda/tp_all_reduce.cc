@@ -1,7 +1,6 @@
 #include "kernels/cuda/tp_all_reduce.h"
 
 #include <algorithm>
-#include <set>
 #include <string>
 #include <type_traits>
 
@@ -21,7 +20,7 @@ Expected<std::unique_ptr<TpAllReduce>> TpAllReduce::create(const std::vector<int
                                                            int64_t fused_max_elems) {
   std::unique_ptr<TpAllReduce> t(new TpAllReduce());
   t->max_bytes_ = max_bytes;
-  const bool distinct = std::set<int>(devices.begin(), devices.end()).size() == devices.size();
+  const bool distinct = distinct_gpus(devices);
   const size_t custom_bytes = distinct ? std::min(max_bytes, CustomAllReduce::kNcclCrossoverBytes) : max_bytes;
   // Ranks sharing a GPU run the plain all-reduce only: the fused kernel's ranks wait for
   // each other's stores without a barrier, which kernels of one GPU can only do when their

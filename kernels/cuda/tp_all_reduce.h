@@ -13,6 +13,7 @@
 #pragma once
 
 #include <memory>
+#include <set>
 #include <vector>
 
 #include <cuda_bf16.h>
@@ -23,6 +24,11 @@
 #include "kernels/cuda/custom_all_reduce.h"
 
 namespace conveyor::cuda {
+
+// No GPU appears twice (ranks sharing a GPU make NCCL and the fused call unusable).
+inline bool distinct_gpus(const std::vector<int>& devices) {
+  return std::set<int>(devices.begin(), devices.end()).size() == devices.size();
+}
 
 class TpAllReduce {
  public:

@@ -1,7 +1,6 @@
 #include "kernels/cuda/tp_stage.h"
 
 #include <algorithm>
-#include <set>
 #include <sstream>
 
 namespace conveyor::cuda {
@@ -51,7 +50,7 @@ std::unique_ptr<TpStage> TpStage::build(const ModelConfig& config, const std::ve
   };
   // Ranks sharing a GPU are built one after the other: each sizes its K/V cache from the
   // memory the ones before left free.
-  const bool shared = std::set<int>(devices.begin(), devices.end()).size() != devices.size();
+  const bool shared = !distinct_gpus(devices);
   Status built;
   for (int r = 0; shared && r < R && built; ++r) {
     try {
