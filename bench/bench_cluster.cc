@@ -313,8 +313,11 @@ int main(int argc, char** argv) {
   for (const auto& w : cluster_info(cluster.port).value("workers", json::array()))
     if (w.contains("stage")) {
       const double secs = w.value("load_seconds", 0.0), bytes = w.value("load_bytes_total", 0.0);
-      std::printf("load: %s stage %d, %.1f MB in %.2f s = %.2f GB/s\n", w.value("name", std::string()).c_str(),
-                  w["stage"].get<int>(), bytes / 1e6, secs, secs > 0 ? bytes / secs / 1e9 : 0.0);
+      const json dp = w.value("data_plane", json::object());
+      std::printf("load: %s stage %d, %.1f MB in %.2f s = %.2f GB/s; activations staged in %s memory, UCX CUDA memory: %s\n",
+                  w.value("name", std::string()).c_str(), w["stage"].get<int>(), bytes / 1e6, secs,
+                  secs > 0 ? bytes / secs / 1e9 : 0.0, dp.value("staging", std::string("?")).c_str(),
+                  dp.value("ucx_cuda_memory", false) ? "yes" : "no");
     }
   const char* prompts[] = {"The jury said", "In the morning the old man walked down to the river, where",
                            "It was a time of great change in the country, and", "Mr. Brown"};

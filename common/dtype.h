@@ -35,6 +35,9 @@ inline std::string_view dtype_name(DType t) {
   return "?";
 }
 
+// The element types activations travel in between pipeline stages.
+inline bool is_activation_dtype(DType t) { return t == DType::F32 || t == DType::F16 || t == DType::BF16; }
+
 // Safetensors spelling ("F32", "F16", "BF16", "I8", "I32", "I64").
 inline std::optional<DType> dtype_from_name(std::string_view s) {
   if (s == "F32") return DType::F32;

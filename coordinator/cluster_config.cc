@@ -108,13 +108,18 @@ std::vector<std::pair<int64_t, int64_t>> balanced_layer_split(const ModelConfig&
   return out;
 }
 
-int64_t stage_weight_bytes(const ModelConfig& c, std::pair<int64_t, int64_t> layers, int64_t bytes_per_param) {
+int64_t stage_weight_bytes(const ModelConfig& c, std::pair<int64_t, int64_t> layers, int64_t bytes_per_param,
+                           bool int8_matrices) {
   const int64_t C = c.n_embd, I = c.n_inner > 0 ? c.n_inner : 4 * c.n_embd;
-  const int64_t per_layer = 4 * C * C + 4 * C + 2 * C * I + I + C + 4 * C;  // attention, MLP, two norms
-  int64_t params = (layers.second - layers.first) * per_layer;
-  if (layers.first == 0) params += (c.vocab_size + c.n_positions) * C;
-  if (layers.second == c.n_layer) params += c.vocab_size * C + 2 * C;
-  return params * bytes_per_param;
+  const int64_t matrices = 4 * C * C + 2 * C * I;           // QKV, projection, FC, FC2
+  const int64_t vectors = 4 * C + I + C + 4 * C;            // their biases, two norms
+  const int64_t out_channels = 3 * C + C + I + C;           // one int8 scale each
+  const int64_t per_layer = int8_matrices ? matrices + out_channels * 4 + vectors * bytes_per_param
+                                          : (matrices + vectors) * bytes_per_param;
+  int64_t bytes = (layers.second - layers.first) * per_layer;
+  if (layers.first == 0) bytes += (c.vocab_size + c.n_positions) * C * bytes_per_param;
+  if (layers.second == c.n_layer) bytes += (c.vocab_size * C + 2 * C) * bytes_per_param;
+  return bytes;
 }
 
 Status check_layer_split(const std::vector<std::pair<int64_t, int64_t>>& layers, int stages, int64_t n_layer) {

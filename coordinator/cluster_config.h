@@ -70,8 +70,11 @@ std::vector<std::pair<int64_t, int64_t>> balanced_layer_split(const ModelConfig&
 
 // What a stage's weights take in memory at `bytes_per_param` (4 for f32, 2 for f16): its
 // layers, plus the embeddings on the first stage and the final norm and LM head on the last.
-// The re-planner checks it against what each worker has before it gives a worker more layers.
-int64_t stage_weight_bytes(const ModelConfig& config, std::pair<int64_t, int64_t> layers, int64_t bytes_per_param);
+// `int8_matrices` (a GPU worker's --int8-weights): the layers' four matrices take one byte a
+// parameter plus an fp32 scale per output channel. The re-planner checks it against what
+// each worker has before it gives a worker more layers.
+int64_t stage_weight_bytes(const ModelConfig& config, std::pair<int64_t, int64_t> layers, int64_t bytes_per_param,
+                           bool int8_matrices = false);
 
 // Checks explicit layer ranges: `stages` contiguous, non-empty ranges covering [0, n_layer).
 Status check_layer_split(const std::vector<std::pair<int64_t, int64_t>>& layers, int stages, int64_t n_layer);

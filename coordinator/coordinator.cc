@@ -47,6 +47,8 @@ struct WorkerInfo {
   double busy_fraction = 0;
   int64_t kv_used_tokens = 0, kv_capacity_tokens = 0, sequences = 0;
   json holding;  // what a re-registering worker says it still has loaded
+  json data_plane;  // how its activations travel (staging memory, UCX CUDA support)
+  bool int8_weights = false;  // a GPU worker that stores the layers' matrices as int8
   std::string last_error;
   Clock::time_point last_seen = Clock::now();
 };
@@ -212,7 +214,7 @@ struct Coordinator::Impl {
     return w.backend == "cpu" ? w.memory_bytes - w.kv_cache_bytes : w.memory_bytes / 10 * 9;
   }
   int64_t weight_bytes(const WorkerInfo& w, std::pair<int64_t, int64_t> layers) const {
-    return stage_weight_bytes(cfg.model, layers, w.backend == "cpu" ? 4 : 2);
+    return stage_weight_bytes(cfg.model, layers, w.backend == "cpu" ? 4 : 2, w.int8_weights);
   }
 
   // Whether `w` has `layers` of this model loaded (or loading), so it can serve them at once.
@@ -511,6 +513,8 @@ struct Coordinator::Impl {
       w.memory_bytes = b.value("memory_bytes", int64_t(0));
       w.kv_cache_bytes = b.value("kv_cache_bytes", int64_t(0));
       w.holding = b.value("holding", json());
+      w.data_plane = b.value("data_plane", json());
+      w.int8_weights = b.value("int8_weights", false);
       w.data_address = m.blob;
       workers[peer] = std::move(w);
       send_control(peer, ControlMessage::make("welcome", {{"heartbeat_ms", cfg.heartbeat_interval_ms}}));
@@ -1006,6 +1010,7 @@ struct Coordinator::Impl {
                 {"load_bytes_total", w.load_bytes_total}, {"load_seconds", w.load_seconds},
                 {"memory_bytes", w.memory_bytes}};
       if (w.leaving) e["leaving"] = true;
+      if (!w.data_plane.is_null()) e["data_plane"] = w.data_plane;
       if (w.stage >= 0) {
         e["pipeline"] = w.pipeline;
         e["stage"] = w.stage;

@@ -7,7 +7,7 @@
 namespace conveyor {
 namespace {
 
-constexpr uint32_t kBatchMagic = 0x31424d43;   // "CMB1"
+constexpr uint32_t kBatchMagic = 0x32424d43;   // "CMB2" (2: the activations' dtype)
 constexpr uint32_t kResultMagic = 0x31525243;  // "CRR1"
 constexpr uint32_t kMaxCount = 1u << 24;       // no field of a sane batch is this long
 
@@ -114,6 +114,7 @@ std::vector<uint8_t> encode(const MicroBatch& b) {
   Writer w;
   w.put(kBatchMagic);
   w.put(b.batch_id), w.put(b.pipeline), w.put(b.epoch);
+  w.put<uint8_t>(uint8_t(b.activation_dtype));
   w.put<uint32_t>(uint32_t(b.seqs.size()));
   for (const SeqWork& s : b.seqs) {
     w.put(s.slice.seq_id), w.put(s.slice.start_pos), w.put(s.slice.num_tokens);
@@ -135,11 +136,16 @@ Expected<MicroBatch> decode_microbatch(std::span<const uint8_t> bytes) {
   Reader r(bytes, "micro-batch");
   MicroBatch b;
   uint32_t magic = 0, n = 0;
+  uint8_t act_dtype = 0;
   if (!r.get(magic, "magic")) return r.status();
   if (magic != kBatchMagic) return Status::error("malformed micro-batch: bad magic word (not a Conveyor micro-batch, or another version)");
   if (!r.get(b.batch_id, "batch_id") || !r.get(b.pipeline, "pipeline") || !r.get(b.epoch, "epoch") ||
-      !r.count(n, "seqs", 40))
+      !r.get(act_dtype, "activation_dtype") || !r.count(n, "seqs", 40))
     return r.status();
+  b.activation_dtype = DType(act_dtype);
+  if (!is_activation_dtype(b.activation_dtype))
+    return Status::error("malformed micro-batch: activation dtype " + std::to_string(act_dtype) +
+                         " is not F32, F16 or BF16");
   b.seqs.resize(n);
   for (SeqWork& s : b.seqs) {
     uint8_t flags = 0;
@@ -196,6 +202,7 @@ Expected<BatchResult> decode_batch_result(std::span<const uint8_t> bytes) {
   Reader r(bytes, "batch result");
   BatchResult res;
   uint32_t magic = 0, n = 0;
+  uint8_t act_dtype = 0;
   if (!r.get(magic, "magic")) return r.status();
   if (magic != kResultMagic) return Status::error("malformed batch result: bad magic word");
   if (!r.get(res.batch_id, "batch_id") || !r.get(res.pipeline, "pipeline") || !r.get(res.epoch, "epoch") ||

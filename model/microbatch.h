@@ -5,9 +5,10 @@
 //
 // A MicroBatch header names, for each sequence, the slice of tokens this step runs
 // (start_pos, num_tokens) and, for the last stage, how to sample and what to report. The
-// header travels unchanged through every stage; the tensor that goes with it is the
-// activations [total_tokens, n_embd] (fp32) between stages, nothing from the coordinator
-// (stage 0 embeds the header's token ids). Sequences to free ride along in `free_seq_ids`
+// header travels through every stage, changed only in `activation_dtype`; the tensor that
+// goes with it is the activations [total_tokens, n_embd] between stages (fp32 from a CPU
+// stage, the stage's fp16/bf16 from a GPU stage: half the bytes), nothing from the
+// coordinator (stage 0 embeds the header's token ids). Sequences to free ride along in `free_seq_ids`
 // so stages never need a separate message to release KV memory.
 //
 // Wire format: little-endian, a magic/version word first; decode() checks every length
@@ -20,6 +21,7 @@
 #include <utility>
 #include <vector>
 
+#include "common/dtype.h"
 #include "common/status.h"
 #include "model/cpu_stage.h"
 #include "model/sampling.h"
@@ -41,6 +43,7 @@ struct MicroBatch {
   uint64_t batch_id = 0;
   uint32_t pipeline = 0;          // pipeline replica
   uint32_t epoch = 0;             // bumped on re-plan/failover: stages drop stale batches
+  DType activation_dtype = DType::F32;  // of the activations sent with this header (F32, F16, BF16)
   std::vector<SeqWork> seqs;
   std::vector<int32_t> token_ids;        // every slice's tokens, concatenated in slice order
   std::vector<uint64_t> free_seq_ids;    // free these sequences' KV before running

@@ -1,20 +1,34 @@
 // What a stage runs its micro-batches on: the CPU stage (model/cpu_stage.h) or a GPU stage
-// (kernels/cuda/gpu_stage_backend.h), behind one interface whose activations are fp32 in
-// host memory, as they travel between stages. The calls and their checks are CpuStage's:
-// embed (first stage), forward (this stage's layers, appending K/V), logits (last stage).
+// (kernels/cuda/gpu_stage_backend.h), behind one interface. A backend keeps the micro-batch's
+// activations where it computes (host or device) from embed/forward to logits or
+// read_activations; activations cross between stages as host rows of F32 (the CPU) or the
+// GPU stage's F16/BF16, and a backend takes any of the three. The calls and their checks are
+// CpuStage's: embed (first stage), forward (this stage's layers, appending K/V), logits
+// (last stage).
 #pragma once
 
 #include <algorithm>
+#include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <span>
 #include <string>
+#include <vector>
 
+#include "common/dtype.h"
 #include "common/model_config.h"
 #include "common/status.h"
 #include "model/cpu_stage.h"
 #include "model/sampling.h"
 
 namespace conveyor {
+
+// Activations as they travel between stages: [tokens, n_embd] elements of `dtype`
+// (is_activation_dtype) in host memory, or device memory where the backend says it takes it.
+struct ActivationsView {
+  DType dtype = DType::F32;
+  std::span<const std::byte> bytes;
+};
 
 class StageBackend {
  public:
@@ -24,18 +38,34 @@ class StageBackend {
   virtual bool has_embedding() const = 0;
   virtual bool has_head() const = 0;
 
-  virtual Status embed(std::span<const SeqSlice> slices, const int32_t* token_ids, float* hidden) = 0;
-  virtual Status forward(std::span<const SeqSlice> slices, float* hidden) = 0;
-  virtual Status logits(std::span<const SeqSlice> slices, const float* hidden, bool all_positions, float* out) = 0;
+  // The element type of the activations this stage hands on (read_activations).
+  virtual DType activation_dtype() const = 0;
+
+  // First stage: the micro-batch's activations become the embedding of `token_ids`.
+  virtual Status embed(std::span<const SeqSlice> slices, const int32_t* token_ids) = 0;
+  // This stage's layers, on `in` (the previous stage's activations; checked to be
+  // [tokens, n_embd] of an activation dtype), or on what embed left when `in` is null.
+  virtual Status forward(std::span<const SeqSlice> slices, const ActivationsView* in) = 0;
+  // Non-last stages, after forward: the outgoing activations, tokens x n_embd elements of
+  // activation_dtype(), into `out` (host memory; page-locked for a GPU backend is fastest).
+  virtual Status read_activations(int64_t tokens, std::span<std::byte> out) = 0;
+  // Last stage, after forward: ln_f + LM head into host `out` (as CpuStage::logits).
+  virtual Status logits(std::span<const SeqSlice> slices, bool all_positions, float* out) = 0;
 
   // Last stage, a backend that chooses tokens where its logits are (the GPU: no logits cross
   // to the host): for slice i, the token sample_next would draw from its last row given
   // rows[i], and that token's log-prob under the raw logits. The executor uses it when no
   // slice asks for more than the chosen token's log-prob.
   virtual bool samples_in_place() const { return false; }
-  virtual Status sample_last(std::span<const SeqSlice> /*slices*/, const float* /*hidden*/,
-                             std::span<const SampleRow> /*rows*/, int32_t* /*tokens*/, float* /*logprobs*/) {
+  virtual Status sample_last(std::span<const SeqSlice> /*slices*/, std::span<const SampleRow> /*rows*/,
+                             int32_t* /*tokens*/, float* /*logprobs*/) {
     return Status::error(describe() + ": this backend samples on the host");
+  }
+
+  // Host memory for activations this backend reads and writes: page-locked for a GPU backend
+  // (copies to and from the device run as DMA), the heap otherwise. Throws std::bad_alloc.
+  virtual std::shared_ptr<std::byte[]> allocate_host(size_t bytes) const {
+    return std::shared_ptr<std::byte[]>(new std::byte[bytes]);
   }
 
   virtual void free_sequence(uint64_t seq_id) = 0;
@@ -50,7 +80,7 @@ class StageBackend {
   virtual std::string describe() const = 0;
 };
 
-// The CPU stage as a StageBackend.
+// The CPU stage as a StageBackend: activations in fp32 on the host.
 class CpuStageBackend final : public StageBackend {
  public:
   // tp > 1: the layers run tensor parallel over that many threads (CpuStage).
@@ -59,12 +89,12 @@ class CpuStageBackend final : public StageBackend {
   const ModelConfig& config() const override { return stage_.config(); }
   bool has_embedding() const override { return stage_.weights().has_embedding(); }
   bool has_head() const override { return stage_.weights().has_head(); }
-  Status embed(std::span<const SeqSlice> slices, const int32_t* ids, float* hidden) override {
-    return stage_.embed(slices, ids, hidden);
-  }
-  Status forward(std::span<const SeqSlice> slices, float* hidden) override { return stage_.forward(slices, hidden); }
-  Status logits(std::span<const SeqSlice> slices, const float* hidden, bool all, float* out) override {
-    return stage_.logits(slices, hidden, all, out);
+  DType activation_dtype() const override { return DType::F32; }
+  Status embed(std::span<const SeqSlice> slices, const int32_t* ids) override;
+  Status forward(std::span<const SeqSlice> slices, const ActivationsView* in) override;
+  Status read_activations(int64_t tokens, std::span<std::byte> out) override;
+  Status logits(std::span<const SeqSlice> slices, bool all, float* out) override {
+    return stage_.logits(slices, hidden_.data(), all, out);
   }
   void free_sequence(uint64_t seq_id) override { stage_.free_sequence(seq_id); }
   void clear() override { stage_.clear(); }
@@ -80,6 +110,20 @@ class CpuStageBackend final : public StageBackend {
 
  private:
   CpuStage stage_;
+  std::vector<float> hidden_;  // this micro-batch's activations [tokens, n_embd]
 };
+
+// Checks `in` against a micro-batch of `tokens` tokens of width `width`: an activation
+// dtype and exactly tokens x width elements. `stage` names the stage in the error.
+inline Status check_activations(const ActivationsView& in, int64_t tokens, int64_t width, const std::string& stage) {
+  if (!is_activation_dtype(in.dtype))
+    return Status::error(stage + ": activations of " + std::string(dtype_name(in.dtype)) + " (F32, F16 or BF16 expected)");
+  const size_t want = size_t(tokens * width) * dtype_bytes(in.dtype);
+  if (in.bytes.size() != want)
+    return Status::error(stage + ": received " + std::to_string(in.bytes.size()) + " bytes of " +
+                         std::string(dtype_name(in.dtype)) + " activations, expected " + std::to_string(tokens) +
+                         " tokens x " + std::to_string(width) + " (" + std::to_string(want) + " bytes)");
+  return ok_status();
+}
 
 }  // namespace conveyor

@@ -19,23 +19,21 @@ void StageExecutor::drop_all() {
   history_.clear();
 }
 
-Status StageExecutor::run(const MicroBatch& batch, std::vector<float>& hidden, BatchResult* result) {
+Status StageExecutor::run(const MicroBatch& batch, std::span<const std::byte> in, BatchResult* result) {
   for (uint64_t id : batch.free_seq_ids) free_sequence(id);
   if (Status s = validate(batch, config()); !s.ok()) return s;
   const std::vector<SeqSlice> slices = batch.slices();
   const int64_t T = batch.total_tokens();
-  const int64_t C = config().n_embd;
-  if (is_first()) {
-    hidden.resize(size_t(T * C));
-    if (T > 0)
-      if (Status s = backend_->embed(slices, batch.token_ids.data(), hidden.data()); !s.ok()) return s;
-  } else if (int64_t(hidden.size()) != T * C) {
-    return Status::error("micro-batch " + std::to_string(batch.batch_id) + ": received " +
-                         std::to_string(hidden.size()) + " activation values, expected " +
-                         std::to_string(T) + " tokens x " + std::to_string(C));
+  if (T > 0) {
+    if (is_first()) {
+      if (Status s = backend_->embed(slices, batch.token_ids.data()); !s.ok()) return s;
+      if (Status s = backend_->forward(slices, nullptr); !s.ok()) return s;
+    } else {
+      const ActivationsView view{batch.activation_dtype, in};
+      if (Status s = backend_->forward(slices, &view); !s.ok())
+        return Status::error("micro-batch " + std::to_string(batch.batch_id) + ": " + s.message());
+    }
   }
-  if (T > 0)
-    if (Status s = backend_->forward(slices, hidden.data()); !s.ok()) return s;
   if (!is_last()) return ok_status();
   if (result == nullptr) return Status::error("last stage ran without a result to fill");
   // Record the tokens for penalties only once the forward pass has succeeded.
@@ -50,10 +48,10 @@ Status StageExecutor::run(const MicroBatch& batch, std::vector<float>& hidden, B
   result->batch_id = batch.batch_id;
   result->pipeline = batch.pipeline;
   result->epoch = batch.epoch;
-  return sample_outputs(batch, hidden, *result);
+  return sample_outputs(batch, *result);
 }
 
-Status StageExecutor::sample_in_place(const MicroBatch& batch, const std::vector<float>& hidden, BatchResult& result) {
+Status StageExecutor::sample_in_place(const MicroBatch& batch, BatchResult& result) {
   static const SamplingParams kGreedy = [] {
     SamplingParams p;
     p.temperature = 0;
@@ -71,7 +69,7 @@ Status StageExecutor::sample_in_place(const MicroBatch& batch, const std::vector
   }
   std::vector<int32_t> tokens(slices.size());
   std::vector<float> logprobs(slices.size());
-  if (Status s = backend_->sample_last(slices, hidden.data(), rows, tokens.data(), logprobs.data()); !s.ok()) return s;
+  if (Status s = backend_->sample_last(slices, rows, tokens.data(), logprobs.data()); !s.ok()) return s;
   result.seqs.clear();
   for (size_t i = 0; i < batch.seqs.size(); ++i) {
     SeqResult out;
@@ -82,20 +80,19 @@ Status StageExecutor::sample_in_place(const MicroBatch& batch, const std::vector
   return ok_status();
 }
 
-Status StageExecutor::sample_outputs(const MicroBatch& batch, const std::vector<float>& hidden,
-                                     BatchResult& result) {
+Status StageExecutor::sample_outputs(const MicroBatch& batch, BatchResult& result) {
   const int64_t V = config().vocab_size;
   bool all_rows = false, host_only = false;  // host_only: a slice asks for log-probs beyond the chosen token's
   for (const SeqWork& w : batch.seqs) {
     all_rows = all_rows || w.prompt_logprobs;
     host_only = host_only || w.prompt_logprobs || w.top_logprobs > 0;
   }
-  if (backend_->samples_in_place() && !host_only) return sample_in_place(batch, hidden, result);
+  if (backend_->samples_in_place() && !host_only) return sample_in_place(batch, result);
   const std::vector<SeqSlice> slices = batch.slices();
   const int64_t rows = all_rows ? batch.total_tokens() : int64_t(slices.size());
   logits_.resize(size_t(rows * V));
   if (rows > 0)
-    if (Status s = backend_->logits(slices, hidden.data(), all_rows, logits_.data()); !s.ok()) return s;
+    if (Status s = backend_->logits(slices, all_rows, logits_.data()); !s.ok()) return s;
 
   result.seqs.clear();
   int64_t first_row = 0;  // this slice's first row in logits_ when all_rows

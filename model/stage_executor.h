@@ -19,8 +19,10 @@
 #include <unordered_map>
 #include <vector>
 
-#include "common/status.h"
 #include <memory>
+#include <span>
+
+#include "common/status.h"
 
 #include "model/microbatch.h"
 #include "model/stage_backend.h"
@@ -37,20 +39,30 @@ class StageExecutor {
   const ModelConfig& config() const { return backend_->config(); }
   StageBackend& backend() { return *backend_; }
 
-  // Runs `batch`. `hidden` holds the incoming activations [T, C] (ignored on the first
-  // stage) and, on return, the outgoing ones (non-last stages). On the last stage
-  // `result` receives the sampled tokens and log-probs. Frees batch.free_seq_ids first.
-  // On error no sequence's cache has changed (the batch can be replayed).
-  Status run(const MicroBatch& batch, std::vector<float>& hidden, BatchResult* result);
+  // Runs `batch`. The first stage embeds the header's token ids; the others take `in`, the
+  // incoming activations [T, C] (batch.activation_dtype, host memory). A non-last stage then
+  // holds its outgoing activations for read_activations; the last stage fills `result`
+  // with the sampled tokens and log-probs. Frees batch.free_seq_ids first. On error no
+  // sequence's cache has changed (the batch can be replayed).
+  Status run(const MicroBatch& batch, std::span<const std::byte> in, BatchResult* result);
+  // The outgoing activations of the batch just run: activation_bytes(batch) bytes of
+  // activation_dtype() into `out`.
+  DType activation_dtype() const { return backend_->activation_dtype(); }
+  size_t activation_bytes(const MicroBatch& batch) const {
+    return size_t(batch.total_tokens() * config().n_embd) * dtype_bytes(activation_dtype());
+  }
+  Status read_activations(const MicroBatch& batch, std::span<std::byte> out) {
+    return backend_->read_activations(batch.total_tokens(), out);
+  }
 
   // Drops every sequence (failover, re-plan): KV caches and token histories.
   void drop_all();
   void free_sequence(uint64_t seq_id);
 
  private:
-  Status sample_outputs(const MicroBatch& batch, const std::vector<float>& hidden, BatchResult& result);
+  Status sample_outputs(const MicroBatch& batch, BatchResult& result);
   // The backend chooses the tokens where its logits are (StageBackend::samples_in_place).
-  Status sample_in_place(const MicroBatch& batch, const std::vector<float>& hidden, BatchResult& result);
+  Status sample_in_place(const MicroBatch& batch, BatchResult& result);
 
   std::unique_ptr<StageBackend> backend_;
   std::unordered_map<uint64_t, std::vector<int32_t>> history_;  // last stage only

@@ -13,6 +13,7 @@
 #include "model/microbatch.h"
 #include "model/stage_executor.h"
 #include "model/weights.h"
+#include "stage_worker/handoff.h"
 #ifdef CONVEYOR_HAVE_CUDA
 #include "kernels/cuda/check.h"
 #include "kernels/cuda/gpu_stage_backend.h"
@@ -60,6 +61,15 @@ int64_t memory_bytes(const WorkerOptions& opt) {
   return pages > 0 && page > 0 ? int64_t(pages) * page : 0;
 }
 
+#ifdef CONVEYOR_HAVE_CUDA
+// Page-locked receive buffers, so a GPU stage's copy of the received activations to its GPU
+// is DMA. They are allocated on the data plane's progress thread, which does no other CUDA
+// work: making the stage's GPU current there keeps a context off GPU 0.
+transport::HostAllocator pinned_receive_buffers(int device) {
+  return {[device](size_t n) -> void* { return cudaSetDevice(device) == cudaSuccess ? cuda::pinned_alloc(n) : nullptr; },
+          [](void* p) { cuda::pinned_free(p); }};
+}
+#endif
 
 // What the coordinator assigned: a stage of a pipeline, and where its neighbours are.
 struct Assignment {
@@ -131,6 +141,8 @@ struct Worker::Impl {
   double load_fraction = 0;
 
   std::thread loader, compute;
+  // The compute thread's outgoing activations, sent on by the handoff's own thread; two slots.
+  std::unique_ptr<Handoff> handoff;
   std::atomic<bool> compute_stop{false};
   std::atomic<uint64_t> batches{0};
   std::atomic<int64_t> busy_ns{0};
@@ -143,6 +155,7 @@ struct Worker::Impl {
     compute_stop = true;
     if (compute.joinable()) compute.join();
     if (loader.joinable()) loader.join();
+    handoff.reset();  // sends what is queued first
   }
 
   void send(ControlMessage m) { control->post(std::move(m)); }
@@ -151,7 +164,10 @@ struct Worker::Impl {
     json body = {{"name", opt.name}, {"host", host}, {"pid", ::getpid()}, {"token", opt.join_token},
                  {"backend", opt.backend}, {"tensor_parallel", opt.tensor_parallel}, {"gpus", opt.backend == "cuda" ? json(opt.gpus) : json::array()},
                  {"memory_bytes", memory_bytes(opt)},
-                 {"kv_cache_bytes", opt.kv_cache_bytes}};
+                 {"kv_cache_bytes", opt.kv_cache_bytes},
+                 {"int8_weights", opt.backend == "cuda" && opt.int8_weights},
+                 {"data_plane", {{"staging", opt.backend == "cuda" ? "page-locked host" : "host"},
+                                 {"ucx_cuda_memory", channel->supports_cuda_memory()}}}};
     {
       std::lock_guard lk(stage_mu);
       if (assignment && executor) body["holding"] = assignment->describe();
@@ -210,7 +226,9 @@ struct Worker::Impl {
     }
     if (loader.joinable()) loader.join();
     if (reuse) {
-      std::scoped_lock lk(run_mu, stage_mu);  // no micro-batch is running while the cache goes
+      std::unique_lock run(run_mu);  // no micro-batch is running while the cache goes
+      handoff->drain();              // nor being sent (a failed send takes stage_mu)
+      std::lock_guard lk(stage_mu);
       executor->drop_all();
       publish_stats();
       assignment = *a;
@@ -224,6 +242,7 @@ struct Worker::Impl {
     }
     compute_stop = true;
     if (compute.joinable()) compute.join();
+    handoff->drain();
     {
       std::lock_guard lk(stage_mu);
       executor.reset();
@@ -351,15 +370,21 @@ struct Worker::Impl {
     if (loader.joinable()) loader.join();
     compute_stop = true;
     if (compute.joinable()) compute.join();
+    handoff->drain();
     std::lock_guard lk(stage_mu);
     executor.reset();
     assignment.reset();
     state = "idle";
   }
 
-  // The compute thread: one micro-batch at a time, in arrival order.
+  // The compute thread: one micro-batch at a time, in arrival order; the handoff's thread
+  // sends the activations on while the next one runs.
   void compute_loop() {
-    std::vector<float> hidden;
+#ifdef CONVEYOR_HAVE_CUDA
+    if (opt.backend == "cuda" && !opt.gpus.empty())  // else a guard's restore would make a context on GPU 0
+      if (cudaError_t e = cudaSetDevice(opt.gpus[0]); e != cudaSuccess)
+        spdlog::warn("{}: cannot make GPU {} current on the compute thread: {}", opt.name, opt.gpus[0], cudaGetErrorString(e));
+#endif
     while (!compute_stop) {
       auto got = channel->recv(std::chrono::milliseconds(100));
       if (!got) {
@@ -390,12 +415,26 @@ struct Worker::Impl {
       }
       if (batch->epoch != a.epoch) continue;  // a batch from before a re-plan: dropped by design
       result.batch_id = batch->batch_id, result.pipeline = batch->pipeline, result.epoch = batch->epoch;
-      hidden.assign(reinterpret_cast<const float*>(msg.payload.data()),
-                    reinterpret_cast<const float*>(msg.payload.data()) + msg.payload.size() / sizeof(float));
       const auto t0 = Clock::now();
-      Status s = ex->run(*batch, hidden, a.next.empty() ? &result : nullptr);
-      const auto dt = Clock::now() - t0;
-      busy_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(dt).count();
+      Status s = ex->run(*batch, msg.payload.view(), a.next.empty() ? &result : nullptr);
+      auto busy = Clock::now() - t0;
+      int slot = -1;
+      size_t out_bytes = 0;
+      if (s && !a.next.empty()) {  // the outgoing activations into a free slot (waiting is not busy)
+        out_bytes = ex->activation_bytes(*batch);
+        try {
+          slot = handoff->acquire(out_bytes, [&](size_t n) { return ex->backend().allocate_host(n); });
+        } catch (const std::bad_alloc&) {
+          s = Status::error("no host memory for " + std::to_string(out_bytes) + " bytes of outgoing activations");
+        }
+        if (slot >= 0) {
+          const auto t1 = Clock::now();
+          s = ex->read_activations(*batch, handoff->slot(slot));
+          busy += Clock::now() - t1;
+          if (!s) handoff->cancel(slot);
+        }
+      }
+      busy_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(busy).count();
       ++batches;
       publish_stats();
       if (!s) {
@@ -404,21 +443,26 @@ struct Worker::Impl {
         continue;
       }
       if (a.next.empty()) {
-        result.busy_seconds = std::chrono::duration<double>(dt).count();
+        result.busy_seconds = std::chrono::duration<double>(busy).count();
         send_result(coord, result);
-      } else {
-        Status sent = channel->send(next, msg.header, {hidden.data(), hidden.size() * sizeof(float)},
-                                    std::chrono::milliseconds(10000));
-        if (!sent) {
-          {
-            std::lock_guard lk(stage_mu);
-            if (next_peer == next) next_address.clear();  // the next wiring connects afresh
-          }
-          report_data_error(sent.message(), "next");
-          result.error = opt.name + ": could not hand batch to the next stage: " + sent.message();
-          send_result(coord, result);
-        }
+        continue;
       }
+      std::vector<std::byte> out_header = std::move(msg.header);
+      if (batch->activation_dtype != ex->activation_dtype()) {  // say what the payload now holds
+        batch->activation_dtype = ex->activation_dtype();
+        const std::vector<uint8_t> bytes = encode(*batch);
+        out_header.assign(reinterpret_cast<const std::byte*>(bytes.data()),
+                      reinterpret_cast<const std::byte*>(bytes.data()) + bytes.size());
+      }
+      handoff->submit(slot, next, std::move(out_header), out_bytes, [this, next, coord, result](const Status& sent) mutable {
+        {
+          std::lock_guard lk(stage_mu);
+          if (next_peer == next) next_address.clear();  // the next wiring connects afresh
+        }
+        report_data_error(sent.message(), "next");
+        result.error = opt.name + ": could not hand batch to the next stage: " + sent.message();
+        send_result(coord, result);
+      });
     }
   }
 
@@ -523,11 +567,15 @@ Expected<std::unique_ptr<Worker>> Worker::create(WorkerOptions options) {
   if (!client) return Status::error("worker: cannot set up the control connection to " + endpoint + ": " + client.error());
   transport::UcxChannelOptions uopt;
   uopt.name = options.name;
+#ifdef CONVEYOR_HAVE_CUDA
+  if (options.backend == "cuda" && !options.gpus.empty()) uopt.receive_allocator = pinned_receive_buffers(options.gpus[0]);
+#endif
   auto ch = transport::UcxChannel::create(uopt);
   if (!ch) return Status::error("worker: cannot create the UCX data plane: " + ch.error());
   impl->opt = std::move(options);
   impl->control = std::move(client).value();
   impl->channel = std::move(ch).value();
+  impl->handoff = std::make_unique<Handoff>(*impl->channel, 2, std::chrono::milliseconds(10000));
   return std::unique_ptr<Worker>(new Worker(std::move(impl)));
 }
 

@@ -9,7 +9,17 @@ namespace conveyor::transport {
 namespace detail {
 
 BufferCache::~BufferCache() {
-  for (auto& [capacity, p] : idle) std::free(p);
+  for (auto& [capacity, p] : idle) release(p);
+}
+
+std::byte* BufferCache::allocate(std::size_t capacity) {
+  if (allocator.allocate) return static_cast<std::byte*>(allocator.allocate(capacity));
+  return static_cast<std::byte*>(std::aligned_alloc(OwnedBuffer::kAlignment, capacity));
+}
+
+void BufferCache::release(std::byte* p) {
+  if (allocator.release) allocator.release(p);
+  else std::free(p);
 }
 
 void BufferCache::put(std::byte* p, std::size_t capacity) {
@@ -21,7 +31,7 @@ void BufferCache::put(std::byte* p, std::size_t capacity) {
       return;
     }
   }
-  std::free(p);
+  release(p);
 }
 
 std::byte* BufferCache::take(std::size_t capacity) {
@@ -37,13 +47,12 @@ std::byte* BufferCache::take(std::size_t capacity) {
 }  // namespace detail
 
 OwnedBuffer BufferPool::allocate(std::size_t bytes) {
-  if (bytes < kMinPooledBytes || cache_->max_cached_bytes == 0) return OwnedBuffer::allocate(bytes);
+  if (bytes < kMinPooledBytes || (cache_->max_cached_bytes == 0 && !cache_->allocator.allocate))
+    return OwnedBuffer::allocate(bytes);
   const std::size_t capacity = std::bit_ceil(bytes);
   std::byte* p = cache_->take(capacity);
-  if (!p) {
-    p = static_cast<std::byte*>(std::aligned_alloc(OwnedBuffer::kAlignment, capacity));
-    if (!p) throw std::bad_alloc();
-  }
+  if (!p) p = cache_->allocate(capacity);
+  if (!p) throw std::bad_alloc();
   OwnedBuffer b;
   b.data_ =
       std::unique_ptr<std::byte, OwnedBuffer::Release>(p, OwnedBuffer::Release{cache_, capacity});

@@ -5,10 +5,12 @@
 // memory goes back to the pool when their owner frees them (on any thread, even after the
 // pool's owner is gone), up to `max_cached_bytes` of idle capacity; beyond that, back to the
 // system. Capacities are powers of two, so a buffer serves any size in its class; only the
-// pages a message touched are ever resident.
+// pages a message touched are ever resident (heap memory; page-locked memory from a
+// HostAllocator is resident whole).
 #pragma once
 
 #include <cstddef>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -17,14 +19,25 @@
 
 namespace conveyor::transport {
 
+// Where pooled buffers' memory comes from: aligned heap memory unless set. A GPU stage worker
+// gives page-locked memory, so copies between its GPU and the received activations run as
+// DMA. `allocate` returns null when memory is short; `release` frees what it returned.
+struct HostAllocator {
+  std::function<void*(std::size_t)> allocate;
+  std::function<void(void*)> release;
+};
+
 namespace detail {
 struct BufferCache {
-  explicit BufferCache(std::size_t max_bytes) : max_cached_bytes(max_bytes) {}
+  BufferCache(std::size_t max_bytes, HostAllocator alloc) : max_cached_bytes(max_bytes), allocator(std::move(alloc)) {}
   ~BufferCache();
   void put(std::byte* p, std::size_t capacity);
   std::byte* take(std::size_t capacity);
+  std::byte* allocate(std::size_t capacity);  // fresh memory; null when short
+  void release(std::byte* p);                 // back to where it came from
 
   const std::size_t max_cached_bytes;
+  const HostAllocator allocator;
   std::mutex mu;
   std::size_t cached_bytes = 0;                 // guarded by mu
   std::multimap<std::size_t, std::byte*> idle;  // capacity -> buffer; guarded by mu
@@ -35,8 +48,8 @@ class BufferPool {
  public:
   static constexpr std::size_t kMinPooledBytes = 256 * 1024;  // smaller: plain allocation
 
-  explicit BufferPool(std::size_t max_cached_bytes)
-      : cache_(std::make_shared<detail::BufferCache>(max_cached_bytes)) {}
+  explicit BufferPool(std::size_t max_cached_bytes, HostAllocator allocator = {})
+      : cache_(std::make_shared<detail::BufferCache>(max_cached_bytes, std::move(allocator))) {}
 
   // Uninitialised storage of `bytes` bytes; throws std::bad_alloc when memory is short.
   OwnedBuffer allocate(std::size_t bytes);

@@ -40,6 +40,12 @@ Status UcxChannel::Impl::init() {
   ucp_context_h raw_context = nullptr;
   CONVEYOR_UCX_CHECK(ucp_init(&params, config.get(), &raw_context));
   context = ucx::Context(raw_context);
+  {
+    ucp_context_attr_t attr{};
+    attr.field_mask = UCP_ATTR_FIELD_MEMORY_TYPES;
+    CONVEYOR_UCX_CHECK(ucp_context_query(context.get(), &attr));
+    cuda_memory = (attr.memory_types & UCS_BIT(UCS_MEMORY_TYPE_CUDA)) != 0;
+  }
 
   ucp_worker_params_t wparams{};
   wparams.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE | UCP_WORKER_PARAM_FIELD_NAME;
@@ -281,6 +287,8 @@ Status UcxChannel::peer_status(PeerId peer) const {
   if (it == impl_->peers.end()) return Status::error("unknown peer id " + std::to_string(peer));
   return it->second->failure;
 }
+
+bool UcxChannel::supports_cuda_memory() const { return impl_->cuda_memory; }
 
 Expected<std::string> UcxChannel::transport_info(PeerId peer) {
   auto result = std::make_shared<std::promise<Expected<std::string>>>();

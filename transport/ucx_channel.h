@@ -29,6 +29,7 @@
 #include <memory>
 #include <string>
 
+#include "transport/buffer_pool.h"
 #include "transport/channel.h"
 
 namespace conveyor::transport {
@@ -42,6 +43,9 @@ struct UcxChannelOptions {
   std::size_t max_queued_bytes = std::size_t{1} << 30;  // received, not yet recv()'d
   // Idle receive buffers kept for reuse once recv()'d messages are freed (buffer_pool.h).
   std::size_t buffer_cache_bytes = std::size_t{512} << 20;
+  // Where those receive buffers come from (buffer_pool.h): the heap unless set; a GPU stage
+  // worker gives page-locked memory.
+  HostAllocator receive_allocator;
   // A payload that has not arrived this long after its envelope is given up (sender gone).
   std::chrono::milliseconds stalled_receive_timeout{30000};
   std::chrono::milliseconds idle_tick{50};        // idle wake-up period of the progress thread
@@ -63,6 +67,11 @@ class UcxChannel final : public Channel {
               std::chrono::milliseconds timeout) override;
   Expected<std::optional<Message>> recv(std::chrono::milliseconds timeout) override;
   Status peer_status(PeerId peer) const override;
+
+  // Whether this UCX can send from and receive into CUDA device memory (ucp_context_query's
+  // memory types): a build with CUDA support. Debian's UCX has none, so a GPU stage stages
+  // its activations through page-locked host memory.
+  bool supports_cuda_memory() const;
 
   // The transports and thresholds UCX chose for the endpoint to `peer` (ucp_ep_print_info).
   Expected<std::string> transport_info(PeerId peer);

@@ -131,7 +131,7 @@ struct UcxChannel::Impl {
     std::size_t queued_bytes = 0;
   };
 
-  explicit Impl(UcxChannelOptions o) : opt(std::move(o)), pool(opt.buffer_cache_bytes) {}
+  explicit Impl(UcxChannelOptions o) : opt(std::move(o)), pool(opt.buffer_cache_bytes, opt.receive_allocator) {}
   ~Impl();
 
   Status init();
@@ -170,6 +170,7 @@ struct UcxChannel::Impl {
   BufferPool pool;  // receive buffers
   std::uint32_t channel_id = 0;
   std::vector<std::byte> address_blob;
+  bool cuda_memory = false;  // the context's memory types include CUDA (ucp_context_query)
 
   // UCX resources, in creation order (destroyed in reverse by ~Impl).
   ucx::Context context;

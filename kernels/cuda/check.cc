@@ -61,23 +61,29 @@ DeviceBuffer device_alloc(size_t bytes, const std::string& owner, const std::str
   return DeviceBuffer(p, bytes);
 }
 
+void* pinned_alloc(size_t bytes) noexcept {
+  void* p = nullptr;
+  if (cudaHostAlloc(&p, bytes, cudaHostAllocPortable) != cudaSuccess) {
+    cudaGetLastError();
+    return nullptr;
+  }
+  return p;
+}
+
+void pinned_free(void* p) noexcept {
+  if (!p) return;
+  const cudaError_t e = cudaFreeHost(p);
+  if (e != cudaSuccess && e != cudaErrorCudartUnloading) std::fprintf(stderr, "cudaFreeHost(%p) failed: %s\n", p, cudaGetErrorString(e));
+}
+
 PinnedBuffer::PinnedBuffer(size_t bytes, const std::string& what) : bytes_(bytes) {
   if (bytes == 0) return;
-  const cudaError_t e = cudaHostAlloc(&ptr_, bytes, cudaHostAllocDefault);
-  if (e != cudaSuccess) {
-    cudaGetLastError();
-    ptr_ = nullptr;
-    throw Error("cannot allocate " + std::to_string(bytes) + " bytes of pinned host memory for " + what +
-                ": " + cudaGetErrorString(e));
-  }
+  ptr_ = pinned_alloc(bytes);
+  if (!ptr_) throw Error("cannot allocate " + std::to_string(bytes) + " bytes of pinned host memory for " + what);
 }
 
 void PinnedBuffer::reset() noexcept {
-  if (ptr_) {
-    const cudaError_t e = cudaFreeHost(ptr_);
-    if (e != cudaSuccess && e != cudaErrorCudartUnloading)
-      std::fprintf(stderr, "cudaFreeHost(%p) failed: %s\n", ptr_, cudaGetErrorString(e));
-  }
+  pinned_free(ptr_);
   ptr_ = nullptr;
   bytes_ = 0;
 }

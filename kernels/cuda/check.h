@@ -73,7 +73,13 @@ class DeviceBuffer {
 // "<owner>: cannot allocate <what>: <bytes> bytes asked, <free> bytes free of <total> on device N".
 DeviceBuffer device_alloc(size_t bytes, const std::string& owner, const std::string& what);
 
-// Page-locked host memory (cudaHostAlloc), for copies that must be asynchronous.
+// Page-locked host memory that every GPU of the process copies to and from as DMA
+// (cudaHostAlloc, portable): null when it cannot be had. For the allocators of other layers
+// (the data plane's receive buffers); PinnedBuffer owns one.
+void* pinned_alloc(size_t bytes) noexcept;
+void pinned_free(void* p) noexcept;
+
+// Page-locked host memory (pinned_alloc), for copies that must be asynchronous.
 class PinnedBuffer {
  public:
   PinnedBuffer() = default;

@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstring>
 #include <sstream>
+#include <type_traits>
 #include <unordered_set>
 
 #include "kernels/cuda/attention.h"
@@ -725,12 +726,18 @@ Status GpuStage::sample(std::span<const SampleRow> rows, int32_t* tokens, float*
     return Status::error(options_.name + ": sample needs the logits of the last logits(..., all_positions=false) call (" +
                          std::to_string(rows.size()) + " rows asked, " + std::to_string(std::max<int64_t>(last_logit_rows_, 0)) +
                          " held)");
-  const int64_t n = int64_t(rows.size());
   bool full = false;
   for (const SampleRow& r : rows) {
     if (r.params == nullptr) return Status::error(options_.name + ": a sample row has no parameters");
     full = full || GpuSampler::needs_sampler(*r.params, r.generated.size());
   }
+  choose_tokens(rows, full, false, tokens, logprobs);
+  return ok_status();
+}
+
+void GpuStage::choose_tokens(std::span<const SampleRow> rows, bool full, bool have_argmax, int32_t* tokens,
+                             float* logprobs) {
+  const int64_t n = int64_t(rows.size());
   const int64_t V = config_.vocab_size;
   // The sampler mutates its rows (penalties, temperature): log-probs come from a copy.
   const float* raw = logits_.as<float>();
@@ -740,7 +747,7 @@ Status GpuStage::sample(std::span<const SampleRow> rows, int32_t* tokens, float*
     raw = raw_logits_.as<float>();
   }
   if (full) sampler_->sample(logits_.as<float>(), rows, tokens_dev_.as<int32_t>(), stream_);
-  else sampler_->argmax(tokens_dev_.as<int32_t>(), logits_.as<float>(), n, stream_);
+  else if (!have_argmax) sampler_->argmax(tokens_dev_.as<int32_t>(), logits_.as<float>(), n, stream_);
   CUDA_CHECK(cudaMemcpyAsync(tokens_host_.get(), tokens_dev_.get(), size_t(n) * sizeof(int32_t), cudaMemcpyDeviceToHost,
                              stream_));
   if (logprobs) {
@@ -752,11 +759,10 @@ Status GpuStage::sample(std::span<const SampleRow> rows, int32_t* tokens, float*
   std::memcpy(tokens, tokens_host_.get(), size_t(n) * sizeof(int32_t));
   if (logprobs) std::memcpy(logprobs, logprobs_host_.get(), size_t(n) * sizeof(float));
   last_logit_rows_ = -1;
-  return ok_status();
 }
 
 Status GpuStage::decode(std::span<const SeqSlice> slices, const int32_t* token_ids, std::span<const SampleRow> sampling,
-                        int32_t* tokens) {
+                        int32_t* tokens, float* logprobs) {
   DeviceGuard guard(device_);
   if (Status s = check_slices(slices, true); !s) return s;
   const int64_t S = int64_t(slices.size());
@@ -819,36 +825,47 @@ Status GpuStage::decode(std::span<const SeqSlice> slices, const int32_t* token_i
   for (const SeqSlice& s : slices) lengths_[s.seq_id] = s.start_pos + 1;
   last_logit_rows_ = -1;
 
-  if (holds_head()) {
-    if (full) sampler_->sample(logits_.as<float>(), sampling, tokens_dev_.as<int32_t>(), stream_);
-    CUDA_CHECK(cudaMemcpyAsync(tokens_host_.get(), tokens_dev_.get(), size_t(S) * sizeof(int32_t), cudaMemcpyDeviceToHost,
-                               stream_));
-    CUDA_CHECK(cudaStreamSynchronize(stream_));
-    std::memcpy(tokens, tokens_host_.get(), size_t(S) * sizeof(int32_t));
-  }
+  if (holds_head()) choose_tokens(sampling, full, true, tokens, logprobs);  // the step left the argmax
   return ok_status();
 }
 
-void GpuStage::upload_hidden(const float* host, int64_t num_tokens) {
+void GpuStage::upload_hidden(const void* src, DType dtype, int64_t num_tokens) {
   DeviceGuard guard(device_);
   if (num_tokens < 0 || num_tokens > max_rows_) throw Error(options_.name + ": upload_hidden of too many rows");
   const int64_t n = num_tokens * config_.n_embd;
-  CUDA_CHECK(cudaMemcpyAsync(staging_f32_.get(), host, size_t(n) * sizeof(float), cudaMemcpyHostToDevice, stream_));
-  with_dtype(options_.dtype, [&](auto tag) {
-    convert_from_float<decltype(tag)>(hidden_.as<decltype(tag)>(), staging_f32_.as<float>(), n, stream_);
-  });
+  const size_t bytes = size_t(n) * dtype_bytes(dtype);
+  if (dtype == options_.dtype) {
+    CUDA_CHECK(cudaMemcpyAsync(hidden_.get(), src, bytes, cudaMemcpyDefault, stream_));
+  } else {  // through the fp32 staging rows, which hold n elements of any activation dtype
+    CUDA_CHECK(cudaMemcpyAsync(staging_f32_.get(), src, bytes, cudaMemcpyDefault, stream_));
+    with_dtype(options_.dtype, [&](auto tag) {
+      using T = decltype(tag);
+      using Other = std::conditional_t<std::is_same_v<T, half>, bf16, half>;  // the other half type
+      const DType other = std::is_same_v<T, half> ? DType::BF16 : DType::F16;
+      if (dtype == DType::F32) convert_from_float<T>(hidden_.as<T>(), staging_f32_.as<float>(), n, stream_);
+      else if (dtype == other) convert<T, Other>(hidden_.as<T>(), staging_f32_.as<Other>(), n, stream_);
+      else throw Error(options_.name + ": activations of " + std::string(dtype_name(dtype)) + " cannot be uploaded");
+    });
+  }
   CUDA_CHECK(cudaStreamSynchronize(stream_));
   last_logit_rows_ = -1;
 }
 
-void GpuStage::download_hidden(float* host, int64_t num_tokens) {
+void GpuStage::download_hidden(void* dst, DType dtype, int64_t num_tokens) {
   DeviceGuard guard(device_);
   if (num_tokens < 0 || num_tokens > max_rows_) throw Error(options_.name + ": download_hidden of too many rows");
   const int64_t n = num_tokens * config_.n_embd;
-  with_dtype(options_.dtype, [&](auto tag) {
-    convert_to_float<decltype(tag)>(staging_f32_.as<float>(), hidden_.as<decltype(tag)>(), n, stream_);
-  });
-  CUDA_CHECK(cudaMemcpyAsync(host, staging_f32_.get(), size_t(n) * sizeof(float), cudaMemcpyDeviceToHost, stream_));
+  const void* from = hidden_.get();
+  if (dtype == DType::F32) {
+    with_dtype(options_.dtype, [&](auto tag) {
+      convert_to_float<decltype(tag)>(staging_f32_.as<float>(), hidden_.as<decltype(tag)>(), n, stream_);
+    });
+    from = staging_f32_.get();
+  } else if (dtype != options_.dtype) {
+    throw Error(options_.name + ": activations download as F32 or the stage's " +
+                std::string(dtype_name(options_.dtype)) + ", not " + std::string(dtype_name(dtype)));
+  }
+  CUDA_CHECK(cudaMemcpyAsync(dst, from, size_t(n) * dtype_bytes(dtype), cudaMemcpyDefault, stream_));
   CUDA_CHECK(cudaStreamSynchronize(stream_));
 }
 

@@ -129,13 +129,23 @@ class GpuStage {
   // Decode fast path: each slice is one token (start_pos = cached length). First stage:
   // token_ids (host, one per slice). Other stages: the input rows are already in
   // hidden_device(). Last stage: sampling (one row per slice) and tokens (host) get the
-  // chosen ids; other stages leave the output in hidden_device() and do not synchronise.
+  // chosen ids, and logprobs (host, optional) their log-probs under the raw logits, as
+  // sample() gives; other stages leave the output in hidden_device() and do not synchronise.
   Status decode(std::span<const SeqSlice> slices, const int32_t* token_ids,
-                std::span<const SampleRow> sampling, int32_t* tokens);
+                std::span<const SampleRow> sampling, int32_t* tokens, float* logprobs = nullptr);
 
-  // Hidden-state transfers in fp32 (host), converted to/from the stage's dtype. Synchronous.
-  void upload_hidden(const float* host, int64_t num_tokens);
-  void download_hidden(float* host, int64_t num_tokens);
+  // The checks forward() and decode() make of a micro-batch before they change anything:
+  // sizes, positions, no sequence twice, and (need_cached_match) each slice continuing its
+  // sequence's cached tokens.
+  Status check_slices(std::span<const SeqSlice> slices, bool need_cached_match) const;
+
+  // Hidden-state transfers of num_tokens rows, converted on the device from or to `dtype`
+  // (F32, F16 or BF16; the stage's own dtype is a plain copy). `src`/`dst` may be host
+  // memory (page-locked: a DMA copy) or device memory. Synchronous.
+  void upload_hidden(const void* src, DType dtype, int64_t num_tokens);
+  void download_hidden(void* dst, DType dtype, int64_t num_tokens);
+  void upload_hidden(const float* host, int64_t num_tokens) { upload_hidden(host, DType::F32, num_tokens); }
+  void download_hidden(float* host, int64_t num_tokens) { download_hidden(host, DType::F32, num_tokens); }
   void* hidden_device() const { return hidden_.get(); }  // [max rows, C] of dtype()
 
   void free_sequence(uint64_t seq_id);
@@ -173,6 +183,10 @@ class GpuStage {
   };
 
   GpuStage(const ModelConfig& config, int64_t layer_begin, int64_t layer_end, const GpuStageOptions& options);
+  // The tokens of the first rows.size() rows of logits_ into host `tokens`, and their
+  // log-probs under the raw logits into host `logprobs` (optional): the sampler when `full`,
+  // else the argmax (already in tokens_dev_ when `have_argmax`: a decode step leaves it).
+  void choose_tokens(std::span<const SampleRow> rows, bool full, bool have_argmax, int32_t* tokens, float* logprobs);
   void allocate_weights();
   void upload(const StageWeights& w);
   void synthesize(uint64_t seed);
@@ -181,7 +195,6 @@ class GpuStage {
   Meta meta_layout(int32_t* base, int64_t tokens, int64_t seqs) const;
   int32_t* begin_meta();                   // waits until the staging slot is free, returns it
   void send_meta(const Meta& host_view);   // one copy host -> device
-  Status check_slices(std::span<const SeqSlice> slices, bool need_cached_match) const;
   Status reserve(std::span<const SeqSlice> slices);
   void fill_seq_meta(int32_t* host, const Meta& layout_offsets, std::span<const SeqSlice> slices, int64_t padded_seqs);
 

@@ -2,6 +2,8 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
+
 namespace conveyor::cuda {
 
 namespace {
@@ -46,64 +48,93 @@ std::string GpuStageBackend::describe() const {
   return d;
 }
 
-Status GpuStageBackend::ensure_on_device(std::span<const SeqSlice> slices, const float* hidden) {
-  if (device_current_) return ok_status();
-  const int64_t T = total_tokens(slices);
-  if (T > stage_->max_tokens())
-    return Status::error(stage_->name() + ": micro-batch of " + std::to_string(T) +
-                         " tokens exceeds the stage's " + std::to_string(stage_->max_tokens()) + " activation rows");
-  stage_->upload_hidden(hidden, T);
-  device_current_ = true;
+namespace {
+// Every slice is one new token: the micro-batch is a decode step.
+bool decode_step(std::span<const SeqSlice> slices) {
+  return std::all_of(slices.begin(), slices.end(), [](const SeqSlice& s) { return s.num_tokens == 1; });
+}
+}  // namespace
+
+Status GpuStageBackend::embed(std::span<const SeqSlice> slices, const int32_t* token_ids) {
+  ids_.assign(token_ids, token_ids + total_tokens(slices));
+  embed_pending_ = true;
+  step_pending_ = false;
   return ok_status();
 }
 
-Status GpuStageBackend::embed(std::span<const SeqSlice> slices, const int32_t* token_ids, float*) {
+Status GpuStageBackend::forward(std::span<const SeqSlice> slices, const ActivationsView* in) {
   return guarded(stage_->name(), [&]() -> Status {
-    device_current_ = false;
-    if (Status s = stage_->embed(slices, token_ids); !s) return s;
-    device_current_ = true;
-    return ok_status();
-  });
-}
-
-Status GpuStageBackend::forward(std::span<const SeqSlice> slices, float* hidden) {
-  return guarded(stage_->name(), [&]() -> Status {
-    if (Status s = ensure_on_device(slices, hidden); !s) return s;
-    device_current_ = false;  // whatever happens next, the device copy is not this batch's input any more
-    if (Status s = stage_->forward(slices); !s) return s;
-    if (has_head()) {
-      device_current_ = true;  // logits() reads it next
-    } else {
-      stage_->download_hidden(hidden, total_tokens(slices));
+    step_pending_ = false;
+    const int64_t T = total_tokens(slices);
+    if (T > stage_->max_tokens())
+      return Status::error(stage_->name() + ": micro-batch of " + std::to_string(T) +
+                           " tokens exceeds the stage's " + std::to_string(stage_->max_tokens()) + " activation rows");
+    if (in) {
+      if (Status s = check_activations(*in, T, config().n_embd, stage_->name()); !s) return s;
+      stage_->upload_hidden(in->bytes.data(), in->dtype, T);
+      embed_pending_ = false;
     }
+    if (!decode_step(slices)) return run_pending(slices);
+    if (has_head()) {  // sample_last replays the step with its sampling rows; checked now
+      if (Status s = stage_->lead().check_slices(slices, true); !s) return s;
+      step_pending_ = true;
+      return ok_status();
+    }
+    const int32_t* ids = embed_pending_ ? ids_.data() : nullptr;
+    embed_pending_ = false;
+    return stage_->decode(slices, ids, {}, nullptr);
+  });
+}
+
+Status GpuStageBackend::run_pending(std::span<const SeqSlice> slices) {
+  step_pending_ = false;
+  if (embed_pending_) {
+    embed_pending_ = false;
+    if (Status s = stage_->embed(slices, ids_.data()); !s) return s;
+  }
+  return stage_->forward(slices);
+}
+
+Status GpuStageBackend::read_activations(int64_t tokens, std::span<std::byte> out) {
+  return guarded(stage_->name(), [&]() -> Status {
+    const size_t bytes = size_t(tokens * config().n_embd) * dtype_bytes(activation_dtype());
+    if (out.size() < bytes)
+      return Status::error(stage_->name() + ": " + std::to_string(out.size()) + " bytes cannot hold " +
+                           std::to_string(tokens) + " rows of activations (" + std::to_string(bytes) + " bytes)");
+    stage_->download_hidden(out.data(), activation_dtype(), tokens);
     return ok_status();
   });
 }
 
-Status GpuStageBackend::logits(std::span<const SeqSlice> slices, const float* hidden, bool all_positions, float* out) {
+Status GpuStageBackend::logits(std::span<const SeqSlice> slices, bool all_positions, float* out) {
   return guarded(stage_->name(), [&]() -> Status {
-    if (Status s = ensure_on_device(slices, hidden); !s) return s;
-    device_current_ = false;
+    if (step_pending_)
+      if (Status s = run_pending(slices); !s) return s;
     return stage_->logits(slices, all_positions, out);
   });
 }
 
-Status GpuStageBackend::sample_last(std::span<const SeqSlice> slices, const float* hidden, std::span<const SampleRow> rows,
-                                    int32_t* tokens, float* logprobs) {
+Status GpuStageBackend::sample_last(std::span<const SeqSlice> slices, std::span<const SampleRow> rows, int32_t* tokens,
+                                    float* logprobs) {
   return guarded(stage_->name(), [&]() -> Status {
     if (rows.size() != slices.size())
       return Status::error(stage_->name() + ": " + std::to_string(rows.size()) + " sampling rows for " +
                            std::to_string(slices.size()) + " slices");
-    if (Status s = ensure_on_device(slices, hidden); !s) return s;
-    device_current_ = false;
+    if (step_pending_) {
+      step_pending_ = false;
+      const int32_t* ids = embed_pending_ ? ids_.data() : nullptr;
+      embed_pending_ = false;
+      return stage_->decode(slices, ids, rows, tokens, logprobs);
+    }
     if (Status s = stage_->logits(slices, false, nullptr); !s) return s;
     return stage_->sample(rows, tokens, logprobs);
   });
 }
 
-void GpuStageBackend::clear() {
-  device_current_ = false;
-  stage_->clear();
+std::shared_ptr<std::byte[]> GpuStageBackend::allocate_host(size_t bytes) const {
+  auto* p = static_cast<std::byte*>(pinned_alloc(bytes));
+  if (!p) throw std::bad_alloc();
+  return std::shared_ptr<std::byte[]>(p, [](std::byte* q) { pinned_free(q); });
 }
 
 }  // namespace conveyor::cuda

@@ -424,6 +424,13 @@ void convert_to_float(float* out, const T* in, int64_t n, cudaStream_t stream) {
   CUDA_CHECK(cudaGetLastError());
 }
 
+template <class To, class From>
+void convert(To* out, const From* in, int64_t n, cudaStream_t stream) {
+  if (n <= 0) return;
+  convert_kernel<To, From><<<grid_for(n, 256), 256, 0, stream>>>(out, in, n);
+  CUDA_CHECK(cudaGetLastError());
+}
+
 template <class T>
 void gather_rows(T* out, const T* in, const int32_t* rows, int64_t num_rows, int64_t width,
                  cudaStream_t stream) {
@@ -461,5 +468,7 @@ void convert_transpose_from_float(T* out, const float* in, int64_t K, int64_t N,
 CONVEYOR_INSTANTIATE_OPS(half)
 CONVEYOR_INSTANTIATE_OPS(bf16)
 template void gather_rows<float>(float*, const float*, const int32_t*, int64_t, int64_t, cudaStream_t);
+template void convert<half, bf16>(half*, const bf16*, int64_t, cudaStream_t);
+template void convert<bf16, half>(bf16*, const half*, int64_t, cudaStream_t);
 
 }  // namespace conveyor::cuda

@@ -101,6 +101,9 @@ template <class T>
 void convert_from_float(T* out, const float* in, int64_t n, cudaStream_t stream);
 template <class T>
 void convert_to_float(float* out, const T* in, int64_t n, cudaStream_t stream);
+// out[i] = in[i] between the two half types (half <-> bf16, through fp32).
+template <class To, class From>
+void convert(To* out, const From* in, int64_t n, cudaStream_t stream);
 
 // out[n * ldo + k] = in[k, n] for a [K, N] fp32 matrix, converted to T: uploads [K, N] (HF
 // Conv1D) weights, in row chunks if need be, into the [N, K] layout the GPU stage keeps.

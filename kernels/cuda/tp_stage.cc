@@ -109,21 +109,24 @@ Status TpStage::sample(std::span<const SampleRow> rows, int32_t* tokens, float* 
 }
 
 Status TpStage::decode(std::span<const SeqSlice> slices, const int32_t* token_ids, std::span<const SampleRow> sampling,
-                       int32_t* tokens) {
+                       int32_t* tokens, float* logprobs) {
   return on_ranks([&](int r) {
-    return r == 0 ? rank(r).decode(slices, token_ids, sampling, tokens) : rank(r).decode(slices, token_ids, {}, nullptr);
+    return r == 0 ? rank(r).decode(slices, token_ids, sampling, tokens, logprobs)
+                  : rank(r).decode(slices, token_ids, {}, nullptr);
   });
 }
 
-void TpStage::upload_hidden(const float* host, int64_t num_tokens) {
+void TpStage::upload_hidden(const void* src, DType dtype, int64_t num_tokens) {
   const Status s = on_ranks([&](int r) {
-    rank(r).upload_hidden(host, num_tokens);
+    rank(r).upload_hidden(src, dtype, num_tokens);
     return ok_status();
   });
   if (!s) throw Error(s.message());
 }
 
-void TpStage::download_hidden(float* host, int64_t num_tokens) { lead().download_hidden(host, num_tokens); }
+void TpStage::download_hidden(void* dst, DType dtype, int64_t num_tokens) {
+  lead().download_hidden(dst, dtype, num_tokens);
+}
 
 void TpStage::free_sequence(uint64_t seq_id) {
   for (auto& s : ranks_) s->free_sequence(seq_id);

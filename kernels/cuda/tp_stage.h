@@ -65,9 +65,12 @@ class TpStage {
   Status logits(std::span<const SeqSlice> slices, bool all_positions, float* out);
   Status sample(std::span<const SampleRow> rows, int32_t* tokens, float* logprobs = nullptr);
   Status decode(std::span<const SeqSlice> slices, const int32_t* token_ids, std::span<const SampleRow> sampling,
-                int32_t* tokens);
-  void upload_hidden(const float* host, int64_t num_tokens);  // to every rank
-  void download_hidden(float* host, int64_t num_tokens);      // from rank 0
+                int32_t* tokens, float* logprobs = nullptr);
+  // GpuStage::upload_hidden / download_hidden: to every rank, from rank 0.
+  void upload_hidden(const void* src, DType dtype, int64_t num_tokens);
+  void download_hidden(void* dst, DType dtype, int64_t num_tokens);
+  void upload_hidden(const float* host, int64_t num_tokens) { upload_hidden(host, DType::F32, num_tokens); }
+  void download_hidden(float* host, int64_t num_tokens) { download_hidden(host, DType::F32, num_tokens); }
   void free_sequence(uint64_t seq_id);
   void clear();
 

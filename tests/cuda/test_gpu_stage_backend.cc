@@ -1,7 +1,8 @@
 // The GPU backend of the stage worker (kernels/cuda/gpu_stage_backend.h) behind the
 // StageExecutor, against the CPU backend: the demo model split in two stages, three
 // sequences prefilled in one micro-batch and decoded greedily together with activations
-// handed between the stages as fp32 host rows (the wire format). The GPU pipeline must pick
+// handed between the stages as the workers hand them (fp16/bf16 rows from a GPU stage, fp32
+// from a CPU stage). The GPU pipeline must pick
 // the CPU pipeline's token wherever the CPU's top-2 log-prob gap is decisive, and report
 // log-probs close to the CPU's. Errors come back as Status, never as exceptions.
 //
@@ -16,6 +17,7 @@ TEST(GpuStageBackend, NotBuilt) { GTEST_SKIP() << "built without the CUDA backen
 
 #include <cuda_runtime.h>
 
+#include <array>
 #include <cmath>
 
 #include "kernels/cuda/gpu_stage_backend.h"
@@ -34,24 +36,36 @@ std::string model_dir() { return testing::source_dir() + "/models/brown-gpt2"; }
 
 struct Pipeline {
   std::vector<std::unique_ptr<StageExecutor>> stages;
-  // Runs one micro-batch through every stage; returns the last stage's result.
-  BatchResult run(const MicroBatch& b) {
-    std::vector<float> hidden;
+  // Runs one micro-batch through every stage, as the workers do: each stage's activations
+  // leave in its own dtype through memory from its backend (page-locked for a GPU) and the
+  // header says which. Returns the last stage's result.
+  BatchResult run(MicroBatch b) {
+    std::shared_ptr<std::byte[]> wire;
+    size_t bytes = 0;
     BatchResult r;
     for (size_t i = 0; i < stages.size(); ++i) {
-      const Status s = stages[i]->run(b, hidden, i + 1 == stages.size() ? &r : nullptr);
+      const bool last = i + 1 == stages.size();
+      const Status s = stages[i]->run(b, {wire.get(), bytes}, last ? &r : nullptr);
       EXPECT_TRUE(s.ok()) << "stage " << i << ": " << s.message();
+      if (last) break;
+      bytes = stages[i]->activation_bytes(b);
+      wire = stages[i]->backend().allocate_host(bytes);
+      const Status read = stages[i]->read_activations(b, {wire.get(), bytes});
+      EXPECT_TRUE(read.ok()) << "stage " << i << ": " << read.message();
+      b.activation_dtype = stages[i]->activation_dtype();
     }
     return r;
   }
 };
 
-Pipeline make_pipeline(bool gpu, DType dtype) {
+// The demo model in two stages, stage i on the GPU where on_gpu[i].
+Pipeline make_pipeline(std::array<bool, 2> on_gpu, DType dtype) {
   Pipeline p;
+  int i = 0;
   for (auto [b, e] : {std::pair<int64_t, int64_t>{0, 3}, {3, 6}}) {
     auto w = load_stage_weights(model_dir(), b, e);
     EXPECT_TRUE(w) << w.error();
-    if (!gpu) {
+    if (!on_gpu[size_t(i++)]) {
       p.stages.push_back(std::make_unique<StageExecutor>(std::move(*w)));
       continue;
     }
@@ -66,6 +80,7 @@ Pipeline make_pipeline(bool gpu, DType dtype) {
   }
   return p;
 }
+Pipeline make_pipeline(bool gpu, DType dtype) { return make_pipeline({gpu, gpu}, dtype); }
 
 // Step `step` of every sequence as one micro-batch: the whole prompt first, then the last
 // token; `sampling(i, w)` sets sequence i's sampling.
@@ -92,12 +107,23 @@ class GpuStageBackendTest : public ::testing::TestWithParam<DType> {
   void SetUp() override {
     if (!have_gpu()) GTEST_SKIP() << "no CUDA device on this host";
   }
+  void check_against_cpu(std::array<bool, 2> arrangement);
 };
 
+// Every arrangement: both stages on the GPU (fp16/bf16 on the wire), and a GPU stage feeding
+// a CPU stage or fed by one (the receiver converts what the header says it got).
 TEST_P(GpuStageBackendTest, TwoStagePipelineMatchesCpu) {
+  for (std::array<bool, 2> arrangement : {std::array{true, true}, {true, false}, {false, true}}) {
+    SCOPED_TRACE(std::string("stages on ") + (arrangement[0] ? "gpu" : "cpu") + "," + (arrangement[1] ? "gpu" : "cpu"));
+    check_against_cpu(arrangement);
+    if (HasFatalFailure()) return;
+  }
+}
+
+void GpuStageBackendTest::check_against_cpu(std::array<bool, 2> arrangement) {
   auto tok = Tokenizer::load(model_dir());
   ASSERT_TRUE(tok) << tok.error();
-  Pipeline cpu = make_pipeline(false, GetParam()), gpu = make_pipeline(true, GetParam());
+  Pipeline cpu = make_pipeline(false, GetParam()), gpu = make_pipeline(arrangement, GetParam());
   const std::vector<std::string> texts = {"The jury said", "In the morning the old man walked down to the river",
                                           "Mr. Brown"};
   std::vector<std::vector<int32_t>> seqs;
@@ -129,6 +155,7 @@ TEST_P(GpuStageBackendTest, TwoStagePipelineMatchesCpu) {
   EXPECT_GT(decisive, 30);
   std::cout << "[backend] " << (GetParam() == DType::F16 ? "fp16" : "bf16") << ": " << agreed << " of " << decisive
             << " decisive steps agree\n";
+  if (arrangement != std::array{true, true}) return;
   // The GPU stages hold the same sequences as the CPU stages and free them the same way.
   EXPECT_EQ(gpu.stages[0]->backend().num_sequences(), 3);
   gpu.stages[0]->free_sequence(1);
@@ -138,11 +165,12 @@ TEST_P(GpuStageBackendTest, TwoStagePipelineMatchesCpu) {
   EXPECT_EQ(gpu.stages[1]->backend().kv_used_tokens(), 0);
 }
 
-// The last stage samples on the GPU (StageBackend::sample_last) unless a slice asks for top
-// log-probs: both ways must choose the same tokens (greedy, seeded temperature sampling,
-// and a repetition penalty, which makes the GPU sampler mutate its logits) and report the
-// same log-prob of the chosen token. Untimed GEMM plans, so both pipelines compute the
-// same logits.
+// The last stage samples on the GPU (StageBackend::sample_last; decode steps replayed from
+// CUDA graphs, GpuStage::decode) unless a slice asks for top log-probs (then the ordinary
+// forward and logits run, and the host samples): both ways must choose the same tokens
+// (greedy, seeded temperature sampling, and a repetition penalty, which makes the GPU
+// sampler mutate its logits) and report the same log-prob of the chosen token. Untimed
+// GEMM plans, so both pipelines compute the same logits.
 TEST_P(GpuStageBackendTest, SamplingOnTheGpuMatchesTheHostPath) {
   auto tok = Tokenizer::load(model_dir());
   ASSERT_TRUE(tok) << tok.error();
@@ -190,17 +218,32 @@ TEST_P(GpuStageBackendTest, ErrorsAreStatusesAndChangeNothing) {
   ASSERT_TRUE(b) << b.error();
   StageBackend& s = **b;
   std::vector<float> hidden(size_t(32 * 256), 0.01f);
+  auto rows = [&](int64_t n) { return ActivationsView{DType::F32, std::as_bytes(std::span(hidden.data(), size_t(n * 256)))}; };
   const SeqSlice too_long{1, 0, 32};  // more rows than max_tokens
-  Status st = s.forward({&too_long, 1}, hidden.data());
+  ActivationsView in = rows(32);
+  Status st = s.forward({&too_long, 1}, &in);
   EXPECT_FALSE(st.ok());
   EXPECT_NE(st.message().find("exceeds"), std::string::npos) << st.message();
   const SeqSlice gap{1, 5, 1};  // starts past the cached length
-  st = s.forward({&gap, 1}, hidden.data());
+  in = rows(1);
+  st = s.forward({&gap, 1}, &in);
   EXPECT_FALSE(st.ok());
-  EXPECT_EQ(s.num_sequences(), 0);
   const SeqSlice ok{1, 0, 4};
-  EXPECT_TRUE(s.forward({&ok, 1}, hidden.data()).ok());
+  in = rows(3);  // a row short
+  st = s.forward({&ok, 1}, &in);
+  EXPECT_FALSE(st.ok());
+  EXPECT_NE(st.message().find("expected 4 tokens x 256"), std::string::npos) << st.message();
+  in = {DType::I32, rows(4).bytes};  // not an activation type
+  st = s.forward({&ok, 1}, &in);
+  EXPECT_FALSE(st.ok());
+  EXPECT_NE(st.message().find("I32"), std::string::npos) << st.message();
+  EXPECT_EQ(s.num_sequences(), 0);
+  in = rows(4);
+  EXPECT_TRUE(s.forward({&ok, 1}, &in).ok());
   EXPECT_EQ(s.num_sequences(), 1);
+  std::vector<std::byte> out(4 * 256 * 2);
+  EXPECT_FALSE(s.read_activations(4, std::span(out).first(100)).ok());  // too small
+  EXPECT_TRUE(s.read_activations(4, out).ok());
 }
 
 INSTANTIATE_TEST_SUITE_P(Dtypes, GpuStageBackendTest, ::testing::Values(DType::F16, DType::BF16),

@@ -10,6 +10,8 @@
 #include <cstdlib>
 #include <filesystem>
 #include <map>
+#include <mutex>
+#include <set>
 #include <string>
 #include <thread>
 
@@ -92,6 +94,59 @@ TEST_P(UcxChannelTest, SizesFromEmptyTo64MiB) {
   std::cout << "[ transports ] " << (transports().empty() ? "default" : transports())
             << ", endpoint a->b in one process:\n"
             << *info;
+}
+
+// Receive buffers come from the channel's HostAllocator (a GPU worker's page-locked memory):
+// large payloads land in its memory, are reused once freed, and all of it goes back through
+// its release when the channel is gone. Small payloads stay on the heap.
+TEST_P(UcxChannelTest, ReceiveBuffersComeFromTheGivenAllocator) {
+  struct Counts {
+    std::mutex mu;
+    std::set<void*> live;
+    int allocated = 0, released = 0;
+  };
+  auto counts = std::make_shared<Counts>();
+  UcxChannelOptions o;
+  o.receive_allocator.allocate = [counts](std::size_t n) -> void* {
+    void* p = std::aligned_alloc(64, n);
+    std::lock_guard lock(counts->mu);
+    counts->live.insert(p), ++counts->allocated;
+    return p;
+  };
+  o.receive_allocator.release = [counts](void* p) {
+    std::lock_guard lock(counts->mu);
+    EXPECT_EQ(counts->live.erase(p), 1u) << "released memory the allocator did not give";
+    ++counts->released;
+    std::free(p);
+  };
+  auto a = make_channel(transports(), "a");
+  auto b = make_channel(transports(), "b", o);
+  ASSERT_TRUE(a && b);
+  auto to_b = a->connect(b->address(), "b");
+  ASSERT_TRUE(to_b.ok()) << to_b.error();
+  std::vector<unsigned char> buf(1 * MiB);
+  for (int i = 0; i < 4; ++i) {
+    fill_pattern(buf.data(), buf.size(), seed_of(2, std::uint64_t(i)));
+    ASSERT_TRUE(a->send(*to_b, as_bytes("big"), {buf.data(), buf.size()}, 10s).ok());
+    Message m = recv_one(*b);
+    ASSERT_EQ(m.payload.size(), buf.size());
+    EXPECT_EQ(check_pattern(m.payload.data(), buf.size(), seed_of(2, std::uint64_t(i))), -1);
+    std::lock_guard lock(counts->mu);
+    EXPECT_TRUE(counts->live.count(m.payload.data())) << "payload not in the allocator's memory";
+  }
+  ASSERT_TRUE(a->send(*to_b, as_bytes("small"), {buf.data(), 100 * KiB}, 10s).ok());
+  Message small = recv_one(*b);
+  {
+    std::lock_guard lock(counts->mu);
+    EXPECT_FALSE(counts->live.count(small.payload.data()));
+    EXPECT_EQ(counts->allocated, 1) << "a freed buffer was not reused";
+  }
+  // Debian's UCX has no CUDA support; a build with it reports CUDA memory.
+  std::cout << "[ memory ] UCX reports CUDA memory support: " << (b->supports_cuda_memory() ? "yes" : "no") << "\n";
+  b.reset();
+  std::lock_guard lock(counts->mu);
+  EXPECT_EQ(counts->released, counts->allocated);
+  EXPECT_TRUE(counts->live.empty());
 }
 
 TEST_P(UcxChannelTest, ManyMixedMessagesInOrder) {

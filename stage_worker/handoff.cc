@@ -1,0 +1,92 @@
+#include "stage_worker/handoff.h"
+
+#include <stdexcept>
+
+namespace conveyor {
+
+Handoff::Handoff(transport::Channel& channel, int slots, std::chrono::milliseconds send_timeout)
+    : channel_(channel), timeout_(send_timeout), slots_(size_t(slots < 1 ? 1 : slots)) {
+  sender_ = std::thread([this] { run(); });
+}
+
+Handoff::~Handoff() {
+  {
+    std::lock_guard lock(mu_);
+    stop_ = true;
+  }
+  changed_.notify_all();
+  sender_.join();
+}
+
+int Handoff::acquire(size_t bytes, const Allocate& allocate) {
+  std::unique_lock lock(mu_);
+  int index = -1;
+  changed_.wait(lock, [&] {
+    for (size_t i = 0; i < slots_.size(); ++i)
+      if (!slots_[i].busy) return index = int(i), true;
+    return false;
+  });
+  Slot& s = slots_[size_t(index)];
+  s.busy = true;
+  lock.unlock();
+  if (s.capacity < bytes) {
+    s.data.reset();  // before the new allocation: the old one may be large
+    s.capacity = 0;
+    try {
+      s.data = allocate(bytes);
+    } catch (...) {
+      cancel(index);
+      throw;
+    }
+    s.capacity = bytes;
+  }
+  return index;
+}
+
+std::span<std::byte> Handoff::slot(int index) {
+  Slot& s = slots_.at(size_t(index));
+  return {s.data.get(), s.capacity};
+}
+
+void Handoff::submit(int index, transport::PeerId peer, std::vector<std::byte> header, size_t bytes,
+                     OnFailure on_failure) {
+  {
+    std::lock_guard lock(mu_);
+    queue_.push_back(Send{index, peer, std::move(header), bytes, std::move(on_failure)});
+  }
+  changed_.notify_all();
+}
+
+void Handoff::cancel(int index) {
+  {
+    std::lock_guard lock(mu_);
+    slots_.at(size_t(index)).busy = false;
+  }
+  changed_.notify_all();
+}
+
+void Handoff::drain() {
+  std::unique_lock lock(mu_);
+  changed_.wait(lock, [&] { return queue_.empty() && !sending_; });
+}
+
+void Handoff::run() {
+  std::unique_lock lock(mu_);
+  for (;;) {
+    changed_.wait(lock, [&] { return stop_ || !queue_.empty(); });
+    if (queue_.empty()) return;  // stopping, nothing left to send
+    Send send = std::move(queue_.front());
+    queue_.pop_front();
+    sending_ = true;
+    lock.unlock();
+    const Slot& s = slots_[size_t(send.slot)];
+    const Status sent = channel_.send(send.peer, send.header, {s.data.get(), send.bytes}, timeout_);
+    if (!sent && send.on_failure) send.on_failure(sent);
+    lock.lock();
+    slots_[size_t(send.slot)].busy = false;
+    sending_ = false;
+    changed_.notify_all();
+  }
+}
+
+}  // namespace conveyor

@@ -1,0 +1,80 @@
+// Handoff: the outgoing side of a stage worker. The compute thread writes a micro-batch's
+// activations into a slot and queues it; a sender thread of its own hands it to the channel,
+// so the next micro-batch computes while this one crosses the wire. The slots' memory comes
+// from the stage's backend (StageBackend::allocate_host): page-locked for a GPU stage, so the
+// copy off the device is DMA and UCX sends from the slot without another copy. With two
+// slots (double buffering) a third micro-batch waits for the first slot to come back, which
+// is the back-pressure a pipeline needs: a stalled next stage stalls this one.
+//
+// Sends go out in the order they were queued. A failed send calls the closure queued with
+// it, on the sender thread.
+#pragma once
+
+#include <chrono>
+#include <condition_variable>
+#include <cstddef>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <span>
+#include <thread>
+#include <vector>
+
+#include "common/status.h"
+#include "transport/channel.h"
+
+namespace conveyor {
+
+class Handoff {
+ public:
+  using Allocate = std::function<std::shared_ptr<std::byte[]>(size_t)>;
+  using OnFailure = std::function<void(const Status&)>;
+
+  Handoff(transport::Channel& channel, int slots, std::chrono::milliseconds send_timeout);
+  // Sends what is queued (each within the send timeout), then stops.
+  ~Handoff();
+  Handoff(const Handoff&) = delete;
+  Handoff& operator=(const Handoff&) = delete;
+
+  // A free slot of at least `bytes` (memory from `allocate` when the slot is smaller), as an
+  // index for write()/submit()/cancel(). Waits while every slot is being sent.
+  int acquire(size_t bytes, const Allocate& allocate);
+  std::span<std::byte> slot(int index);
+  // Queues `bytes` of slot `index` with `header` to `peer`; the slot is free again once the
+  // send returns.
+  void submit(int index, transport::PeerId peer, std::vector<std::byte> header, size_t bytes, OnFailure on_failure);
+  // Gives an acquired slot back unsent.
+  void cancel(int index);
+  // Returns once every queued send has returned.
+  void drain();
+
+  int slots() const { return int(slots_.size()); }
+
+ private:
+  struct Slot {
+    std::shared_ptr<std::byte[]> data;
+    size_t capacity = 0;
+    bool busy = false;
+  };
+  struct Send {
+    int slot = 0;
+    transport::PeerId peer = transport::kNoPeer;
+    std::vector<std::byte> header;
+    size_t bytes = 0;
+    OnFailure on_failure;
+  };
+  void run();
+
+  transport::Channel& channel_;
+  const std::chrono::milliseconds timeout_;
+  std::mutex mu_;
+  std::condition_variable changed_;
+  std::vector<Slot> slots_;   // guarded by mu_ (busy); data/capacity by the slot's holder
+  std::deque<Send> queue_;    // guarded by mu_
+  bool sending_ = false;      // the sender thread holds a send; guarded by mu_
+  bool stop_ = false;         // guarded by mu_
+  std::thread sender_;
+};
+
+}  // namespace conveyor
