@@ -47,8 +47,9 @@ struct LocalOptions {
   int in_flight = 0;
   std::string log_dir;
   bool verbose = false;
-  std::string backend = "cpu";  // the workers' --backend
+  std::string backend = "auto";  // the workers' --backend; auto: cuda when conveyor-worker finds a GPU
   int gpus = 1;                  // cuda: GPUs to use; worker i's ranks on GPUs (i * tp + k) % gpus
+  bool gpus_given = false;       // --gpus was on the command line (auto then keeps it)
   std::string dtype = "f16";
   bool int8_weights = false;     // cuda: int8 weight-only layer matrices
   int tp = 1;                    // tensor-parallel ranks per worker: threads (cpu) or GPUs (cuda)

@@ -143,22 +143,49 @@ void add_local_command(CLI::App& app, LocalOptions& o) {
   cmd->add_option("--kv-cache-mb", o.kv_cache_mb, "KV-cache budget per worker, MiB")->check(CLI::Range(1, 1 << 24));
   cmd->add_option("--in-flight", o.in_flight, "micro-batches in flight per pipeline (0: = stages)");
   cmd->add_option("--log-dir", o.log_dir, "where the daemons' logs go (default: a new temporary folder)");
-  cmd->add_option("--backend", o.backend, "where the stages run: cpu or cuda")->check(CLI::IsMember({"cpu", "cuda"}));
-  cmd->add_option("--gpus", o.gpus, "cuda: GPUs to spread the workers over (worker i on GPU i % gpus)")
-      ->check(CLI::Range(1, 64));
+  cmd->add_option("--backend", o.backend, "where the stages run: cpu, cuda, or auto (cuda when there is a GPU)")
+      ->check(CLI::IsMember({"auto", "cpu", "cuda"}));
+  cmd->add_option("--gpus", o.gpus, "cuda: GPUs to spread the workers over (worker i on GPU i % gpus; auto: all)")
+      ->check(CLI::Range(1, 64))
+      ->each([&o](const std::string&) { o.gpus_given = true; });
   cmd->add_option("--dtype", o.dtype, "cuda: f16 or bf16")->check(CLI::IsMember({"f16", "bf16"}));
   cmd->add_flag("--int8-weights", o.int8_weights, "cuda: int8 weight-only layer matrices (converted at load)");
   cmd->add_option("--tp", o.tp, "tensor-parallel ranks per worker: threads (cpu) or GPUs (cuda)")->check(CLI::Range(1, 256));
   cmd->add_flag("--verbose", o.verbose, "daemons log to this terminal");
 }
 
-int local_command(const LocalOptions& o) {
+// The GPUs a worker on this machine can use (`conveyor-worker --print-gpus`); -1 when it
+// cannot be asked.
+int usable_gpus(const fs::path& worker) {
+  int out = -1;
+  const pid_t pid = spawn({worker.string(), "--print-gpus"}, "/dev/null", &out);
+  if (pid < 0) return -1;
+  const std::string line = read_line(out, std::chrono::seconds(30));
+  ::close(out);
+  int status = 0;
+  ::waitpid(pid, &status, 0);
+  int n = -1;
+  return WIFEXITED(status) && WEXITSTATUS(status) == 0 && std::sscanf(line.c_str(), "%d", &n) == 1 ? n : -1;
+}
+
+int local_command(const LocalOptions& options) {
   const fs::path bin = self_dir();
   for (const char* prog : {"conveyor-coordinator", "conveyor-worker"})
     if (!fs::exists(bin / prog)) {
       std::cerr << "conveyor local: " << (bin / prog).string() << " not found (build the project first)\n";
       return 1;
     }
+  LocalOptions o = options;
+  if (o.backend == "auto") {  // the GPUs when there are any, all of them unless --gpus says
+    const int n = usable_gpus(bin / "conveyor-worker");
+    if (n < 0) std::cerr << "conveyor local: cannot ask conveyor-worker for the GPUs; using the CPU\n";
+    o.backend = n > 0 ? "cuda" : "cpu";
+    if (n > 0 && !o.gpus_given) o.gpus = n;
+    std::cout << "conveyor local: " << (n > 0 ? std::to_string(n) + " GPU(s) found: the stages run on CUDA over " +
+                                                    std::to_string(o.gpus) + " (--backend cpu for the CPU)"
+                                              : std::string("no GPU found: the stages run on the CPU"))
+              << std::endl;
+  }
   std::error_code ec;
   const fs::path model = fs::absolute(o.model_dir, ec);
   if (!fs::exists(model / "config.json")) {

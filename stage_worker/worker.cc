@@ -61,6 +61,23 @@ int64_t memory_bytes(const WorkerOptions& opt) {
   return pages > 0 && page > 0 ? int64_t(pages) * page : 0;
 }
 
+}  // namespace
+
+int usable_gpus() {
+#ifdef CONVEYOR_HAVE_CUDA
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess) {
+    cudaGetLastError();  // no driver or no device: not an error here, the CPU serves
+    return 0;
+  }
+  return count;
+#else
+  return 0;
+#endif
+}
+
+namespace {
+
 #ifdef CONVEYOR_HAVE_CUDA
 // Page-locked receive buffers, so a GPU stage's copy of the received activations to its GPU
 // is DMA. They are allocated on the data plane's progress thread, which does no other CUDA

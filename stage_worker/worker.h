@@ -28,6 +28,10 @@
 
 namespace conveyor {
 
+// CUDA devices this worker could run a stage on: 0 when it was built without the CUDA
+// backend or the driver finds none. `--backend auto` (the default) picks cuda when there are any.
+int usable_gpus();
+
 struct WorkerOptions {
   std::string coordinator;             // control endpoint, "host:port" or "tcp://host:port"
   std::string name;                    // unique in the cluster; default host-pid

@@ -20,12 +20,16 @@ int main(int argc, char** argv) {
   int heartbeat_ms = int(opt.heartbeat_interval.count());
   int liveness_ms = int(opt.coordinator_liveness.count());
   CLI::App app{"conveyor-worker: a pipeline stage worker"};
-  app.add_option("--coordinator", opt.coordinator, "the coordinator's control endpoint, HOST:PORT")->required();
+  app.add_option("--coordinator", opt.coordinator, "the coordinator's control endpoint, HOST:PORT (required)");
   app.add_option("--name", opt.name, "this worker's unique name (default: HOST-PID)");
   app.add_option("--join-token", opt.join_token, "the cluster's join token (default: $CONVEYOR_JOIN_TOKEN)");
   app.add_option("--curve-server-key", opt.curve_server_key, "the coordinator's CURVE public key (Z85)");
   app.add_option("--kv-cache-mb", kv_mb, "KV-cache budget of this worker's stage, MiB")->check(CLI::Range(1, 1 << 24));
-  app.add_option("--backend", opt.backend, "where the stage runs: cpu or cuda")->check(CLI::IsMember({"cpu", "cuda"}));
+  opt.backend = "auto";
+  app.add_option("--backend", opt.backend, "where the stage runs: cpu, cuda, or auto (cuda when this node has a GPU)")
+      ->check(CLI::IsMember({"auto", "cpu", "cuda"}));
+  bool print_gpus = false;
+  app.add_flag("--print-gpus", print_gpus, "print how many GPUs this worker can use (0 without CUDA) and exit");
   int device = 0;
   std::vector<int> gpus;
   app.add_option("--device", device, "cuda: the stage's first GPU (with --tp N: GPUs device .. device+N-1)")
@@ -48,6 +52,21 @@ int main(int argc, char** argv) {
   app.add_option("--drain-timeout-ms", drain_ms, "on SIGTERM, how long to wait for the stage to be taken over")
       ->check(CLI::Range(0, 3600000));
   CLI11_PARSE(app, argc, argv);
+  if (print_gpus) {
+    std::cout << conveyor::usable_gpus() << std::endl;
+    return 0;
+  }
+  if (opt.coordinator.empty()) {
+    std::cerr << "conveyor-worker: --coordinator HOST:PORT is required\n";
+    return 2;
+  }
+  if (opt.backend == "auto") {
+    const int n = conveyor::usable_gpus();
+    opt.backend = n > 0 ? "cuda" : "cpu";
+    std::cerr << "conveyor-worker: --backend auto: " << (n > 0 ? std::to_string(n) + " GPU(s), the stage runs on CUDA"
+                                                               : std::string("no usable GPU, the stage runs on the CPU"))
+              << "\n";
+  }
   if (opt.backend == "cuda") {
     if (gpus.empty()) {
       for (int r = 0; r < opt.tensor_parallel; ++r) gpus.push_back(device + r);
@@ -62,7 +81,8 @@ int main(int argc, char** argv) {
     opt.gpus = gpus;
     opt.tensor_parallel = int(gpus.size());
   } else if (!gpus.empty() || opt.int8_weights) {
-    std::cerr << "conveyor-worker: --gpus and --int8-weights are for --backend cuda\n";
+    std::cerr << "conveyor-worker: --gpus and --int8-weights need the CUDA backend (--backend cuda, or auto on a "
+                 "node with a usable GPU)\n";
     return 2;
   }
   spdlog::set_default_logger(spdlog::stderr_color_mt("worker"));

@@ -134,10 +134,21 @@ TEST(Cluster, ConfigErrorNamesFileAndLine) {
   fs::remove_all(dir);
 }
 
+// With no --backend the launcher asks conveyor-worker for the GPUs and runs the stages on
+// CUDA when there are any (here, on CI: the CPU); the workers say which in /v1/cluster.
 TEST(Cluster, LocalLauncherServesAndStopsCleanly) {
+  int gpus = -1;
+  {
+    ChildProcess probe({bin("conveyor-worker"), "--print-gpus"});
+    const std::string n = probe.read_line_matching("", std::chrono::seconds(30));
+    ASSERT_EQ(std::sscanf(n.c_str(), "%d", &gpus), 1) << "conveyor-worker --print-gpus said '" << n << "'";
+    EXPECT_EQ(probe.wait_exit(std::chrono::seconds(10)), 0);
+  }
   const fs::path dir = temp_dir("local");
   ChildProcess local({bin("conveyor"), "local", "--model", model_dir(), "--stages", "2", "--port", "0", "--log-dir",
                       dir.string()});
+  const std::string found = local.read_line_matching(gpus > 0 ? "GPU(s) found" : "no GPU found", std::chrono::seconds(30));
+  EXPECT_FALSE(found.empty());
   const std::string line = local.read_line_matching("ready at", std::chrono::seconds(60));
   int port = 0;
   ASSERT_EQ(std::sscanf(line.c_str(), "conveyor local: ready at http://127.0.0.1:%d", &port), 1) << line;
@@ -148,6 +159,17 @@ TEST(Cluster, LocalLauncherServesAndStopsCleanly) {
   auto resp = http_call("127.0.0.1", port, r);
   ASSERT_TRUE(resp.ok()) << resp.error();
   EXPECT_EQ(resp->status, 200) << resp->body;
+  HttpRequest c;
+  c.method = "GET";
+  c.target = "/v1/cluster";
+  auto info = http_call("127.0.0.1", port, c);
+  ASSERT_TRUE(info.ok()) << info.error();
+  const json workers = json::parse(info->body).at("workers");
+  ASSERT_EQ(workers.size(), 2u);
+  for (const json& w : workers) {
+    EXPECT_EQ(w.value("backend", ""), gpus > 0 ? "cuda" : "cpu") << w.dump();
+    EXPECT_EQ(w.at("data_plane").value("staging", ""), gpus > 0 ? "page-locked host" : "host") << w.dump();
+  }
   local.signal(SIGINT);
   const auto code = local.wait_exit(std::chrono::seconds(20));
   ASSERT_TRUE(code.has_value());
