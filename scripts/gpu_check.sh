@@ -31,6 +31,7 @@ if [[ "${1:-}" == "--pack" ]]; then
            tests/test_gpu_pipeline \
            bin/conveyor-bench-all-reduce bin/conveyor-bench-int8-gemm \
            bin/conveyor-bench-gpu-decode bin/conveyor-bench-gpu-kernels bin/conveyor-bench-cluster \
+           bin/conveyor-bench-stage-step \
            bin/conveyor bin/conveyor-coordinator bin/conveyor-worker; do
     strip -o "$stage/$(basename "$p")" "$build/$p" || exit 1
   done

@@ -4,6 +4,7 @@
 #include <cuda_fp16.h>
 
 #include <algorithm>
+#include <bit>
 #include <cstdlib>
 #include <cstring>
 #include <sstream>
@@ -108,6 +109,16 @@ std::string Gemm::describe_plans() const {
   return os.str();
 }
 
+namespace {
+// Token counts sharing a timed plan: exact up to 8 (the GEMV's range), then powers of two.
+int64_t plan_bucket(int64_t T) { return T <= 8 ? T : int64_t(std::bit_ceil(uint64_t(T))); }
+}  // namespace
+
+Gemm::Key Gemm::bucket_of(Key key) {
+  key.T = plan_bucket(key.T);
+  return key;
+}
+
 Gemm::Plan& Gemm::plan_for(const Key& key, const void* out, const void* in, const void* w,
                            const void* bias, cudaStream_t stream) {
   if (auto it = plans_.find(key); it != plans_.end()) return *it->second;
@@ -133,6 +144,18 @@ Gemm::Plan& Gemm::plan_for(const Key& key, const void* out, const void* in, cons
     CUDA_CHECK(cublasLtMatrixLayoutCreate(&plan->a, in_type, uint64_t(key.N), uint64_t(key.K), key.N));
   CUDA_CHECK(cublasLtMatrixLayoutCreate(&plan->b, in_type, uint64_t(key.K), uint64_t(key.T), key.K));
   CUDA_CHECK(cublasLtMatrixLayoutCreate(&plan->d, out_type, uint64_t(key.N), uint64_t(key.T), key.N));
+
+  // Another T of this bucket was timed: its algorithm, if cuBLASLt takes it for this T.
+  if (auto it = timed_buckets_.find(bucket_of(key)); it != timed_buckets_.end() && !it->second->use_gemv) {
+    cublasLtMatmulHeuristicResult_t check{};
+    if (cublasLtMatmulAlgoCheck(lt_, plan->desc, plan->a, plan->b, plan->d, plan->d, &it->second->algo, &check) ==
+            CUBLAS_STATUS_SUCCESS &&
+        check.workspaceSize <= workspace_.bytes()) {
+      plan->algo = it->second->algo;
+      plan->choice = "as its bucket's timed plan (" + it->second->choice + ")";
+      return *plans_.emplace(key, std::move(plan)).first->second;
+    }
+  }
 
   cublasLtMatmulPreference_t pref = nullptr;
   CUDA_CHECK(cublasLtMatmulPreferenceCreate(&pref));
@@ -202,7 +225,9 @@ Gemm::Plan& Gemm::plan_for(const Key& key, const void* out, const void* in, cons
     plan->algo = results[best_index].algo;
     plan->choice = "cublasLt #" + std::to_string(best_index) + " of " + std::to_string(found);
   }
-  return *plans_.emplace(key, std::move(plan)).first->second;
+  Plan& chosen = *plans_.emplace(key, std::move(plan)).first->second;
+  timed_buckets_.emplace(bucket_of(key), &chosen);
+  return chosen;
 }
 
 void Gemm::check_device() const {
@@ -314,6 +339,15 @@ Gemm::Plan& Gemm::plan_int8(const Key& key, const void* in, const void* w, bool 
   std::vector<int> candidates;
   for (detail::Int8Kernel k : detail::int8_candidates(key.T, key.K, key.N, in, w)) candidates.push_back(int(k));
   auto plan = std::make_unique<Plan>();
+  // Another T of this bucket was timed: its choice, if it is one for this T too.
+  if (auto it = timed_buckets_.find(bucket_of(key)); it != timed_buckets_.end()) {
+    const int k = it->second->int8_kernel;
+    if ((k == kDequantChoice && dequant) || std::find(candidates.begin(), candidates.end(), k) != candidates.end()) {
+      plan->int8_kernel = k;
+      plan->choice = "as its bucket's timed plan (" + it->second->choice + ")";
+      return *plans_.emplace(key, std::move(plan)).first->second;
+    }
+  }
 
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
   CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
@@ -336,7 +370,9 @@ Gemm::Plan& Gemm::plan_int8(const Key& key, const void* in, const void* w, bool 
   }
   plan->ms = best;
   plan->choice = int8_choice_name(plan->int8_kernel) + " of " + std::to_string(candidates.size());
-  return *plans_.emplace(key, std::move(plan)).first->second;
+  Plan& chosen = *plans_.emplace(key, std::move(plan)).first->second;
+  timed_buckets_.emplace(bucket_of(key), &chosen);
+  return chosen;
 }
 
 template <class T, class OutT>

@@ -4,7 +4,11 @@
 //
 // Each distinct problem (layout, types, T, K, N, bias, activation, pointer alignment) is
 // planned once: cuBLASLt's heuristic proposes up to kMaxCandidates algorithms, each is timed
-// on the caller's own buffers and stream, and the fastest is cached. For the [N, K] layout
+// on the caller's own buffers and stream, and the fastest is cached. Token counts share a
+// timed choice within a bucket (T exact up to 8, then (8, 16], (16, 32], ... powers of two):
+// a serving stage sees nearly every T as prefill chunks join decode batches, and timing each
+// cost ~10 ms a shape; the first T of a bucket is timed, the others take its choice where
+// cuBLASLt accepts it for their own T (cublasLtMatmulAlgoCheck), else are timed themselves. For the [N, K] layout
 // with T <= 8 the candidates also include our GEMV kernel (gemv.cu: one warp per output row,
 // 16-byte streaming loads, epilogue fused), which is what batch-1 decode runs at the
 // memory-bandwidth limit. Planning synchronises the stream, so it must happen outside graph
@@ -95,6 +99,7 @@ class Gemm {
     bool operator<(const Key& o) const { return tie() < o.tie(); }
   };
   struct Plan;
+  static Key bucket_of(Key key);  // `key` with T replaced by its bucket's
 
   Plan& plan_for(const Key& key, const void* out, const void* in, const void* w, const void* bias,
                  cudaStream_t stream);
@@ -118,6 +123,7 @@ class Gemm {
   void* dequant_ = nullptr;
   size_t dequant_bytes_ = 0;
   std::map<Key, std::unique_ptr<Plan>> plans_;
+  std::map<Key, const Plan*> timed_buckets_;  // key with T = its bucket -> the bucket's timed plan
 };
 
 }  // namespace conveyor::cuda

@@ -522,7 +522,7 @@ void GpuStage::embed_impl(const Meta& m, int64_t num_tokens) {
 
 template <class T>
 void GpuStage::layers_impl(const Meta& m, int64_t num_tokens, int64_t num_seqs, int64_t max_q_len,
-                           bool decode_attention, bool fuse_final_ln) {
+                           int64_t decode_seqs, bool fuse_final_ln) {
   const int64_t C = config_.n_embd, W = width_, I = inner_, H = heads_, D = config_.head_dim();
   const float eps = config_.layer_norm_epsilon;
   const GemmAct act = gemm_act(config_.activation);
@@ -543,19 +543,24 @@ void GpuStage::layers_impl(const Meta& m, int64_t num_tokens, int64_t num_seqs, 
   ws.counters = decode_counters_.as<int32_t>();
   ws.partial_floats = int64_t(decode_partial_.bytes() / sizeof(float));
   ws.counter_entries = int64_t(decode_counters_.bytes() / sizeof(int32_t));
-  const int splits = decode_attention ? decode_splits(num_seqs) : 1;
-  const SeqArrays seqs{m.q_begin, m.q_len, m.kv_len, num_seqs};
+  const int splits = decode_seqs > 0 ? decode_splits(decode_seqs) : 1;
+  // The prompt chunks: their rows start after the decode sequences' one row each, and their
+  // block-table rows after those sequences' rows.
+  const int64_t first_chunk_row = decode_seqs;
+  const SeqArrays chunks{m.q_begin + decode_seqs, m.q_len + decode_seqs, m.kv_len + decode_seqs, num_seqs - decode_seqs};
 
   for (int64_t l = 0; l < L; ++l) {
     const LayerPtrs& w = layers_[size_t(l)];
     if (l == 0) layernorm_forward<T>(ln, hidden, c(w.ln1_g), c(w.ln1_b), num_tokens, C, eps, stream_);
     matmul<T>(qkv, ln, w.qkv_w, w.qkv_s, w.qkv_b, num_tokens, C, 3 * W, GemmAct::None);
     const KvLayerView kv = kv_->layer(l, m.tables, int32_t(max_pages_));
-    if (decode_attention) {
-      attention_decode_paged<T>(attn, qkv, kv, m.kv_len, num_seqs, H, D, splits, ws, stream_);
-    } else {
-      kv_cache_append<T>(kv, qkv, 3 * W, m.token_row, m.pos, num_tokens, H, D, stream_);
-      attention_context_paged<T>(attn, qkv, kv, seqs, max_q_len, H, D, stream_);
+    if (decode_seqs > 0) attention_decode_paged<T>(attn, qkv, kv, m.kv_len, decode_seqs, H, D, splits, ws, stream_);
+    if (chunks.num_seqs > 0) {
+      kv_cache_append<T>(kv, qkv + first_chunk_row * 3 * W, 3 * W, m.token_row + first_chunk_row,
+                         m.pos + first_chunk_row, num_tokens - first_chunk_row, H, D, stream_);
+      KvLayerView chunk_kv = kv;
+      chunk_kv.block_tables += decode_seqs * max_pages_;
+      attention_context_paged<T>(attn, qkv, chunk_kv, chunks, max_q_len, H, D, stream_);
     }
     matmul<T>(proj, attn, w.proj_w, w.proj_s, nullptr, num_tokens, W, C, GemmAct::None);
     reduce_residual_layernorm<T>(hidden, ln, proj, c(w.proj_b), c(w.ln2_g), c(w.ln2_b), num_tokens);
@@ -609,7 +614,7 @@ void GpuStage::head_impl(const T* in_rows, int64_t rows, float* logits) {
 template <class T>
 void GpuStage::decode_step_impl(const Meta& m, int64_t rows) {
   if (has_embedding()) embed_impl<T>(m, rows);
-  layers_impl<T>(m, rows, rows, 1, /*decode_attention=*/true, /*fuse_final_ln=*/has_head());
+  layers_impl<T>(m, rows, rows, 1, /*decode_seqs=*/rows, /*fuse_final_ln=*/has_head());
   if (holds_head()) {
     head_impl<T>(ln_.as<T>(), rows, logits_.as<float>());
     sampler_->argmax(tokens_dev_.as<int32_t>(), logits_.as<float>(), rows, stream_);
@@ -659,9 +664,11 @@ Status GpuStage::forward(std::span<const SeqSlice> slices) {
   fill_seq_meta(host, h, slices, S);
   send_meta(h);
   const Meta m = meta_layout(meta_dev_.as<int32_t>(), T, S);
-  const bool all_decode = max_q == 1;
+  // Sequences decoding one token (the coordinator puts them first) take the decode kernel.
+  int64_t decode_seqs = 0;
+  while (decode_seqs < S && slices[size_t(decode_seqs)].num_tokens == 1) ++decode_seqs;
   with_dtype(options_.dtype, [&](auto tag) {
-    layers_impl<decltype(tag)>(m, T, S, max_q, all_decode, /*fuse_final_ln=*/false);
+    layers_impl<decltype(tag)>(m, T, S, max_q, decode_seqs, /*fuse_final_ln=*/false);
   });
   for (const SeqSlice& s : slices) lengths_[s.seq_id] = s.start_pos + s.num_tokens;
   last_logit_rows_ = -1;

@@ -199,8 +199,11 @@ class GpuStage {
   void fill_seq_meta(int32_t* host, const Meta& layout_offsets, std::span<const SeqSlice> slices, int64_t padded_seqs);
 
   template <class T> void embed_impl(const Meta& m, int64_t num_tokens);
+  // The layers over a step's rows. The first decode_seqs sequences have one row each and
+  // attend through the decode kernel (which appends their K/V); the rest, chunks of prompts,
+  // through the context kernel.
   template <class T> void layers_impl(const Meta& m, int64_t num_tokens, int64_t num_seqs, int64_t max_q_len,
-                                      bool decode_attention, bool fuse_final_ln);
+                                      int64_t decode_seqs, bool fuse_final_ln);
   template <class T> void head_impl(const T* in_rows, int64_t rows, float* logits);
   template <class T> void reduce_residual_layernorm(T* hidden, T* ln_out, T* x, const T* bias, const T* gamma,
                                                     const T* beta, int64_t num_tokens);

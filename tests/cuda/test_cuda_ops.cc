@@ -411,6 +411,42 @@ TYPED_TEST(CudaOps, GemmNK) {
   }
 }
 
+// Token counts in one bucket share the first one's timed choice (gemm.h): T = 20 is timed,
+// T = 25 and 32 take its algorithm (and stay correct), T = 33 starts the next bucket.
+TYPED_TEST(CudaOps, GemmTokenCountsShareTheirBucketsPlan) {
+  using T = TypeParam;
+  Rng rng;
+  SEED_TRACE(rng);
+  cuda::Gemm gemm;
+  const int K = 512, N = 768;
+  auto w = rng.normal(static_cast<size_t>(N) * K, 0.05f);
+  round_all<T>(w);
+  std::vector<float> wt(w.size());
+  for (int n = 0; n < N; ++n)
+    for (int k = 0; k < K; ++k) wt[static_cast<size_t>(k) * N + n] = w[static_cast<size_t>(n) * K + k];
+  Dev<T> dw(w);
+  for (int Tn : {20, 25, 32, 33}) {
+    auto in = rng.normal(static_cast<size_t>(Tn) * K);
+    round_all<T>(in);
+    std::vector<float> ref(static_cast<size_t>(Tn) * N);
+    cpu::matmul_forward(ref.data(), in.data(), wt.data(), nullptr, Tn, K, N);
+    Dev<T> din(in), out(int64_t(ref.size()));
+    out.poison();
+    gemm.run<T, T>(out.p(), din.p(), dw.p(), nullptr, Tn, K, N, cuda::WeightLayout::NK, cuda::GemmAct::None, s0);
+    EXPECT_LT(rel_err(out.get(), ref), tol<T>(3e-3, 1.2e-2)) << "T=" << Tn;
+  }
+  const std::string plans = gemm.describe_plans();
+  SCOPED_TRACE(plans);
+  auto line_of = [&](int Tn) {
+    const size_t at = plans.find("T=" + std::to_string(Tn) + " ");
+    return at == std::string::npos ? std::string() : plans.substr(at, plans.find('\n', at) - at);
+  };
+  EXPECT_EQ(line_of(20).find("bucket"), std::string::npos);
+  EXPECT_NE(line_of(25).find("as its bucket's timed plan"), std::string::npos);
+  EXPECT_NE(line_of(32).find("as its bucket's timed plan"), std::string::npos);
+  EXPECT_EQ(line_of(33).find("bucket"), std::string::npos);
+}
+
 TYPED_TEST(CudaOps, GemvKernelDirect) {
   using T = TypeParam;
   Rng rng;

@@ -125,6 +125,20 @@ TYPED_TEST(GpuStageTest, PrefillChunksAndDecodeMatchCpu) {
       auto out = step_both(cpu, *gpu, slices, std::vector<int32_t>(next, next + 3), this->logit_tol(), "decode");
       for (int s = 0; s < 3; ++s) next[s] = top1(out.data() + s * V, V).first, ++len[s];
     }
+    // A serving step: sequences 1 and 2 decode (first: the decode kernel), a new sequence's
+    // prompt chunk and sequence 3's single token follow (the context kernel).
+    auto p4 = random_tokens(this->rng, 9, V);
+    std::vector<int32_t> mixed = {next[0], next[1]};
+    mixed.insert(mixed.end(), p4.begin(), p4.end());
+    mixed.push_back(next[2]);
+    auto out = step_both(cpu, *gpu, {{1, len[0], 1}, {2, len[1], 1}, {4, 0, 9}, {3, len[2], 1}}, mixed,
+                         this->logit_tol(), "decode rows, a prompt chunk, a decode row");
+    EXPECT_EQ(gpu->cached_tokens(4), 9);
+    EXPECT_EQ(gpu->cached_tokens(3), len[2] + 1);
+    const int32_t after[4] = {top1(out.data(), V).first, top1(out.data() + V, V).first, top1(out.data() + 3 * V, V).first,
+                              top1(out.data() + 2 * V, V).first};
+    step_both(cpu, *gpu, {{1, len[0] + 1, 1}, {2, len[1] + 1, 1}, {3, len[2] + 1, 1}, {4, 9, 1}},
+              std::vector<int32_t>(after, after + 4), this->logit_tol(), "decode after the mixed step");
   }
 }
 
