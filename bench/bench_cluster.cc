@@ -326,13 +326,21 @@ int main(int argc, char** argv) {
   std::vector<double> latencies;
   std::atomic<bool> running{true};
   std::vector<std::vector<double>> busy(static_cast<size_t>(stages), std::vector<double>{});
+  // Each stage's cumulative busy seconds at its own clock, per heartbeat seen: the busy
+  // fraction over the whole load is the difference between two of them.
+  std::vector<std::vector<std::pair<double, double>>> busy_total(static_cast<size_t>(stages));
   std::thread poller([&] {
     while (running) {
       std::this_thread::sleep_for(std::chrono::milliseconds(600));
       const json info = cluster_info(cluster.port);
       if (!running) continue;
-      for (const auto& w : info.value("workers", json::array()))
-        if (w.contains("stage")) busy[size_t(w["stage"].get<int>())].push_back(w["busy_fraction"].get<double>());
+      for (const auto& w : info.value("workers", json::array())) {
+        if (!w.contains("stage")) continue;
+        const size_t st = size_t(w["stage"].get<int>());
+        busy[st].push_back(w["busy_fraction"].get<double>());
+        const std::pair<double, double> total{w.value("busy_seconds_total", 0.0), w.value("clock_seconds", 0.0)};
+        if (busy_total[st].empty() || busy_total[st].back().second != total.second) busy_total[st].push_back(total);
+      }
     }
   });
   const auto t0 = Clock::now();
@@ -365,7 +373,12 @@ int main(int argc, char** argv) {
     auto& b = busy[size_t(s)];
     // Drop the first and last samples: the ramp up and down.
     if (b.size() > 2) b = std::vector<double>(b.begin() + 1, b.end() - 1);
-    std::printf("  stage %d busy fraction: %.0f%% (mean of %zu samples)\n", s,
+    // Cumulative: between the second and the second-to-last heartbeat (past the ramps).
+    const auto& c = busy_total[size_t(s)];
+    const size_t first = c.size() >= 4 ? 1 : 0, last = c.size() >= 4 ? c.size() - 2 : c.size() - 1;
+    const double window = c.size() >= 2 ? c[last].second - c[first].second : 0.0;
+    std::printf("  stage %d busy fraction: %.0f%% over %.1f s (cumulative busy time); heartbeat windows: mean %.0f%% of %zu\n",
+                s, window > 0 ? 100 * (c[last].first - c[first].first) / window : 0.0, window,
                 b.empty() ? 0.0 : 100 * std::accumulate(b.begin(), b.end(), 0.0) / double(b.size()), b.size());
   }
   return failed ? 1 : 0;

@@ -45,6 +45,7 @@ struct WorkerInfo {
   int64_t load_bytes_done = 0, load_bytes_total = 0;
   double load_seconds = 0;  // of its last load (0 when it kept its layers)
   double busy_fraction = 0;
+  double busy_seconds_total = 0, clock_seconds = 0;  // the worker's cumulative busy time, at its clock
   int64_t kv_used_tokens = 0, kv_capacity_tokens = 0, sequences = 0;
   json holding;  // what a re-registering worker says it still has loaded
   json data_plane;  // how its activations travel (staging memory, UCX CUDA support)
@@ -533,6 +534,8 @@ struct Coordinator::Impl {
     w.last_seen = Clock::now();
     if (type == "heartbeat") {
       w.busy_fraction = b.value("busy_fraction", 0.0);
+      w.busy_seconds_total = b.value("busy_seconds_total", 0.0);
+      w.clock_seconds = b.value("clock_seconds", 0.0);
       w.kv_used_tokens = b.value("kv_used_tokens", int64_t(0));
       w.sequences = b.value("sequences", int64_t(0));
       if (b.contains("kv_capacity_tokens")) w.kv_capacity_tokens = b.value("kv_capacity_tokens", int64_t(0));
@@ -1005,6 +1008,7 @@ struct Coordinator::Impl {
     for (const auto& [name, w] : workers) {
       json e = {{"name", name}, {"host", w.host}, {"pid", w.pid}, {"backend", w.backend}, {"gpus", w.gpus},
                 {"state", w.state == "joined" ? "spare" : w.state}, {"busy_fraction", w.busy_fraction},
+                {"busy_seconds_total", w.busy_seconds_total}, {"clock_seconds", w.clock_seconds},
                 {"kv_used_tokens", w.kv_used_tokens}, {"kv_capacity_tokens", w.kv_capacity_tokens},
                 {"load_progress", w.load_fraction}, {"load_bytes_done", w.load_bytes_done},
                 {"load_bytes_total", w.load_bytes_total}, {"load_seconds", w.load_seconds},

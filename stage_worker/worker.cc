@@ -200,7 +200,9 @@ struct Worker::Impl {
     const double busy_fraction = window > 0 ? double(busy - busy_ns_at_last_heartbeat) * 1e-9 / window : 0.0;
     busy_ns_at_last_heartbeat = busy;
     heartbeat_window_start = now;
-    json body = {{"busy_fraction", std::min(1.0, busy_fraction)}, {"batches", batches.load()}};
+    json body = {{"busy_fraction", std::min(1.0, busy_fraction)}, {"batches", batches.load()},
+                 {"busy_seconds_total", double(busy) * 1e-9},
+                 {"clock_seconds", std::chrono::duration<double>(now.time_since_epoch()).count()}};
     {
       std::lock_guard lk(stage_mu);
       body["state"] = state;
