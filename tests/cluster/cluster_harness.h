@@ -4,6 +4,7 @@
 // and not) whose every answer must be token-identical to the engine's.
 #pragma once
 
+#include <algorithm>
 #include <atomic>
 #include <filesystem>
 #include <fstream>
@@ -90,6 +91,10 @@ struct Cluster {
                            const std::vector<std::string>& extra_args = {}) {
     std::vector<std::string> argv = {bin("conveyor-worker"), "--coordinator", "127.0.0.1:" + std::to_string(control_port),
                                      "--name", name, "--join-token", join_token, "--kv-cache-mb", "64"};
+    // The CPU unless the test says otherwise: the answers are checked against the CPU engine,
+    // and a worker's default (--backend auto) would take a GPU where the machine has one.
+    if (std::find(extra_args.begin(), extra_args.end(), "--backend") == extra_args.end())
+      argv.insert(argv.end(), {"--backend", "cpu"});
     argv.insert(argv.end(), extra_args.begin(), extra_args.end());
     workers.push_back(std::make_unique<ChildProcess>(argv, (dir / (name + ".log")).string()));
     return *workers.back();
