@@ -1,7 +1,8 @@
 // conveyor-bench-cluster: the cluster through its REST API, on this machine.
 //
 //   throughput mode (default): starts `conveyor local --stages N`, reports each worker's
-//     weight load (GB/s), sends --requests
+//     weight load (GB/s), sends --warmup untimed completions (default: --concurrency; a
+//     GPU worker's first steps of each size plan GEMMs and capture graphs), then --requests
 //     completions from --concurrency client threads, and reports generated tokens/s,
 //     requests/s, mean latency and each stage's busy fraction (the workers' own compute
 //     time over wall time, polled from /v1/cluster while the load runs).
@@ -202,7 +203,7 @@ int recovery(const std::string& bin_dir, const std::string& model, const std::st
 
 int main(int argc, char** argv) {
   std::string model = "models/brown-gpt2";
-  int stages = 3, requests = 96, concurrency = 32, max_tokens = 48, in_flight = 0;
+  int stages = 3, requests = 96, concurrency = 32, max_tokens = 48, in_flight = 0, warmup = -1;
   std::string random_shape, backend = "cpu";
   bool recovery_mode = false;
   bool overhead = false;
@@ -211,6 +212,7 @@ int main(int argc, char** argv) {
   app.add_option("--stages", stages, "pipeline stages");
   app.add_option("--requests", requests, "requests to send");
   app.add_option("--concurrency", concurrency, "client threads");
+  app.add_option("--warmup", warmup, "untimed requests before the timed ones (default: --concurrency)");
   app.add_option("--max-tokens", max_tokens, "tokens per request");
   app.add_option("--in-flight", in_flight, "micro-batches in flight (0: = stages)");
   app.add_option("--backend", backend, "the workers' backend: cpu or cuda");
@@ -223,6 +225,7 @@ int main(int argc, char** argv) {
   app.add_option("--spares", spares, "--recovery: spare workers (0: the survivors are re-planned)")->check(CLI::NonNegativeNumber);
   app.add_flag("--overhead", overhead, "measure the coordinator's added latency against the in-process engine");
   CLI11_PARSE(app, argc, argv);
+  if (warmup < 0) warmup = concurrency;
   const std::string bin_dir = std::filesystem::canonical("/proc/self/exe").parent_path().string();
   model = std::filesystem::absolute(model).string();
   std::string random_dir;
@@ -325,6 +328,30 @@ int main(int argc, char** argv) {
   std::mutex lat_mu;
   std::vector<double> latencies;
   std::atomic<bool> running{true};
+  // n requests from `concurrency` clients; `record`: their tokens, latencies and failures count.
+  auto drive = [&](int n, bool record) {
+    next = 0;
+    std::vector<std::thread> th;
+    for (int t = 0; t < concurrency; ++t)
+      th.emplace_back([&] {
+        for (int i; (i = next++) < n;) {
+          const auto s = Clock::now();
+          auto r = complete(cluster.port, {{"prompt", prompts[i % 4]}, {"max_tokens", max_tokens}, {"temperature", 0.8},
+                                           {"top_k", 40}, {"seed", i}, {"ignore_eos", true}});
+          if (!record) continue;
+          if (!r) {
+            ++failed;
+            continue;
+          }
+          tokens += *r;
+          std::lock_guard lk(lat_mu);
+          latencies.push_back(seconds_since(s));
+        }
+      });
+    for (auto& t : th) t.join();
+  };
+  // Untimed first: a worker's first steps of each size plan their GEMMs and capture graphs.
+  if (warmup > 0) drive(warmup, false);
   std::vector<std::vector<double>> busy(static_cast<size_t>(stages), std::vector<double>{});
   // Each stage's cumulative busy seconds at its own clock, per heartbeat seen: the busy
   // fraction over the whole load is the difference between two of them.
@@ -344,23 +371,7 @@ int main(int argc, char** argv) {
     }
   });
   const auto t0 = Clock::now();
-  std::vector<std::thread> th;
-  for (int t = 0; t < concurrency; ++t)
-    th.emplace_back([&] {
-      for (int i; (i = next++) < requests;) {
-        const auto s = Clock::now();
-        auto r = complete(cluster.port, {{"prompt", prompts[i % 4]}, {"max_tokens", max_tokens}, {"temperature", 0.8},
-                                         {"top_k", 40}, {"seed", i}, {"ignore_eos", true}});
-        if (!r) {
-          ++failed;
-          continue;
-        }
-        tokens += *r;
-        std::lock_guard lk(lat_mu);
-        latencies.push_back(seconds_since(s));
-      }
-    });
-  for (auto& t : th) t.join();
+  drive(requests, true);
   const double wall = seconds_since(t0);
   running = false;
   poller.join();
