@@ -11,10 +11,10 @@
 //
 // Each step's time is the host's wall time of StageExecutor::run plus read_activations on a
 // stage that hands on (what the worker counts as busy). The last stage samples with
-// temperature 0.8 and top-k 40, as conveyor-bench-cluster's requests do.
+// temperature 0.8 and top-k 40, as conveyor-bench-cluster's requests do (--greedy: argmax).
 //
 //   conveyor-bench-stage-step [--shape L,C,H] [--vocab V] [--stage whole|first|last]
-//       [--batch B] [--prompt N] [--prefill P] [--steps N] [--int8] [--no-graphs]
+//       [--batch B] [--prompt N] [--prefill P] [--steps N] [--int8] [--no-graphs] [--greedy]
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -87,12 +87,14 @@ struct Bench {
   }
 };
 
+bool g_greedy = false;  // --greedy
+
 SeqWork work(uint64_t id, int32_t start, int32_t n, int32_t prompt_len) {
   SeqWork w;
   w.slice = {id, start, n};
   w.prompt_len = prompt_len;
   w.sample = true;
-  w.sampling.temperature = 0.8f;
+  w.sampling.temperature = g_greedy ? 0.f : 0.8f;
   w.sampling.top_k = 40;
   w.sampling.seed = id;
   return w;
@@ -117,6 +119,7 @@ int main(int argc, char** argv) {
   app.add_option("--prefill", prefill, "the new sequence's chunk in a mixed step")->check(CLI::Range(1, 64));
   app.add_option("--steps", steps, "steps per kind")->check(CLI::Range(1, 10000));
   app.add_flag("--int8", int8, "int8 weight-only layer matrices");
+  app.add_flag("--greedy", g_greedy, "the last stage takes the argmax (default: temperature 0.8, top-k 40)");
   app.add_flag("--no-graphs", no_graphs, "decode steps launch their kernels one by one instead of replaying a graph");
   CLI11_PARSE(app, argc, argv);
 
@@ -140,9 +143,10 @@ int main(int argc, char** argv) {
     return 1;
   }
   Bench bench(StageExecutor(std::move(backend).value()), cfg->n_embd, int32_t(vocab));
-  std::printf("# %s, layers [%ld, %ld) of %ld, width %ld, vocab %ld, %s%s; batch %d, prompt %d\n",
+  std::printf("# %s, layers [%ld, %ld) of %ld, width %ld, vocab %ld, %s%s; batch %d, prompt %d, %s\n",
               bench.ex.backend().describe().c_str(), long(b), long(e), long(L), long(cfg->n_embd), long(vocab),
-              int8 ? "int8 weights" : "fp16 weights", no_graphs ? ", no graphs" : "", batch, prompt);
+              int8 ? "int8 weights" : "fp16 weights", no_graphs ? ", no graphs" : "", batch, prompt,
+              g_greedy ? "greedy" : "temperature 0.8, top-k 40");
 
   // Every kind starts from the same state: B fresh sequences prefilled with `prompt` tokens
   // (the previous kind's are freed), so their contexts, which attention reads, match.

@@ -119,7 +119,29 @@ __global__ void __launch_bounds__(kThreads) argmax_kernel(int32_t* tokens, const
   if (threadIdx.x == 0) tokens[blockIdx.x] = id;
 }
 
-// Steps 1-3 of sample_next. Greedy rows are finished here; the others get a sort segment.
+// Rows with 0 < top_k <= kSelectMax (and < V) need only their first top_k candidates:
+// topk_select_kernel finds and sorts them in one block, instead of a radix sort of the row.
+constexpr int kSelectMax = 256;
+constexpr int kSelectThreads = 1024;
+
+__device__ __forceinline__ bool selects_top_k(const RowParams& p, int64_t V) {
+  return p.temperature != 0.f && p.top_k > 0 && p.top_k <= kSelectMax && p.top_k < V;
+}
+
+// The candidate order (logit descending, id ascending) as one unsigned key, larger first:
+// the float's order-preserving image (-0 as +0, as sample_next compares) over the
+// complemented id.
+__device__ __forceinline__ uint32_t order_bits(float x) {
+  uint32_t b = __float_as_uint(x);
+  if (b == 0x80000000u) b = 0;  // -0
+  return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+}
+__device__ __forceinline__ unsigned long long candidate(uint32_t bits, int64_t id) {
+  return (static_cast<unsigned long long>(bits) << 32) | (0xffffffffu - uint32_t(id));
+}
+
+// Steps 1-3 of sample_next. Greedy rows are finished here; the others get a sort segment
+// (empty for the rows topk_select_kernel takes).
 __global__ void __launch_bounds__(kThreads) prepare_kernel(float* logits, const RowParams* params, const int32_t* lists, int64_t V,
                                int32_t* tokens, int* seg_begin, int* seg_end) {
   const int r = blockIdx.x;
@@ -156,7 +178,103 @@ __global__ void __launch_bounds__(kThreads) prepare_kernel(float* logits, const 
   }
   if (p.temperature != 1.f)
     for (int64_t i = threadIdx.x; i < V; i += blockDim.x) l[i] = __fdiv_rn(l[i], p.temperature);
-  if (threadIdx.x == 0) seg_end[r] = int(int64_t(r) * V + V);
+  if (threadIdx.x == 0) seg_end[r] = int(int64_t(r) * V + (selects_top_k(p, V) ? 0 : V));
+}
+
+// Step 4 for a top-k row: its first top_k candidates in order, as the radix sort would give
+// them. A radix select over the keys' four bytes (a block histogram each) finds the k-th
+// key; the keys above it, and the lowest ids among those equal to it (an ordered block
+// compaction), are the candidates, then sorted in shared memory (bitonic). The row's keys
+// are read from global memory once into dynamic shared memory when they fit (`cached`:
+// a vocabulary up to ~56k on an H100), else every pass reads the logits again.
+__global__ void __launch_bounds__(kSelectThreads)
+    topk_select_kernel(const float* logits, const RowParams* params, int64_t V, bool cached, float* sorted_keys,
+                       int32_t* sorted_ids) {
+  using BlockScan = cub::BlockScan<int, kSelectThreads>;
+  __shared__ typename BlockScan::TempStorage scan_storage;
+  __shared__ int hist[256];
+  __shared__ unsigned long long cand[kSelectMax];
+  __shared__ uint32_t s_prefix;
+  __shared__ int s_need, s_above;
+  extern __shared__ uint32_t row_keys[];
+  const int r = blockIdx.x;
+  const RowParams p = params[r];
+  if (!selects_top_k(p, V)) return;
+  const int k = p.top_k;
+  const float* l = logits + int64_t(r) * V;
+  if (cached) {
+    for (int64_t i = threadIdx.x; i < V; i += blockDim.x) row_keys[i] = order_bits(l[i]);
+    __syncthreads();
+  }
+  auto key = [&](int64_t i) { return cached ? row_keys[i] : order_bits(l[i]); };
+
+  // The k-th largest key, a byte at a time from the top; `need`: how many keys equal to it
+  // belong to the top k.
+  uint32_t prefix = 0, mask = 0;
+  int need = k;
+  for (int shift = 24; shift >= 0; shift -= 8) {
+    for (int i = threadIdx.x; i < 256; i += blockDim.x) hist[i] = 0;
+    __syncthreads();
+    // Most logits share their top bytes: lanes with the same digit add once, together.
+    for (int64_t base = 0; base < V; base += blockDim.x) {
+      const int64_t i = base + threadIdx.x;
+      uint32_t digit = 256;  // none
+      if (i < V) {
+        const uint32_t u = key(i);
+        if ((u & mask) == prefix) digit = (u >> shift) & 0xffu;
+      }
+      const unsigned peers = __match_any_sync(0xffffffffu, digit);
+      if (digit != 256 && (threadIdx.x & 31) == __ffs(peers) - 1) atomicAdd(&hist[digit], __popc(peers));
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      int above = 0, d = 255;
+      for (; d > 0 && above + hist[d] < need; --d) above += hist[d];
+      s_prefix = prefix | (uint32_t(d) << shift);
+      s_need = need - above;
+    }
+    __syncthreads();
+    prefix = s_prefix, need = s_need, mask |= 0xffu << shift;
+  }
+
+  // Candidates: every key above the k-th (k - need of them, any order), then the `need`
+  // lowest ids holding it; the rest of the array sorts last.
+  for (int i = threadIdx.x; i < kSelectMax; i += blockDim.x) cand[i] = 0;
+  if (threadIdx.x == 0) s_above = 0;
+  __syncthreads();
+  for (int64_t i = threadIdx.x; i < V; i += blockDim.x) {
+    const uint32_t u = key(i);
+    if (u > prefix) cand[atomicAdd(&s_above, 1)] = candidate(u, i);
+  }
+  int taken = 0;
+  for (int64_t base = 0; base < V && taken < need; base += blockDim.x) {
+    const int64_t i = base + threadIdx.x;
+    const int equal = i < V && key(i) == prefix ? 1 : 0;
+    int at = 0, total = 0;
+    BlockScan(scan_storage).ExclusiveSum(equal, at, total);
+    if (equal && taken + at < need) cand[k - need + taken + at] = candidate(prefix, i);
+    taken += total;
+    __syncthreads();  // scan_storage reuse
+  }
+  __syncthreads();
+
+  // Bitonic sort, descending.
+  for (int size = 2; size <= kSelectMax; size <<= 1)
+    for (int stride = size / 2; stride > 0; stride >>= 1) {
+      for (int i = threadIdx.x; i < kSelectMax; i += blockDim.x) {
+        const int j = i ^ stride;
+        if (j > i) {
+          const unsigned long long a = cand[i], b = cand[j];
+          if ((a < b) == ((i & size) == 0)) cand[i] = b, cand[j] = a;
+        }
+      }
+      __syncthreads();
+    }
+  for (int j = threadIdx.x; j < k; j += blockDim.x) {
+    const int32_t id = int32_t(0xffffffffu - uint32_t(cand[j]));
+    sorted_ids[int64_t(r) * V + j] = id;
+    sorted_keys[int64_t(r) * V + j] = l[id];
+  }
 }
 
 // First index j in [lo, hi) with pred(cum[j]) true, for a predicate monotone in j; hi if none.
@@ -264,6 +382,18 @@ GpuSampler::GpuSampler(const std::string& owner, int64_t max_rows, int64_t vocab
   CUDA_CHECK(cudaMemset(argmax_counters_.get(), 0, argmax_counters_.bytes()));
   CUDA_CHECK(cudaEventCreateWithFlags(&copied_, cudaEventDisableTiming));
   ensure_list_capacity(4096);
+  // The top-k select keeps a row's keys in shared memory where the device lets a block have
+  // that much beside the kernel's own.
+  int device = 0, optin = 0;
+  CUDA_CHECK(cudaGetDevice(&device));
+  CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+  cudaFuncAttributes attr{};
+  CUDA_CHECK(cudaFuncGetAttributes(&attr, topk_select_kernel));
+  const size_t row_bytes = size_t(vocab_size) * sizeof(uint32_t);
+  if (row_bytes + attr.sharedSizeBytes <= size_t(optin)) {
+    select_smem_ = row_bytes;
+    CUDA_CHECK(cudaFuncSetAttribute(topk_select_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(row_bytes)));
+  }
 }
 
 void GpuSampler::argmax(int32_t* tokens, const float* logits, int64_t rows, cudaStream_t stream) {
@@ -373,17 +503,32 @@ void GpuSampler::sample(float* logits, std::span<const SampleRow> rows, int32_t*
   prepare_kernel<<<unsigned(n), kThreads, 0, stream>>>(logits, pd, lists_dev_.as<int32_t>(), vocab_, tokens,
                                                        seg_begin, seg_end);
   CUDA_CHECK(cudaGetLastError());
-  size_t temp_bytes = 0;
-  const int items = int(n * vocab_);
-  CUDA_CHECK(cub::DeviceSegmentedRadixSort::SortPairsDescending(
-      nullptr, temp_bytes, static_cast<const float*>(logits), sorted_keys_.as<float>(), iota_.as<int32_t>(),
-      sorted_ids_.as<int32_t>(), items, int(n), seg_begin, seg_end, 0, 32, stream));
-  if (temp_bytes > cub_temp_.bytes()) throw Error(owner_ + ": sampler sort workspace too small");
-  temp_bytes = cub_temp_.bytes();
-  CUDA_CHECK(cub::DeviceSegmentedRadixSort::SortPairsDescending(
-      cub_temp_.get(), temp_bytes, static_cast<const float*>(logits), sorted_keys_.as<float>(),
-      static_cast<const int32_t*>(iota_.as<int32_t>()), sorted_ids_.as<int32_t>(), items, int(n), seg_begin,
-      seg_end, 0, 32, stream));
+  // Rows that sample: a top-k small enough is selected, any other is radix sorted whole.
+  bool any_select = false, any_sort = false;
+  for (const RowParams& p : params) {
+    if (p.temperature == 0.f) continue;
+    const bool select = p.top_k > 0 && p.top_k <= kSelectMax && p.top_k < vocab_;
+    any_select = any_select || select;
+    any_sort = any_sort || !select;
+  }
+  if (any_sort) {
+    size_t temp_bytes = 0;
+    const int items = int(n * vocab_);
+    CUDA_CHECK(cub::DeviceSegmentedRadixSort::SortPairsDescending(
+        nullptr, temp_bytes, static_cast<const float*>(logits), sorted_keys_.as<float>(), iota_.as<int32_t>(),
+        sorted_ids_.as<int32_t>(), items, int(n), seg_begin, seg_end, 0, 32, stream));
+    if (temp_bytes > cub_temp_.bytes()) throw Error(owner_ + ": sampler sort workspace too small");
+    temp_bytes = cub_temp_.bytes();
+    CUDA_CHECK(cub::DeviceSegmentedRadixSort::SortPairsDescending(
+        cub_temp_.get(), temp_bytes, static_cast<const float*>(logits), sorted_keys_.as<float>(),
+        static_cast<const int32_t*>(iota_.as<int32_t>()), sorted_ids_.as<int32_t>(), items, int(n), seg_begin,
+        seg_end, 0, 32, stream));
+  }
+  if (any_select) {
+    topk_select_kernel<<<unsigned(n), kSelectThreads, select_smem_, stream>>>(
+        logits, pd, vocab_, select_smem_ > 0, sorted_keys_.as<float>(), sorted_ids_.as<int32_t>());
+    CUDA_CHECK(cudaGetLastError());
+  }
   draw_kernel<<<unsigned(n), kDrawThreads, 0, stream>>>(pd, sorted_keys_.as<float>(), sorted_ids_.as<int32_t>(),
                                                     cum_.as<double>(), vocab_, tokens);
   CUDA_CHECK(cudaGetLastError());

@@ -7,10 +7,13 @@
 // lands within ~1e-16 of a boundary.
 //
 // Kernels per call: one prepare kernel (penalties; greedy rows take their argmax there;
-// others are divided by the temperature), one segmented radix sort (CUB; greedy rows get
-// empty segments), one draw kernel (block scan of exp(l - max) in double, then binary
-// searches for the top-p cut and the draw). The parameters and penalty lists travel in one
-// host-to-device copy.
+// others are divided by the temperature), the candidates in order: rows with a top-k of at
+// most 256 get just their first top-k from a select kernel (a radix select over the keys'
+// bytes, then a bitonic sort in shared memory: a row of GPT-2's 50257 logits is not sorted
+// whole), the others from one segmented radix sort (CUB; greedy and top-k rows get empty
+// segments, and it is skipped when no row needs it), then one draw kernel (block scan of
+// exp(l - max) in double, then binary searches for the top-p cut and the draw). The
+// parameters and penalty lists travel in one host-to-device copy.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -56,6 +59,7 @@ class GpuSampler {
 
   std::string owner_;
   int64_t max_rows_, vocab_;
+  size_t select_smem_ = 0;  // dynamic shared memory of the top-k select: a row's keys, or 0
   DeviceBuffer sorted_keys_, sorted_ids_, iota_, cum_, offsets_, cub_temp_, params_dev_, lists_dev_;
   DeviceBuffer argmax_partial_, argmax_counters_;
   PinnedBuffer params_host_, lists_host_;

@@ -666,6 +666,54 @@ TEST(CudaSampling, MatchesCpuSampleNext) {
   }
 }
 
+// Rows with a small top-k take the select kernel instead of the sort: the same tokens as
+// sample_next, also where ties straddle the k-th candidate (logits on a coarse grid), with
+// -0 and +0 among the best, a row masked but for a few ids, and rows of both kinds in one
+// call; vocabularies whose row fits the kernel's shared memory and one that does not.
+TEST(CudaSampling, TopKRowsMatchCpuSampleNext) {
+  REQUIRE_GPU();
+  Rng rng;
+  SEED_TRACE(rng);
+  for (int V : {1013, 50257, 100000}) {
+    const int rows = 16;
+    cuda::GpuSampler sampler("test", rows, V);
+    for (int round = 0; round < 4; ++round) {
+      std::vector<SamplingParams> params(static_cast<size_t>(rows));
+      auto logits = rng.normal(static_cast<size_t>(rows) * V, 2.f);
+      for (int r = 0; r < rows; ++r) {
+        SamplingParams& p = params[static_cast<size_t>(r)];
+        p.seed = rng.gen();
+        p.temperature = std::vector<float>{0.7f, 1.f, 1.3f}[static_cast<size_t>(r % 3)];
+        p.top_k = std::vector<int>{1, 2, 40, 256}[static_cast<size_t>(r % 4)];
+        if (round == 3 && r == 5) p.top_k = 0;  // this call also sorts a row whole
+        if (r % 5 == 1) p.top_p = 0.8f;
+        float* row = logits.data() + static_cast<size_t>(r) * V;
+        if (r % 2 == 0)  // coarse: long runs of equal logits around the k-th
+          for (int i = 0; i < V; ++i) row[i] = std::round(row[i] * 2.f) / 2.f;
+        if (r == 3) row[10] = 9.f, row[20] = -0.f, row[30] = 0.f, row[40] = 9.f;
+        if (r == 7)
+          for (int i = 0; i < V; ++i) row[i] = i % 97 == 0 ? 1.f : -INFINITY;
+      }
+      std::vector<int32_t> expect(static_cast<size_t>(rows));
+      std::vector<cuda::SampleRow> srows(static_cast<size_t>(rows));
+      for (int r = 0; r < rows; ++r) {
+        std::vector<float> row(logits.begin() + int64_t(r) * V, logits.begin() + int64_t(r + 1) * V);
+        expect[static_cast<size_t>(r)] = sample_next(row, params[static_cast<size_t>(r)], {}, {}, 0);
+        srows[static_cast<size_t>(r)] = cuda::SampleRow{&params[static_cast<size_t>(r)], {}, {}, 0};
+      }
+      Dev<float> dlogits(logits);
+      cuda::DeviceBuffer tokens = cuda::device_alloc(static_cast<size_t>(rows) * 4, "test", "tokens");
+      sampler.sample(dlogits.p(), srows, tokens.as<int32_t>(), s0);
+      std::vector<int32_t> got(static_cast<size_t>(rows));
+      CUDA_CHECK(cudaMemcpy(got.data(), tokens.get(), got.size() * 4, cudaMemcpyDeviceToHost));
+      for (int r = 0; r < rows; ++r)
+        EXPECT_EQ(got[static_cast<size_t>(r)], expect[static_cast<size_t>(r)])
+            << "V " << V << " round " << round << " row " << r << " k=" << params[static_cast<size_t>(r)].top_k
+            << " p=" << params[static_cast<size_t>(r)].top_p;
+    }
+  }
+}
+
 TEST(CudaSampling, ArgmaxLowestIdOnTies) {
   REQUIRE_GPU();
   const int V = 5000;
