@@ -624,6 +624,17 @@ TEST(CudaKvCache, PagesAndErrors) {
 
 // ---- sampling: the same token as model/sampling.h's sample_next on the same logits ----
 
+// The tokens `sampler` chooses for `rows` from host `logits` [rows, V].
+std::vector<int32_t> sample_on_gpu(cuda::GpuSampler& sampler, const std::vector<float>& logits,
+                                   const std::vector<cuda::SampleRow>& rows) {
+  Dev<float> dlogits(logits);
+  cuda::DeviceBuffer tokens = cuda::device_alloc(rows.size() * 4, "test", "tokens");
+  sampler.sample(dlogits.p(), rows, tokens.as<int32_t>(), s0);
+  std::vector<int32_t> got(rows.size());
+  CUDA_CHECK(cudaMemcpy(got.data(), tokens.get(), got.size() * 4, cudaMemcpyDeviceToHost));
+  return got;
+}
+
 TEST(CudaSampling, MatchesCpuSampleNext) {
   REQUIRE_GPU();
   Rng rng;
@@ -654,11 +665,7 @@ TEST(CudaSampling, MatchesCpuSampleNext) {
     std::vector<cuda::SampleRow> srows(static_cast<size_t>(rows));
     for (int r = 0; r < rows; ++r)
       srows[static_cast<size_t>(r)] = cuda::SampleRow{&params[static_cast<size_t>(r)], prompts[static_cast<size_t>(r)], gens[static_cast<size_t>(r)], uint64_t(r % 3)};
-    Dev<float> dlogits(logits);
-    cuda::DeviceBuffer tokens = cuda::device_alloc(static_cast<size_t>(rows) * 4, "test", "tokens");
-    sampler.sample(dlogits.p(), srows, tokens.as<int32_t>(), s0);
-    std::vector<int32_t> got(static_cast<size_t>(rows));
-    CUDA_CHECK(cudaMemcpy(got.data(), tokens.get(), got.size() * 4, cudaMemcpyDeviceToHost));
+    const std::vector<int32_t> got = sample_on_gpu(sampler, logits, srows);
     for (int r = 0; r < rows; ++r)
       EXPECT_EQ(got[static_cast<size_t>(r)], expect[static_cast<size_t>(r)])
           << "round " << round << " row " << r << " T=" << params[static_cast<size_t>(r)].temperature << " k=" << params[static_cast<size_t>(r)].top_k
@@ -701,11 +708,7 @@ TEST(CudaSampling, TopKRowsMatchCpuSampleNext) {
         expect[static_cast<size_t>(r)] = sample_next(row, params[static_cast<size_t>(r)], {}, {}, 0);
         srows[static_cast<size_t>(r)] = cuda::SampleRow{&params[static_cast<size_t>(r)], {}, {}, 0};
       }
-      Dev<float> dlogits(logits);
-      cuda::DeviceBuffer tokens = cuda::device_alloc(static_cast<size_t>(rows) * 4, "test", "tokens");
-      sampler.sample(dlogits.p(), srows, tokens.as<int32_t>(), s0);
-      std::vector<int32_t> got(static_cast<size_t>(rows));
-      CUDA_CHECK(cudaMemcpy(got.data(), tokens.get(), got.size() * 4, cudaMemcpyDeviceToHost));
+      const std::vector<int32_t> got = sample_on_gpu(sampler, logits, srows);
       for (int r = 0; r < rows; ++r)
         EXPECT_EQ(got[static_cast<size_t>(r)], expect[static_cast<size_t>(r)])
             << "V " << V << " round " << round << " row " << r << " k=" << params[static_cast<size_t>(r)].top_k
