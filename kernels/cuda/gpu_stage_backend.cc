@@ -80,18 +80,20 @@ Status GpuStageBackend::forward(std::span<const SeqSlice> slices, const Activati
       step_pending_ = true;
       return ok_status();
     }
-    const int32_t* ids = embed_pending_ ? ids_.data() : nullptr;
-    embed_pending_ = false;
-    return stage_->decode(slices, ids, {}, nullptr);
+    return stage_->decode(slices, take_ids(), {}, nullptr);
   });
+}
+
+const int32_t* GpuStageBackend::take_ids() {
+  if (!embed_pending_) return nullptr;
+  embed_pending_ = false;
+  return ids_.data();
 }
 
 Status GpuStageBackend::run_pending(std::span<const SeqSlice> slices) {
   step_pending_ = false;
-  if (embed_pending_) {
-    embed_pending_ = false;
-    if (Status s = stage_->embed(slices, ids_.data()); !s) return s;
-  }
+  if (const int32_t* ids = take_ids())
+    if (Status s = stage_->embed(slices, ids); !s) return s;
   return stage_->forward(slices);
 }
 
@@ -122,9 +124,7 @@ Status GpuStageBackend::sample_last(std::span<const SeqSlice> slices, std::span<
                            std::to_string(slices.size()) + " slices");
     if (step_pending_) {
       step_pending_ = false;
-      const int32_t* ids = embed_pending_ ? ids_.data() : nullptr;
-      embed_pending_ = false;
-      return stage_->decode(slices, ids, rows, tokens, logprobs);
+      return stage_->decode(slices, take_ids(), rows, tokens, logprobs);
     }
     if (Status s = stage_->logits(slices, false, nullptr); !s) return s;
     return stage_->sample(rows, tokens, logprobs);

@@ -56,6 +56,8 @@ class GpuStageBackend final : public StageBackend {
   explicit GpuStageBackend(std::unique_ptr<TpStage> stage) : stage_(std::move(stage)) {}
   // Runs what embed/forward left for later the ordinary way (embed, forward), for logits().
   Status run_pending(std::span<const SeqSlice> slices);
+  // embed()'s token ids while their embedding is still to run (then no longer), else null.
+  const int32_t* take_ids();
 
   std::unique_ptr<TpStage> stage_;
   std::vector<int32_t> ids_;     // embed()'s token ids, until forward runs them

@@ -411,24 +411,19 @@ void token_logprob(float* out, const float* x, const int32_t* tokens, int64_t ro
   CUDA_CHECK(cudaGetLastError());
 }
 
-template <class T>
-void convert_from_float(T* out, const float* in, int64_t n, cudaStream_t stream) {
-  if (n <= 0) return;
-  convert_kernel<T, float><<<grid_for(n, 256), 256, 0, stream>>>(out, in, n);
-  CUDA_CHECK(cudaGetLastError());
-}
-template <class T>
-void convert_to_float(float* out, const T* in, int64_t n, cudaStream_t stream) {
-  if (n <= 0) return;
-  convert_kernel<float, T><<<grid_for(n, 256), 256, 0, stream>>>(out, in, n);
-  CUDA_CHECK(cudaGetLastError());
-}
-
 template <class To, class From>
 void convert(To* out, const From* in, int64_t n, cudaStream_t stream) {
   if (n <= 0) return;
   convert_kernel<To, From><<<grid_for(n, 256), 256, 0, stream>>>(out, in, n);
   CUDA_CHECK(cudaGetLastError());
+}
+template <class T>
+void convert_from_float(T* out, const float* in, int64_t n, cudaStream_t stream) {
+  convert<T, float>(out, in, n, stream);
+}
+template <class T>
+void convert_to_float(float* out, const T* in, int64_t n, cudaStream_t stream) {
+  convert<float, T>(out, in, n, stream);
 }
 
 template <class T>

@@ -96,14 +96,15 @@ void add_bias_residual_layernorm(T* residual, T* ln_out, const T* x, const T* bi
 template <class T>
 void add_bias_gelu(T* x, const T* bias, int64_t rows, int64_t N, Activation act, cudaStream_t stream);
 
-// Element type conversion (tests, uploads, readback). Round to nearest even.
+// Element type conversion (tests, uploads, readback). Round to nearest even. convert()
+// takes any pair of float, half and bf16 it is instantiated for (half <-> bf16 go through
+// fp32); the two below are its fp32 cases.
+template <class To, class From>
+void convert(To* out, const From* in, int64_t n, cudaStream_t stream);
 template <class T>
 void convert_from_float(T* out, const float* in, int64_t n, cudaStream_t stream);
 template <class T>
 void convert_to_float(float* out, const T* in, int64_t n, cudaStream_t stream);
-// out[i] = in[i] between the two half types (half <-> bf16, through fp32).
-template <class To, class From>
-void convert(To* out, const From* in, int64_t n, cudaStream_t stream);
 
 // out[n * ldo + k] = in[k, n] for a [K, N] fp32 matrix, converted to T: uploads [K, N] (HF
 // Conv1D) weights, in row chunks if need be, into the [N, K] layout the GPU stage keeps.

@@ -124,7 +124,7 @@ __global__ void __launch_bounds__(kThreads) argmax_kernel(int32_t* tokens, const
 constexpr int kSelectMax = 256;
 constexpr int kSelectThreads = 1024;
 
-__device__ __forceinline__ bool selects_top_k(const RowParams& p, int64_t V) {
+__host__ __device__ __forceinline__ bool selects_top_k(const RowParams& p, int64_t V) {
   return p.temperature != 0.f && p.top_k > 0 && p.top_k <= kSelectMax && p.top_k < V;
 }
 
@@ -507,7 +507,7 @@ void GpuSampler::sample(float* logits, std::span<const SampleRow> rows, int32_t*
   bool any_select = false, any_sort = false;
   for (const RowParams& p : params) {
     if (p.temperature == 0.f) continue;
-    const bool select = p.top_k > 0 && p.top_k <= kSelectMax && p.top_k < vocab_;
+    const bool select = selects_top_k(p, vocab_);
     any_select = any_select || select;
     any_sort = any_sort || !select;
   }
