@@ -36,9 +36,9 @@
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 
-#include "coordinator/http_client.h"
+#include "cli/http_client.h"
 #include "model/checkpoint_writer.h"
-#include "model/engine.h"
+#include "stage/engine.h"
 #include "model/tokenizer.h"
 #include "model/weights.h"
 #include "tests/process_util.h"
@@ -257,7 +257,11 @@ int main(int argc, char** argv) {
       std::fprintf(stderr, "cannot load %s: %s\n", model.c_str(), (tok ? w.error() : tok.error()).c_str());
       return 1;
     }
-    Engine engine(std::move(w).value());
+    auto engine = Engine::create(std::move(w).value());
+    if (!engine) {
+      std::fprintf(stderr, "%s\n", engine.error().c_str());
+      return 1;
+    }
     LocalCluster cluster;
     cluster.backend = backend;
     cluster.gpus = gpus;
@@ -275,7 +279,7 @@ int main(int argc, char** argv) {
         g.sampling.temperature = 0;
         g.ignore_eos = true;
         auto t0 = Clock::now();
-        (void)engine.generate({g});
+        (void)(*engine)->generate({g});
         engine_s.push_back(seconds_since(t0));
         t0 = Clock::now();
         auto r = complete(cluster.port, {{"prompt", prompt}, {"max_tokens", n}, {"temperature", 0}, {"ignore_eos", true}});

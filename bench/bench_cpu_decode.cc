@@ -18,8 +18,8 @@
 #include <string>
 #include <vector>
 
-#include "model/cpu_stage.h"
-#include "model/sampling.h"
+#include "stage/cpu/cpu_stage.h"
+#include "kernels/cpu/sampling.h"
 #include "model/weights.h"
 
 namespace {
@@ -52,7 +52,12 @@ CpuStage& stage(int tp = 1) {
                    long(c.n_embd), long(c.n_head), long(c.vocab_size));
       w = random_stage_weights(c, 0, c.n_layer, 1);
     }
-    return std::make_unique<CpuStage>(std::move(w), tp);
+    auto made = CpuStage::create(std::move(w), tp);
+    if (!made) {
+      std::fprintf(stderr, "%s\n", made.error().c_str());
+      std::exit(1);
+    }
+    return std::move(made).value();
   }();
   return *st;
 }

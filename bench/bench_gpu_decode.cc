@@ -43,7 +43,7 @@
 
 #include "common/model_config.h"
 #include "kernels/cuda/check.h"
-#include "kernels/cuda/tp_stage.h"
+#include "stage/cuda/tp_stage.h"
 #include "bench/gpu_bandwidth.h"
 #endif
 
@@ -327,8 +327,10 @@ int main(int argc, char** argv) {
         std::vector<int> gpus;
         for (int r = 0; r < args.tp; ++r) gpus.push_back((s * args.tp + r) % devices);
         o.name = shape + (args.pp > 1 ? " stage " + std::to_string(s) : "");
-        stages.push_back(cuda::TpStage::create_synthetic(cfg, cfg.n_layer * s / args.pp, cfg.n_layer * (s + 1) / args.pp,
-                                                         42, gpus, o));
+        auto built = cuda::TpStage::create_synthetic(cfg, cfg.n_layer * s / args.pp, cfg.n_layer * (s + 1) / args.pp, 42,
+                                                     gpus, o);
+        if (!built) throw Error(built.error());  // start-up: main reports it
+        stages.push_back(std::move(built).value());
       }
       auto stage = std::make_unique<Pipeline>(std::move(stages));
       std::printf("# %s (n_positions %lld, %s weights, tp %d, pp %d%s): built in %.1f s%s\n", shape.c_str(),

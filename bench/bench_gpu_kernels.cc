@@ -23,7 +23,8 @@
 #include "kernels/cuda/attention.h"
 #include "kernels/cuda/check.h"
 #include "kernels/cuda/gemm.h"
-#include "kernels/cuda/kv_cache.h"
+#include "kernels/cuda/paged_kv.h"
+#include "stage/cuda/kv_cache.h"
 #include "kernels/cuda/ops.h"
 #include "kernels/cuda/synthetic.h"
 #include "bench/gpu_bandwidth.h"
@@ -109,7 +110,12 @@ int run(int argc, char** argv) {
 
   // A paged K/V cache holding `context` positions of `batch` sequences in every layer.
   const int64_t pages_per_seq = (context + kPageTokens - 1) / kPageTokens;
-  KvCache kv("bench", n, H, D, DType::F16, batch * pages_per_seq);
+  auto made = KvCache::create("bench", n, H, D, DType::F16, batch * pages_per_seq);
+  if (!made) {
+    std::fprintf(stderr, "%s\n", made.error().c_str());
+    return 1;
+  }
+  KvCache& kv = **made;
   std::vector<int32_t> tables(static_cast<size_t>(batch * pages_per_seq)), lens(static_cast<size_t>(batch), int32_t(context));
   for (int64_t s = 0; s < batch; ++s) {
     if (!kv.reserve(uint64_t(s), context)) return 1;

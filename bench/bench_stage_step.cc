@@ -9,8 +9,8 @@
 //   mixed 1..64    P cycling 1..64, first pass (every new token count is a new GEMM
 //                  shape: its plan is timed on first use) and second pass (all planned)
 //
-// Each step's time is the host's wall time of StageExecutor::run plus read_activations on a
-// stage that hands on (what the worker counts as busy). The last stage samples with
+// Each step's time is the host's wall time of StageExecutor::run, the outgoing rows copied
+// to page-locked memory included on a stage that hands on (what the worker counts as busy). The last stage samples with
 // temperature 0.8 and top-k 40, as conveyor-bench-cluster's requests do (--greedy: argmax).
 //
 //   conveyor-bench-stage-step [--shape L,C,H] [--vocab V] [--stage whole|first|last]
@@ -30,9 +30,9 @@
 #ifdef CONVEYOR_HAVE_CUDA
 #include "common/dtype.h"
 #include "common/model_config.h"
-#include "kernels/cuda/gpu_stage_backend.h"
+#include "stage/cuda/gpu_stage_backend.h"
 #include "model/microbatch.h"
-#include "model/stage_executor.h"
+#include "stage/stage_executor.h"
 #include "model/weights.h"
 #endif
 
@@ -70,13 +70,13 @@ struct Bench {
       for (size_t i = 0; i < in.size(); i += 2) in[i] = std::byte(0), in[i + 1] = std::byte(0x20);  // small values
     }
     BatchResult r;
-    const auto t0 = Clock::now();
-    Status s = ex.run(b, in, ex.is_last() ? &r : nullptr);
-    if (s && !ex.is_last()) {
-      const size_t n = ex.activation_bytes(b);
+    const ActivationSink sink = [&](size_t n) -> Expected<std::span<std::byte>> {
       if (n > slot_bytes) slot = ex.backend().allocate_host(n), slot_bytes = n;
-      s = ex.read_activations(b, {slot.get(), n});
-    }
+      if (!slot) return Status::error("no page-locked memory for " + std::to_string(n) + " bytes");
+      return std::span<std::byte>(slot.get(), n);
+    };
+    const auto t0 = Clock::now();
+    Status s = ex.run(b, in, sink, ex.is_last() ? &r : nullptr);
     const double ms = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
     if (!s) {
       std::fprintf(stderr, "step failed: %s\n", s.message().c_str());

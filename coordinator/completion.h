@@ -20,7 +20,8 @@
 #include <utility>
 #include <vector>
 
-#include "model/sampling.h"
+#include "common/sampling_params.h"
+#include "coordinator/core_status.h"
 
 namespace conveyor {
 
@@ -65,20 +66,12 @@ struct CompletionSink {
   std::function<void(const std::string& error)> on_done;
 };
 
-// Why a submission was refused, mapped to HTTP by the REST layer.
-enum class SubmitError { None, QueueFull /*429*/, Unavailable /*503*/, Invalid /*400*/ };
-
-struct SubmitResult {
-  SubmitError error = SubmitError::None;
-  std::string message;
-};
-
-// The core as the REST layer sees it (implemented by coordinator/scheduler.h).
+// The core as the REST layer sees it (implemented by coordinator/coordinator.h).
 class CompletionBackend {
  public:
   virtual ~CompletionBackend() = default;
   // Takes the request or says why not. Accepted requests always end in sink.on_done.
-  virtual SubmitResult submit(std::shared_ptr<const CompletionRequest> request, CompletionSink sink) = 0;
+  virtual CoreStatus submit(std::shared_ptr<const CompletionRequest> request, CompletionSink sink) = 0;
 };
 
 }  // namespace conveyor

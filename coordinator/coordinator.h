@@ -32,6 +32,7 @@
 #include "coordinator/cluster_config.h"
 #include "coordinator/completion.h"
 #include "coordinator/metrics.h"
+#include "coordinator/planner.h"
 #include "model/tokenizer.h"
 
 namespace conveyor {
@@ -43,7 +44,7 @@ class Coordinator final : public CompletionBackend {
                                                       Metrics* metrics);
   ~Coordinator() override;
 
-  SubmitResult submit(std::shared_ptr<const CompletionRequest> request, CompletionSink sink) override;
+  CoreStatus submit(std::shared_ptr<const CompletionRequest> request, CompletionSink sink) override;
 
   int control_port() const;
   // /health: ready when some pipeline has every stage ready.
@@ -51,16 +52,17 @@ class Coordinator final : public CompletionBackend {
   // /v1/cluster: workers and pipelines.
   nlohmann::json cluster() const;
   // POST /v1/cluster/workers/{name}/drain: takes a worker out of service without failing
-  // anything. A serving worker's stage goes to a spare and the pipeline replays its sequences; the worker is then told to drop its stage and is no
-  // longer planned (a re-registration makes it a spare again). With no spare the plan
-  // shrinks over the other workers when their memory allows; otherwise 409 and nothing
-  // changes.
-  std::pair<int, nlohmann::json> drain(const std::string& worker);
-  // POST /v1/cluster/plan {"stages": S, "replicas": R, "layers": [[b, e], ...]} (any of
-  // them; the others keep their value): the new target plan, applied at once under load
-  // (workers that keep their layers only re-wire, running sequences are replayed). 400 for
-  // a malformed plan, 409 (nothing changes) when the workers are too few or too small.
-  std::pair<int, nlohmann::json> replan(const nlohmann::json& body);
+  // anything. A serving worker's stage goes to a spare and the pipeline replays its
+  // sequences; the worker is then told to drop its stage and is no longer planned (a
+  // re-registration makes it a spare again). With no spare the plan shrinks over the other
+  // workers when their memory allows; otherwise Conflict and nothing changes. NotFound for
+  // an unknown or dead worker.
+  AdminReply drain(const std::string& worker);
+  // POST /v1/cluster/plan (stages, replicas and/or layers; the others keep their value): the
+  // new target plan, applied at once under load (workers that keep their layers only
+  // re-wire, running sequences are replayed). Invalid for an impossible plan, Conflict
+  // (nothing changes) when the workers are too few or too small.
+  AdminReply plan(const PlanRequest& request);
   // SIGTERM: takes no new requests (503, /health says "shutting down") and waits up to
   // `timeout` for the accepted ones to finish; returns how many are left.
   size_t quiesce(std::chrono::milliseconds timeout);

@@ -13,7 +13,7 @@
 #include "common/service.h"
 #include "coordinator/cluster_config.h"
 #include "coordinator/coordinator.h"
-#include "coordinator/http_server.h"
+#include "coordinator/rest/http_server.h"
 #include "coordinator/metrics.h"
 
 namespace {
@@ -57,7 +57,7 @@ int main(int argc, char** argv) {
   ctx.health = [c] { return c->health(); };
   ctx.cluster = [c] { return c->cluster(); };
   ctx.drain = [c](const std::string& worker) { return c->drain(worker); };
-  ctx.plan = [c](const nlohmann::json& body) { return c->replan(body); };
+  ctx.plan = [c](const conveyor::PlanRequest& request) { return c->plan(request); };
   auto http = conveyor::HttpServer::start(cfg->http_host, cfg->http_port, ctx, cfg->http_threads);
   if (!http) {
     std::cerr << "conveyor-coordinator: " << http.error() << "\n";

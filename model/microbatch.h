@@ -23,8 +23,9 @@
 
 #include "common/dtype.h"
 #include "common/status.h"
-#include "model/cpu_stage.h"
-#include "model/sampling.h"
+#include "common/model_config.h"
+#include "common/sampling_params.h"
+#include "common/seq_slice.h"
 
 namespace conveyor {
 

@@ -10,16 +10,14 @@
 #include <thread>
 #include <vector>
 
-#include "model/philox.h"
+#include "common/philox.h"
 #include "model/weights.h"
 
 namespace conveyor {
 namespace {
 
-enum TensorKind : uint64_t {
-  kWte = 1, kWpe, kLnFG, kLnFB, kLmHead,
-  kLn1G = 16, kLn1B, kQkvW, kQkvB, kProjW, kProjB, kLn2G, kLn2B, kFcW, kFcB, kMlpProjW, kMlpProjB,
-};
+// Tensor kinds of the Philox stream ids: the stage's tensors 1.., a layer's 16 + its table index.
+enum TensorKind : uint64_t { kWte = 1, kWpe, kLnFG, kLnFB, kLmHead, kFirstLayerTensor = 16 };
 
 constexpr float kStd = 0.02f;
 
@@ -65,7 +63,7 @@ StageWeights random_stage_weights(const ModelConfig& config, int64_t layer_begin
   w.config = config;
   w.layer_begin = layer_begin;
   w.layer_end = layer_end;
-  const size_t C = size_t(config.n_embd), I = size_t(config.n_inner), V = size_t(config.vocab_size),
+  const size_t C = size_t(config.n_embd), V = size_t(config.vocab_size),
                P = size_t(config.n_positions);
   const int64_t global = -1;  // tensors outside the layers
 
@@ -79,18 +77,9 @@ StageWeights random_stage_weights(const ModelConfig& config, int64_t layer_begin
   }
   for (int64_t l = layer_begin; l < layer_end; ++l) {
     LayerWeights& lw = w.layers.emplace_back();
-    fill_normal(lw.ln_1_g, C, seed, tensor_id(l, kLn1G), 1.0f, kStd);
-    fill_normal(lw.ln_1_b, C, seed, tensor_id(l, kLn1B), 0.0f, kStd);
-    fill_normal(lw.attn_qkv_w, C * 3 * C, seed, tensor_id(l, kQkvW), 0.0f, kStd);
-    fill_normal(lw.attn_qkv_b, 3 * C, seed, tensor_id(l, kQkvB), 0.0f, kStd);
-    fill_normal(lw.attn_proj_w, C * C, seed, tensor_id(l, kProjW), 0.0f, kStd);
-    fill_normal(lw.attn_proj_b, C, seed, tensor_id(l, kProjB), 0.0f, kStd);
-    fill_normal(lw.ln_2_g, C, seed, tensor_id(l, kLn2G), 1.0f, kStd);
-    fill_normal(lw.ln_2_b, C, seed, tensor_id(l, kLn2B), 0.0f, kStd);
-    fill_normal(lw.mlp_fc_w, C * I, seed, tensor_id(l, kFcW), 0.0f, kStd);
-    fill_normal(lw.mlp_fc_b, I, seed, tensor_id(l, kFcB), 0.0f, kStd);
-    fill_normal(lw.mlp_proj_w, I * C, seed, tensor_id(l, kMlpProjW), 0.0f, kStd);
-    fill_normal(lw.mlp_proj_b, C, seed, tensor_id(l, kMlpProjB), 0.0f, kStd);
+    for (const LayerTensorSpec& spec : kLayerTensors)
+      fill_normal(lw.*spec.field, size_t(layer_tensor_shape(spec, config).elements()), seed,
+                  tensor_id(l, TensorKind(kFirstLayerTensor + uint64_t(spec.id))), spec.gain ? 1.0f : 0.0f, kStd);
   }
   return w;
 }

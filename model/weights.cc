@@ -156,36 +156,39 @@ Expected<StageWeights> load_stage_weights(const std::string& model_dir, const Mo
   w.layer_end = layer_end;
   w.layers.resize(size_t(layer_end - layer_begin));  // sized first: jobs point into it
 
-  const int64_t C = config.n_embd, I = config.n_inner, V = config.vocab_size, P = config.n_positions;
   StageLoader loader(*ckpt);
   // The head is untied only when the config says so and the checkpoint has one; otherwise
   // the last stage multiplies by wte (HF ties them when lm_head.weight is absent).
   const bool untied_head = w.has_head() && !config.tie_word_embeddings && ckpt->contains("lm_head.weight");
-  if (w.has_embedding() || (w.has_head() && !untied_head))
-    loader.add("wte.weight", {V, C}, "[vocab_size, n_embd]", w.wte);
-  if (w.has_embedding()) loader.add("wpe.weight", {P, C}, "[n_positions, n_embd]", w.wpe);
-
+  for (const StageTensorSpec& spec : kStageTensors) {
+    bool needed = spec.held_by == HeldBy::FirstStage ? w.has_embedding() : w.has_head();
+    if (spec.id == StageTensor::Wte) needed = w.has_embedding() || (w.has_head() && !untied_head);
+    if (spec.id == StageTensor::LmHead) needed = untied_head;
+    if (!needed) continue;
+    auto dims = [&](StageDim d) -> std::pair<int64_t, std::string> {
+      switch (d) {
+        case StageDim::Vocab: return {config.vocab_size, "vocab_size"};
+        case StageDim::Positions: return {config.n_positions, "n_positions"};
+        case StageDim::Embd: return {config.n_embd, "n_embd"};
+        case StageDim::One: return {1, "1"};
+      }
+      return {0, "?"};
+    };
+    const auto [rows, row_name] = dims(spec.rows);
+    const auto [cols, col_name] = dims(spec.cols);
+    if (spec.rows == StageDim::One)
+      loader.add(spec.hf_name, {cols}, "[" + col_name + "]", w.*spec.field);
+    else
+      loader.add(spec.hf_name, {rows, cols}, "[" + row_name + ", " + col_name + "]", w.*spec.field);
+  }
   for (int64_t l = layer_begin; l < layer_end; ++l) {
     LayerWeights& lw = w.layers[size_t(l - layer_begin)];
-    const std::string h = "h." + std::to_string(l) + ".";
-    loader.add(h + "ln_1.weight", {C}, "[n_embd]", lw.ln_1_g);
-    loader.add(h + "ln_1.bias", {C}, "[n_embd]", lw.ln_1_b);
-    loader.add(h + "attn.c_attn.weight", {C, 3 * C}, "[n_embd, 3*n_embd]", lw.attn_qkv_w);
-    loader.add(h + "attn.c_attn.bias", {3 * C}, "[3*n_embd]", lw.attn_qkv_b);
-    loader.add(h + "attn.c_proj.weight", {C, C}, "[n_embd, n_embd]", lw.attn_proj_w);
-    loader.add(h + "attn.c_proj.bias", {C}, "[n_embd]", lw.attn_proj_b);
-    loader.add(h + "ln_2.weight", {C}, "[n_embd]", lw.ln_2_g);
-    loader.add(h + "ln_2.bias", {C}, "[n_embd]", lw.ln_2_b);
-    loader.add(h + "mlp.c_fc.weight", {C, I}, "[n_embd, n_inner]", lw.mlp_fc_w);
-    loader.add(h + "mlp.c_fc.bias", {I}, "[n_inner]", lw.mlp_fc_b);
-    loader.add(h + "mlp.c_proj.weight", {I, C}, "[n_inner, n_embd]", lw.mlp_proj_w);
-    loader.add(h + "mlp.c_proj.bias", {C}, "[n_embd]", lw.mlp_proj_b);
-  }
-
-  if (w.has_head()) {
-    loader.add("ln_f.weight", {C}, "[n_embd]", w.ln_f_g);
-    loader.add("ln_f.bias", {C}, "[n_embd]", w.ln_f_b);
-    if (untied_head) loader.add("lm_head.weight", {V, C}, "[vocab_size, n_embd]", w.lm_head);
+    for (const LayerTensorSpec& spec : kLayerTensors) {
+      const TensorShape shape = layer_tensor_shape(spec, config);
+      std::vector<int64_t> dims = spec.matrix() ? std::vector<int64_t>{shape.rows, shape.cols}
+                                                : std::vector<int64_t>{shape.cols};
+      loader.add(layer_tensor_name(l, spec), std::move(dims), layer_tensor_dims(spec), lw.*spec.field);
+    }
   }
 
   if (Status s = loader.resolve(); !s) return s;

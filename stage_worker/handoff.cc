@@ -18,7 +18,7 @@ Handoff::~Handoff() {
   sender_.join();
 }
 
-int Handoff::acquire(size_t bytes, const Allocate& allocate) {
+Expected<int> Handoff::acquire(size_t bytes, const Allocate& allocate) {
   std::unique_lock lock(mu_);
   int index = -1;
   changed_.wait(lock, [&] {
@@ -32,11 +32,10 @@ int Handoff::acquire(size_t bytes, const Allocate& allocate) {
   if (s.capacity < bytes) {
     s.data.reset();  // before the new allocation: the old one may be large
     s.capacity = 0;
-    try {
-      s.data = allocate(bytes);
-    } catch (...) {
+    s.data = allocate(bytes);
+    if (!s.data) {
       cancel(index);
-      throw;
+      return Status::error("no host memory for " + std::to_string(bytes) + " bytes of outgoing activations");
     }
     s.capacity = bytes;
   }

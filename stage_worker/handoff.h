@@ -28,7 +28,7 @@ namespace conveyor {
 
 class Handoff {
  public:
-  using Allocate = std::function<std::shared_ptr<std::byte[]>(size_t)>;
+  using Allocate = std::function<std::shared_ptr<std::byte[]>(size_t)>;  // null: no memory
   using OnFailure = std::function<void(const Status&)>;
 
   Handoff(transport::Channel& channel, int slots, std::chrono::milliseconds send_timeout);
@@ -38,8 +38,9 @@ class Handoff {
   Handoff& operator=(const Handoff&) = delete;
 
   // A free slot of at least `bytes` (memory from `allocate` when the slot is smaller), as an
-  // index for write()/submit()/cancel(). Waits while every slot is being sent.
-  int acquire(size_t bytes, const Allocate& allocate);
+  // index for slot()/submit()/cancel(). Waits while every slot is being sent. Fails, holding
+  // no slot, when `allocate` has no memory.
+  Expected<int> acquire(size_t bytes, const Allocate& allocate);
   std::span<std::byte> slot(int index);
   // Queues `bytes` of slot `index` with `header` to `peer`; the slot is free again once the
   // send returns.

@@ -7,6 +7,7 @@
 #include <spdlog/sinks/stdout_color_sinks.h>
 #include <spdlog/spdlog.h>
 
+#include "stage/backend_factory.h"
 #include "stage_worker/worker.h"
 
 namespace {
@@ -16,7 +17,9 @@ void on_signal(int) { g_stop = true; }
 
 int main(int argc, char** argv) {
   conveyor::WorkerOptions opt;
-  int64_t kv_mb = opt.kv_cache_bytes >> 20;
+  conveyor::StageOptions& stage = opt.stage;
+  int64_t kv_mb = stage.kv_cache_bytes >> 20;
+  std::string backend = "auto", dtype = "f16";
   int heartbeat_ms = int(opt.heartbeat_interval.count());
   int liveness_ms = int(opt.coordinator_liveness.count());
   CLI::App app{"conveyor-worker: a pipeline stage worker"};
@@ -25,8 +28,7 @@ int main(int argc, char** argv) {
   app.add_option("--join-token", opt.join_token, "the cluster's join token (default: $CONVEYOR_JOIN_TOKEN)");
   app.add_option("--curve-server-key", opt.curve_server_key, "the coordinator's CURVE public key (Z85)");
   app.add_option("--kv-cache-mb", kv_mb, "KV-cache budget of this worker's stage, MiB")->check(CLI::Range(1, 1 << 24));
-  opt.backend = "auto";
-  app.add_option("--backend", opt.backend, "where the stage runs: cpu, cuda, or auto (cuda when this node has a GPU)")
+  app.add_option("--backend", backend, "where the stage runs: cpu, cuda, or auto (cuda when this node has a GPU)")
       ->check(CLI::IsMember({"auto", "cpu", "cuda"}));
   bool print_gpus = false;
   app.add_flag("--print-gpus", print_gpus, "print how many GPUs this worker can use (0 without CUDA) and exit");
@@ -37,16 +39,16 @@ int main(int argc, char** argv) {
   app.add_option("--gpus", gpus, "cuda: the stage's GPUs, tensor parallel over them (e.g. 0,1,2,3)")
       ->delimiter(',')
       ->check(CLI::NonNegativeNumber);
-  app.add_option("--dtype", opt.dtype, "cuda: f16 or bf16")->check(CLI::IsMember({"f16", "bf16"}));
-  app.add_flag("--int8-weights", opt.int8_weights,
+  app.add_option("--dtype", dtype, "cuda: f16 or bf16")->check(CLI::IsMember({"f16", "bf16"}));
+  app.add_flag("--int8-weights", stage.int8_weights,
                "cuda: store the layer matrices as int8 with a scale per output channel (converted at load)");
-  app.add_option("--gpu-memory-fraction", opt.gpu_memory_fraction,
+  app.add_option("--gpu-memory-fraction", stage.gpu_memory_fraction,
                  "cuda: share of the GPU memory left after the weights that the K/V cache takes")
       ->check(CLI::Range(0.01, 0.99));
   app.add_option("--heartbeat-ms", heartbeat_ms, "heartbeat period")->check(CLI::Range(10, 60000));
   app.add_option("--coordinator-liveness-ms", liveness_ms, "register again after this much silence")
       ->check(CLI::Range(100, 600000));
-  app.add_option("--tp", opt.tensor_parallel, "tensor-parallel ranks of the stage: threads (cpu) or GPUs (cuda)")
+  app.add_option("--tp", stage.tensor_parallel, "tensor-parallel ranks of the stage: threads (cpu) or GPUs (cuda)")
       ->check(CLI::Range(1, 256));
   int64_t drain_ms = opt.drain_timeout.count();
   app.add_option("--drain-timeout-ms", drain_ms, "on SIGTERM, how long to wait for the stage to be taken over")
@@ -60,27 +62,29 @@ int main(int argc, char** argv) {
     std::cerr << "conveyor-worker: --coordinator HOST:PORT is required\n";
     return 2;
   }
-  if (opt.backend == "auto") {
+  if (backend == "auto") {
     const int n = conveyor::usable_gpus();
-    opt.backend = n > 0 ? "cuda" : "cpu";
+    backend = n > 0 ? "cuda" : "cpu";
     std::cerr << "conveyor-worker: --backend auto: " << (n > 0 ? std::to_string(n) + " GPU(s), the stage runs on CUDA"
                                                                : std::string("no usable GPU, the stage runs on the CPU"))
               << "\n";
   }
-  if (opt.backend == "cuda") {
+  stage.backend = *conveyor::parse_backend(backend);  // CLI11 allowed only cpu and cuda here
+  stage.dtype = dtype == "bf16" ? conveyor::DType::BF16 : conveyor::DType::F16;
+  if (stage.backend == conveyor::Backend::Cuda) {
     if (gpus.empty()) {
-      for (int r = 0; r < opt.tensor_parallel; ++r) gpus.push_back(device + r);
-    } else if (opt.tensor_parallel > 1 && opt.tensor_parallel != int(gpus.size())) {
-      std::cerr << "conveyor-worker: --tp " << opt.tensor_parallel << " but --gpus names " << gpus.size() << " GPUs\n";
+      for (int r = 0; r < stage.tensor_parallel; ++r) gpus.push_back(device + r);
+    } else if (stage.tensor_parallel > 1 && stage.tensor_parallel != int(gpus.size())) {
+      std::cerr << "conveyor-worker: --tp " << stage.tensor_parallel << " but --gpus names " << gpus.size() << " GPUs\n";
       return 2;
     }
     if (gpus.size() > 8) {
       std::cerr << "conveyor-worker: a stage runs tensor parallel over at most 8 GPUs; --gpus names " << gpus.size() << "\n";
       return 2;
     }
-    opt.gpus = gpus;
-    opt.tensor_parallel = int(gpus.size());
-  } else if (!gpus.empty() || opt.int8_weights) {
+    stage.gpus = gpus;
+    stage.tensor_parallel = int(gpus.size());
+  } else if (!gpus.empty() || stage.int8_weights) {
     std::cerr << "conveyor-worker: --gpus and --int8-weights need the CUDA backend (--backend cuda, or auto on a "
                  "node with a usable GPU)\n";
     return 2;
@@ -89,7 +93,7 @@ int main(int argc, char** argv) {
   if (const char* lvl = std::getenv("CONVEYOR_LOG_LEVEL")) spdlog::set_level(spdlog::level::from_str(lvl));  // stdout is for the ready line
   if (opt.join_token.empty())
     if (const char* t = std::getenv("CONVEYOR_JOIN_TOKEN")) opt.join_token = t;
-  opt.kv_cache_bytes = kv_mb << 20;
+  stage.kv_cache_bytes = kv_mb << 20;
   opt.heartbeat_interval = std::chrono::milliseconds(heartbeat_ms);
   opt.coordinator_liveness = std::chrono::milliseconds(liveness_ms);
   opt.drain_timeout = std::chrono::milliseconds(drain_ms);

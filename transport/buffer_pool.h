@@ -15,17 +15,15 @@
 #include <memory>
 #include <mutex>
 
+#include "common/host_allocator.h"
 #include "transport/channel.h"
 
 namespace conveyor::transport {
 
-// Where pooled buffers' memory comes from: aligned heap memory unless set. A GPU stage worker
-// gives page-locked memory, so copies between its GPU and the received activations run as
-// DMA. `allocate` returns null when memory is short; `release` frees what it returned.
-struct HostAllocator {
-  std::function<void*(std::size_t)> allocate;
-  std::function<void(void*)> release;
-};
+// Where pooled buffers' memory comes from (common/host_allocator.h): aligned heap memory
+// unless set. A GPU stage worker gives page-locked memory, so copies between its GPU and the
+// received activations run as DMA.
+using conveyor::HostAllocator;
 
 namespace detail {
 struct BufferCache {

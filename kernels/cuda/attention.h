@@ -10,7 +10,7 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "kernels/cuda/kv_cache.h"
+#include "kernels/cuda/paged_kv.h"
 
 namespace conveyor::cuda {
 

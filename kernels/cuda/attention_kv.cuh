@@ -5,7 +5,7 @@
 
 #include <cstdint>
 
-#include "kernels/cuda/kv_cache.h"
+#include "kernels/cuda/paged_kv.h"
 
 namespace conveyor::cuda::detail {
 

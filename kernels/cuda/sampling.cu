@@ -9,7 +9,7 @@
 
 #include "kernels/cuda/dtype.cuh"
 #include "kernels/cuda/launch.cuh"
-#include "model/philox.h"
+#include "common/philox.h"
 
 namespace conveyor::cuda {
 namespace {

@@ -23,7 +23,7 @@
 #include <string>
 
 #include "kernels/cuda/check.h"
-#include "model/sampling.h"
+#include "common/sampling_params.h"
 
 namespace conveyor::cuda {
 

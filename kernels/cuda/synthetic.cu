@@ -4,7 +4,7 @@
 
 #include "kernels/cuda/check.h"
 #include "kernels/cuda/dtype.cuh"
-#include "model/philox.h"
+#include "common/philox.h"
 
 namespace conveyor::cuda {
 namespace {

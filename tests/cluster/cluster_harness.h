@@ -18,9 +18,9 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
-#include "coordinator/http_client.h"
+#include "cli/http_client.h"
 #include "coordinator/text_stream.h"
-#include "model/engine.h"
+#include "stage/engine.h"
 #include "model/tokenizer.h"
 #include "model/weights.h"
 #include "tests/process_util.h"
@@ -179,7 +179,7 @@ struct Expected_ {
 
 struct Reference {
   Tokenizer tokenizer = Tokenizer::load(model_dir()).value();
-  Engine engine{load_stage_weights(model_dir(), 0, 6).value()};
+  std::unique_ptr<Engine> engine = Engine::create(load_stage_weights(model_dir(), 0, 6).value()).value();
   std::mutex mu;
 
   Expected_ run(const std::vector<int32_t>& prompt, int max_tokens, const SamplingParams& sp,
@@ -189,13 +189,13 @@ struct Reference {
     g.prompt = prompt;
     g.max_new_tokens = max_tokens;
     g.sampling = sp;
-    auto out = engine.generate({g});
+    auto out = engine->generate({g});
     EXPECT_TRUE(out.ok()) << out.error();
     const GenerationResult& r = (*out)[0];
     Expected_ e;
     e.finish = r.finish_reason;
     TextStream ts(tokenizer, stop);
-    const int32_t eos = int32_t(engine.config().eos_token_id);
+    const int32_t eos = int32_t(engine->config().eos_token_id);
     for (size_t i = 0; i < r.tokens.size(); ++i) {
       const int32_t t = r.tokens[i];
       e.tokens.push_back(t);

@@ -36,7 +36,7 @@
 #include <nlohmann/json.hpp>
 
 #include "coordinator/cluster_config.h"
-#include "coordinator/http_client.h"
+#include "cli/http_client.h"
 #include "tests/test_util.h"
 
 namespace conveyor {

@@ -23,7 +23,7 @@ std::shared_ptr<std::byte[]> heap(size_t n) { return std::shared_ptr<std::byte[]
 
 // Writes `value` into every byte of an acquired slot and queues it.
 void send_filled(Handoff& h, transport::PeerId to, uint8_t value, size_t bytes, Handoff::OnFailure on_failure = {}) {
-  const int slot = h.acquire(bytes, heap);
+  const int slot = *h.acquire(bytes, heap);
   std::memset(h.slot(slot).data(), value, bytes);
   const std::byte tag{value};
   h.submit(slot, to, {tag}, bytes, std::move(on_failure));
@@ -64,7 +64,7 @@ TEST(Handoff, AFailedSendReachesItsClosure) {
   EXPECT_FALSE(f.get().empty());
   h.drain();
   // The slot came back: both can be taken again.
-  const int x = h.acquire(64, heap), y = h.acquire(64, heap);
+  const int x = *h.acquire(64, heap), y = *h.acquire(64, heap);
   EXPECT_NE(x, y);
   h.cancel(x), h.cancel(y);
 }
@@ -88,10 +88,10 @@ TEST(Handoff, WaitsWhileEverySlotIsInFlight) {
   h.drain();  // received: the receiver's queue is now over its cap
   std::this_thread::sleep_for(100ms);
   send_filled(h, *peer, 2, kBytes);
-  const int held = h.acquire(kBytes, heap);  // the other slot
+  const int held = *h.acquire(kBytes, heap);  // the other slot
   std::atomic<bool> got_third{false};
   std::thread third([&] {
-    const int slot = h.acquire(kBytes, heap);
+    const int slot = *h.acquire(kBytes, heap);
     got_third = true;
     h.cancel(slot);
   });
@@ -102,7 +102,7 @@ TEST(Handoff, WaitsWhileEverySlotIsInFlight) {
   EXPECT_TRUE(got_third);
   got_third = false;
   std::thread fourth([&] {
-    const int a = h.acquire(kBytes, heap), b = h.acquire(kBytes, heap);  // the second waits for send 2
+    const int a = *h.acquire(kBytes, heap), b = *h.acquire(kBytes, heap);  // the second waits for send 2
     got_third = true;
     h.cancel(a), h.cancel(b);
   });

@@ -1,0 +1,187 @@
+// Control messages from workers (transport/control_messages.h): membership and liveness.
+#include <spdlog/spdlog.h>
+
+#include "coordinator/coordinator_impl.h"
+
+namespace conveyor {
+
+using Clock = std::chrono::steady_clock;
+using namespace transport;
+
+void Coordinator::Impl::handle_control(const std::string& peer, const ControlMessage& raw) {
+  auto decoded = decode_control(raw);
+  if (!decoded) {
+    spdlog::warn("coordinator: bad control message from '{}': {}", peer, decoded.error());
+    return;
+  }
+  if (auto* reg = std::get_if<RegisterMsg>(&*decoded)) return on_register(peer, std::move(*reg));
+  auto it = workers.find(peer);
+  if (it == workers.end() || !it->second.alive()) {
+    // Unknown (e.g. we restarted) or dead to us: ask it to register again.
+    send_control(peer, HeartbeatMsg{.register_again = true});
+    return;
+  }
+  it->second.last_seen = Clock::now();
+  on_worker_message(it->second, *decoded);
+}
+
+void Coordinator::Impl::on_register(const std::string& peer, RegisterMsg m) {
+  if (m.token != cfg.join_token) {
+    spdlog::warn("coordinator: refusing worker '{}': wrong join token", peer);
+    send_control(peer, RejectedMsg{"wrong join token"});
+    return;
+  }
+  if (m.data_address.empty()) {
+    send_control(peer, RejectedMsg{"register carries no data-plane address"});
+    return;
+  }
+  auto it = workers.find(peer);
+  if (it != workers.end()) {
+    WorkerInfo& old = it->second;
+    const bool same_stage = old.stage >= 0 && old.pid == m.pid &&
+                            (old.state == MemberState::Loading ||
+                             (old.state == MemberState::Ready && m.holding &&
+                              LayerRange{m.holding->layer_begin, m.holding->layer_end} == old.layers));
+    if (same_stage) {
+      // The same process, still on its stage (it thought us silent, or its registers queued
+      // while we were unreachable): nothing to repair.
+      old.last_seen = Clock::now();
+      send_control(peer, WelcomeMsg{cfg.heartbeat_interval_ms});
+      return;
+    }
+    if (old.alive() && old.state != MemberState::Spare) {
+      // A worker we think is serving registers again: it lost us. Its stage is void.
+      for (Pipeline& p : pipelines)
+        if (old.pipeline == p.index && old.stage >= 0 && p.workers[size_t(old.stage)] == peer)
+          fail_stage(p, peer, "re-registered");
+    }
+  }
+  WorkerInfo w;
+  w.name = peer;
+  w.host = std::move(m.host);
+  w.pid = m.pid;
+  w.backend = m.backend.empty() ? "cpu" : std::move(m.backend);
+  w.gpus = std::move(m.gpus);
+  w.memory_bytes = m.memory_bytes;
+  w.kv_cache_bytes = m.kv_cache_bytes;
+  w.holding = std::move(m.holding);
+  w.data_plane = std::move(m.data_plane);
+  w.int8_weights = m.int8_weights;
+  w.data_address = std::move(m.data_address);
+  const int64_t pid = w.pid;
+  workers[peer] = std::move(w);
+  send_control(peer, WelcomeMsg{cfg.heartbeat_interval_ms});
+  spdlog::info("coordinator: worker {} joined (pid {})", peer, pid);
+  fill_from_spares();
+}
+
+void Coordinator::Impl::on_worker_message(WorkerInfo& w, const AnyControlMsg& msg) {
+  const std::string peer = w.name;
+  switch (control_kind(msg)) {
+    case ControlKind::Heartbeat: {
+      if (const auto& f = std::get<HeartbeatMsg>(msg).figures) {
+        w.busy_fraction = f->busy_fraction;
+        w.busy_seconds_total = f->busy_seconds_total;
+        w.clock_seconds = f->clock_seconds;
+        w.kv_used_tokens = f->kv_used_tokens.value_or(0);
+        w.sequences = f->sequences.value_or(0);
+        if (f->kv_capacity_tokens) w.kv_capacity_tokens = *f->kv_capacity_tokens;
+      }
+      send_control(peer, HeartbeatMsg{});
+      return;
+    }
+    case ControlKind::LoadProgress: {
+      const auto& m = std::get<LoadProgressMsg>(msg);
+      w.load_fraction = m.fraction;
+      w.load_bytes_done = m.bytes_done;
+      w.load_bytes_total = m.bytes_total;
+      return;
+    }
+    case ControlKind::Ready: {
+      const auto& m = std::get<ReadyMsg>(msg);
+      if (m.epoch != w.epoch) return;  // a stale confirmation
+      w.state = MemberState::Ready;
+      w.load_fraction = 1;
+      w.kv_capacity_tokens = m.kv_capacity_tokens;
+      w.load_seconds = m.load_seconds;
+      spdlog::info("coordinator: {} ready (stage {}, {:.2f} s)", peer, w.stage, m.load_seconds);
+      return;
+    }
+    case ControlKind::LoadFailed: {
+      w.last_error = std::get<LoadFailedMsg>(msg).error;
+      spdlog::error("coordinator: {} failed to load: {}", peer, w.last_error);
+      for (Pipeline& p : pipelines)
+        if (w.pipeline == p.index) {
+          for (std::string& s : p.workers)
+            if (s == peer) s.clear();
+          p.down_reason = peer + " failed to load: " + w.last_error;
+        }
+      w.state = MemberState::Failed;
+      w.pipeline = w.stage = -1;
+      fill_from_spares();
+      return;
+    }
+    case ControlKind::DataError: return on_data_error(w, std::get<DataErrorMsg>(msg));
+    case ControlKind::Draining: {
+      AdminReply r = take_out(w, true, "asked to go (" + std::get<DrainingMsg>(msg).reason + ")");
+      spdlog::info("coordinator: {} asks to go: {}", peer, r.status.ok() ? r.body.dump() : r.status.message);
+      return;
+    }
+    case ControlKind::Leaving: return mark_dead(w, "left (" + std::get<LeavingMsg>(msg).reason + ")");
+    default:
+      spdlog::warn("coordinator: ignoring '{}' from worker {}: only the coordinator sends it",
+                   control_kind_name(control_kind(msg)), peer);
+      return;
+  }
+}
+
+// A running pipeline broke (a connection reset, a lost result): replay it on fresh
+// connections, once per epoch. A wiring failure leaves the pipeline not ready and is not
+// retried here: the dead neighbour behind it is found by its silence.
+void Coordinator::Impl::on_data_error(WorkerInfo& w, const DataErrorMsg& m) {
+  w.last_error = m.error;
+  spdlog::warn("coordinator: {} reports a data-plane error: {}", w.name, w.last_error);
+  if (w.pipeline < 0 || size_t(w.pipeline) >= pipelines.size()) return;
+  Pipeline& p = pipelines[size_t(w.pipeline)];
+  // First what our own endpoints say: a re-wire would replace a failed endpoint to a dead
+  // worker with a fresh one that has not failed yet, and hide the death.
+  if (check_own_endpoints(p, w.last_error)) return;
+  if (m.epoch.value_or(0) == p.epoch && pipeline_ready(p)) {
+    p.down_reason = "replaying after a data-plane error at " + w.name + ": " + w.last_error;
+    restart_pipeline(p);
+    send_assignments(p);
+  }
+}
+
+bool Coordinator::Impl::check_own_endpoints(Pipeline& p, const std::string& why) {
+  for (PeerId peer : {p.first_peer, p.last_peer})
+    if (peer != kNoPeer && !channel->peer_status(peer).ok()) {
+      const std::string name = peer == p.first_peer ? p.workers.front() : p.workers.back();
+      if (workers.count(name) && workers.at(name).alive()) {
+        mark_dead(workers.at(name), "data plane: " + why);
+        return true;
+      }
+    }
+  return false;
+}
+
+void Coordinator::Impl::mark_dead(WorkerInfo& w, const std::string& why) {
+  const std::string name = w.name;
+  w.state = MemberState::Dead;
+  w.last_error = why;
+  w.leaving = false;
+  for (Pipeline& p : pipelines)
+    if (std::find(p.workers.begin(), p.workers.end(), name) != p.workers.end()) fail_stage(p, name, why);
+  w.pipeline = w.stage = -1;
+  fill_from_spares();
+}
+
+void Coordinator::Impl::check_liveness() {
+  const auto liveness = std::chrono::milliseconds(cfg.liveness_ms);
+  const auto now = Clock::now();
+  for (auto& [name, w] : workers)
+    if (w.alive() && w.state != MemberState::Failed && now - w.last_seen > liveness)
+      mark_dead(w, "missed heartbeats for " + std::to_string(cfg.liveness_ms) + " ms");
+}
+
+}  // namespace conveyor

@@ -1,0 +1,41 @@
+// What the coordinator's core answers when it refuses something, in its own terms. The REST
+// layer alone turns these into HTTP statuses and OpenAI error bodies.
+#pragma once
+
+#include <string>
+#include <utility>
+
+#include <nlohmann/json.hpp>
+
+namespace conveyor {
+
+// Why the core refused something (a submission, a drain, a plan). The core says what went
+// wrong in its own terms; the REST layer alone maps a kind to an HTTP status and an OpenAI
+// error body (coordinator/rest/http_server.cc).
+enum class CoreError {
+  None,
+  Invalid,      // the input is wrong (names `param`)
+  NotFound,     // no such worker
+  Conflict,     // valid, but the cluster cannot do it now (too few or too small workers)
+  QueueFull,    // try again later
+  Unavailable,  // nothing can serve (no pipeline, shutting down)
+};
+
+struct CoreStatus {
+  CoreError error = CoreError::None;
+  std::string message;
+  std::string param;  // the offending field, for Invalid
+
+  bool ok() const { return error == CoreError::None; }
+  static CoreStatus refuse(CoreError e, std::string message, std::string param = {}) {
+    return {e, std::move(message), std::move(param)};
+  }
+};
+
+// An operator's call (drain, re-plan): the JSON answer when status is ok.
+struct AdminReply {
+  CoreStatus status;
+  nlohmann::json body;
+};
+
+}  // namespace conveyor

@@ -1,0 +1,90 @@
+// Membership: the workers the coordinator knows, what each said of itself (register,
+// heartbeat, load progress) and where each stands. Plain data and small pure functions; the
+// coordinator (coordinator.cc) owns the map and changes states under its mutex.
+//
+// A worker's life:  Spare -> Loading -> Ready -> (Loading on a new epoch) ...
+//                   any -> Dead (silent past the liveness window, left, or its data plane broke)
+//                   Loading -> Failed (its load failed)      serving -> Drained (taken out)
+// A worker that registers again starts over as a Spare (or keeps its stage, when it is the
+// same process still on it).
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "transport/control_messages.h"
+
+namespace conveyor {
+
+// The coordinator's view of a worker (the worker reports its own, transport::WorkerState, in
+// its heartbeats).
+enum class MemberState {
+  Spare,    // joined, no stage: the planner may give it one
+  Loading,  // assigned; loading its layers or confirming a new epoch
+  Ready,    // serving its stage in the current epoch
+  Dead,     // gone (silent, left, or unreachable)
+  Failed,   // its load failed; not planned again until it registers again
+  Drained,  // taken out by the operator or its own SIGTERM; a re-registration makes it a Spare
+};
+
+// "spare", "loading", ...: the state's name in /v1/cluster.
+const char* member_state_name(MemberState s);
+
+using LayerRange = std::pair<int64_t, int64_t>;  // [begin, end)
+
+struct WorkerInfo {
+  std::string name, host;
+  std::string backend = "cpu";  // "cpu" or "cuda"
+  int64_t pid = 0;
+  std::vector<int> gpus;
+  int64_t memory_bytes = 0;    // what its stage may use: a GPU's memory, or the host's
+  int64_t kv_cache_bytes = 0;  // the K/V budget it was started with
+  bool int8_weights = false;   // a GPU worker that keeps its layers' matrices as int8
+  nlohmann::json data_plane;   // how its activations travel (staging memory, UCX CUDA support)
+  std::vector<std::byte> data_address;
+
+  MemberState state = MemberState::Spare;
+  bool leaving = false;  // it asked to go (SIGTERM) and nobody can take its stage yet
+  int pipeline = -1, stage = -1;
+  uint32_t epoch = 0;
+  LayerRange layers{0, 0};
+  std::optional<transport::HeldStage> holding;  // a Spare's loaded layers, from its registration
+
+  // Its own figures, from heartbeats and load progress.
+  double load_fraction = 0;
+  int64_t load_bytes_done = 0, load_bytes_total = 0;
+  double load_seconds = 0;  // of its last load (0 when it kept its layers)
+  double busy_fraction = 0;
+  double busy_seconds_total = 0, clock_seconds = 0;  // cumulative busy time, at its clock
+  int64_t kv_used_tokens = 0, kv_capacity_tokens = 0, sequences = 0;
+  std::string last_error;
+  std::chrono::steady_clock::time_point last_seen = std::chrono::steady_clock::now();
+
+  bool alive() const { return state != MemberState::Dead; }
+  // May be given a stage: alive, not failed, not drained, not on its way out.
+  bool plannable() const {
+    return !leaving && (state == MemberState::Spare || state == MemberState::Loading || state == MemberState::Ready);
+  }
+  // Whether it has `layers` of the model at `model_path` loaded (or loading), so it can
+  // serve them at once.
+  bool holds(LayerRange layers, const std::string& model_path) const;
+  // Room for a stage's weights: a GPU's memory less a tenth for workspaces, or the host's
+  // less the K/V budget of a CPU worker. Unknown memory (0): no limit.
+  int64_t weight_room() const;
+  // The bytes per weight of its backend: 4 on the CPU (fp32), 2 on a GPU (fp16/bf16).
+  int64_t bytes_per_param() const { return backend == "cpu" ? 4 : 2; }
+};
+
+using Workers = std::map<std::string, WorkerInfo>;
+
+// The worker's row in GET /v1/cluster.
+nlohmann::json worker_json(const WorkerInfo& w);
+
+}  // namespace conveyor

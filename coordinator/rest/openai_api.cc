@@ -1,0 +1,594 @@
+#include "coordinator/rest/openai_api.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <limits>
+#include <random>
+#include <set>
+
+namespace conveyor {
+
+using nlohmann::json;
+
+ApiError api_error(int http_status, std::string message, std::string param, std::string type, std::string code) {
+  return ApiError{http_status, std::move(message), std::move(type), std::move(param), std::move(code)};
+}
+
+nlohmann::json error_json(const ApiError& error) {
+  json e = {{"message", error.message}, {"type", error.type}, {"param", nullptr}, {"code", nullptr}};
+  if (!error.param.empty()) e["param"] = error.param;
+  if (!error.code.empty()) e["code"] = error.code;
+  return json{{"error", std::move(e)}};
+}
+
+std::string error_body(const ApiError& error) { return dump_json(error_json(error)); }
+
+std::string dump_json(const nlohmann::json& value) {
+  return value.dump(-1, ' ', false, json::error_handler_t::replace);
+}
+
+namespace {
+
+uint64_t random_u64() {
+  thread_local std::mt19937_64 rng = [] {
+    std::random_device rd;
+    std::seed_seq seq{rd(), rd(), rd(), rd(), rd(), rd(), rd(), rd()};
+    return std::mt19937_64(seq);
+  }();
+  return rng();
+}
+
+std::string new_completion_id() {
+  char buf[40];
+  std::snprintf(buf, sizeof buf, "cmpl-%016llx%016llx", static_cast<unsigned long long>(random_u64()),
+                static_cast<unsigned long long>(random_u64()));
+  return buf;
+}
+
+// How a JSON value is described in "got ..." messages.
+std::string describe(const json& v) {
+  if (v.is_number_float()) return "a non-integer number";
+  if (v.is_number()) return "an integer";
+  if (v.is_string()) return "a string";
+  if (v.is_boolean()) return "a boolean";
+  if (v.is_null()) return "null";
+  if (v.is_array()) return "an array";
+  return "an object";
+}
+
+// Reads the fields of one request body, remembering the first error. Every getter
+// returns false once an error is recorded; absent and null fields leave `out` untouched
+// (the default applies).
+class FieldReader {
+ public:
+  explicit FieldReader(const json& body) : body_(body) {}
+
+  const json* find(const char* name) const {
+    auto it = body_.find(name);
+    return it == body_.end() || it->is_null() ? nullptr : &*it;
+  }
+
+  bool fail(std::string param, std::string message, int status = 400, std::string code = {}) {
+    if (!error_) error_ = api_error(status, std::move(message), std::move(param), "invalid_request_error", std::move(code));
+    return false;
+  }
+  bool wrong_type(const char* name, const char* expected, const json& got) {
+    return fail(name, std::string("'") + name + "' must be " + expected + ", got " + describe(got));
+  }
+
+  bool get_bool(const char* name, bool& out) {
+    const json* v = find(name);
+    if (!v) return true;
+    if (!v->is_boolean()) return wrong_type(name, "a boolean", *v);
+    out = v->get<bool>();
+    return true;
+  }
+
+  bool get_int(const char* name, int64_t min, int64_t max, int64_t& out) {
+    const json* v = find(name);
+    if (!v) return true;
+    if (!v->is_number_integer()) return wrong_type(name, "an integer", *v);
+    const bool too_big = v->is_number_unsigned() && v->get<uint64_t>() > uint64_t(max);
+    const int64_t x = too_big ? max : v->get<int64_t>();
+    if (too_big || x < min || x > max)
+      return fail(name, std::string("'") + name + "' must be between " + std::to_string(min) + " and " +
+                            std::to_string(max) + ", got " + v->dump());
+    out = x;
+    return true;
+  }
+  bool get_int(const char* name, int64_t min, int64_t max, int& out) {
+    int64_t x = out;
+    if (!get_int(name, min, max, x)) return false;
+    out = int(x);
+    return true;
+  }
+
+  // A number in [min, max] (min excluded when min_open).
+  bool get_number(const char* name, double min, double max, bool min_open, float& out) {
+    const json* v = find(name);
+    if (!v) return true;
+    if (!v->is_number()) return wrong_type(name, "a number", *v);
+    const double x = v->get<double>();
+    if (!std::isfinite(x) || (min_open ? x <= min : x < min) || x > max) {
+      std::string range = min_open ? "greater than " + json(min).dump() : "at least " + json(min).dump();
+      if (std::isfinite(max)) range = "between " + json(min).dump() + (min_open ? " (exclusive)" : "") + " and " + json(max).dump();
+      return fail(name, std::string("'") + name + "' must be " + range + ", got " + v->dump());
+    }
+    out = float(x);
+    return true;
+  }
+
+  const std::optional<ApiError>& error() const { return error_; }
+
+ private:
+  const json& body_;
+  std::optional<ApiError> error_;
+};
+
+const std::set<std::string>& known_fields() {
+  static const std::set<std::string> k = {
+      "model",       "prompt",         "max_tokens",        "temperature", "top_p",
+      "top_k",       "n",              "stream",            "stream_options", "logprobs",
+      "echo",        "stop",           "seed",              "presence_penalty", "frequency_penalty",
+      "repetition_penalty", "min_tokens", "return_token_ids", "ignore_eos", "user",
+      "best_of",     "logit_bias",     "suffix"};
+  return k;
+}
+
+constexpr const char* kPromptTypes =
+    "a string, an array of strings, an array of token ids or an array of arrays of token ids";
+
+// Reads `prompt` into token-id lists. `vocab` bounds token ids.
+bool read_prompts(FieldReader& r, const json& body, const Tokenizer& tokenizer, int64_t vocab,
+                  int64_t n_positions, const ApiLimits& limits, std::vector<std::vector<int32_t>>& out) {
+  auto it = body.find("prompt");
+  if (it == body.end() || it->is_null()) return r.fail("prompt", "'prompt' is required");
+  const json& p = *it;
+
+  auto check_ids = [&](const json& arr, const std::string& where, std::vector<int32_t>& ids) {
+    ids.reserve(arr.size());
+    for (size_t i = 0; i < arr.size(); ++i) {
+      const json& t = arr[i];
+      if (!t.is_number_integer())
+        return r.fail("prompt", where + "[" + std::to_string(i) + "] must be a token id (an integer), got " + describe(t));
+      const bool too_big = t.is_number_unsigned() && t.get<uint64_t>() >= uint64_t(vocab);
+      if (too_big || t.get<int64_t>() < 0 || t.get<int64_t>() >= vocab)
+        return r.fail("prompt", where + "[" + std::to_string(i) + "] = " + t.dump() +
+                                    " is not a token id of this model (valid: 0.." + std::to_string(vocab - 1) + ")");
+      ids.push_back(int32_t(t.get<int64_t>()));
+    }
+    return true;
+  };
+  auto add = [&](std::vector<int32_t> ids, const std::string& where) {
+    if (ids.empty()) return r.fail("prompt", where + " is empty");
+    if (n_positions > 0 && int64_t(ids.size()) > n_positions)
+      return r.fail("prompt", where + " has " + std::to_string(ids.size()) +
+                                  " tokens, more than the model's context of " + std::to_string(n_positions) + " tokens");
+    out.push_back(std::move(ids));
+    return true;
+  };
+
+  if (p.is_string()) return add(tokenizer.encode(p.get<std::string>()), "'prompt'");
+  if (!p.is_array()) return r.wrong_type("prompt", kPromptTypes, p);
+  if (p.empty()) return r.fail("prompt", "'prompt' is empty");
+  if (p[0].is_number()) {  // one prompt as token ids
+    std::vector<int32_t> ids;
+    return check_ids(p, "'prompt'", ids) && add(std::move(ids), "'prompt'");
+  }
+  if (p.size() > size_t(limits.max_prompts))
+    return r.fail("prompt", "'prompt' holds " + std::to_string(p.size()) + " prompts; at most " +
+                                std::to_string(limits.max_prompts) + " are allowed in one request");
+  const bool strings = p[0].is_string();
+  if (!strings && !p[0].is_array()) return r.wrong_type("prompt", kPromptTypes, p);
+  for (size_t i = 0; i < p.size(); ++i) {
+    const std::string where = "'prompt'[" + std::to_string(i) + "]";
+    const json& e = p[i];
+    if (strings ? !e.is_string() : !e.is_array())
+      return r.fail("prompt", std::string("'prompt' must be ") + kPromptTypes + "; " + where + " is " + describe(e) +
+                                  " but " + "'prompt'[0] is " + describe(p[0]));
+    std::vector<int32_t> ids;
+    if (strings) ids = tokenizer.encode(e.get<std::string>());
+    else if (!check_ids(e, where, ids)) return false;
+    if (!add(std::move(ids), where)) return false;
+  }
+  return true;
+}
+
+bool read_stop(FieldReader& r, const ApiLimits& limits, std::vector<std::string>& out) {
+  const json* v = r.find("stop");
+  if (!v) return true;
+  if (v->is_string()) {
+    if (v->get<std::string>().empty()) return r.fail("stop", "'stop' must not be an empty string");
+    out.push_back(v->get<std::string>());
+    return true;
+  }
+  if (!v->is_array()) return r.wrong_type("stop", "a string or an array of strings", *v);
+  if (v->size() > size_t(limits.max_stop))
+    return r.fail("stop", "'stop' holds " + std::to_string(v->size()) + " strings; at most " +
+                              std::to_string(limits.max_stop) + " are allowed");
+  for (size_t i = 0; i < v->size(); ++i) {
+    const json& s = (*v)[i];
+    if (!s.is_string())
+      return r.fail("stop", "'stop'[" + std::to_string(i) + "] must be a string, got " + describe(s));
+    if (s.get<std::string>().empty())
+      return r.fail("stop", "'stop'[" + std::to_string(i) + "] must not be empty");
+    out.push_back(s.get<std::string>());
+  }
+  return true;
+}
+
+Expected<CompletionRequest> failed(const ApiError& e, ApiError* out) {
+  if (out) *out = e;
+  return Status::error(e.message);
+}
+
+}  // namespace
+
+Expected<CompletionRequest> parse_completion_request(const nlohmann::json& body, const Tokenizer& tokenizer,
+                                                     const ModelConfig& config, const ApiLimits& limits,
+                                                     std::string_view served_model, ApiError* error) {
+  if (!body.is_object())
+    return failed(api_error(400, "the request body must be a JSON object, got " + describe(body)), error);
+  FieldReader r(body);
+  auto done = [&]() { return failed(*r.error(), error); };
+
+  for (const auto& [key, value] : body.items()) {
+    (void)value;
+    if (!known_fields().count(key)) {
+      r.fail(key, "unknown field '" + key + "'" + " (see docs/API.md for the fields /v1/completions accepts)");
+      return done();
+    }
+  }
+
+  CompletionRequest req;
+  req.id = new_completion_id();
+  req.model = std::string(served_model);
+  if (const json* m = r.find("model")) {
+    if (!m->is_string()) {
+      r.wrong_type("model", "a string", *m);
+      return done();
+    }
+    const std::string name = m->get<std::string>();
+    if (!served_model.empty() && name != served_model) {
+      r.fail("model", "the model '" + name + "' does not exist; this server serves '" + std::string(served_model) + "'",
+             404, "model_not_found");
+      return done();
+    }
+    if (served_model.empty()) req.model = name;
+  }
+
+  const int64_t vocab = config.vocab_size > 0 ? config.vocab_size : tokenizer.vocab_size();
+  const int64_t n_positions = config.n_positions;
+  if (!read_prompts(r, body, tokenizer, vocab, n_positions, limits, req.prompts)) return done();
+
+  constexpr int64_t kIntMax = std::numeric_limits<int32_t>::max();
+  bool max_tokens_given = r.find("max_tokens") != nullptr;
+  int max_tokens = limits.default_max_tokens;
+  SamplingParams& s = req.sampling;
+  int64_t logprobs = -1;
+  bool include_usage = false;
+  if (!r.get_int("max_tokens", 1, kIntMax, max_tokens) ||
+      !r.get_number("temperature", 0.0, 2.0, false, s.temperature) ||
+      !r.get_number("top_p", 0.0, 1.0, true, s.top_p) ||
+      !r.get_int("top_k", 0, kIntMax, s.top_k) ||
+      !r.get_int("n", 1, limits.max_n, req.n) ||
+      !r.get_bool("stream", req.stream) ||
+      !r.get_int("logprobs", 0, limits.max_logprobs, logprobs) ||
+      !r.get_bool("echo", req.echo) ||
+      !read_stop(r, limits, req.stop) ||
+      !r.get_number("presence_penalty", -2.0, 2.0, false, s.presence_penalty) ||
+      !r.get_number("frequency_penalty", -2.0, 2.0, false, s.frequency_penalty) ||
+      !r.get_number("repetition_penalty", 0.0, std::numeric_limits<double>::infinity(), true,
+                    s.repetition_penalty) ||
+      !r.get_int("min_tokens", 0, kIntMax, s.min_tokens) ||
+      !r.get_bool("return_token_ids", req.return_token_ids) ||
+      !r.get_bool("ignore_eos", req.ignore_eos))
+    return done();
+  req.logprobs = int(logprobs);
+
+  // seed: any 64-bit integer (negative values are taken modulo 2^64).
+  if (const json* v = r.find("seed")) {
+    if (!v->is_number_integer()) {
+      r.wrong_type("seed", "an integer", *v);
+      return done();
+    }
+    s.seed = v->is_number_unsigned() ? v->get<uint64_t>() : uint64_t(v->get<int64_t>());
+  } else {
+    s.seed = random_u64();
+  }
+
+  if (const json* v = r.find("stream_options")) {
+    if (!v->is_object()) {
+      r.wrong_type("stream_options", "an object", *v);
+      return done();
+    }
+    if (!req.stream) {
+      r.fail("stream_options", "'stream_options' is only allowed when 'stream' is true");
+      return done();
+    }
+    for (const auto& [key, value] : v->items()) {
+      if (key != "include_usage") {
+        r.fail("stream_options", "unknown field 'stream_options." + key + "'");
+        return done();
+      }
+      if (!value.is_boolean() && !value.is_null()) {
+        r.fail("stream_options", "'stream_options.include_usage' must be a boolean, got " + describe(value));
+        return done();
+      }
+      include_usage = value.is_boolean() && value.get<bool>();
+    }
+  }
+  (void)include_usage;  // usage always rides on the last chunk (docs/API.md)
+
+  if (const json* v = r.find("user"); v && !v->is_string()) {
+    r.wrong_type("user", "a string", *v);
+    return done();
+  }
+  if (const json* v = r.find("best_of")) {
+    if (!v->is_number_integer()) {
+      r.wrong_type("best_of", "an integer", *v);
+      return done();
+    }
+    if ((v->is_number_unsigned() && v->get<uint64_t>() > uint64_t(kIntMax)) || v->get<int64_t>() != req.n) {
+      r.fail("best_of", "'best_of' other than n is not supported (got best_of " + v->dump() + ", n " +
+                            std::to_string(req.n) + "); leave it out to get n independent samples");
+      return done();
+    }
+  }
+  if (const json* v = r.find("logit_bias")) {
+    if (!v->is_object()) {
+      r.wrong_type("logit_bias", "an object", *v);
+      return done();
+    }
+    if (!v->empty()) {
+      r.fail("logit_bias", "'logit_bias' is not supported by this server");
+      return done();
+    }
+  }
+  if (const json* v = r.find("suffix")) {
+    if (!v->is_string()) {
+      r.wrong_type("suffix", "a string", *v);
+      return done();
+    }
+    if (!v->get<std::string>().empty()) {
+      r.fail("suffix", "'suffix' (insertion) is not supported by this server");
+      return done();
+    }
+  }
+
+  // The context: the longest prompt plus max_tokens must fit in n_positions. Without an
+  // explicit max_tokens the default shrinks to what fits.
+  size_t longest = 0;
+  for (const auto& p : req.prompts) longest = std::max(longest, p.size());
+  if (n_positions > 0) {
+    const int64_t room = n_positions - int64_t(longest);
+    if (!max_tokens_given) max_tokens = int(std::min<int64_t>(max_tokens, std::max<int64_t>(room, 1)));
+    if (int64_t(longest) + max_tokens > n_positions) {
+      r.fail("max_tokens", "this model's maximum context length is " + std::to_string(n_positions) +
+                               " tokens, however you requested " + std::to_string(longest + size_t(max_tokens)) +
+                               " tokens (" + std::to_string(longest) + " in your prompt; " +
+                               std::to_string(max_tokens) + " for the completion); reduce the prompt or max_tokens");
+      return done();
+    }
+  }
+  req.max_tokens = max_tokens;
+  if (s.min_tokens > req.max_tokens) {
+    r.fail("min_tokens", "'min_tokens' (" + std::to_string(s.min_tokens) + ") must not exceed max_tokens (" +
+                             std::to_string(req.max_tokens) + ")");
+    return done();
+  }
+
+  // The end-of-text token joins stop_token_ids (so min_tokens masks it) unless ignore_eos.
+  int64_t eos = config.eos_token_id;
+  if (eos < 0) eos = tokenizer.eos_id().value_or(-1);
+  if (!req.ignore_eos && eos >= 0 && eos < vocab) s.stop_token_ids.push_back(int32_t(eos));
+
+  if (Status st = validate_sampling_params(s, vocab); !st.ok()) {
+    r.fail("", st.message());
+    return done();
+  }
+  req.arrival = std::chrono::steady_clock::now();
+  return req;
+}
+
+Expected<CompletionRequest> parse_completion_body(std::string_view body, const Tokenizer& tokenizer,
+                                                  const ModelConfig& config, const ApiLimits& limits,
+                                                  std::string_view served_model, ApiError* error) {
+  json parsed;
+  try {
+    parsed = json::parse(body.begin(), body.end());
+  } catch (const json::parse_error& e) {
+    return failed(api_error(400, std::string("the request body is not valid JSON: ") + e.what()), error);
+  }
+  return parse_completion_request(parsed, tokenizer, config, limits, served_model, error);
+}
+
+// ---------------------------------------------------------------------------------------
+// Responses
+
+namespace {
+
+bool valid_utf8(const std::string& s) {
+  size_t i = 0;
+  while (i < s.size()) {
+    const auto c = static_cast<unsigned char>(s[i]);
+    size_t n;
+    uint32_t cp;
+    if (c < 0x80) { ++i; continue; }
+    if ((c & 0xE0) == 0xC0) n = 2, cp = c & 0x1F;
+    else if ((c & 0xF0) == 0xE0) n = 3, cp = c & 0x0F;
+    else if ((c & 0xF8) == 0xF0) n = 4, cp = c & 0x07;
+    else return false;
+    if (i + n > s.size()) return false;
+    for (size_t k = 1; k < n; ++k) {
+      const auto d = static_cast<unsigned char>(s[i + k]);
+      if ((d & 0xC0) != 0x80) return false;
+      cp = (cp << 6) | (d & 0x3F);
+    }
+    // Overlong forms, surrogates and values past U+10FFFF are invalid.
+    if ((n == 2 && cp < 0x80) || (n == 3 && cp < 0x800) || (n == 4 && cp < 0x10000) || cp > 0x10FFFF ||
+        (cp >= 0xD800 && cp <= 0xDFFF))
+      return false;
+    i += n;
+  }
+  return true;
+}
+
+json logprob_value(float lp) { return std::isnan(lp) ? json(nullptr) : json(double(lp)); }
+
+}  // namespace
+
+std::string token_display_string(const Tokenizer& tokenizer, int32_t id) {
+  std::string bytes = tokenizer.token_bytes(id);
+  if (valid_utf8(bytes)) return bytes;
+  std::string out = "bytes:";
+  char buf[8];
+  for (unsigned char b : bytes) {
+    std::snprintf(buf, sizeof buf, "\\x%02x", b);
+    out += buf;
+  }
+  return out;
+}
+
+CompletionResponseBuilder::CompletionResponseBuilder(std::shared_ptr<const CompletionRequest> request,
+                                                     const Tokenizer& tokenizer, int64_t created_unix_seconds)
+    : request_(std::move(request)), tokenizer_(tokenizer), created_(created_unix_seconds),
+      choices_(request_->num_choices()) {}
+
+int64_t CompletionResponseBuilder::prompt_tokens() const {
+  int64_t n = 0;
+  for (const auto& p : request_->prompts) n += int64_t(p.size());
+  return n;
+}
+
+int64_t CompletionResponseBuilder::completion_tokens() const {
+  int64_t n = 0;
+  for (const Choice& c : choices_) n += c.completion_tokens;
+  return n;
+}
+
+json CompletionResponseBuilder::usage() const {
+  const int64_t p = prompt_tokens(), c = completion_tokens();
+  return {{"prompt_tokens", p}, {"completion_tokens", c}, {"total_tokens", p + c}};
+}
+
+json CompletionResponseBuilder::envelope() const {
+  return {{"id", request_->id}, {"object", "text_completion"}, {"created", created_}, {"model", request_->model}};
+}
+
+void CompletionResponseBuilder::append_logprobs(Choice& c, const std::vector<TokenOut>& tokens, bool prompt,
+                                                json& delta) {
+  for (size_t i = 0; i < tokens.size(); ++i) {
+    const TokenOut& t = tokens[i];
+    const std::string name = token_display_string(tokenizer_, t.id);
+    json top = nullptr;
+    if (!(prompt && std::isnan(t.logprob))) {  // a prompt's first token has no distribution
+      top = json::object();
+      for (const auto& [id, lp] : t.top) top[token_display_string(tokenizer_, id)] = logprob_value(lp);
+      if (!top.contains(name)) top[name] = logprob_value(t.logprob);  // the chosen token is always listed
+    }
+    for (json* target : {&c.lp_tokens, &delta["tokens"]}) target->push_back(name);
+    for (json* target : {&c.lp_token_logprobs, &delta["token_logprobs"]}) target->push_back(logprob_value(t.logprob));
+    for (json* target : {&c.lp_top, &delta["top_logprobs"]}) target->push_back(top);
+    for (json* target : {&c.lp_offsets, &delta["text_offset"]}) target->push_back(c.text_offset);
+    c.text_offset += tokenizer_.token_bytes(t.id).size();
+  }
+}
+
+json CompletionResponseBuilder::apply(const ChoiceUpdate& update) {
+  Choice& c = choices_[update.choice];
+  const std::vector<int32_t>& prompt = request_->prompts[update.choice / size_t(request_->n)];
+  const bool want_logprobs = request_->logprobs >= 0;
+  json lp_delta = {{"tokens", json::array()}, {"token_logprobs", json::array()},
+                   {"top_logprobs", json::array()}, {"text_offset", json::array()}};
+  std::string text;
+  json out = {{"index", update.choice}};
+  if (!c.started) {
+    c.started = true;
+    if (request_->echo) {
+      text = tokenizer_.decode(prompt);
+      if (!want_logprobs || update.prompt_tokens.empty()) c.text_offset += text.size();
+    }
+    if (request_->return_token_ids) out["prompt_token_ids"] = prompt;
+  }
+  if (want_logprobs && request_->echo && !update.prompt_tokens.empty())
+    append_logprobs(c, update.prompt_tokens, /*prompt=*/true, lp_delta);
+  if (want_logprobs) append_logprobs(c, update.tokens, /*prompt=*/false, lp_delta);
+  else for (const TokenOut& t : update.tokens) c.text_offset += tokenizer_.token_bytes(t.id).size();
+
+  text += update.text;
+  c.text += text;
+  json ids = json::array();
+  for (const TokenOut& t : update.tokens) {
+    c.token_ids.push_back(t.id);
+    ids.push_back(t.id);
+  }
+  c.completion_tokens += int64_t(update.tokens.size());
+  if (update.finish_reason && !c.finish_reason) {
+    c.finish_reason = update.finish_reason;
+    ++finished_choices_;
+  }
+  out["text"] = std::move(text);
+  out["logprobs"] = want_logprobs ? std::move(lp_delta) : json(nullptr);
+  out["finish_reason"] = update.finish_reason ? json(*update.finish_reason) : json(nullptr);
+  if (request_->return_token_ids) out["token_ids"] = std::move(ids);
+  return out;
+}
+
+void CompletionResponseBuilder::add(const ChoiceUpdate& update) {
+  if (update.choice >= choices_.size()) return;
+  apply(update);
+}
+
+json CompletionResponseBuilder::response() const {
+  json doc = envelope();
+  json choices = json::array();
+  for (size_t i = 0; i < choices_.size(); ++i) {
+    const Choice& c = choices_[i];
+    std::string text = c.text;
+    if (!c.started && request_->echo) text = tokenizer_.decode(request_->prompts[i / size_t(request_->n)]);
+    json choice = {{"text", text}, {"index", i}, {"logprobs", nullptr},
+                   {"finish_reason", c.finish_reason ? json(*c.finish_reason) : json(nullptr)}};
+    if (request_->logprobs >= 0)
+      choice["logprobs"] = {{"tokens", c.lp_tokens}, {"token_logprobs", c.lp_token_logprobs},
+                            {"top_logprobs", c.lp_top}, {"text_offset", c.lp_offsets}};
+    if (request_->return_token_ids) {
+      choice["token_ids"] = c.token_ids;
+      choice["prompt_token_ids"] = request_->prompts[i / size_t(request_->n)];
+    }
+    choices.push_back(std::move(choice));
+  }
+  doc["choices"] = std::move(choices);
+  doc["usage"] = usage();
+  return doc;
+}
+
+std::string CompletionResponseBuilder::sse_chunk(const ChoiceUpdate& update) {
+  if (update.choice >= choices_.size()) return {};
+  json chunk = envelope();
+  chunk["choices"] = json::array({apply(update)});
+  if (all_finished() && !usage_sent_) {
+    chunk["usage"] = usage();
+    usage_sent_ = true;
+  }
+  return "data: " + dump_json(chunk) + "\n\n";
+}
+
+std::string CompletionResponseBuilder::sse_finish() {
+  std::string out;
+  if (!usage_sent_) {
+    json chunk = envelope();
+    chunk["choices"] = json::array();
+    chunk["usage"] = usage();
+    usage_sent_ = true;
+    out = "data: " + dump_json(chunk) + "\n\n";
+  }
+  return out + "data: [DONE]\n\n";
+}
+
+std::string CompletionResponseBuilder::sse_error(const ApiError& error) {
+  return "data: " + error_body(error) + "\n\n";
+}
+
+}  // namespace conveyor

@@ -1,0 +1,294 @@
+#include "coordinator/scheduler.h"
+
+#include <algorithm>
+#include <limits>
+
+#include <spdlog/spdlog.h>
+
+namespace conveyor {
+
+using Clock = std::chrono::steady_clock;
+
+Scheduler::Scheduler(const ClusterConfig& cfg, std::shared_ptr<const Tokenizer> tokenizer,
+                     std::vector<Pipeline>& pipelines)
+    : cfg_(cfg), tokenizer_(std::move(tokenizer)), pipelines_(pipelines) {}
+
+int64_t Scheduler::max_tokens_of(const CompletionRequest& r, size_t prompt_len) const {
+  return std::min<int64_t>(r.max_tokens, cfg_.model.n_positions - int64_t(prompt_len));
+}
+
+SamplingParams Scheduler::sampling_for(const CompletionRequest& r) const {
+  SamplingParams p = r.sampling;
+  if (!r.ignore_eos && cfg_.model.eos_token_id >= 0 &&
+      std::find(p.stop_token_ids.begin(), p.stop_token_ids.end(), int32_t(cfg_.model.eos_token_id)) ==
+          p.stop_token_ids.end())
+    p.stop_token_ids.push_back(int32_t(cfg_.model.eos_token_id));
+  return p;
+}
+
+CoreStatus Scheduler::submit(std::shared_ptr<const CompletionRequest> req, CompletionSink sink) {
+  if (int64_t(queue_.size()) >= cfg_.max_queue)
+    return CoreStatus::refuse(CoreError::QueueFull,
+                              "the queue is full (" + std::to_string(cfg_.max_queue) + " requests waiting)");
+  auto r = std::make_unique<Request>();
+  r->req = std::move(req);
+  r->sink = std::move(sink);
+  for (const auto& pr : r->req->prompts)
+    r->kv_need += int64_t(r->req->n) * (int64_t(pr.size()) + max_tokens_of(*r->req, pr.size()));
+  queue_.push_back(std::move(r));
+  return {};
+}
+
+int64_t Scheduler::running_sequences() const {
+  int64_t n = 0;
+  for (const auto& [_, s] : seqs_) n += !s.finished;
+  return n;
+}
+
+void Scheduler::admit(const std::function<bool(const Pipeline&)>& open,
+                      const std::function<int64_t(const Pipeline&)>& kv_capacity) {
+  while (!queue_.empty()) {
+    Request& r = *queue_.front();
+    Pipeline* best = nullptr;
+    int64_t max_cap = 0;
+    for (Pipeline& p : pipelines_) {
+      if (!open(p)) continue;
+      const int64_t cap = kv_capacity(p);
+      max_cap = std::max(max_cap, cap);
+      if (p.kv_reserved + r.kv_need <= cap && (!best || p.kv_reserved < best->kv_reserved)) best = &p;
+    }
+    if (max_cap > 0 && r.kv_need > max_cap && !best) {
+      std::unique_ptr<Request> owned = std::move(queue_.front());
+      queue_.pop_front();
+      owned->sink.on_done("the request needs " + std::to_string(owned->kv_need) +
+                          " KV-cache tokens, more than a pipeline holds (" + std::to_string(max_cap) + ")");
+      continue;
+    }
+    if (!best || running_sequences() + int64_t(r.req->num_choices()) > cfg_.max_running) return;
+    std::unique_ptr<Request> owned = std::move(queue_.front());
+    queue_.pop_front();
+    Request* rp = owned.get();
+    rp->pipeline = best->index;
+    best->kv_reserved += rp->kv_need;
+    ++best->admitted;
+    const CompletionRequest& cr = *rp->req;
+    for (size_t c = 0; c < cr.num_choices(); ++c) {
+      Sequence s;
+      s.id = next_seq_id_++;
+      s.request = rp;
+      s.choice = c;
+      s.pipeline = best->index;
+      s.all = cr.prompts[c / size_t(cr.n)];
+      s.prompt_len = s.all.size();
+      s.text = std::make_unique<TextStream>(*tokenizer_, cr.stop);
+      if (cr.echo && cr.logprobs >= 0) s.prompt_lp.push_back({s.all[0], std::numeric_limits<float>::quiet_NaN(), {}});
+      rp->seq_ids.push_back(s.id);
+      seqs_.emplace(s.id, std::move(s));
+    }
+    rp->unfinished = cr.num_choices();
+    running_.emplace(rp, std::move(owned));
+  }
+}
+
+std::optional<Scheduler::Formed> Scheduler::next_batch(Pipeline& p, int depth) {
+  std::vector<Sequence*> decode, prefill;
+  int64_t active = 0;
+  for (auto& [_, s] : seqs_) {
+    if (s.pipeline != p.index || s.finished) continue;
+    ++active;
+    if (s.in_flight || s.fed >= s.all.size()) continue;
+    (s.all.size() - s.fed == 1 ? decode : prefill).push_back(&s);
+  }
+  if (decode.empty() && prefill.empty() && p.pending_frees.empty()) return std::nullopt;
+  // Spread the live sequences over the in-flight slots so every stage has work.
+  const int64_t cap_seqs =
+      std::min<int64_t>(cfg_.max_sequences_per_batch, std::max<int64_t>(1, (active + depth - 1) / depth));
+  auto by_id = [](const Sequence* a, const Sequence* b) { return a->id < b->id; };
+  std::sort(decode.begin(), decode.end(), by_id);
+  std::sort(prefill.begin(), prefill.end(), by_id);
+  Formed f;
+  MicroBatch& b = f.batch;
+  b.batch_id = next_batch_id_++;
+  b.pipeline = uint32_t(p.index);
+  b.epoch = p.epoch;
+  b.free_seq_ids = std::move(p.pending_frees);
+  p.pending_frees.clear();
+  f.record = {p.epoch, {}, Clock::now()};
+  int64_t tokens = 0;
+  auto add = [&](Sequence& s, int64_t n) {
+    const CompletionRequest& r = *s.request->req;
+    SeqWork w;
+    w.slice = {s.id, int32_t(s.fed), int32_t(n)};
+    w.prompt_len = int32_t(s.prompt_len);
+    w.sample = s.fed + size_t(n) == s.all.size();
+    w.prompt_logprobs = !s.prompt_lp.empty() && s.prompt_lp.size() < s.prompt_len && s.fed < s.prompt_len;
+    w.lookahead_token = s.fed + size_t(n) < s.all.size() ? s.all[s.fed + size_t(n)] : -1;
+    w.top_logprobs = std::max(0, r.logprobs);
+    w.sample_index = s.choice % size_t(r.n);
+    w.sampling = sampling_for(r);
+    b.token_ids.insert(b.token_ids.end(), s.all.begin() + int64_t(s.fed), s.all.begin() + int64_t(s.fed) + n);
+    b.seqs.push_back(std::move(w));
+    s.fed += size_t(n);
+    s.in_flight = true;
+    f.record.seq_ids.push_back(s.id);
+    tokens += n;
+  };
+  for (Sequence* s : decode) {
+    if (int64_t(b.seqs.size()) >= cap_seqs || tokens + 1 > cfg_.max_batch_tokens) break;
+    add(*s, 1);
+  }
+  for (Sequence* s : prefill) {
+    if (int64_t(b.seqs.size()) >= cap_seqs || tokens >= cfg_.max_batch_tokens) break;
+    const int64_t n =
+        std::min<int64_t>({cfg_.prefill_chunk, int64_t(s->all.size() - s->fed), cfg_.max_batch_tokens - tokens});
+    add(*s, n);
+  }
+  return f;
+}
+
+void Scheduler::sent(Pipeline& p, Formed formed) {
+  p.batches.emplace(formed.batch.batch_id, std::move(formed.record));
+  ++p.in_flight;
+}
+
+Pipeline* Scheduler::on_result(const BatchResult& res) {
+  if (res.pipeline >= pipelines_.size()) return nullptr;
+  Pipeline& p = pipelines_[res.pipeline];
+  auto bit = p.batches.find(res.batch_id);
+  if (res.epoch != p.epoch || bit == p.batches.end()) return nullptr;  // from before a restart
+  const InFlightBatch rec = std::move(bit->second);
+  p.batches.erase(bit);
+  --p.in_flight;
+  if (!res.error.empty()) {
+    // A stage could not run or hand on the batch (most often: its neighbour went away).
+    // The pipeline restarts in a new epoch and replays every sequence; a sequence whose
+    // batches keep failing (an error that a replay cannot cure) is failed with the message.
+    spdlog::warn("coordinator: pipeline {} batch {} failed: {}", p.index, res.batch_id, res.error);
+    bool replay = false;
+    for (uint64_t id : rec.seq_ids) {
+      auto it = seqs_.find(id);
+      if (it == seqs_.end() || it->second.finished || it->second.request->failed) continue;
+      if (++it->second.failed_batches <= kMaxFailedBatches) {
+        replay = true;
+        continue;
+      }
+      Request& r = *it->second.request;
+      r.failed = true;
+      finish_request(r, "the pipeline failed this request " + std::to_string(kMaxFailedBatches + 1) +
+                            " times: " + res.error);
+    }
+    if (!replay) return nullptr;
+    p.down_reason = "replaying after: " + res.error;
+    return &p;
+  }
+  for (const SeqResult& sr : res.seqs) {
+    auto it = seqs_.find(sr.seq_id);
+    if (it == seqs_.end() || it->second.finished) continue;
+    take_token(it->second, sr);
+  }
+  return nullptr;
+}
+
+void Scheduler::take_token(Sequence& s, const SeqResult& sr) {
+  s.in_flight = false;
+  const CompletionRequest& r = *s.request->req;
+  // Prompt log-probs: entry j predicts the token at position start + 1 + j.
+  if (!s.prompt_lp.empty()) {
+    size_t pos = s.prompt_lp.size();
+    for (size_t j = 0; j < sr.prompt_logprobs.size() && pos < s.prompt_len; ++j, ++pos)
+      s.prompt_lp.push_back({s.all[pos], sr.prompt_logprobs[j],
+                             j < sr.prompt_top.size() ? sr.prompt_top[j] : std::vector<std::pair<int32_t, float>>{}});
+  }
+  if (sr.token < 0) return;
+  ChoiceUpdate u;
+  u.choice = s.choice;
+  if (!s.prompt_lp.empty() && !s.prompt_lp_sent) {
+    u.prompt_tokens = s.prompt_lp;
+    s.prompt_lp_sent = true;
+  }
+  s.all.push_back(sr.token);
+  u.tokens.push_back({sr.token, sr.logprob, sr.top});
+  const SamplingParams sp = sampling_for(r);
+  const bool is_stop_token =
+      int(s.generated()) > r.sampling.min_tokens - 1 &&
+      std::find(sp.stop_token_ids.begin(), sp.stop_token_ids.end(), sr.token) != sp.stop_token_ids.end();
+  if (!is_stop_token) u.text = s.text->push(sr.token);
+  if (is_stop_token || s.text->stopped()) {
+    finish_sequence(s, "stop", std::move(u));  // may destroy s and its request
+  } else if (int64_t(s.generated()) >= max_tokens_of(r, s.prompt_len) ||
+             int64_t(s.all.size()) >= cfg_.model.n_positions) {
+    finish_sequence(s, "length", std::move(u));
+  } else {
+    s.request->sink.on_update(std::move(u));
+  }
+}
+
+// Sends the choice's last update, then releases the sequence; the last choice of a request
+// finishes the request (which destroys it and its sequences).
+void Scheduler::finish_sequence(Sequence& s, const char* reason, ChoiceUpdate update) {
+  s.finished = true;
+  s.in_flight = false;
+  update.text += s.text->flush();
+  update.finish_reason = reason;
+  Request& r = *s.request;
+  r.sink.on_update(std::move(update));
+  if (s.pipeline >= 0) pipelines_[size_t(s.pipeline)].pending_frees.push_back(s.id);
+  if (--r.unfinished == 0) finish_request(r, "");
+}
+
+void Scheduler::finish_request(Request& r, const std::string& error) {
+  if (r.pipeline >= 0) pipelines_[size_t(r.pipeline)].kv_reserved -= r.kv_need;
+  for (uint64_t id : r.seq_ids) {
+    auto it = seqs_.find(id);
+    if (it == seqs_.end()) continue;
+    if (!it->second.finished && it->second.pipeline >= 0)
+      pipelines_[size_t(it->second.pipeline)].pending_frees.push_back(id);
+    seqs_.erase(it);
+  }
+  r.sink.on_done(error);
+  running_.erase(&r);  // destroys r
+  idle_cv_.notify_all();
+}
+
+void Scheduler::restart(int index) {
+  for (auto& [_, s] : seqs_)
+    if (s.pipeline == index) {
+      s.fed = 0;
+      s.in_flight = false;
+    }
+}
+
+void Scheduler::redistribute() {
+  for (Pipeline& p : pipelines_) p.kv_reserved = 0;
+  for (auto& [rp, _] : running_) {
+    Pipeline& p = *std::min_element(pipelines_.begin(), pipelines_.end(),
+                                    [](const Pipeline& a, const Pipeline& b) { return a.kv_reserved < b.kv_reserved; });
+    rp->pipeline = p.index;
+    p.kv_reserved += rp->kv_need;
+    for (uint64_t id : rp->seq_ids)
+      if (auto it = seqs_.find(id); it != seqs_.end()) {
+        it->second.pipeline = p.index;
+        it->second.fed = 0;
+        it->second.in_flight = false;
+      }
+  }
+}
+
+bool Scheduler::busy(int index) const {
+  return std::any_of(seqs_.begin(), seqs_.end(),
+                     [&](const auto& e) { return !e.second.finished && e.second.pipeline == index; });
+}
+
+void Scheduler::wait_idle(std::unique_lock<std::mutex>& lock, std::chrono::milliseconds timeout) {
+  idle_cv_.wait_for(lock, timeout, [&] { return outstanding() == 0; });
+}
+
+void Scheduler::fail_all(const std::string& why) {
+  while (!queue_.empty()) {
+    queue_.front()->sink.on_done(why);
+    queue_.pop_front();
+  }
+  while (!running_.empty()) finish_request(*running_.begin()->first, why);
+}
+
+}  // namespace conveyor

@@ -1,0 +1,67 @@
+#include "kernels/cuda/paged_kv.h"
+
+#include "kernels/cuda/dtype.cuh"
+#include "kernels/cuda/launch.cuh"
+
+namespace conveyor::cuda {
+namespace {
+
+using namespace detail;
+
+// One block per token; threads cover the 2 * n_head * head_dim elements of its K and V.
+template <class T, bool VEC>
+__global__ void kv_append_kernel(T* __restrict__ kc, T* __restrict__ vc, int64_t page_stride,
+                                 const int32_t* __restrict__ tables, int max_pages,
+                                 const T* __restrict__ qkv, int64_t qkv_stride,
+                                 const int32_t* __restrict__ token_rows, const int32_t* __restrict__ token_pos,
+                                 int n_head, int D) {
+  grid_dependents_launch();
+  grid_dependency_wait();
+  const int64_t r = blockIdx.x;
+  const int row = token_rows[r], t = token_pos[r];
+  if (row < 0 || t < 0) return;  // padding token
+  const int C = n_head * D;
+  const int64_t page = tables[int64_t(row) * max_pages + t / kPageTokens];
+  const int64_t base = page * page_stride + int64_t(t % kPageTokens) * D;  // + h * kPageTokens * D + d
+  const T* src = qkv + r * qkv_stride + C;  // k then v
+  const int step = VEC ? kVec : 1;
+  for (int i = threadIdx.x * step; i < 2 * C; i += blockDim.x * step) {
+    const int which = i / C, j = i % C, h = j / D, d = j % D;  // VEC: D % 8 == 0, so 8 never straddle
+    T* dst = (which == 0 ? kc : vc) + base + int64_t(h) * kPageTokens * D + d;
+    if constexpr (VEC) {
+      *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src + i);
+    } else {
+      *dst = src[i];
+    }
+  }
+}
+
+}  // namespace
+
+template <class T>
+void kv_cache_append(const KvLayerView& kv, const T* qkv, int64_t qkv_stride, const int32_t* token_rows,
+                     const int32_t* token_pos, int64_t num_tokens, int64_t n_head, int64_t head_dim,
+                     cudaStream_t stream) {
+  if (num_tokens <= 0) return;
+  const bool vec = head_dim % kVec == 0 && qkv_stride % kVec == 0 && aligned16(qkv) && aligned16(kv.k) &&
+                   aligned16(kv.v);
+  const int64_t work = vec ? 2 * n_head * head_dim / kVec : 2 * n_head * head_dim;
+  const int threads = int(std::min<int64_t>(256, (work + 31) / 32 * 32));
+  T* k = static_cast<T*>(kv.k);
+  T* v = static_cast<T*>(kv.v);
+  if (vec)
+    LAUNCH_PDL("kv_append_kernel", kv_append_kernel<T, true>, dim3(unsigned(num_tokens)), dim3(threads), 0, stream, k, v,
+               kv.page_stride, kv.block_tables, kv.max_pages, qkv, qkv_stride, token_rows, token_pos, int(n_head),
+               int(head_dim));
+  else
+    LAUNCH_PDL("kv_append_kernel", kv_append_kernel<T, false>, dim3(unsigned(num_tokens)), dim3(threads), 0, stream, k,
+               v, kv.page_stride, kv.block_tables, kv.max_pages, qkv, qkv_stride, token_rows, token_pos, int(n_head),
+               int(head_dim));
+}
+
+template void kv_cache_append<__half>(const KvLayerView&, const __half*, int64_t, const int32_t*, const int32_t*,
+                                      int64_t, int64_t, int64_t, cudaStream_t);
+template void kv_cache_append<__nv_bfloat16>(const KvLayerView&, const __nv_bfloat16*, int64_t, const int32_t*,
+                                             const int32_t*, int64_t, int64_t, int64_t, cudaStream_t);
+
+}  // namespace conveyor::cuda

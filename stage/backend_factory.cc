@@ -1,0 +1,68 @@
+#include "stage/backend_factory.h"
+
+#include <unistd.h>
+
+#include "stage/cpu/cpu_stage_backend.h"
+#ifdef CONVEYOR_HAVE_CUDA
+#include "stage/cuda/gpu_node.h"
+#include "stage/cuda/gpu_stage_backend.h"
+#endif
+
+namespace conveyor {
+
+std::string_view backend_name(Backend backend) { return backend == Backend::Cuda ? "cuda" : "cpu"; }
+
+Expected<Backend> parse_backend(std::string_view name) {
+  if (name == "cpu") return Backend::Cpu;
+  if (name == "cuda") return Backend::Cuda;
+  return Status::error("unknown stage backend '" + std::string(name) + "' (cpu or cuda)");
+}
+
+Expected<std::unique_ptr<StageBackend>> make_stage_backend(StageWeights weights, const StageOptions& o) {
+  if (o.backend == Backend::Cpu) {
+    auto b = CpuStageBackend::create(std::move(weights), o.tensor_parallel, o.kv_cache_bytes);
+    if (!b) return b.status();
+    return std::unique_ptr<StageBackend>(std::move(b).value());
+  }
+#ifdef CONVEYOR_HAVE_CUDA
+  cuda::GpuStageOptions g;
+  g.dtype = o.dtype;
+  g.int8_weights = o.int8_weights;
+  g.name = o.name;
+  g.kv_cache_fraction = o.gpu_memory_fraction;
+  auto b = cuda::GpuStageBackend::create(weights, o.gpus, g);
+  if (!b) return b.status();
+  return std::unique_ptr<StageBackend>(std::move(b).value());
+#else
+  return Status::error(o.name + ": this build has no CUDA backend (configure with nvcc present, -DCONVEYOR_CUDA=ON)");
+#endif
+}
+
+int usable_gpus() {
+#ifdef CONVEYOR_HAVE_CUDA
+  return cuda::usable_gpus();
+#else
+  return 0;
+#endif
+}
+
+int64_t stage_memory_bytes(const StageOptions& o) {
+#ifdef CONVEYOR_HAVE_CUDA
+  if (o.backend == Backend::Cuda) return cuda::total_memory_bytes(o.gpus);
+#else
+  (void)o;
+#endif
+  const long pages = ::sysconf(_SC_PHYS_PAGES), page = ::sysconf(_SC_PAGE_SIZE);
+  return pages > 0 && page > 0 ? int64_t(pages) * page : 0;
+}
+
+HostAllocator receive_allocator(const StageOptions& o) {
+#ifdef CONVEYOR_HAVE_CUDA
+  if (o.backend == Backend::Cuda && !o.gpus.empty()) return cuda::pinned_host_allocator(o.gpus[0]);
+#else
+  (void)o;
+#endif
+  return {};
+}
+
+}  // namespace conveyor

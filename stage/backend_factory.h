@@ -1,0 +1,53 @@
+// The one place that knows which stage backends this build has: it makes the StageBackend a
+// worker runs its stage on, and answers what the node offers for them (GPUs, memory, the
+// kind of host memory the data plane should receive into). Nothing above the stage layer
+// names CUDA.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "common/dtype.h"
+#include "common/host_allocator.h"
+#include "common/status.h"
+#include "model/weights.h"
+#include "stage/stage_backend.h"
+
+namespace conveyor {
+
+enum class Backend { Cpu, Cuda };
+std::string_view backend_name(Backend backend);  // "cpu", "cuda"
+// "cpu" or "cuda" (case as written); the error lists both.
+Expected<Backend> parse_backend(std::string_view name);
+
+struct StageOptions {
+  Backend backend = Backend::Cpu;
+  std::string name = "stage";          // names the stage in errors and logs
+  int tensor_parallel = 1;             // cpu: threads; cuda: the number of `gpus`
+  std::vector<int> gpus = {0};         // cuda: the stage's GPUs, in rank order
+  DType dtype = DType::F16;            // cuda: F16 or BF16
+  bool int8_weights = false;           // cuda: layer matrices int8 weight-only (per-channel scales)
+  double gpu_memory_fraction = 0.9;    // cuda: of the memory left after the weights, for the K/V cache
+  int64_t kv_cache_bytes = 512ll << 20;  // cpu: the K/V budget
+};
+
+// The stage `weights` describe, on the backend `options` name. Errors say what was wrong (a
+// backend this build lacks, a GPU the node has not, weights that do not fit).
+Expected<std::unique_ptr<StageBackend>> make_stage_backend(StageWeights weights, const StageOptions& options);
+
+// CUDA devices a stage could run on: 0 when this build has no CUDA backend or the driver
+// finds none.
+int usable_gpus();
+
+// The memory a stage's weights live in: the total of its GPUs' memory on CUDA, else the
+// host's. 0 when it cannot be read (the error is logged).
+int64_t stage_memory_bytes(const StageOptions& options);
+
+// Where the data plane should put received activations: page-locked memory for a CUDA stage
+// (its copies to the GPU then run as DMA), the heap (an empty allocator) otherwise.
+HostAllocator receive_allocator(const StageOptions& options);
+
+}  // namespace conveyor

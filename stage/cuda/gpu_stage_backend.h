@@ -1,0 +1,56 @@
+// A GPU stage (a TpStage: one GPU, or several tensor parallel) behind stage/stage_backend.h,
+// for the stage worker. Activations arrive as host rows of F32, F16 or BF16 (converted on the
+// GPU; the stage's own dtype is a plain copy) and leave in the stage's dtype, half the bytes
+// of fp32; within a step they stay on the device. A micro-batch of decode steps only (one
+// token per sequence) runs as GpuStage::decode, the whole step replayed from a CUDA graph
+// (on the last stage with its sampling rows); other micro-batches run embed / forward, then
+// on the last stage the logits and the GPU sampler (the CPU's algorithm and Philox
+// counters), or the logits go to the host when the caller asks for them. allocate_host
+// gives page-locked memory, so the worker's outgoing slots and the data plane's receive
+// buffers are copied as DMA.
+//
+// Every CUDA failure comes back as a Status naming the stage.
+#pragma once
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "stage/cuda/tp_stage.h"
+#include "stage/stage_backend.h"
+
+namespace conveyor::cuda {
+
+class GpuStageBackend final : public StageBackend {
+ public:
+  // Builds the stage over `devices` (one GPU, or the tensor-parallel group in rank order).
+  static Expected<std::unique_ptr<GpuStageBackend>> create(const StageWeights& weights, const std::vector<int>& devices,
+                                                           const GpuStageOptions& options);
+
+  const ModelConfig& config() const override { return stage_->config(); }
+  bool has_embedding() const override { return stage_->has_embedding(); }
+  bool has_head() const override { return stage_->has_head(); }
+  DType activation_dtype() const override { return stage_->lead().dtype(); }
+  bool samples_in_place() const override { return true; }
+  Status step(const StepInput& in, StepOutput& out) override;
+  std::shared_ptr<std::byte[]> allocate_host(size_t bytes) const override;
+  void free_sequence(uint64_t seq_id) override { stage_->free_sequence(seq_id); }
+  void clear() override { stage_->clear(); }
+  int64_t num_sequences() const override { return stage_->num_sequences(); }
+  int64_t kv_used_tokens() const override { return stage_->kv_capacity_tokens() - stage_->kv_free_tokens(); }
+  int64_t kv_capacity_tokens() const override { return stage_->kv_capacity_tokens(); }
+  int64_t kv_bytes_per_token() const override { return stage_->kv_bytes_per_token(); }
+  std::string describe() const override;
+
+  TpStage& stage() { return *stage_; }
+
+ private:
+  explicit GpuStageBackend(std::unique_ptr<TpStage> stage) : stage_(std::move(stage)) {}
+  Status run_step(const StepInput& in, StepOutput& out);
+  // The stage's outgoing rows into the memory `out.activations` gives.
+  Status hand_on(int64_t tokens, StepOutput& out);
+
+  std::unique_ptr<TpStage> stage_;
+};
+
+}  // namespace conveyor::cuda

@@ -1,0 +1,230 @@
+// A GPU stage's weights (gpu_weights.h): the layout from the weight table, the one
+// allocation, the upload of HF fp32 weights and the synthetic fill. All three walk
+// kLayerTensors / kStageTensors in table order, which fixes both the byte offsets and the
+// synthetic tensor ids: a layer's tensors take ids from their own range of 64, in table order.
+#include <algorithm>
+#include <string>
+
+#include "kernels/cuda/ops.h"
+#include "kernels/cuda/quant.h"
+#include "kernels/cuda/synthetic.h"
+#include "stage/cuda/dtype_dispatch.h"
+#include "stage/cuda/gpu_stage.h"
+
+namespace conveyor::cuda {
+namespace {
+
+constexpr bool stage_table_in_order() {
+  for (size_t i = 0; i < kStageTensors.size(); ++i)
+    if (size_t(kStageTensors[i].id) != i) return false;
+  return true;
+}
+static_assert(stage_table_in_order(), "StageRefs is indexed by StageTensor");
+
+int64_t align_up(int64_t x, int64_t a) { return (x + a - 1) / a * a; }
+
+// How upload errors name the stage tensors.
+const char* upload_name(StageTensor t) {
+  switch (t) {
+    case StageTensor::Wte: return "wte";
+    case StageTensor::Wpe: return "wpe";
+    case StageTensor::LnfGain: return "ln_f.weight";
+    case StageTensor::LnfBias: return "ln_f.bias";
+    case StageTensor::LmHead: return "lm_head";
+  }
+  return "?";
+}
+
+}  // namespace
+
+GpuWeightLayout plan_weight_layout(const ModelConfig& c, const TpShard& shard, int64_t num_layers, bool has_embedding,
+                                bool holds_head, DType dtype, bool int8_weights) {
+  const int64_t e = int64_t(dtype_bytes(dtype));
+  GpuWeightLayout w;
+  auto take = [&](int64_t bytes) {  // the next tensor's offset; the one after starts aligned
+    const int64_t off = w.bytes;
+    w.bytes = align_up(w.bytes + bytes, kWeightAlign);
+    return off;
+  };
+  w.layers.resize(size_t(num_layers));
+  for (LayerRefs& layer : w.layers) {
+    const int64_t before = w.bytes;
+    for (const LayerTensorSpec& spec : kLayerTensors) {
+      TensorRef& r = layer[size_t(spec.id)];
+      r.shape = layer_tensor_shape(spec, c, &shard);
+      r.bytes = r.shape.elements() * (spec.matrix() && int8_weights ? 1 : e);
+      r.offset = take(r.bytes);
+    }
+    if (int8_weights)  // after the layer's tensors: each matrix's scales, one per output row
+      for (const LayerTensorSpec& spec : kLayerTensors)
+        if (spec.matrix()) {
+          TensorRef& r = layer[size_t(spec.id)];
+          r.scale_offset = take(r.shape.cols * int64_t(sizeof(float)));
+        }
+    w.layer_bytes += w.bytes - before;
+  }
+  const bool head_is_wte = has_embedding && c.tie_word_embeddings;
+  for (const StageTensorSpec& spec : kStageTensors) {
+    if (!(spec.held_by == HeldBy::FirstStage ? has_embedding : holds_head)) continue;
+    TensorRef& r = w.stage[size_t(spec.id)];
+    if (spec.id == StageTensor::LmHead && head_is_wte) {
+      r = w.stage[size_t(StageTensor::Wte)];
+      continue;
+    }
+    r.shape = {dim_size(spec.rows, c), dim_size(spec.cols, c)};
+    r.bytes = r.shape.elements() * e;
+    r.offset = take(r.bytes);
+  }
+  return w;
+}
+
+GpuWeights GpuWeights::allocate(GpuWeightLayout layout, const std::string& owner, const std::string& what) {
+  GpuWeights g;
+  g.buf_ = device_alloc(size_t(layout.bytes), owner, what);
+  g.layout_ = std::move(layout);
+  return g;
+}
+
+void GpuStage::allocate_weights() {
+  const int64_t C = config_.n_embd, V = config_.vocab_size;
+  const int64_t e = int64_t(dtype_bytes(options_.dtype));
+  const int64_t L = layer_end_ - layer_begin_;
+  const bool int8 = options_.int8_weights;
+  GpuWeightLayout layout = plan_weight_layout(config_, shard_, L, has_embedding(), holds_head(), options_.dtype, int8);
+  const int64_t layer_bytes = layout.layer_bytes;
+  weights_ = GpuWeights::allocate(std::move(layout), options_.name,
+                                  "weights (" + std::to_string(L) + " layers, " +
+                                      std::string(dtype_name(options_.dtype)) + (int8 ? ", int8 matrices" : "") + ")");
+  weight_bytes_ = weights_.bytes();
+  // A decode step reads every layer, and on the head's rank ln_f and the head matrix.
+  decode_weight_bytes_ = layer_bytes + (holds_head() ? (V * C + 2 * C) * e : 0);
+}
+
+Status GpuStage::upload(const StageWeights& w) {
+  DeviceGuard on(device_);
+  const int64_t staging_elems = int64_t(staging_f32_.bytes() / sizeof(float));
+  float* staging = staging_f32_.as<float>();
+  auto check = [&](const std::vector<float>& v, int64_t expected, const std::string& name) {
+    if (int64_t(v.size()) == expected) return ok_status();
+    return Status::error(options_.name + ": weight " + name + " has " + std::to_string(v.size()) + " floats, expected " +
+                         std::to_string(expected));
+  };
+  Status status;
+  with_dtype(options_.dtype, [&](auto tag) {
+    using T = decltype(tag);
+    // A vector (or a stage tensor): same layout, converted in chunks through the fp32 staging buffer.
+    auto put = [&](void* dst, const std::vector<float>& src, int64_t elems, const std::string& name) {
+      if (Status s = check(src, elems, name); !s) return s;
+      for (int64_t i = 0; i < elems; i += staging_elems) {
+        const int64_t n = std::min(staging_elems, elems - i);
+        CUDA_CHECK(cudaMemcpyAsync(staging, src.data() + i, size_t(n) * sizeof(float), cudaMemcpyHostToDevice, stream_));
+        convert_from_float<T>(static_cast<T*>(dst) + i, staging, n, stream_);
+      }
+      return ok_status();
+    };
+    // A layer matrix, [K, N] on the host -> [N, K] on the device. In dtype: chunks of K rows.
+    // Int8: chunks of output channels (host columns) through the staging buffer, transposed
+    // to dtype in the LayerNorm activation buffer (free while loading), then quantised.
+    auto put_t = [&](void* dst, float* scales, const std::vector<float>& src, TensorShape shape,
+                     const std::string& name) {
+      const int64_t K = shape.rows, N = shape.cols;
+      if (Status s = check(src, K * N, name); !s) return s;
+      if (!options_.int8_weights) {
+        const int64_t rows = std::max<int64_t>(1, staging_elems / N);
+        for (int64_t k0 = 0; k0 < K; k0 += rows) {
+          const int64_t kc = std::min(rows, K - k0);
+          CUDA_CHECK(cudaMemcpyAsync(staging, src.data() + k0 * N, size_t(kc * N) * sizeof(float),
+                                     cudaMemcpyHostToDevice, stream_));
+          convert_transpose_from_float<T>(static_cast<T*>(dst) + k0, staging, kc, N, K, stream_);
+        }
+        return ok_status();
+      }
+      if (K > staging_elems) return Status::error(options_.name + ": " + name + " is too wide for the load buffers");
+      const int64_t cols = staging_elems / K;
+      for (int64_t n0 = 0; n0 < N; n0 += cols) {
+        const int64_t nc = std::min(cols, N - n0);
+        CUDA_CHECK(cudaMemcpy2DAsync(staging, size_t(nc) * sizeof(float), src.data() + n0, size_t(N) * sizeof(float),
+                                     size_t(nc) * sizeof(float), size_t(K), cudaMemcpyHostToDevice, stream_));
+        convert_transpose_from_float<T>(ln_.as<T>(), staging, K, nc, K, stream_);
+        quantize_rows_int8<T>(static_cast<int8_t*>(dst) + n0 * K, scales + n0, ln_.as<T>(), nc, K, stream_);
+      }
+      return ok_status();
+    };
+    auto put_layer = [&](int64_t l, const LayerWeights& lw) {
+      const GpuLayer d = weights_.layer(l);
+      const int64_t layer = layer_begin_ + l;
+      const bool split = options_.tp_ranks > 1;
+      if (split)  // the full tensors' sizes first, so a short tensor is named as such
+        for (const LayerTensorSpec& spec : kLayerTensors)
+          if (spec.split != TpSplit::Whole)
+            if (Status s = check(lw.*spec.field, layer_tensor_shape(spec, config_).elements(),
+                                 layer_tensor_name(layer, spec));
+                !s)
+              return s;
+      const LayerWeights sliced = split ? shard_layer(lw, config_, shard_) : LayerWeights{};
+      for (const LayerTensorSpec& spec : kLayerTensors) {
+        // This rank's slice of a split tensor; the Whole ones (LayerNorms, output biases) as loaded.
+        const std::vector<float>& src = (split && spec.split != TpSplit::Whole ? sliced : lw).*spec.field;
+        const TensorRef& r = d.ref(spec.id);
+        const std::string name = layer_tensor_name(layer, spec);
+        const Status s = spec.matrix() ? put_t(d.at(spec.id), d.scales(spec.id), src, r.shape, name)
+                                       : put(d.at(spec.id), src, r.shape.elements(), name);
+        if (!s) return s;
+      }
+      return ok_status();
+    };
+    for (int64_t l = 0; l < weights_.num_layers() && status; ++l) status = put_layer(l, w.layers[size_t(l)]);
+    for (const StageTensorSpec& spec : kStageTensors) {
+      const TensorRef& r = weights_.ref(spec.id);
+      if (!status || !r.held() || (spec.id == StageTensor::LmHead && weights_.head_is_wte())) continue;
+      const std::vector<float>& src = spec.id == StageTensor::LmHead ? w.head_matrix() : w.*spec.field;
+      status = put(weights_.at(spec.id), src, r.shape.elements(), upload_name(spec.id));
+    }
+  });
+  if (!status) return status;
+  CUDA_CHECK(cudaStreamSynchronize(stream_));
+  return ok_status();
+}
+
+void GpuStage::synthesize(uint64_t seed) {
+  DeviceGuard on(device_);
+  uint64_t tensor = 0;
+  with_dtype(options_.dtype, [&](auto tag) {
+    using T = decltype(tag);
+    auto normal = [&](void* p, int64_t n) { fill_normal<T>(static_cast<T*>(p), n, 0.f, 0.02f, seed, tensor++, stream_); };
+    auto ones = [&](void* p, int64_t n) { fill_constant<T>(static_cast<T*>(p), n, 1.f, stream_); };
+    // A layer matrix [N, K]; int8: drawn in chunks of rows into the LayerNorm activation
+    // buffer (free while loading), then quantised.
+    const int64_t tmp_elems = int64_t(ln_.bytes() / sizeof(T));
+    auto matrix = [&](void* p, float* scales, int64_t N, int64_t K) {
+      if (!options_.int8_weights) return normal(p, N * K);
+      const uint64_t id = tensor++;
+      const int64_t rows = std::max<int64_t>(1, tmp_elems / K);
+      for (int64_t n0 = 0; n0 < N; n0 += rows) {
+        const int64_t nc = std::min(rows, N - n0);
+        fill_normal<T>(ln_.as<T>(), nc * K, 0.f, 0.02f, seed, (id << 20) + uint64_t(n0 / rows), stream_);
+        quantize_rows_int8<T>(static_cast<int8_t*>(p) + n0 * K, scales + n0, ln_.as<T>(), nc, K, stream_);
+      }
+    };
+    for (int64_t l = 0; l < weights_.num_layers(); ++l) {
+      const GpuLayer d = weights_.layer(l);
+      tensor = (tensor / 64 + 1) * 64;  // each layer its own range of tensor ids
+      for (const LayerTensorSpec& spec : kLayerTensors) {
+        const TensorShape& s = d.ref(spec.id).shape;  // [in, out]: a matrix is N = out rows of K = in
+        if (spec.gain) ones(d.at(spec.id), s.elements());
+        else if (spec.matrix()) matrix(d.at(spec.id), d.scales(spec.id), s.cols, s.rows);
+        else normal(d.at(spec.id), s.elements());
+      }
+    }
+    tensor = 1 << 20;
+    for (const StageTensorSpec& spec : kStageTensors) {
+      const TensorRef& r = weights_.ref(spec.id);
+      if (!r.held() || (spec.id == StageTensor::LmHead && weights_.head_is_wte())) continue;
+      if (spec.gain) ones(weights_.at(spec.id), r.shape.elements());
+      else normal(weights_.at(spec.id), r.shape.elements());
+    }
+  });
+  CUDA_CHECK(cudaStreamSynchronize(stream_));
+}
+
+}  // namespace conveyor::cuda

@@ -1,0 +1,102 @@
+// A GPU stage's weights: one device allocation, laid out by walking the weight table
+// (model/weights.h: kLayerTensors for each layer, then kStageTensors) with the shapes of this
+// rank's TpShard. Nothing else lists a layer's tensors: the forward pass reads
+// layer.at(LayerTensor::QkvWeight), and the upload and the synthetic fill walk the same table.
+//
+// On the device (e = the stage dtype's bytes):
+//   vectors   [out] of dtype (LayerNorm gains and shifts, biases)
+//   matrices  [out, in] of dtype (the "NK" layout: rows of the decode GEMV, cuBLASLt's TN), or
+//             int8 [out, in] plus one fp32 scale per output row (int8 weight-only)
+//   stage     wte [V, C] and wpe [P, C] (first stage), ln_f [C] x 2 and the LM head [V, C]
+//             (last stage, rank 0); the head is wte itself when the model ties them and the
+//             stage holds both.
+// Every tensor starts on a kWeightAlign-byte boundary, in table order: a layer's twelve
+// tensors, then (int8) its four matrices' scales, layer after layer, then the stage tensors.
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "common/dtype.h"
+#include "common/model_config.h"
+#include "kernels/cuda/check.h"
+#include "model/tp_shard.h"
+#include "model/weights.h"
+
+namespace conveyor::cuda {
+
+inline constexpr int64_t kWeightAlign = 256;  // bytes: every weight tensor starts on this boundary
+
+// Where one tensor lives in the weight allocation.
+struct TensorRef {
+  int64_t offset = -1;        // bytes from the allocation's start; -1: the stage does not hold it
+  int64_t bytes = 0;          // bytes of its values (the padding to the next tensor not counted)
+  int64_t scale_offset = -1;  // int8 matrices: their fp32 scales, one per output row; else -1
+  TensorShape shape;          // [in, out] elements of this rank's part, as on the host
+  bool held() const { return offset >= 0; }
+};
+
+using LayerRefs = std::array<TensorRef, kLayerTensorCount>;     // indexed by LayerTensor
+using StageRefs = std::array<TensorRef, kStageTensors.size()>;  // indexed by StageTensor
+
+struct GpuWeightLayout {
+  std::vector<LayerRefs> layers;  // the stage's layers, in order
+  StageRefs stage;                // LmHead has Wte's offset when they are one tensor
+  int64_t bytes = 0;              // the whole allocation
+  int64_t layer_bytes = 0;        // the layers' share, padding and scales included
+};
+
+// The layout of `num_layers` layers of rank `shard`, with the embedding and/or the head.
+GpuWeightLayout plan_weight_layout(const ModelConfig& config, const TpShard& shard, int64_t num_layers,
+                                bool has_embedding, bool holds_head, DType dtype, bool int8_weights);
+
+// One layer's tensors in the allocation (a view: the GpuWeights owns the memory).
+class GpuLayer {
+ public:
+  GpuLayer(char* base, const LayerRefs& refs) : base_(base), refs_(&refs) {}
+  void* at(LayerTensor t) const { return base_ + (*refs_)[size_t(t)].offset; }
+  template <class T>
+  const T* as(LayerTensor t) const { return static_cast<const T*>(at(t)); }
+  // An int8 matrix's per-output-row scales; null for vectors and for dtype matrices.
+  float* scales(LayerTensor t) const {
+    const int64_t off = (*refs_)[size_t(t)].scale_offset;
+    return off < 0 ? nullptr : reinterpret_cast<float*>(base_ + off);
+  }
+  const TensorRef& ref(LayerTensor t) const { return (*refs_)[size_t(t)]; }
+
+ private:
+  char* base_;
+  const LayerRefs* refs_;
+};
+
+// A stage's weights: the one allocation and its layout. Moves, never copies.
+class GpuWeights {
+ public:
+  GpuWeights() = default;
+  // device_alloc: out of memory throws, naming `owner` (a CUDA fault, see guard.h).
+  static GpuWeights allocate(GpuWeightLayout layout, const std::string& owner, const std::string& what);
+
+  int64_t num_layers() const { return int64_t(layout_.layers.size()); }
+  GpuLayer layer(int64_t l) const { return GpuLayer(buf_.as<char>(), layout_.layers[size_t(l)]); }
+  // A stage tensor's memory; null when the stage does not hold it.
+  void* at(StageTensor t) const {
+    const TensorRef& r = layout_.stage[size_t(t)];
+    return r.held() ? buf_.as<char>() + r.offset : nullptr;
+  }
+  template <class T>
+  const T* as(StageTensor t) const { return static_cast<const T*>(at(t)); }
+  const TensorRef& ref(StageTensor t) const { return layout_.stage[size_t(t)]; }
+  // The LM head is the embedding matrix itself (tied, and both on this stage).
+  bool head_is_wte() const { return ref(StageTensor::LmHead).held() && at(StageTensor::LmHead) == at(StageTensor::Wte); }
+
+  int64_t bytes() const { return layout_.bytes; }
+  int64_t layer_bytes() const { return layout_.layer_bytes; }
+
+ private:
+  GpuWeightLayout layout_;
+  DeviceBuffer buf_;
+};
+
+}  // namespace conveyor::cuda

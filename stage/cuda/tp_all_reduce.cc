@@ -1,0 +1,61 @@
+#include "stage/cuda/tp_all_reduce.h"
+
+#include <algorithm>
+#include <string>
+#include <type_traits>
+
+#include <nccl.h>
+
+namespace conveyor::cuda {
+
+struct TpAllReduce::Nccl {
+  std::vector<ncclComm_t> comms;
+  ~Nccl() {
+    for (ncclComm_t c : comms)
+      if (c) ncclCommDestroy(c);
+  }
+};
+
+Expected<std::unique_ptr<TpAllReduce>> TpAllReduce::create(const std::vector<int>& devices, size_t max_bytes,
+                                                           int64_t fused_max_elems) {
+  std::unique_ptr<TpAllReduce> t(new TpAllReduce());
+  t->max_bytes_ = max_bytes;
+  const bool distinct = distinct_gpus(devices);
+  const size_t custom_bytes = distinct ? std::min(max_bytes, CustomAllReduce::kNcclCrossoverBytes) : max_bytes;
+  // Ranks sharing a GPU run the plain all-reduce only: the fused kernel's ranks wait for
+  // each other's stores without a barrier, which kernels of one GPU can only do when their
+  // streams never share a hardware queue.
+  auto custom = CustomAllReduce::create(devices, custom_bytes, distinct ? fused_max_elems : 0);
+  if (!custom) return custom.status();
+  t->custom_ = std::move(custom).value();
+  if (!distinct || max_bytes <= custom_bytes) return t;
+  t->nccl_ = std::make_unique<Nccl>();
+  t->nccl_->comms.assign(devices.size(), nullptr);
+  const ncclResult_t r = ncclCommInitAll(t->nccl_->comms.data(), int(devices.size()), devices.data());
+  if (r != ncclSuccess) {
+    t->nccl_->comms.assign(devices.size(), nullptr);  // nothing to destroy
+    return Status::error(std::string("tensor-parallel all-reduce: ncclCommInitAll: ") + ncclGetErrorString(r));
+  }
+  return t;
+}
+
+TpAllReduce::~TpAllReduce() = default;
+
+template <class T>
+Status TpAllReduce::all_reduce(int rank, T* data, size_t count, cudaStream_t stream) {
+  const size_t bytes = count * sizeof(T);
+  if (bytes <= custom_->max_bytes()) return custom_->all_reduce(rank, data, count, stream);
+  if (rank < 0 || rank >= ranks()) return Status::error("tensor-parallel all-reduce: no rank " + std::to_string(rank));
+  if (!nccl_ || bytes > max_bytes_)
+    return Status::error("tensor-parallel all-reduce: " + std::to_string(bytes) + " bytes exceed the group's " +
+                         std::to_string(max_bytes_) + "-byte messages");
+  const ncclDataType_t type = std::is_same_v<T, __half> ? ncclFloat16 : ncclBfloat16;
+  const ncclResult_t r = ncclAllReduce(data, data, count, type, ncclSum, nccl_->comms[size_t(rank)], stream);
+  if (r != ncclSuccess) return Status::error(std::string("tensor-parallel all-reduce: ncclAllReduce: ") + ncclGetErrorString(r));
+  return ok_status();
+}
+
+template Status TpAllReduce::all_reduce<__half>(int, __half*, size_t, cudaStream_t);
+template Status TpAllReduce::all_reduce<__nv_bfloat16>(int, __nv_bfloat16*, size_t, cudaStream_t);
+
+}  // namespace conveyor::cuda

@@ -1,0 +1,155 @@
+#include "stage/cuda/tp_stage.h"
+
+#include <algorithm>
+#include <sstream>
+
+#include "stage/cuda/guard.h"
+
+namespace conveyor::cuda {
+
+template <class F>
+Status TpStage::on_ranks(F&& fn) {
+  std::vector<Status> status(ranks_.size());
+  threads_->run([&](int r) {
+    status[size_t(r)] = guard("", [&] {
+      DeviceGuard on(devices_[size_t(r)]);
+      return fn(r);
+    });
+  });
+  for (const Status& s : status)
+    if (!s) return s;
+  return ok_status();
+}
+
+template <class Make>
+Expected<std::unique_ptr<TpStage>> TpStage::build(const ModelConfig& config, const std::vector<int>& devices,
+                                                  const GpuStageOptions& options, Make&& make) {
+  const int R = int(devices.size());
+  if (R < 1 || R > 8)
+    return Status::error(options.name + ": tensor parallel over " + std::to_string(R) + " GPUs (1 to 8)");
+  std::unique_ptr<TpStage> t(new TpStage());
+  t->name_ = options.name;
+  t->devices_ = devices;
+  if (R > 1) {
+    const int64_t rows = GpuStage::activation_rows(options);
+    // Fused steps (when asked for): up to the largest decode graph's rows (128).
+    auto ar = TpAllReduce::create(devices, size_t(rows * config.n_embd) * dtype_bytes(options.dtype),
+                                  options.fused_all_reduce ? std::min<int64_t>(rows, 128) * config.n_embd : 0);
+    if (!ar) return Status::error(options.name + ": " + ar.error());
+    t->all_reduce_ = std::move(ar).value();
+  }
+  t->ranks_.resize(size_t(R));
+  t->threads_ = std::make_unique<TpGroup>(R);
+  auto make_rank = [&](int r) {
+    GpuStageOptions o = options;
+    o.tp_rank = r;
+    o.tp_ranks = R;
+    o.all_reduce = t->all_reduce_.get();
+    if (R > 1) o.name = options.name + " rank " + std::to_string(r);
+    auto stage = make(o);
+    if (!stage) return stage.status();
+    t->ranks_[size_t(r)] = std::move(stage).value();
+    return ok_status();
+  };
+  // Ranks sharing a GPU are built one after the other: each sizes its K/V cache from the
+  // memory the ones before left free.
+  const bool shared = !distinct_gpus(devices);
+  Status built;
+  for (int r = 0; shared && r < R && built; ++r)
+    built = guard("", [&] {
+      DeviceGuard on(devices[size_t(r)]);
+      return make_rank(r);
+    });
+  if (!shared) built = t->on_ranks(make_rank);
+  if (!built) return built;
+  if (R > 1 && t->lead().layer_end() > t->lead().layer_begin()) {
+    int64_t pages = INT64_MAX;
+    for (const auto& s : t->ranks_) pages = std::min(pages, s->kv_capacity_tokens() / kPageTokens);
+    for (const auto& s : t->ranks_)
+      if (Status st = s->shrink_kv_cache(pages); !st) return st;
+  }
+  return t;
+}
+
+Expected<std::unique_ptr<TpStage>> TpStage::create(const StageWeights& weights, const std::vector<int>& devices,
+                                                   const GpuStageOptions& options) {
+  return build(weights.config, devices, options,
+               [&](const GpuStageOptions& o) { return GpuStage::create(weights, o); });
+}
+
+Expected<std::unique_ptr<TpStage>> TpStage::create_synthetic(const ModelConfig& config, int64_t layer_begin,
+                                                             int64_t layer_end, uint64_t seed,
+                                                             const std::vector<int>& devices,
+                                                             const GpuStageOptions& options) {
+  return build(config, devices, options, [&](const GpuStageOptions& o) {
+    return GpuStage::create_synthetic(config, layer_begin, layer_end, seed, o);
+  });
+}
+
+TpStage::~TpStage() {
+  threads_.reset();  // no call in flight: the ranks' threads end before their stages go
+  for (size_t r = 0; r < ranks_.size(); ++r) {
+    DeviceGuard on(devices_[r]);
+    ranks_[r].reset();
+  }
+}
+
+Status TpStage::embed(std::span<const SeqSlice> slices, const int32_t* token_ids) {
+  return on_ranks([&](int r) { return rank(r).embed(slices, token_ids); });
+}
+
+Status TpStage::forward(std::span<const SeqSlice> slices) {
+  return on_ranks([&](int r) { return rank(r).forward(slices); });
+}
+
+Status TpStage::logits(std::span<const SeqSlice> slices, bool all_positions, float* out) {
+  return lead().logits(slices, all_positions, out);
+}
+
+Status TpStage::sample(std::span<const SampleRow> rows, int32_t* tokens, float* logprobs) {
+  return lead().sample(rows, tokens, logprobs);
+}
+
+Status TpStage::decode(std::span<const SeqSlice> slices, const int32_t* token_ids, std::span<const SampleRow> sampling,
+                       int32_t* tokens, float* logprobs) {
+  return on_ranks([&](int r) {
+    return r == 0 ? rank(r).decode(slices, token_ids, sampling, tokens, logprobs)
+                  : rank(r).decode(slices, token_ids, {}, nullptr);
+  });
+}
+
+Status TpStage::upload_hidden(const void* src, DType dtype, int64_t num_tokens) {
+  return on_ranks([&](int r) { return rank(r).upload_hidden(src, dtype, num_tokens); });
+}
+
+Status TpStage::download_hidden(void* dst, DType dtype, int64_t num_tokens) {
+  return lead().download_hidden(dst, dtype, num_tokens);
+}
+
+void TpStage::free_sequence(uint64_t seq_id) {
+  for (auto& s : ranks_) s->free_sequence(seq_id);
+}
+
+void TpStage::clear() {
+  for (auto& s : ranks_) s->clear();
+}
+
+int64_t TpStage::kv_bytes_per_token() const {
+  int64_t n = 0;
+  for (const auto& s : ranks_) n += s->kv_bytes_per_token();
+  return n;
+}
+
+int64_t TpStage::weight_bytes() const {
+  int64_t n = 0;
+  for (const auto& s : ranks_) n += s->weight_bytes();
+  return n;
+}
+
+std::string TpStage::memory_report() const {
+  std::ostringstream os;
+  for (size_t r = 0; r < ranks_.size(); ++r) os << (r ? "\n" : "") << ranks_[r]->memory_report();
+  return os.str();
+}
+
+}  // namespace conveyor::cuda

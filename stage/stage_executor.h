@@ -1,0 +1,66 @@
+// StageExecutor: what a stage worker does with one MicroBatch, on any StageBackend (the CPU
+// stage, or a GPU stage).
+//
+//   first stage:  the header's token ids through the layers, activations handed on
+//   middle:       the activations received through the layers, handed on
+//   last stage:   the layers, then ln_f + LM head and the choice of each sequence's next
+//                 token (kernels/cpu/sampling.h), with log-probs, into a BatchResult for the
+//                 coordinator. A backend that samples in place (the GPU: the same algorithm
+//                 and Philox counters) chooses the tokens where its logits are, unless a
+//                 slice asks for top or prompt log-probs: those batches bring their logits
+//                 to the host and are chosen here.
+//
+// The last stage keeps each sequence's token history (every token id that passed through
+// in a header) for the repetition/presence penalties and min_tokens; it is dropped with
+// the sequence's KV cache. The sampling step of a slice is the number of tokens generated
+// so far (history length - prompt_len), so a replayed sequence draws the same tokens.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <unordered_map>
+#include <vector>
+
+#include "common/status.h"
+#include "model/microbatch.h"
+#include "stage/stage_backend.h"
+
+namespace conveyor {
+
+class StageExecutor {
+ public:
+  explicit StageExecutor(std::unique_ptr<StageBackend> backend) : backend_(std::move(backend)) {}
+
+  bool is_first() const { return backend_->has_embedding(); }
+  bool is_last() const { return backend_->has_head(); }
+  const ModelConfig& config() const { return backend_->config(); }
+  StageBackend& backend() { return *backend_; }
+  // The element type of the activations a non-last stage hands on.
+  DType activation_dtype() const { return backend_->activation_dtype(); }
+
+  // Runs `batch`. The first stage embeds the header's token ids; the others take `in`, the
+  // incoming activations [T, C] (batch.activation_dtype, host memory). A non-last stage
+  // writes its outgoing activations where `out` says (called once, also with 0 bytes for a
+  // batch that only frees sequences, so the frees travel on); the last stage fills `result`
+  // with the sampled tokens and log-probs. Frees batch.free_seq_ids first. A batch refused
+  // by the checks changes no sequence's cache; one whose rows find no room in `out` has
+  // already run (either way the coordinator replays the pipeline from a new epoch).
+  Status run(const MicroBatch& batch, std::span<const std::byte> in, const ActivationSink& out, BatchResult* result);
+
+  // Drops every sequence (failover, re-plan): KV caches and token histories.
+  void drop_all();
+  void free_sequence(uint64_t seq_id);
+
+ private:
+  Status run_last(const MicroBatch& batch, StepInput& in, BatchResult& result);
+  // Chooses tokens on the host from `logits` (one row per slice, or every row when all_rows).
+  void sample_on_host(const MicroBatch& batch, const std::vector<float>& logits, bool all_rows, BatchResult& result);
+
+  std::unique_ptr<StageBackend> backend_;
+  std::unordered_map<uint64_t, std::vector<int32_t>> history_;  // last stage only
+  StepOutput step_out_;  // reused: its buffers keep their capacity
+  std::vector<float> scratch_;
+};
+
+}  // namespace conveyor

@@ -1,0 +1,223 @@
+// The REST server's completions endpoint end to end: the model's own text, plain and
+// streamed (one SSE chunk per update), seeded sampling with several choices and logprobs,
+// stop strings, bad requests as 400s naming the field, the core's refusals and failures as
+// status codes or SSE error events, and a client leaving mid-stream. The fixture (a real
+// server over the brown-gpt2 model) is http_server_test_util.h.
+#include "coordinator/rest/http_server.h"
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "tests/coordinator/rest/http_server_test_util.h"
+
+namespace conveyor {
+namespace {
+
+using namespace http_server_test;
+
+TEST_F(HttpServerTest, NonStreamingCompletionIsTheModelsOwnText) {
+  const std::string expected = greedy_text("The jury said", 8);
+  const uint64_t ok_before = metrics_->requests_with_code(200);
+  Reply r = post(port(), kGreedy);
+  ASSERT_EQ(r.status, 200) << r.body();
+  EXPECT_EQ(r.header(http::field::content_type), "application/json");
+  const json doc = r.body_json();
+  EXPECT_EQ(doc["object"], "text_completion");
+  EXPECT_EQ(doc["model"], "brown-gpt2");
+  EXPECT_EQ(std::string(r.message["X-Request-Id"]), doc["id"].get<std::string>());
+  ASSERT_EQ(doc["choices"].size(), 1u);
+  EXPECT_EQ(doc["choices"][0]["text"], expected);
+  EXPECT_EQ(doc["choices"][0]["finish_reason"], "length");
+  EXPECT_EQ(doc["usage"]["completion_tokens"], 8);
+  EXPECT_EQ(doc["usage"]["prompt_tokens"], int(tokenizer_->encode("The jury said").size()));
+  EXPECT_EQ(metrics_->requests_with_code(200), ok_before + 1);
+}
+
+TEST_F(HttpServerTest, StreamingSendsOneChunkPerUpdateAndTheSameText) {
+  const std::string expected = greedy_text("The jury said", 8);
+  const uint64_t ttft_before = metrics_->time_to_first_token_count();
+  const uint64_t itl_before = metrics_->inter_token_latency_count();
+  json body = kGreedy;
+  body["stream"] = true;
+  Reply r = post(port(), body);
+  ASSERT_EQ(r.status, 200) << r.body();
+  EXPECT_EQ(r.header(http::field::content_type), "text/event-stream");
+  EXPECT_TRUE(r.message.chunked());
+  const std::vector<std::string> events = sse_data(r.body());
+  ASSERT_EQ(events.size(), 8u + 1u);  // one per token, then [DONE]
+  EXPECT_EQ(events.back(), "[DONE]");
+  std::string text;
+  for (size_t i = 0; i + 1 < events.size(); ++i) {
+    const json chunk = json::parse(events[i]);
+    EXPECT_EQ(chunk["object"], "text_completion");
+    ASSERT_EQ(chunk["choices"].size(), 1u);
+    text += chunk["choices"][0]["text"].get<std::string>();
+    const bool last = i + 2 == events.size();
+    EXPECT_EQ(chunk["choices"][0]["finish_reason"].is_null(), !last);
+    EXPECT_EQ(chunk.contains("usage"), last);
+    if (last) {
+      EXPECT_EQ(chunk["usage"]["completion_tokens"], 8);
+    }
+  }
+  EXPECT_EQ(text, expected);
+  EXPECT_EQ(metrics_->time_to_first_token_count(), ttft_before + 1);
+  EXPECT_EQ(metrics_->inter_token_latency_count(), itl_before + 7);
+}
+
+TEST_F(HttpServerTest, SeededSamplingWithSeveralChoicesIsReproducible) {
+  const json body = {{"prompt", {"The jury", "It was"}}, {"max_tokens", 6}, {"n", 2},          {"temperature", 0.9},
+                     {"seed", 7},                        {"logprobs", 2},  {"echo", true},    {"return_token_ids", true},
+                     {"ignore_eos", true}};
+  Reply a = post(port(), body), b = post(port(), body);
+  ASSERT_EQ(a.status, 200) << a.body();
+  ASSERT_EQ(b.status, 200) << b.body();
+  const json da = a.body_json(), db = b.body_json();
+  ASSERT_EQ(da["choices"].size(), 4u);
+  for (size_t c = 0; c < 4; ++c) {
+    const json& ch = da["choices"][c];
+    EXPECT_EQ(ch["index"], c);
+    EXPECT_EQ(ch["text"], db["choices"][c]["text"]);
+    const std::string prompt = c < 2 ? "The jury" : "It was";
+    EXPECT_TRUE(ch["text"].get<std::string>().starts_with(prompt)) << ch["text"];
+    const size_t prompt_len = tokenizer_->encode(prompt).size();
+    EXPECT_EQ(ch["logprobs"]["tokens"].size(), prompt_len + 6);
+    EXPECT_TRUE(ch["logprobs"]["token_logprobs"][0].is_null());
+    EXPECT_LE(ch["logprobs"]["token_logprobs"][prompt_len].get<double>(), 0.0);
+    EXPECT_GE(ch["logprobs"]["top_logprobs"][prompt_len].size(), 2u);
+    EXPECT_EQ(ch["token_ids"].size(), 6u);
+    // The returned ids are what the text says.
+    std::vector<int32_t> ids = ch["token_ids"];
+    EXPECT_EQ(prompt + tokenizer_->decode(ids), ch["text"].get<std::string>());
+  }
+  // Two samples of one prompt differ (seeded by choice), and a different seed changes them.
+  EXPECT_NE(da["choices"][0]["token_ids"], da["choices"][1]["token_ids"]);
+  json other = body;
+  other["seed"] = 8;
+  EXPECT_NE(post(port(), other).body_json()["choices"][0]["token_ids"], da["choices"][0]["token_ids"]);
+}
+
+TEST_F(HttpServerTest, StopStringEndsTheText) {
+  const std::string full = greedy_text("The jury said", 12);
+  ASSERT_GT(full.size(), 8u);
+  const std::string stop = full.substr(full.size() / 2, 3);
+  json body = kGreedy;
+  body["max_tokens"] = 12;
+  body["stop"] = stop;
+  Reply r = post(port(), body);
+  ASSERT_EQ(r.status, 200) << r.body();
+  const json doc = r.body_json();
+  EXPECT_EQ(doc["choices"][0]["text"], full.substr(0, full.find(stop)));
+  EXPECT_EQ(doc["choices"][0]["finish_reason"], "stop");
+}
+
+TEST_F(HttpServerTest, BadRequestsAre400sNamingTheField) {
+  struct Case {
+    std::string body;
+    std::string param;  // "" = null
+  };
+  std::string long_prompt = "[";
+  for (int i = 0; i < 300; ++i) long_prompt += (i ? ",5" : "5");
+  long_prompt += "]";
+  const std::vector<Case> cases = {
+      {"{\"prompt\": \"x\"", ""},                                    // malformed JSON
+      {"[1,2,3]", ""},                                               // not an object
+      {R"({"prompt": "x", "max_tokens": "ten"})", "max_tokens"},     // wrong type
+      {R"({"prompt": "x", "temperature": "warm"})", "temperature"},
+      {R"({"prompt": "x", "max_tokens": 300})", "max_tokens"},       // beyond the context
+      {R"({"prompt": ""})", "prompt"},                               // empty
+      {R"({"prompt": []})", "prompt"},
+      {"{\"prompt\": " + long_prompt + "}", "prompt"},               // longer than n_positions
+      {R"({"prompt": [1, 2, 4096]})", "prompt"},                     // outside the vocabulary
+      {R"({"prompt": [-5]})", "prompt"},
+      {R"({"prompt": "x", "frobnicate": 1})", "frobnicate"},         // unknown field
+      {R"({"prompt": "x", "logit_bias": {"1": 5}})", "logit_bias"},
+      {R"({"prompt": "x", "stop": ["a","b","c","d","e"]})", "stop"},
+  };
+  const uint64_t before = metrics_->requests_with_code(400);
+  const int accepted_before = backend_->accepted();
+  for (const Case& c : cases) {
+    Reply r = call(port(), http::verb::post, "/v1/completions", c.body);
+    EXPECT_EQ(r.status, 400) << c.body << " -> " << r.body();
+    const json err = r.body_json()["error"];
+    EXPECT_EQ(err["type"], "invalid_request_error") << r.body();
+    if (c.param.empty()) {
+      EXPECT_TRUE(err["param"].is_null()) << r.body();
+    } else {
+      EXPECT_EQ(err["param"], c.param) << r.body();
+    }
+    EXPECT_FALSE(err["message"].get<std::string>().empty());
+    EXPECT_TRUE(err.contains("code"));
+  }
+  EXPECT_EQ(metrics_->requests_with_code(400), before + cases.size());
+  EXPECT_EQ(backend_->accepted(), accepted_before);  // nothing bad reached the core
+  // A model the server does not serve: 404 as OpenAI does.
+  Reply wrong_model = post(port(), {{"model", "gpt-4"}, {"prompt", "x"}});
+  EXPECT_EQ(wrong_model.status, 404);
+  EXPECT_EQ(wrong_model.body_json()["error"]["code"], "model_not_found");
+}
+
+TEST_F(HttpServerTest, RefusalsMapToStatusCodes) {
+  backend_->mode = EngineBackend::Mode::QueueFull;
+  Reply full = post(port(), kGreedy);
+  EXPECT_EQ(full.status, 429);
+  EXPECT_EQ(full.body_json()["error"]["type"], "rate_limit_error");
+  EXPECT_EQ(full.body_json()["error"]["message"], "the queue is full (64 requests)");
+  backend_->mode = EngineBackend::Mode::Unavailable;
+  Reply unavailable = post(port(), kGreedy);
+  EXPECT_EQ(unavailable.status, 503);
+  EXPECT_EQ(unavailable.body_json()["error"]["message"], "no pipeline is ready");
+  json streaming = kGreedy;
+  streaming["stream"] = true;
+  EXPECT_EQ(post(port(), streaming).status, 503);  // refused before any byte of a stream
+  backend_->mode = EngineBackend::Mode::Invalid;
+  EXPECT_EQ(post(port(), kGreedy).status, 400);
+  backend_->mode = EngineBackend::Mode::Serve;
+  EXPECT_EQ(post(port(), kGreedy).status, 200);
+}
+
+TEST_F(HttpServerTest, CoreFailureIs500OrAnSseErrorEvent) {
+  backend_->mode = EngineBackend::Mode::FailMidway;
+  Reply plain = post(port(), kGreedy);
+  EXPECT_EQ(plain.status, 500);
+  EXPECT_EQ(plain.body_json()["error"]["type"], "server_error");
+  EXPECT_NE(plain.body_json()["error"]["message"].get<std::string>().find("lost stage 1"), std::string::npos);
+
+  json body = kGreedy;
+  body["stream"] = true;
+  Connection c(port());
+  Reply streamed = c.call(http::verb::post, "/v1/completions", body.dump());
+  EXPECT_EQ(streamed.status, 200);
+  const std::vector<std::string> events = sse_data(streamed.body());
+  ASSERT_EQ(events.size(), 3u) << streamed.body();  // two updates, then the error
+  EXPECT_TRUE(json::parse(events[0]).contains("choices"));
+  const json err = json::parse(events[2]);
+  EXPECT_EQ(err["error"]["type"], "server_error");
+  EXPECT_EQ(streamed.body().find("[DONE]"), std::string::npos);
+  EXPECT_TRUE(c.closed_by_peer());
+}
+
+TEST_F(HttpServerTest, ClientDisconnectMidStreamHarmsNothing) {
+  backend_->update_delay_ms = 30;
+  const int done_before = backend_->done();
+  {
+    Connection c(port());
+    json body = {{"prompt", "The jury said"}, {"max_tokens", 30}, {"stream", true}, {"ignore_eos", true}};
+    const std::string text = body.dump();
+    c.send_raw("POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: " + std::to_string(text.size()) +
+               "\r\n\r\n" + text);
+    const std::string got = c.read_until("data: ");
+    ASSERT_NE(got.find("200 OK"), std::string::npos) << got;
+    c.socket.close();  // gone, mid-stream
+  }
+  // The request still completes in the core; the server drops its output and keeps serving.
+  ASSERT_TRUE(backend_->wait_done(done_before + 1));
+  backend_->update_delay_ms = 0;
+  EXPECT_EQ(post(port(), kGreedy).status, 200);
+  EXPECT_EQ(call(port(), http::verb::get, "/metrics").status, 200);
+}
+
+}  // namespace
+}  // namespace conveyor

@@ -1,0 +1,516 @@
+#include "coordinator/rest/openai_api.h"
+
+#include <cmath>
+#include <set>
+
+#include <gtest/gtest.h>
+
+#include "tests/test_util.h"
+
+namespace conveyor {
+namespace {
+
+using nlohmann::json;
+constexpr const char* kModel = "brown-gpt2";
+
+const Tokenizer& tok() {
+  static const Tokenizer t = Tokenizer::load(testing::source_dir() + "/models/brown-gpt2").value();
+  return t;
+}
+
+const ModelConfig& cfg() {
+  static const ModelConfig c = load_model_config(testing::source_dir() + "/models/brown-gpt2").value();
+  return c;
+}
+
+struct Parsed {
+  Expected<CompletionRequest> request;
+  ApiError error;
+};
+
+Parsed parse(const json& body, const ApiLimits& limits = {}) {
+  ApiError error;
+  Expected<CompletionRequest> r = parse_completion_request(body, tok(), cfg(), limits, kModel, &error);
+  return {std::move(r), error};
+}
+
+CompletionRequest ok(const json& body) {
+  Parsed p = parse(body);
+  EXPECT_TRUE(p.request.ok()) << body.dump() << " -> " << p.request.error();
+  return p.request.ok() ? std::move(p.request).value() : CompletionRequest{};
+}
+
+// Expects a refusal naming `param` (HTTP 400 unless told otherwise); returns the message.
+std::string refused(const json& body, const std::string& param, int status = 400) {
+  Parsed p = parse(body);
+  EXPECT_FALSE(p.request.ok()) << "accepted: " << body.dump();
+  EXPECT_EQ(p.error.param, param) << body.dump() << " -> " << p.error.message;
+  EXPECT_EQ(p.error.http_status, status) << body.dump();
+  EXPECT_EQ(p.error.type, "invalid_request_error");
+  EXPECT_FALSE(p.error.message.empty());
+  if (!p.request.ok()) {
+    EXPECT_EQ(p.request.error(), p.error.message);
+  }
+  return p.error.message;
+}
+
+json with(json base, const std::string& key, json value) {
+  base[key] = std::move(value);
+  return base;
+}
+
+const json kBase = {{"model", kModel}, {"prompt", "The jury said"}};
+
+std::vector<int32_t> ids_of_length(size_t n) {
+  std::vector<int32_t> ids(n);
+  for (size_t i = 0; i < n; ++i) ids[i] = int32_t(10 + i % 1000);
+  return ids;
+}
+
+// --- parsing -------------------------------------------------------------------------
+
+TEST(ParseCompletion, DefaultsForAMinimalRequest) {
+  CompletionRequest r = ok({{"prompt", "The jury said"}});
+  EXPECT_EQ(r.model, kModel);
+  ASSERT_EQ(r.prompts.size(), 1u);
+  EXPECT_EQ(r.prompts[0], tok().encode("The jury said"));
+  EXPECT_EQ(r.max_tokens, 16);
+  EXPECT_EQ(r.n, 1);
+  EXPECT_FALSE(r.stream);
+  EXPECT_FALSE(r.echo);
+  EXPECT_EQ(r.logprobs, -1);
+  EXPECT_TRUE(r.stop.empty());
+  EXPECT_FALSE(r.return_token_ids);
+  EXPECT_FALSE(r.ignore_eos);
+  EXPECT_FLOAT_EQ(r.sampling.temperature, 1.0f);
+  EXPECT_FLOAT_EQ(r.sampling.top_p, 1.0f);
+  EXPECT_EQ(r.sampling.top_k, 0);
+  EXPECT_FLOAT_EQ(r.sampling.repetition_penalty, 1.0f);
+  // The end-of-text token stops generation (and min_tokens masks it).
+  EXPECT_EQ(r.sampling.stop_token_ids, std::vector<int32_t>{0});
+  EXPECT_TRUE(r.id.starts_with("cmpl-"));
+  EXPECT_GT(r.id.size(), 20u);
+}
+
+TEST(ParseCompletion, AbsentSeedDrawsADifferentRandomSeedEachTime) {
+  std::set<uint64_t> seeds;
+  std::set<std::string> ids;
+  for (int i = 0; i < 8; ++i) {
+    CompletionRequest r = ok(kBase);
+    seeds.insert(r.sampling.seed);
+    ids.insert(r.id);
+  }
+  EXPECT_EQ(seeds.size(), 8u);
+  EXPECT_EQ(ids.size(), 8u);
+}
+
+TEST(ParseCompletion, EveryFieldIsRead) {
+  CompletionRequest r = ok({{"model", kModel},
+                            {"prompt", "Hello"},
+                            {"max_tokens", 7},
+                            {"temperature", 0.5},
+                            {"top_p", 0.9},
+                            {"top_k", 40},
+                            {"n", 3},
+                            {"stream", true},
+                            {"stream_options", {{"include_usage", true}}},
+                            {"logprobs", 5},
+                            {"echo", true},
+                            {"stop", {"\n", "."}},
+                            {"seed", 1234},
+                            {"presence_penalty", 0.5},
+                            {"frequency_penalty", -0.5},
+                            {"repetition_penalty", 1.3},
+                            {"min_tokens", 2},
+                            {"return_token_ids", true},
+                            {"ignore_eos", true},
+                            {"user", "someone"},
+                            {"best_of", 3},
+                            {"logit_bias", json::object()},
+                            {"suffix", nullptr}});
+  EXPECT_EQ(r.max_tokens, 7);
+  EXPECT_FLOAT_EQ(r.sampling.temperature, 0.5f);
+  EXPECT_FLOAT_EQ(r.sampling.top_p, 0.9f);
+  EXPECT_EQ(r.sampling.top_k, 40);
+  EXPECT_EQ(r.n, 3);
+  EXPECT_EQ(r.num_choices(), 3u);
+  EXPECT_TRUE(r.stream);
+  EXPECT_EQ(r.logprobs, 5);
+  EXPECT_TRUE(r.echo);
+  EXPECT_EQ(r.stop, (std::vector<std::string>{"\n", "."}));
+  EXPECT_EQ(r.sampling.seed, 1234u);
+  EXPECT_FLOAT_EQ(r.sampling.presence_penalty, 0.5f);
+  EXPECT_FLOAT_EQ(r.sampling.frequency_penalty, -0.5f);
+  EXPECT_FLOAT_EQ(r.sampling.repetition_penalty, 1.3f);
+  EXPECT_EQ(r.sampling.min_tokens, 2);
+  EXPECT_TRUE(r.return_token_ids);
+  EXPECT_TRUE(r.ignore_eos);
+  EXPECT_TRUE(r.sampling.stop_token_ids.empty());  // ignore_eos: eos is not a stop id
+}
+
+TEST(ParseCompletion, NullMeansDefault) {
+  CompletionRequest r = ok({{"prompt", "Hi"}, {"max_tokens", nullptr}, {"temperature", nullptr}, {"logprobs", nullptr},
+                            {"stop", nullptr}, {"n", nullptr}, {"model", nullptr}});
+  EXPECT_EQ(r.max_tokens, 16);
+  EXPECT_EQ(r.logprobs, -1);
+  EXPECT_EQ(r.n, 1);
+  EXPECT_TRUE(r.stop.empty());
+}
+
+TEST(ParseCompletion, PromptForms) {
+  CompletionRequest ids = ok(with(kBase, "prompt", {5, 6, 7}));
+  ASSERT_EQ(ids.prompts.size(), 1u);
+  EXPECT_EQ(ids.prompts[0], (std::vector<int32_t>{5, 6, 7}));
+
+  CompletionRequest strings = ok(with(kBase, "prompt", {"Hello", "The end"}));
+  ASSERT_EQ(strings.prompts.size(), 2u);
+  EXPECT_EQ(strings.prompts[1], tok().encode("The end"));
+
+  CompletionRequest arrays = ok(with(with(kBase, "prompt", {{1, 2}, {3}}), "n", 2));
+  ASSERT_EQ(arrays.prompts.size(), 2u);
+  EXPECT_EQ(arrays.prompts[1], std::vector<int32_t>{3});
+  EXPECT_EQ(arrays.num_choices(), 4u);
+
+  // The largest and smallest ids are accepted.
+  ok(with(kBase, "prompt", {0, 4095}));
+}
+
+TEST(ParseCompletion, BadPrompts) {
+  refused({{"model", kModel}}, "prompt");
+  refused(with(kBase, "prompt", ""), "prompt");
+  refused(with(kBase, "prompt", json::array()), "prompt");
+  refused(with(kBase, "prompt", {""}), "prompt");
+  refused(with(kBase, "prompt", {json::array()}), "prompt");
+  refused(with(kBase, "prompt", 5.5), "prompt");
+  refused(with(kBase, "prompt", 42), "prompt");
+  refused(with(kBase, "prompt", {{"a", 1}}), "prompt");
+  refused(with(kBase, "prompt", {1, "a"}), "prompt");
+  refused(with(kBase, "prompt", {"a", 1}), "prompt");
+  refused(with(kBase, "prompt", {{1}, "a"}), "prompt");
+  refused(with(kBase, "prompt", {1.5}), "prompt");
+  EXPECT_NE(refused(with(kBase, "prompt", {4096}), "prompt").find("4096"), std::string::npos);
+  EXPECT_NE(refused(with(kBase, "prompt", {-1}), "prompt").find("-1"), std::string::npos);
+  refused(with(kBase, "prompt", {{1, 2}, {99999}}), "prompt");
+  const std::string msg = refused(with(kBase, "prompt", ids_of_length(257)), "prompt");
+  EXPECT_NE(msg.find("257"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("256"), std::string::npos) << msg;
+  ApiLimits limits;
+  limits.max_prompts = 2;
+  Parsed p = parse(with(kBase, "prompt", {"a", "b", "c"}), limits);
+  EXPECT_FALSE(p.request.ok());
+  EXPECT_EQ(p.error.param, "prompt");
+}
+
+TEST(ParseCompletion, ModelMustBeTheServedOne) {
+  refused(with(kBase, "model", "gpt-4"), "model", 404);
+  EXPECT_EQ(parse(with(kBase, "model", "gpt-4")).error.code, "model_not_found");
+  refused(with(kBase, "model", 3), "model");
+  // A server with no name accepts any model and echoes it.
+  Expected<CompletionRequest> r = parse_completion_request(with(kBase, "model", "anything"), tok(), cfg(), {}, "");
+  ASSERT_TRUE(r.ok());
+  EXPECT_EQ(r->model, "anything");
+}
+
+TEST(ParseCompletion, MaxTokens) {
+  refused(with(kBase, "max_tokens", 0), "max_tokens");
+  refused(with(kBase, "max_tokens", -3), "max_tokens");
+  EXPECT_NE(refused(with(kBase, "max_tokens", "5"), "max_tokens").find("integer"), std::string::npos);
+  refused(with(kBase, "max_tokens", 1.5), "max_tokens");
+  refused(with(kBase, "max_tokens", true), "max_tokens");
+  refused(with(kBase, "max_tokens", uint64_t(1) << 40), "max_tokens");
+  // Prompt + max_tokens beyond the context: the message gives the numbers.
+  const std::string msg = refused(with(with(kBase, "prompt", ids_of_length(250)), "max_tokens", 10), "max_tokens");
+  EXPECT_NE(msg.find("256"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("260"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("250"), std::string::npos) << msg;
+  EXPECT_EQ(ok(with(with(kBase, "prompt", ids_of_length(250)), "max_tokens", 6)).max_tokens, 6);
+  // Without max_tokens the default shrinks to fit; a full context has no room at all.
+  EXPECT_EQ(ok(with(kBase, "prompt", ids_of_length(250))).max_tokens, 6);
+  refused(with(kBase, "prompt", ids_of_length(256)), "max_tokens");
+  // The longest of several prompts decides.
+  refused(with(with(kBase, "prompt", {ids_of_length(10), ids_of_length(250)}), "max_tokens", 7), "max_tokens");
+}
+
+TEST(ParseCompletion, SamplingRanges) {
+  ok(with(kBase, "temperature", 0));
+  ok(with(kBase, "temperature", 2));
+  refused(with(kBase, "temperature", 2.5), "temperature");
+  refused(with(kBase, "temperature", -0.1), "temperature");
+  EXPECT_NE(refused(with(kBase, "temperature", "hot"), "temperature").find("number"), std::string::npos);
+
+  ok(with(kBase, "top_p", 1));
+  refused(with(kBase, "top_p", 0), "top_p");
+  refused(with(kBase, "top_p", 1.01), "top_p");
+  refused(with(kBase, "top_p", "x"), "top_p");
+
+  ok(with(kBase, "top_k", 0));
+  refused(with(kBase, "top_k", -1), "top_k");
+  refused(with(kBase, "top_k", 2.5), "top_k");
+
+  refused(with(kBase, "presence_penalty", 2.1), "presence_penalty");
+  refused(with(kBase, "presence_penalty", "x"), "presence_penalty");
+  refused(with(kBase, "frequency_penalty", -2.5), "frequency_penalty");
+  ok(with(with(kBase, "frequency_penalty", -2), "presence_penalty", 2));
+
+  refused(with(kBase, "repetition_penalty", 0), "repetition_penalty");
+  refused(with(kBase, "repetition_penalty", -1), "repetition_penalty");
+  refused(with(kBase, "repetition_penalty", false), "repetition_penalty");
+
+  refused(with(kBase, "min_tokens", -1), "min_tokens");
+  refused(with(with(kBase, "min_tokens", 20), "max_tokens", 10), "min_tokens");
+  refused(with(kBase, "min_tokens", "2"), "min_tokens");
+}
+
+TEST(ParseCompletion, ChoicesStreamLogprobsEcho) {
+  refused(with(kBase, "n", 0), "n");
+  refused(with(kBase, "n", 17), "n");
+  refused(with(kBase, "n", "2"), "n");
+  EXPECT_EQ(ok(with(kBase, "n", 16)).n, 16);
+
+  refused(with(kBase, "stream", "true"), "stream");
+  refused(with(kBase, "stream", 1), "stream");
+  refused(with(kBase, "stream_options", {{"include_usage", true}}), "stream_options");  // needs stream
+  refused(with(with(kBase, "stream", true), "stream_options", {{"bogus", true}}), "stream_options");
+  refused(with(with(kBase, "stream", true), "stream_options", 3), "stream_options");
+
+  EXPECT_EQ(ok(with(kBase, "logprobs", 0)).logprobs, 0);
+  EXPECT_EQ(ok(with(kBase, "logprobs", 20)).logprobs, 20);
+  refused(with(kBase, "logprobs", 21), "logprobs");
+  refused(with(kBase, "logprobs", -1), "logprobs");
+  refused(with(kBase, "logprobs", true), "logprobs");
+
+  refused(with(kBase, "echo", "yes"), "echo");
+  refused(with(kBase, "return_token_ids", 1), "return_token_ids");
+  refused(with(kBase, "ignore_eos", "no"), "ignore_eos");
+}
+
+TEST(ParseCompletion, Stop) {
+  EXPECT_EQ(ok(with(kBase, "stop", "\n")).stop, std::vector<std::string>{"\n"});
+  EXPECT_EQ(ok(with(kBase, "stop", {"a", "b", "c", "d"})).stop.size(), 4u);
+  refused(with(kBase, "stop", ""), "stop");
+  refused(with(kBase, "stop", {"a", ""}), "stop");
+  refused(with(kBase, "stop", {"a", "b", "c", "d", "e"}), "stop");
+  refused(with(kBase, "stop", {1}), "stop");
+  refused(with(kBase, "stop", 5), "stop");
+}
+
+TEST(ParseCompletion, Seed) {
+  EXPECT_EQ(ok(with(kBase, "seed", 42)).sampling.seed, 42u);
+  EXPECT_EQ(ok(with(kBase, "seed", -1)).sampling.seed, UINT64_MAX);
+  EXPECT_EQ(ok(with(kBase, "seed", UINT64_MAX)).sampling.seed, UINT64_MAX);
+  refused(with(kBase, "seed", "42"), "seed");
+  refused(with(kBase, "seed", 4.2), "seed");
+}
+
+TEST(ParseCompletion, UnsupportedOpenAIFields) {
+  ok(with(kBase, "best_of", 1));
+  ok(with(with(kBase, "best_of", 2), "n", 2));
+  EXPECT_NE(refused(with(kBase, "best_of", 2), "best_of").find("not supported"), std::string::npos);
+  refused(with(kBase, "best_of", "2"), "best_of");
+  EXPECT_NE(refused(with(kBase, "logit_bias", {{"50256", -100}}), "logit_bias").find("not supported"),
+            std::string::npos);
+  refused(with(kBase, "logit_bias", 5), "logit_bias");
+  EXPECT_NE(refused(with(kBase, "suffix", "end"), "suffix").find("not supported"), std::string::npos);
+  ok(with(kBase, "suffix", ""));
+  refused(with(kBase, "suffix", 1), "suffix");
+  refused(with(kBase, "user", 5), "user");
+}
+
+TEST(ParseCompletion, UnknownFieldIsNamed) {
+  EXPECT_NE(refused(with(kBase, "temprature", 0.5), "temprature").find("temprature"), std::string::npos);
+  refused(with(kBase, "messages", json::array()), "messages");
+}
+
+TEST(ParseCompletion, WrongBodies) {
+  ApiError error;
+  Expected<CompletionRequest> r = parse_completion_body("{\"prompt\": \"x\",", tok(), cfg(), {}, kModel, &error);
+  EXPECT_FALSE(r.ok());
+  EXPECT_EQ(error.http_status, 400);
+  EXPECT_NE(error.message.find("JSON"), std::string::npos) << error.message;
+  r = parse_completion_body("", tok(), cfg(), {}, kModel, &error);
+  EXPECT_FALSE(r.ok());
+  r = parse_completion_body("[1, 2]", tok(), cfg(), {}, kModel, &error);
+  EXPECT_FALSE(r.ok());
+  EXPECT_NE(error.message.find("object"), std::string::npos) << error.message;
+  r = parse_completion_body(R"({"prompt": "ok", "max_tokens": 3})", tok(), cfg(), {}, kModel, &error);
+  EXPECT_TRUE(r.ok()) << r.error();
+}
+
+TEST(ApiErrors, OpenAIShape) {
+  EXPECT_EQ(error_json(api_error(400, "bad", "max_tokens")),
+            json::parse(R"({"error": {"message": "bad", "type": "invalid_request_error", "param": "max_tokens", "code": null}})"));
+  EXPECT_EQ(error_json(api_error(429, "full", "", "rate_limit_error", "queue_full")),
+            json::parse(R"({"error": {"message": "full", "type": "rate_limit_error", "param": null, "code": "queue_full"}})"));
+  // Invalid UTF-8 in a message does not throw.
+  EXPECT_EQ(error_body(api_error(400, "bad \xff")),
+            R"({"error":{"code":null,"message":"bad )" "\xef\xbf\xbd" R"(","param":null,"type":"invalid_request_error"}})");
+}
+
+// --- responses -----------------------------------------------------------------------
+
+std::shared_ptr<CompletionRequest> request_for(const json& body) {
+  auto r = std::make_shared<CompletionRequest>(ok(body));
+  r->id = "cmpl-test";
+  return r;
+}
+
+ChoiceUpdate update(size_t choice, std::vector<int32_t> ids, std::string text,
+                    std::optional<std::string> finish = std::nullopt) {
+  ChoiceUpdate u;
+  u.choice = choice;
+  for (int32_t id : ids) u.tokens.push_back(TokenOut{id, -1.5f, {}});
+  u.text = std::move(text);
+  u.finish_reason = std::move(finish);
+  return u;
+}
+
+int32_t id_of(const std::string& text) {
+  std::vector<int32_t> ids = tok().encode(text);
+  EXPECT_EQ(ids.size(), 1u) << text;
+  return ids.empty() ? 0 : ids[0];
+}
+
+TEST(CompletionResponse, NonStreamingDocument) {
+  auto req = request_for({{"prompt", "The jury"}, {"max_tokens", 3}});
+  CompletionResponseBuilder b(req, tok(), 1700000000);
+  const int32_t a = id_of(" said"), c = id_of(" it");
+  b.add(update(0, {a}, " said"));
+  b.add(update(0, {c}, " it", "length"));
+  EXPECT_TRUE(b.all_finished());
+  const int64_t prompt_tokens = int64_t(req->prompts[0].size());
+  const json expected = {
+      {"id", "cmpl-test"},
+      {"object", "text_completion"},
+      {"created", 1700000000},
+      {"model", kModel},
+      {"choices", {{{"text", " said it"}, {"index", 0}, {"logprobs", nullptr}, {"finish_reason", "length"}}}},
+      {"usage", {{"prompt_tokens", prompt_tokens}, {"completion_tokens", 2}, {"total_tokens", prompt_tokens + 2}}}};
+  EXPECT_EQ(b.response(), expected) << b.response().dump(2);
+}
+
+TEST(CompletionResponse, SeveralPromptsAndChoicesWithEchoAndTokenIds) {
+  auto req = request_for({{"prompt", {"A", "B"}}, {"n", 2}, {"echo", true}, {"return_token_ids", true}});
+  CompletionResponseBuilder b(req, tok(), 1);
+  // Interleaved updates, as the core may send them.
+  b.add(update(3, {7}, "x"));
+  b.add(update(0, {8}, "y", "stop"));
+  b.add(update(1, {9}, "z", "length"));
+  b.add(update(2, {10}, "w", "length"));
+  EXPECT_FALSE(b.all_finished());
+  b.add(update(3, {11}, "v", "length"));
+  EXPECT_TRUE(b.all_finished());
+  const json doc = b.response();
+  ASSERT_EQ(doc["choices"].size(), 4u);
+  EXPECT_EQ(doc["choices"][0]["text"], "Ay");
+  EXPECT_EQ(doc["choices"][0]["finish_reason"], "stop");
+  EXPECT_EQ(doc["choices"][1]["text"], "Az");
+  EXPECT_EQ(doc["choices"][2]["text"], "Bw");
+  EXPECT_EQ(doc["choices"][3]["text"], "Bxv");
+  EXPECT_EQ(doc["choices"][3]["index"], 3);
+  EXPECT_EQ(doc["choices"][3]["token_ids"], json({7, 11}));
+  EXPECT_EQ(doc["choices"][3]["prompt_token_ids"], json(tok().encode("B")));
+  // Each prompt counts once in usage, whatever n is.
+  EXPECT_EQ(doc["usage"]["prompt_tokens"], int64_t(tok().encode("A").size() + tok().encode("B").size()));
+  EXPECT_EQ(doc["usage"]["completion_tokens"], 5);
+}
+
+TEST(CompletionResponse, LogprobsWithEchoFollowOpenAIShape) {
+  auto req = request_for({{"prompt", "The jury"}, {"logprobs", 1}, {"echo", true}});
+  const std::vector<int32_t>& prompt = req->prompts[0];
+  ASSERT_GE(prompt.size(), 2u);
+  CompletionResponseBuilder b(req, tok(), 1);
+  ChoiceUpdate u = update(0, {id_of(" said")}, " said");
+  u.tokens[0].logprob = -0.5f;
+  u.tokens[0].top = {{id_of(" was"), -0.25f}};  // the chosen token is not the top one
+  for (size_t i = 0; i < prompt.size(); ++i)
+    u.prompt_tokens.push_back(TokenOut{prompt[i], i == 0 ? NAN : -2.0f, i == 0 ? std::vector<std::pair<int32_t, float>>{}
+                                                                              : std::vector<std::pair<int32_t, float>>{{prompt[i], -2.0f}}});
+  b.add(u);
+  ChoiceUpdate last = update(0, {id_of(" it")}, " it", "length");
+  last.tokens[0].logprob = -1.0f;
+  last.tokens[0].top = {{id_of(" it"), -1.0f}};
+  b.add(last);
+  const json lp = b.response()["choices"][0]["logprobs"];
+  const size_t n = prompt.size() + 2;
+  ASSERT_EQ(lp["tokens"].size(), n);
+  ASSERT_EQ(lp["token_logprobs"].size(), n);
+  ASSERT_EQ(lp["top_logprobs"].size(), n);
+  ASSERT_EQ(lp["text_offset"].size(), n);
+  EXPECT_EQ(lp["tokens"][0], tok().token_bytes(prompt[0]));
+  EXPECT_TRUE(lp["token_logprobs"][0].is_null());  // the first prompt token has no context
+  EXPECT_TRUE(lp["top_logprobs"][0].is_null());
+  EXPECT_EQ(lp["token_logprobs"][1], -2.0);
+  EXPECT_EQ(lp["tokens"][n - 2], " said");
+  EXPECT_EQ(lp["token_logprobs"][n - 2], -0.5);
+  EXPECT_EQ(lp["top_logprobs"][n - 2], json({{" was", -0.25}, {" said", -0.5}}));  // chosen always listed
+  EXPECT_EQ(lp["top_logprobs"][n - 1], json({{" it", -1.0}}));
+  // Byte offsets into the returned text, the echoed prompt first.
+  const std::string text = b.response()["choices"][0]["text"];
+  EXPECT_EQ(text, "The jury said it");
+  EXPECT_EQ(lp["text_offset"][0], 0);
+  EXPECT_EQ(lp["text_offset"][n - 2], 8);   // " said" starts after "The jury"
+  EXPECT_EQ(lp["text_offset"][n - 1], 13);  // " it"
+}
+
+TEST(CompletionResponse, LogprobsWithoutEchoStartAtZero) {
+  auto req = request_for({{"prompt", "The jury"}, {"logprobs", 0}});
+  CompletionResponseBuilder b(req, tok(), 1);
+  b.add(update(0, {id_of(" said"), id_of(" it")}, " said it", "length"));
+  const json lp = b.response()["choices"][0]["logprobs"];
+  EXPECT_EQ(lp["tokens"], json({" said", " it"}));
+  EXPECT_EQ(lp["text_offset"], json({0, 5}));
+  EXPECT_EQ(lp["top_logprobs"][0], json({{" said", -1.5}}));  // logprobs 0: just the chosen token
+}
+
+TEST(CompletionResponse, TokenStringsAreValidUtf8) {
+  const int32_t partial = tok().token_id("\xc3\xa2").value();  // the byte-level symbol of byte 0xE2
+  ASSERT_EQ(tok().token_bytes(partial), "\xe2");
+  EXPECT_EQ(token_display_string(tok(), partial), "bytes:\\xe2");
+  EXPECT_EQ(token_display_string(tok(), id_of(" said")), " said");
+  // A text delta with a broken character is replaced, not thrown on.
+  auto req = request_for({{"prompt", "x"}, {"logprobs", 0}});
+  CompletionResponseBuilder b(req, tok(), 1);
+  const std::string event = b.sse_chunk(update(0, {partial}, "\xe2", "length"));
+  EXPECT_NE(event.find("\"bytes:\\\\xe2\""), std::string::npos) << event;
+  EXPECT_NE(event.find("\"text\":\"\xef\xbf\xbd\""), std::string::npos) << event;
+  EXPECT_NO_THROW(json::parse(event.substr(6)));
+}
+
+TEST(CompletionResponse, SseGolden) {
+  auto req = request_for({{"prompt", "The jury"}, {"stream", true}});
+  const int64_t p = int64_t(req->prompts[0].size());
+  CompletionResponseBuilder b(req, tok(), 1700000000);
+  EXPECT_EQ(b.sse_chunk(update(0, {id_of(" said")}, " said")),
+            "data: {\"choices\":[{\"finish_reason\":null,\"index\":0,\"logprobs\":null,\"text\":\" said\"}],"
+            "\"created\":1700000000,\"id\":\"cmpl-test\",\"model\":\"brown-gpt2\",\"object\":\"text_completion\"}\n\n");
+  EXPECT_EQ(b.sse_chunk(update(0, {id_of(" it")}, " it", "stop")),
+            "data: {\"choices\":[{\"finish_reason\":\"stop\",\"index\":0,\"logprobs\":null,\"text\":\" it\"}],"
+            "\"created\":1700000000,\"id\":\"cmpl-test\",\"model\":\"brown-gpt2\",\"object\":\"text_completion\","
+            "\"usage\":{\"completion_tokens\":2,\"prompt_tokens\":" + std::to_string(p) +
+                ",\"total_tokens\":" + std::to_string(p + 2) + "}}\n\n");
+  EXPECT_EQ(b.sse_finish(), "data: [DONE]\n\n");
+  EXPECT_EQ(CompletionResponseBuilder::sse_error(api_error(500, "boom", "", "server_error")),
+            "data: {\"error\":{\"code\":null,\"message\":\"boom\",\"param\":null,\"type\":\"server_error\"}}\n\n");
+}
+
+TEST(CompletionResponse, SseEchoAndUsageWhenTheCoreEndsEarly) {
+  auto req = request_for({{"prompt", "The jury"}, {"stream", true}, {"echo", true}, {"n", 2}, {"return_token_ids", true}});
+  CompletionResponseBuilder b(req, tok(), 1);
+  json first = json::parse(b.sse_chunk(update(1, {5}, " a")).substr(6));
+  EXPECT_EQ(first["choices"][0]["index"], 1);
+  EXPECT_EQ(first["choices"][0]["text"], "The jury a");  // the echo rides on a choice's first chunk
+  EXPECT_EQ(first["choices"][0]["token_ids"], json({5}));
+  EXPECT_EQ(first["choices"][0]["prompt_token_ids"], json(req->prompts[0]));
+  json second = json::parse(b.sse_chunk(update(1, {6}, " b", "length")).substr(6));
+  EXPECT_EQ(second["choices"][0]["text"], " b");
+  EXPECT_FALSE(second["choices"][0].contains("prompt_token_ids"));
+  EXPECT_FALSE(second.contains("usage"));  // choice 0 is still open
+  const std::string tail = b.sse_finish();
+  ASSERT_TRUE(tail.ends_with("data: [DONE]\n\n"));
+  json usage_chunk = json::parse(tail.substr(6, tail.find("\n\n") - 6));
+  EXPECT_TRUE(usage_chunk["choices"].empty());
+  EXPECT_EQ(usage_chunk["usage"]["completion_tokens"], 2);
+}
+
+}  // namespace
+}  // namespace conveyor

@@ -1,0 +1,266 @@
+// The GPU backend of the stage worker (stage/cuda/gpu_stage_backend.h) behind the
+// StageExecutor, against the CPU backend: the demo model split in two stages, three
+// sequences prefilled in one micro-batch and decoded greedily together with activations
+// handed between the stages as the workers hand them (fp16/bf16 rows from a GPU stage, fp32
+// from a CPU stage). The GPU pipeline must pick
+// the CPU pipeline's token wherever the CPU's top-2 log-prob gap is decisive, and report
+// log-probs close to the CPU's. Errors come back as Status, never as exceptions.
+//
+// Skips cleanly when built without CUDA or run where no GPU is present.
+#include <gtest/gtest.h>
+
+#ifndef CONVEYOR_HAVE_CUDA
+
+TEST(GpuStageBackend, NotBuilt) { GTEST_SKIP() << "built without the CUDA backend"; }
+
+#else
+
+#include <cuda_runtime.h>
+
+#include <array>
+#include <cmath>
+
+#include "stage/cpu/cpu_stage_backend.h"
+#include "stage/cuda/gpu_stage_backend.h"
+#include "stage/stage_executor.h"
+#include "model/tokenizer.h"
+#include "model/weights.h"
+#include "tests/gpu_test_util.h"
+#include "tests/test_util.h"
+
+namespace conveyor {
+namespace {
+
+using testing::have_gpu;
+
+std::string model_dir() { return testing::source_dir() + "/models/brown-gpt2"; }
+
+struct Pipeline {
+  std::vector<std::unique_ptr<StageExecutor>> stages;
+  // Runs one micro-batch through every stage, as the workers do: each stage's activations
+  // leave in its own dtype through memory from its backend (page-locked for a GPU) and the
+  // header says which. Returns the last stage's result.
+  BatchResult run(MicroBatch b) {
+    std::shared_ptr<std::byte[]> wire;
+    size_t bytes = 0;
+    BatchResult r;
+    for (size_t i = 0; i < stages.size(); ++i) {
+      const bool last = i + 1 == stages.size();
+      std::shared_ptr<std::byte[]> out;
+      size_t out_bytes = 0;
+      const ActivationSink sink = [&](size_t n) -> Expected<std::span<std::byte>> {
+        out = stages[i]->backend().allocate_host(n);
+        out_bytes = n;
+        return std::span<std::byte>(out.get(), n);
+      };
+      const Status s = stages[i]->run(b, {wire.get(), bytes}, sink, last ? &r : nullptr);
+      EXPECT_TRUE(s.ok()) << "stage " << i << ": " << s.message();
+      if (last) break;
+      wire = std::move(out), bytes = out_bytes;
+      b.activation_dtype = stages[i]->activation_dtype();
+    }
+    return r;
+  }
+};
+
+// The demo model in two stages, stage i on the GPU where on_gpu[i].
+Pipeline make_pipeline(std::array<bool, 2> on_gpu, DType dtype) {
+  Pipeline p;
+  int i = 0;
+  for (auto [b, e] : {std::pair<int64_t, int64_t>{0, 3}, {3, 6}}) {
+    auto w = load_stage_weights(model_dir(), b, e);
+    EXPECT_TRUE(w) << w.error();
+    if (!on_gpu[size_t(i++)]) {
+      p.stages.push_back(std::make_unique<StageExecutor>(CpuStageBackend::create(std::move(*w), 1, 64 << 20).value()));
+      continue;
+    }
+    cuda::GpuStageOptions o;
+    o.dtype = dtype;
+    o.name = "stage " + std::to_string(b);
+    o.max_tokens = 256;
+    o.kv_cache_max_bytes = int64_t(64) << 20;
+    auto backend = cuda::GpuStageBackend::create(*w, {0}, o);
+    EXPECT_TRUE(backend) << backend.error();
+    p.stages.push_back(std::make_unique<StageExecutor>(std::move(backend).value()));
+  }
+  return p;
+}
+Pipeline make_pipeline(bool gpu, DType dtype) { return make_pipeline({gpu, gpu}, dtype); }
+
+// Step `step` of every sequence as one micro-batch: the whole prompt first, then the last
+// token; `sampling(i, w)` sets sequence i's sampling.
+template <class F>
+MicroBatch step_batch(int step, const std::vector<std::vector<int32_t>>& seqs, const std::vector<int32_t>& prompt_lens,
+                      F&& sampling) {
+  MicroBatch b;
+  b.batch_id = uint64_t(step);
+  for (size_t i = 0; i < seqs.size(); ++i) {
+    SeqWork w;
+    const int32_t start = step == 0 ? 0 : int32_t(seqs[i].size()) - 1;
+    w.slice = {i + 1, start, int32_t(seqs[i].size()) - start};
+    w.prompt_len = prompt_lens[i];
+    w.sample = true;
+    sampling(i, w);
+    b.seqs.push_back(w);
+    b.token_ids.insert(b.token_ids.end(), seqs[i].begin() + start, seqs[i].end());
+  }
+  return b;
+}
+
+class GpuStageBackendTest : public ::testing::TestWithParam<DType> {
+ protected:
+  void SetUp() override {
+    if (!have_gpu()) GTEST_SKIP() << "no CUDA device on this host";
+  }
+  void check_against_cpu(std::array<bool, 2> arrangement);
+};
+
+// Every arrangement: both stages on the GPU (fp16/bf16 on the wire), and a GPU stage feeding
+// a CPU stage or fed by one (the receiver converts what the header says it got).
+TEST_P(GpuStageBackendTest, TwoStagePipelineMatchesCpu) {
+  for (std::array<bool, 2> arrangement : {std::array{true, true}, {true, false}, {false, true}}) {
+    SCOPED_TRACE(std::string("stages on ") + (arrangement[0] ? "gpu" : "cpu") + "," + (arrangement[1] ? "gpu" : "cpu"));
+    check_against_cpu(arrangement);
+    if (HasFatalFailure()) return;
+  }
+}
+
+void GpuStageBackendTest::check_against_cpu(std::array<bool, 2> arrangement) {
+  auto tok = Tokenizer::load(model_dir());
+  ASSERT_TRUE(tok) << tok.error();
+  Pipeline cpu = make_pipeline(false, GetParam()), gpu = make_pipeline(arrangement, GetParam());
+  const std::vector<std::string> texts = {"The jury said", "In the morning the old man walked down to the river",
+                                          "Mr. Brown"};
+  std::vector<std::vector<int32_t>> seqs;
+  std::vector<int32_t> prompt_lens;
+  for (const auto& t : texts) seqs.push_back(tok->encode(t)), prompt_lens.push_back(int32_t(seqs.back().size()));
+
+  const double tol = GetParam() == DType::F16 ? 0.05 : 0.15;
+  int decisive = 0, agreed = 0;
+  for (int step = 0; step < 24; ++step) {
+    const MicroBatch b = step_batch(step, seqs, prompt_lens, [](size_t, SeqWork& w) {
+      w.top_logprobs = 2;
+      w.sampling.temperature = 0;
+    });
+    const BatchResult rc = cpu.run(b), rg = gpu.run(b);
+    ASSERT_EQ(rc.seqs.size(), seqs.size());
+    ASSERT_EQ(rg.seqs.size(), seqs.size());
+    for (size_t i = 0; i < seqs.size(); ++i) {
+      const SeqResult &c = rc.seqs[i], &g = rg.seqs[i];
+      ASSERT_EQ(c.top.size(), 2u);
+      EXPECT_NEAR(g.logprob, c.logprob, tol) << "sequence " << i << " step " << step;
+      if (c.top[0].second - c.top[1].second > 0.1) {
+        ++decisive;
+        agreed += g.token == c.token;
+        EXPECT_EQ(g.token, c.token) << "sequence " << i << " step " << step;
+      }
+      seqs[i].push_back(c.token);  // both continue with the CPU's choice
+    }
+  }
+  EXPECT_GT(decisive, 30);
+  std::cout << "[backend] " << (GetParam() == DType::F16 ? "fp16" : "bf16") << ": " << agreed << " of " << decisive
+            << " decisive steps agree\n";
+  if (arrangement != std::array{true, true}) return;
+  // The GPU stages hold the same sequences as the CPU stages and free them the same way.
+  EXPECT_EQ(gpu.stages[0]->backend().num_sequences(), 3);
+  gpu.stages[0]->free_sequence(1);
+  EXPECT_EQ(gpu.stages[0]->backend().num_sequences(), 2);
+  EXPECT_GT(gpu.stages[1]->backend().kv_used_tokens(), 0);
+  gpu.stages[1]->drop_all();
+  EXPECT_EQ(gpu.stages[1]->backend().kv_used_tokens(), 0);
+}
+
+// The last stage samples on the GPU (HeadOutput::Tokens; decode steps replayed from
+// CUDA graphs, GpuStage::decode) unless a slice asks for top log-probs (then the ordinary
+// forward and logits run, and the host samples): both ways must choose the same tokens
+// (greedy, seeded temperature sampling, and a repetition penalty, which makes the GPU
+// sampler mutate its logits) and report the same log-prob of the chosen token. Untimed
+// GEMM plans, so both pipelines compute the same logits.
+TEST_P(GpuStageBackendTest, SamplingOnTheGpuMatchesTheHostPath) {
+  auto tok = Tokenizer::load(model_dir());
+  ASSERT_TRUE(tok) << tok.error();
+  Pipeline on_gpu = make_pipeline(true, GetParam()), on_host = make_pipeline(true, GetParam());
+  for (Pipeline* p : {&on_gpu, &on_host})
+    for (auto& st : p->stages) static_cast<cuda::GpuStageBackend&>(st->backend()).stage().lead().gemm().set_tuning(false);
+  ASSERT_TRUE(on_gpu.stages.back()->backend().samples_in_place());
+  const std::vector<std::string> texts = {"The jury said", "It was a cold", "Mr. Brown"};
+  std::vector<std::vector<int32_t>> seqs;
+  std::vector<int32_t> prompt_lens;
+  for (const auto& t : texts) seqs.push_back(tok->encode(t)), prompt_lens.push_back(int32_t(seqs.back().size()));
+  int sampled = 0;
+  for (int step = 0; step < 16; ++step) {
+    MicroBatch b = step_batch(step, seqs, prompt_lens, [](size_t i, SeqWork& w) {
+      w.sampling.temperature = i == 0 ? 0.f : 0.8f;
+      w.sampling.seed = 7 + i;
+      if (i == 2) w.sampling.repetition_penalty = 1.3f;
+    });
+    const BatchResult g = on_gpu.run(b);
+    for (SeqWork& w : b.seqs) w.top_logprobs = 1;  // the same batch, sampled on the host
+    const BatchResult h = on_host.run(b);
+    ASSERT_EQ(g.seqs.size(), seqs.size());
+    ASSERT_EQ(h.seqs.size(), seqs.size());
+    for (size_t i = 0; i < seqs.size(); ++i) {
+      EXPECT_EQ(g.seqs[i].token, h.seqs[i].token) << "sequence " << i << " step " << step;
+      EXPECT_NEAR(g.seqs[i].logprob, h.seqs[i].logprob, 1e-3) << "sequence " << i << " step " << step;
+      seqs[i].push_back(h.seqs[i].token);
+      ++sampled;
+    }
+  }
+  EXPECT_EQ(sampled, 48);
+}
+
+TEST_P(GpuStageBackendTest, ErrorsAreStatusesAndChangeNothing) {
+  auto w = load_stage_weights(model_dir(), 2, 4);  // a middle stage: activations in and out
+  ASSERT_TRUE(w) << w.error();
+  cuda::GpuStageOptions o;
+  o.dtype = GetParam();
+  o.max_tokens = 16;
+  o.kv_cache_max_bytes = int64_t(16) << 20;
+  auto bad_device = cuda::GpuStageBackend::create(*w, {4096}, o);
+  ASSERT_FALSE(bad_device);
+  EXPECT_NE(bad_device.error().find("device 4096"), std::string::npos) << bad_device.error();
+  auto b = cuda::GpuStageBackend::create(*w, {0}, o);
+  ASSERT_TRUE(b) << b.error();
+  StageBackend& s = **b;
+  std::vector<float> hidden(size_t(32 * 256), 0.01f);
+  auto rows = [&](int64_t n) { return ActivationsView{DType::F32, std::as_bytes(std::span(hidden.data(), size_t(n * 256)))}; };
+  std::vector<std::byte> out(4 * 256 * 2);
+  size_t room = out.size();  // what the sink offers
+  auto step = [&](const SeqSlice& slice, const ActivationsView& in) {
+    StepInput si;
+    si.slices = {&slice, 1};
+    si.activations = in;
+    StepOutput so;
+    so.activations = [&](size_t) -> Expected<std::span<std::byte>> { return std::span(out).first(room); };
+    return s.step(si, so);
+  };
+  Status st = step({1, 0, 32}, rows(32));  // more rows than max_tokens
+  EXPECT_FALSE(st.ok());
+  EXPECT_NE(st.message().find("exceeds"), std::string::npos) << st.message();
+  st = step({1, 5, 1}, rows(1));  // starts past the cached length
+  EXPECT_FALSE(st.ok());
+  const SeqSlice ok{1, 0, 4};
+  st = step(ok, rows(3));  // a row short
+  EXPECT_FALSE(st.ok());
+  EXPECT_NE(st.message().find("expected 4 tokens x 256"), std::string::npos) << st.message();
+  st = step(ok, {DType::I32, rows(4).bytes});  // not an activation type
+  EXPECT_FALSE(st.ok());
+  EXPECT_NE(st.message().find("I32"), std::string::npos) << st.message();
+  EXPECT_EQ(s.num_sequences(), 0);
+  room = 100;  // too small for the rows the stage hands on
+  st = step(ok, rows(4));
+  EXPECT_FALSE(st.ok());
+  EXPECT_NE(st.message().find("cannot hold"), std::string::npos) << st.message();
+  s.clear();
+  room = out.size();
+  EXPECT_TRUE(step(ok, rows(4)).ok());
+  EXPECT_EQ(s.num_sequences(), 1);
+}
+
+INSTANTIATE_TEST_SUITE_P(Dtypes, GpuStageBackendTest, ::testing::Values(DType::F16, DType::BF16),
+                         [](const auto& info) { return std::string(info.param == DType::F16 ? "F16" : "BF16"); });
+
+}  // namespace
+}  // namespace conveyor
+
+#endif

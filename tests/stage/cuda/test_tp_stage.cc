@@ -1,0 +1,270 @@
+// TpStage (stage/cuda/tp_stage.h): a stage's layers tensor parallel over 2 and 3 ranks
+// against the CPU stage on random weights, in fp16 and bf16: logits close after prefill
+// chunks and decode steps, greedy tokens of the CUDA-graph decode equal wherever the CPU's
+// top-2 gap is well above the error, and the same for a two-stage split whose second stage
+// takes its input from the host. Ranks run on distinct GPUs where the machine has enough,
+// else they share GPU 0 (the all-reduce then runs the custom kernel at every size): the
+// sharding, the all-reduces inside the captured graphs and the rank threads are the same
+// code either way.
+//
+// Skips cleanly when built without CUDA or run where no GPU is present.
+#include <gtest/gtest.h>
+
+#ifndef CONVEYOR_HAVE_CUDA
+
+TEST(TpStage, NotBuilt) { GTEST_SKIP() << "built without the CUDA backend"; }
+
+#else
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <random>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "kernels/cuda/ops.h"
+#include "stage/cuda/tp_stage.h"
+#include "stage/cpu/cpu_stage.h"
+#include "model/weights.h"
+#include "tests/gpu_test_util.h"
+#include "tests/test_util.h"
+
+namespace conveyor {
+namespace {
+
+using cuda::GpuStageOptions;
+using cuda::TpStage;
+
+using testing::gpu_count;
+using testing::rel_err;
+using testing::step_both;
+using testing::top1;
+
+// The tests' largest group: 3 ranks (a 5-rank group is only refused). With fewer GPUs the
+// ranks share them, where that is allowed (tests/test_util.h).
+bool can_place(int ranks) { return gpu_count() >= ranks || (gpu_count() > 0 && testing::gpu_sharing_ranks_allowed()); }
+constexpr const char* kNoPlace = "no GPU, or ranks would share a GPU without CUDA_DEVICE_MAX_CONNECTIONS >= 16";
+
+// Rank r on GPU r where there are enough GPUs, else every rank on GPU 0.
+std::vector<int> devices_for(int ranks) {
+  std::vector<int> d;
+  for (int r = 0; r < ranks; ++r) d.push_back(gpu_count() >= ranks ? r : 0);
+  return d;
+}
+
+ModelConfig tp_config() {
+  ModelConfig c;
+  c.n_layer = 3;
+  c.n_embd = 128;
+  c.n_head = 4;     // head_dim 32; 3 ranks get 1, 1 and 2 heads
+  c.n_inner = 300;  // 150 / 100 units per rank: not multiples of 8 (the cuBLASLt path for FC2)
+  c.n_positions = 256;
+  c.vocab_size = 1013;
+  c.layer_norm_epsilon = 1e-5f;
+  c.activation = Activation::GeluNew;
+  c.tie_word_embeddings = true;
+  return c;
+}
+
+GpuStageOptions options(DType dt) {
+  GpuStageOptions o;
+  o.dtype = dt;
+  o.name = "tp-test";
+  o.max_tokens = 256;
+  o.max_seqs = 8;
+  o.kv_cache_max_bytes = int64_t(32) << 20;
+  return o;
+}
+
+
+
+template <class T>
+class TpStageTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (!can_place(3)) GTEST_SKIP() << kNoPlace;
+    seed = std::random_device{}();
+    rng.seed(seed);
+  }
+
+ public:
+  static DType dtype() { return std::is_same_v<T, cuda::half> ? DType::F16 : DType::BF16; }
+  static double logit_tol() { return std::is_same_v<T, cuda::half> ? 1e-2 : 5e-2; }
+  std::vector<int32_t> tokens(size_t n) {
+    std::vector<int32_t> t(n);
+    for (auto& x : t) x = int32_t(rng() % 1013u);
+    return t;
+  }
+  uint32_t seed = 0;
+  std::mt19937 rng;
+};
+using ElemTypes = ::testing::Types<cuda::half, cuda::bf16>;
+TYPED_TEST_SUITE(TpStageTest, ElemTypes);
+
+#define SEED_TRACE() SCOPED_TRACE("seed " + std::to_string(this->seed))
+
+TYPED_TEST(TpStageTest, PrefillChunksAndGraphDecodeMatchCpu) {
+  SEED_TRACE();
+  const ModelConfig cfg = tp_config();
+  const StageWeights w = random_stage_weights(cfg, 0, cfg.n_layer, this->seed);
+  const int64_t V = cfg.vocab_size;
+  for (int ranks : {2, 3}) {
+    SCOPED_TRACE("tp " + std::to_string(ranks));
+    auto cpu = CpuStage::create(w).value();
+    GpuStageOptions o = options(this->dtype());
+    o.fused_all_reduce = true;  // taken where the ranks have GPUs of their own (TpAllReduce)
+    auto gpu = TpStage::create(w, devices_for(ranks), o).value();
+    ASSERT_EQ(gpu->ranks(), ranks);
+    // Sequence 1 prefilled in two chunks, the others at once.
+    auto p1 = this->tokens(37), p2 = this->tokens(5), p3 = this->tokens(100);
+    std::vector<int32_t> ids(p1.begin(), p1.begin() + 20);
+    ids.insert(ids.end(), p2.begin(), p2.end());
+    ids.insert(ids.end(), p3.begin(), p3.end());
+    auto ref = step_both(*cpu, *gpu, {{1, 0, 20}, {2, 0, 5}, {3, 0, 100}}, ids, this->logit_tol(), "prefill");
+    ref = step_both(*cpu, *gpu, {{1, 20, 17}}, std::vector<int32_t>(p1.begin() + 20, p1.end()), this->logit_tol(), "second chunk");
+    for (int r = 0; r < ranks; ++r) EXPECT_EQ(gpu->rank(r).cached_tokens(1), 37);
+
+    // Graph decode of the three sequences (bucket 4: one padding row) against the CPU's greedy choice.
+    SamplingParams greedy;
+    greedy.temperature = 0;
+    std::vector<cuda::SampleRow> rows(3, cuda::SampleRow{&greedy, {}, {}, 0});
+    std::vector<int32_t> next = {top1(ref.data(), V).first, 11, 12};
+    int32_t len[3] = {37, 5, 100};
+    int compared = 0;
+    for (int step = 0; step < 6; ++step) {
+      std::vector<SeqSlice> slices;
+      for (int s = 0; s < 3; ++s) slices.push_back({uint64_t(s + 1), len[s], 1});
+      std::vector<int32_t> got(3);
+      Status st = gpu->decode(slices, next.data(), rows, got.data());
+      ASSERT_TRUE(st.ok()) << st.message();
+      std::vector<float> hidden(size_t(3 * cfg.n_embd)), logits(size_t(3 * V));
+      ASSERT_TRUE(cpu->embed(slices, next.data(), hidden.data()).ok());
+      ASSERT_TRUE(cpu->forward(slices, hidden.data()).ok());
+      ASSERT_TRUE(cpu->logits(slices, hidden.data(), false, logits.data()).ok());
+      for (int s = 0; s < 3; ++s) {
+        const auto [tok, gap] = top1(logits.data() + s * V, V);
+        if (gap > 0.05f) {  // well above the logits' error
+          EXPECT_EQ(got[size_t(s)], tok) << "step " << step << " row " << s << " gap " << gap;
+          ++compared;
+        }
+        next[size_t(s)] = tok;
+        ++len[s];
+      }
+    }
+    EXPECT_GT(compared, 0);
+    for (int r = 0; r < ranks; ++r) EXPECT_EQ(gpu->rank(r).captured_graphs(), 1u) << "rank " << r;
+  }
+}
+
+TYPED_TEST(TpStageTest, SecondStageOfAPipelineTakesHostActivations) {
+  SEED_TRACE();
+  const ModelConfig cfg = tp_config();
+  const StageWeights first = random_stage_weights(cfg, 0, 1, this->seed);
+  const StageWeights second = random_stage_weights(cfg, 1, cfg.n_layer, this->seed);
+  const StageWeights whole = random_stage_weights(cfg, 0, cfg.n_layer, this->seed);
+  auto cpu = CpuStage::create(whole).value();
+  auto a = TpStage::create(first, devices_for(2), options(this->dtype())).value();
+  auto b = TpStage::create(second, devices_for(2), options(this->dtype())).value();
+  EXPECT_FALSE(a->has_head());
+  EXPECT_FALSE(b->has_embedding());
+  const std::vector<SeqSlice> slices = {{7, 0, 30}, {8, 0, 4}};
+  const auto ids = this->tokens(34);
+  std::vector<float> hidden(size_t(34 * cfg.n_embd));
+  ASSERT_TRUE(a->embed(slices, ids.data()).ok());
+  ASSERT_TRUE(a->forward(slices).ok());
+  ASSERT_TRUE(a->download_hidden(hidden.data(), 34).ok());
+  ASSERT_TRUE(b->upload_hidden(hidden.data(), 34).ok());
+  ASSERT_TRUE(b->forward(slices).ok());
+  std::vector<float> got(size_t(2 * cfg.vocab_size)), ref(got.size()), cpu_hidden(hidden.size());
+  ASSERT_TRUE(b->logits(slices, false, got.data()).ok());
+  ASSERT_TRUE(cpu->embed(slices, ids.data(), cpu_hidden.data()).ok());
+  ASSERT_TRUE(cpu->forward(slices, cpu_hidden.data()).ok());
+  ASSERT_TRUE(cpu->logits(slices, cpu_hidden.data(), false, ref.data()).ok());
+  for (size_t i = 0; i < 2; ++i)
+    EXPECT_LT(rel_err(got.data() + i * size_t(cfg.vocab_size), ref.data() + i * size_t(cfg.vocab_size),
+                      size_t(cfg.vocab_size)),
+              this->logit_tol())
+        << "row " << i;
+}
+
+// Int8 weight-only matrices (per-channel scales) at tp 1 and 2: prefill logits within the
+// quantisation error of the CPU's fp32, and the graph decode's greedy tokens equal to the
+// CPU's wherever the top-2 gap is well above that error.
+TEST(TpStage, Int8WeightsStayCloseToTheCpu) {
+  if (!can_place(2)) GTEST_SKIP() << kNoPlace;
+  const uint32_t seed = std::random_device{}();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  const ModelConfig cfg = tp_config();
+  const StageWeights w = random_stage_weights(cfg, 0, cfg.n_layer, seed);
+  const int64_t V = cfg.vocab_size;
+  std::mt19937 rng(seed);
+  for (int ranks : {1, 2}) {
+    SCOPED_TRACE("tp " + std::to_string(ranks));
+    GpuStageOptions o = options(DType::F16);
+    o.int8_weights = true;
+    auto gpu = TpStage::create(w, devices_for(ranks), o).value();
+    auto cpu = CpuStage::create(w).value();
+    std::vector<SeqSlice> slices = {{1, 0, 40}, {2, 0, 9}};
+    std::vector<int32_t> ids(49);
+    for (auto& x : ids) x = int32_t(rng() % uint32_t(V));
+    std::vector<float> hidden(size_t(49 * cfg.n_embd)), ref(size_t(2 * V)), got(ref.size());
+    ASSERT_TRUE(cpu->embed(slices, ids.data(), hidden.data()).ok());
+    ASSERT_TRUE(cpu->forward(slices, hidden.data()).ok());
+    ASSERT_TRUE(cpu->logits(slices, hidden.data(), false, ref.data()).ok());
+    ASSERT_TRUE(gpu->embed(slices, ids.data()).ok());
+    ASSERT_TRUE(gpu->forward(slices).ok());
+    ASSERT_TRUE(gpu->logits(slices, false, got.data()).ok());
+    for (size_t i = 0; i < 2; ++i)
+      EXPECT_LT(rel_err(got.data() + i * size_t(V), ref.data() + i * size_t(V), size_t(V)), 0.08) << "row " << i;
+    SamplingParams greedy;
+    greedy.temperature = 0;
+    std::vector<cuda::SampleRow> rows(2, cuda::SampleRow{&greedy, {}, {}, 0});
+    std::vector<int32_t> next = {top1(ref.data(), V).first, top1(ref.data() + V, V).first};
+    int32_t len[2] = {40, 9};
+    int compared = 0;
+    for (int step = 0; step < 6; ++step) {
+      slices = {{1, len[0], 1}, {2, len[1], 1}};
+      std::vector<int32_t> out(2);
+      Status st = gpu->decode(slices, next.data(), rows, out.data());
+      ASSERT_TRUE(st.ok()) << st.message();
+      std::vector<float> h(size_t(2 * cfg.n_embd)), logits(size_t(2 * V));
+      ASSERT_TRUE(cpu->embed(slices, next.data(), h.data()).ok());
+      ASSERT_TRUE(cpu->forward(slices, h.data()).ok());
+      ASSERT_TRUE(cpu->logits(slices, h.data(), false, logits.data()).ok());
+      for (int s = 0; s < 2; ++s) {
+        const auto [tok, gap] = top1(logits.data() + s * V, V);
+        if (gap > 0.2f) {
+          EXPECT_EQ(out[size_t(s)], tok) << "step " << step << " row " << s << " gap " << gap;
+          ++compared;
+        }
+        next[size_t(s)] = tok;
+        ++len[s];
+      }
+    }
+    EXPECT_GT(compared, 0);
+  }
+}
+
+TEST(TpStage, RanksShareTheSmallestKvCapacityAndRefuseBadSplits) {
+  if (!can_place(3)) GTEST_SKIP() << kNoPlace;
+  const ModelConfig cfg = tp_config();
+  const StageWeights w = random_stage_weights(cfg, 0, cfg.n_layer, 5);
+  auto tp = TpStage::create(w, devices_for(3), options(DType::F16)).value();
+  for (int r = 1; r < 3; ++r) EXPECT_EQ(tp->rank(r).kv_capacity_tokens(), tp->rank(0).kv_capacity_tokens());
+  EXPECT_FALSE(tp->rank(1).holds_head());
+  EXPECT_TRUE(tp->rank(0).holds_head());
+  // Rank 1 holds no LM head: logits on it fail with a message, not a crash.
+  const std::vector<SeqSlice> one = {{1, 0, 1}};
+  EXPECT_FALSE(tp->rank(1).logits(one, false, nullptr).ok());
+  auto five = TpStage::create(w, devices_for(5), options(DType::F16));  // 5 ranks, 4 heads
+  ASSERT_FALSE(five.ok()) << "5 ranks over 4 heads were accepted";
+  EXPECT_NE(five.error().find("heads"), std::string::npos) << five.error();
+}
+
+}  // namespace
+}  // namespace conveyor
+
+#endif  // CONVEYOR_HAVE_CUDA
