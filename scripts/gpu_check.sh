@@ -8,6 +8,7 @@
 #                                                  benchmark programs plus the non-CUDA shared
 #                                                  libraries they need, for a machine that has
 #                                                  the CUDA driver and toolkit but not the build
+#                                                  (PACK_PROGRAMS="bin/x tests/y ..." packs only those)
 #   scripts/gpu_check.sh --bundle BUNDLE           unpack BUNDLE and run from it
 #
 # Environment: OUT (logs go to $OUT, else /tmp/gpu_check), CHECK_PEER=0 skips the PyTorch
@@ -23,16 +24,20 @@ set -o pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 repo="$(cd "$here/.." && pwd)"
 
+# The CUDA test programs: every tests/**/cuda/test_*.cc (they skip without a GPU).
+cuda_tests() {
+  find "$repo/tests" -path '*/cuda/test_*.cc' -printf '%f\n' | sed 's/\.cc$//' | sort
+}
+
 if [[ "${1:-}" == "--pack" ]]; then
   build="$2"; bundle="$3"
   stage="$(mktemp -d)"
-  for p in tests/test_cuda_ops tests/test_gpu_stage tests/test_gpu_hf_conformance tests/test_gpu_stage_backend \
-           tests/test_custom_all_reduce tests/test_tp_all_reduce tests/test_tp_stage tests/test_quant \
-           tests/test_gpu_pipeline \
-           bin/conveyor-bench-all-reduce bin/conveyor-bench-int8-gemm \
-           bin/conveyor-bench-gpu-decode bin/conveyor-bench-gpu-kernels bin/conveyor-bench-cluster \
-           bin/conveyor-bench-stage-step \
-           bin/conveyor bin/conveyor-coordinator bin/conveyor-worker; do
+  programs=${PACK_PROGRAMS:-"$(cuda_tests | sed 's#^#tests/#')
+           bin/conveyor-bench-all-reduce bin/conveyor-bench-int8-gemm
+           bin/conveyor-bench-gpu-decode bin/conveyor-bench-gpu-kernels bin/conveyor-bench-cluster
+           bin/conveyor-bench-stage-step
+           bin/conveyor bin/conveyor-coordinator bin/conveyor-worker"}
+  for p in $programs; do
     strip -o "$stage/$(basename "$p")" "$build/$p" || exit 1
   done
   # UCX loads its transports as modules at run time.
@@ -87,11 +92,10 @@ run_tests() {  # name, program
   grep -E '^\[  FAILED  \] [A-Za-z]|Failure|error:|Expected|Which is|rel_err|seed' "$out/$name.log" | head -40
 }
 
-echo "== CUDA op tests"; run_tests test_cuda_ops "$tests/test_cuda_ops"
-echo "== GPU stage tests"; run_tests test_gpu_stage "$tests/test_gpu_stage"
-echo "== HF conformance on the GPU"; run_tests test_gpu_hf_conformance "$tests/test_gpu_hf_conformance"
-echo "== the worker's GPU backend"; run_tests test_gpu_stage_backend "$tests/test_gpu_stage_backend"
-echo "== two GPU worker processes as a pipeline"; run_tests test_gpu_pipeline "$tests/test_gpu_pipeline"
+# Tensor-parallel and int8 programs run in their own sections below.
+for t in $(cuda_tests | grep -v -E '^test_(custom_all_reduce|tp_all_reduce|tp_stage|quant)$'); do
+  echo "== $t"; run_tests "$t" "$tests/$t"
+done
 grep -E '^\[(fixture|note)\]' "$out/test_gpu_hf_conformance.log" | head -40
 
 if [[ "${CHECK_TP:-1}" != "0" ]]; then
