@@ -79,6 +79,16 @@ struct Hand {
     tok = Tokenizer::load(dir.path);
   }
   int32_t id(const std::string& token) const { return tok->token_id(token).value_or(-2); }
+  // The reference encoder, given these files, encodes `words` (one a line) as `tok` does.
+  void expect_reference_agrees(const std::vector<std::string>& words, const std::string& what) const {
+    TempDir corpus_dir;
+    std::string corpus;
+    for (const auto& w : words) corpus += w + "\n";
+    write_text(corpus_dir.file("corpus.txt"), corpus);
+    auto ref = run_reference(corpus_dir.file("corpus.txt"), vocab, merges);
+    ASSERT_TRUE(ref);
+    expect_same_encodings(*tok, words, ref->lines, what);
+  }
 };
 
 TEST(Tokenizer, MergesFileFirstAndLastLinesAreDroppedAsInJs) {
@@ -133,13 +143,7 @@ TEST(Tokenizer, CommaKeysMatchOtherSplitsAndTheRightmostTieWins) {
   std::string repeated;
   for (int i = 0; i < 8; ++i) repeated += "!?,.!,?.";
   words.push_back(repeated);
-  TempDir dir;
-  std::string corpus;
-  for (const auto& w : words) corpus += w + "\n";
-  write_text(dir.file("corpus.txt"), corpus);
-  auto ref = run_reference(dir.file("corpus.txt"), hand.vocab, hand.merges);
-  ASSERT_TRUE(ref);
-  expect_same_encodings(*hand.tok, words, ref->lines, "word");
+  hand.expect_reference_agrees(words, "word");
 }
 
 TEST(Tokenizer, MergeOutsideTheVocabularyIsAcceptedAndFallsBackToBytes) {
@@ -185,13 +189,7 @@ TEST(Tokenizer, RandomCommaHeavyVocabulariesMatchJavaScript) {
     ASSERT_TRUE(hand.tok.ok()) << hand.tok.error();
     std::vector<std::string> words;
     for (int w = 0; w < 300; ++w) words.push_back(random_string(w % 3 == 0 ? 150 : 20));
-    TempDir dir;
-    std::string corpus;
-    for (const auto& w : words) corpus += w + "\n";
-    write_text(dir.file("corpus.txt"), corpus);
-    auto ref = run_reference(dir.file("corpus.txt"), hand.vocab, hand.merges);
-    ASSERT_TRUE(ref);
-    expect_same_encodings(*hand.tok, words, ref->lines, "round " + std::to_string(round) + " word");
+    hand.expect_reference_agrees(words, "round " + std::to_string(round) + " word");
   }
 }
 
