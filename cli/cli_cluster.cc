@@ -13,7 +13,9 @@
 #include <fstream>
 #include <iostream>
 #include <sstream>
+#include <optional>
 #include <random>
+#include <set>
 #include <thread>
 
 #include <nlohmann/json.hpp>
@@ -131,6 +133,59 @@ std::string random_token() {
 
 std::string api_key_header(const std::string& key) { return "Bearer " + key; }
 
+// How a child's wait status reads: "status 2", "signal 11".
+std::string exit_text(int status) {
+  if (WIFEXITED(status)) return "status " + std::to_string(WEXITSTATUS(status));
+  if (WIFSIGNALED(status)) return "signal " + std::to_string(WTERMSIG(status));
+  return "wait status " + std::to_string(status);
+}
+
+// Waits up to `timeout` for `c` to exit; its wait status, or nothing while it still runs.
+std::optional<int> wait_exit(Child& c, std::chrono::milliseconds timeout) {
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  while (c.pid > 0) {
+    int status = 0;
+    if (::waitpid(c.pid, &status, WNOHANG) == c.pid) {
+      c.pid = -1;
+      return status;
+    }
+    if (std::chrono::steady_clock::now() > deadline) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  return std::nullopt;
+}
+
+// The line of a daemon's log that says why it stopped: from the end, the first line that
+// is its own message ("conveyor-coordinator: ...", its prefix dropped) or reads as an error;
+// else the last line. Empty when there is no log (--verbose: it went to the terminal).
+std::string reason_from_log(const fs::path& log, const std::string& program) {
+  if (log.empty()) return "";  // --verbose: it told the terminal itself
+  std::ifstream in(log);
+  std::vector<std::string> lines;
+  for (std::string line; std::getline(in, line);) {
+    while (!line.empty() && (line.back() == '\r' || line.back() == ' ')) line.pop_back();
+    if (!line.empty()) lines.push_back(line);
+  }
+  const std::string prefix = program + ": ";
+  for (auto it = lines.rbegin(); it != lines.rend(); ++it) {
+    if (it->starts_with(prefix)) return it->substr(prefix.size());
+    for (const char* mark : {"[error]", "[critical]", "error:", "Error", "cannot ", "failed"})
+      if (it->find(mark) != std::string::npos) return *it;
+  }
+  return lines.empty() ? std::string() : lines.back();
+}
+
+// "conveyor local: NAME <what> (status 1): REASON" and where its log is, on stderr.
+void report_failure(const std::string& name, const std::string& what, std::optional<int> status,
+                    const fs::path& log, const std::string& program) {
+  const std::string reason = reason_from_log(log, program);
+  std::cerr << "conveyor local: " << name << " " << what;
+  if (status) std::cerr << " (" << exit_text(*status) << ")";
+  if (!reason.empty()) std::cerr << ": " << reason;
+  std::cerr << "\n";
+  if (!log.empty() && fs::exists(log)) std::cerr << "conveyor local: its log: " << log.string() << "\n";
+}
+
 }  // namespace
 
 void add_local_command(CLI::App& app, LocalOptions& o) {
@@ -227,10 +282,15 @@ int local_command(const LocalOptions& options) {
                           &http_port, &control_port) == 2;
   }
   if (!started) {
-    std::cerr << "conveyor local: the coordinator did not start (see " << (dir / "coordinator.log").string() << ")\n";
+    // Most often it exited at once (a bad plan, an unreadable model): give it a moment to.
+    const std::optional<int> status = wait_exit(children[0], std::chrono::seconds(3));
+    report_failure("the coordinator", status ? "did not start" : "did not say it was listening within 60 s", status,
+                   o.verbose ? fs::path() : dir / "coordinator.log", "conveyor-coordinator");
+    ::close(coord_out);
     stop_children(children);
     return 1;
   }
+  ::close(coord_out);
   const int n_workers = o.stages * o.replicas + o.spares;
   // The workers share this machine's cores (spares idle, so count the serving ones).
   const long cores = std::max(1L, ::sysconf(_SC_NPROCESSORS_ONLN));
@@ -264,6 +324,8 @@ int local_command(const LocalOptions& options) {
   std::cout << "conveyor local: " << n_workers << " workers starting, logs in " << dir.string() << std::endl;
   bool ready = false;
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::minutes(10);
+  std::set<std::string> load_failures_told;
+  auto last_cluster_look = std::chrono::steady_clock::now();
   while (!g_interrupted && !ready && std::chrono::steady_clock::now() < deadline) {
     HttpRequest h;
     h.target = "/health";
@@ -274,8 +336,35 @@ int local_command(const LocalOptions& options) {
     for (Child& c : children) {
       int status = 0;
       if (c.pid > 0 && ::waitpid(c.pid, &status, WNOHANG) == c.pid) {
-        std::cerr << "conveyor local: " << c.name << " exited during start-up (see " << dir.string() << ")\n";
         c.pid = -1;
+        const bool coordinator = &c == &children[0];
+        report_failure(c.name, "exited during start-up", status, o.verbose ? fs::path() : dir / (c.name + ".log"),
+                       coordinator ? "conveyor-coordinator" : "conveyor-worker");
+        stop_children(children);
+        return 1;
+      }
+    }
+    // A worker that cannot load its layers stays up (the coordinator may give its stage to
+    // a spare): say why at once, and give up when every worker has failed.
+    if (!ready && std::chrono::steady_clock::now() - last_cluster_look > std::chrono::milliseconds(500)) {
+      last_cluster_look = std::chrono::steady_clock::now();
+      HttpRequest q;
+      q.target = "/v1/cluster";
+      q.timeout = std::chrono::milliseconds(2000);
+      auto answer = http_call("127.0.0.1", http_port, q);
+      const json cluster = answer && answer->status == 200 ? json::parse(answer->body, nullptr, false) : json();
+      int failed = 0;
+      if (cluster.is_object())
+        for (const auto& w : cluster.value("workers", json::array())) {
+          if (w.value("state", std::string()) != "failed") continue;
+          ++failed;
+          const std::string name = w.value("name", std::string("?"));
+          if (load_failures_told.insert(name).second)
+            std::cerr << "conveyor local: " << name << " failed to load its layers: "
+                      << w.value("last_error", std::string("(no reason given)")) << "\n";
+        }
+      if (failed >= n_workers) {
+        std::cerr << "conveyor local: no worker could load the model; stopping (logs in " << dir.string() << ")\n";
         stop_children(children);
         return 1;
       }

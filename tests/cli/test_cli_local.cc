@@ -1,0 +1,128 @@
+// `conveyor local` when a daemon cannot start: the launcher prints the daemon's own reason
+// (not only where its log is) and exits non-zero at once, instead of waiting.
+// Real processes on loopback; each test is bounded in time and stops what it started.
+#include <chrono>
+#include <filesystem>
+#include <fstream>
+#include <optional>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "tests/process_util.h"
+#include "tests/test_util.h"
+
+namespace {
+
+namespace fs = std::filesystem;
+using conveyor::testing::ChildProcess;
+using Clock = std::chrono::steady_clock;
+
+std::string bin(const std::string& name) { return conveyor::testing::bin_dir() + "/" + name; }
+std::string source(const std::string& path) { return conveyor::testing::source_dir() + "/" + path; }
+
+std::string read_file(const fs::path& path) {
+  std::ifstream in(path);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+// A fresh folder under the temporary directory, removed when the test ends.
+struct TempDir {
+  fs::path path;
+  explicit TempDir(const std::string& tag)
+      : path(fs::temp_directory_path() / ("conveyor-test-cli-" + tag + "-" + std::to_string(::getpid()))) {
+    fs::remove_all(path);
+    fs::create_directories(path);
+  }
+  ~TempDir() {
+    std::error_code ec;
+    fs::remove_all(path, ec);
+  }
+};
+
+// Runs `conveyor local ARGS` (from `conveyor`, which finds the daemons beside itself) and
+// waits for it to exit; stderr is returned in `err`, the exit code (or nothing when it was
+// still running after `limit`) and the seconds it took in the others.
+struct Outcome {
+  std::optional<int> code;
+  std::string err;
+  double seconds = 0;
+};
+Outcome run_local(const std::string& conveyor, const std::vector<std::string>& args, const fs::path& dir,
+                  std::chrono::seconds limit) {
+  std::vector<std::string> argv = {conveyor, "local", "--port", "0", "--backend", "cpu", "--log-dir",
+                                   (dir / "logs").string()};
+  argv.insert(argv.end(), args.begin(), args.end());
+  const auto t0 = Clock::now();
+  Outcome o;
+  {
+    ChildProcess local(argv, (dir / "stderr").string());
+    o.code = local.wait_exit(limit);
+    o.seconds = std::chrono::duration<double>(Clock::now() - t0).count();
+  }  // still running: stopped here (and its daemons with it)
+  o.err = read_file(dir / "stderr");
+  return o;
+}
+
+TEST(ConveyorLocal, ImpossiblePlanPrintsTheCoordinatorsReason) {
+  TempDir dir("plan");
+  // A model of 2 layers cannot be cut into 3 stages: the coordinator refuses its config.
+  const Outcome o = run_local(bin("conveyor"), {"--model", source("tests/data/hf_fixtures/hd32_l2"), "--stages", "3"},
+                              dir.path, std::chrono::seconds(30));
+  ASSERT_TRUE(o.code.has_value()) << "conveyor local still ran after 30 s; stderr:\n" << o.err;
+  EXPECT_NE(*o.code, 0) << o.err;
+  EXPECT_LT(o.seconds, 15) << o.err;
+  EXPECT_NE(o.err.find("the coordinator did not start"), std::string::npos) << o.err;
+  EXPECT_NE(o.err.find("impossible plan: 3 stages for a model of 2 layers"), std::string::npos) << o.err;
+  EXPECT_NE(o.err.find("coordinator.log"), std::string::npos) << o.err;  // and where the rest is
+}
+
+TEST(ConveyorLocal, WorkerThatExitsAtStartPrintsItsReason) {
+  TempDir dir("worker-exits");
+  // A bin folder of a copy of `conveyor` (it looks for the daemons beside its own file), the
+  // real coordinator, and a worker that fails the way a real one does when it cannot start.
+  const fs::path b = dir.path / "bin";
+  fs::create_directories(b);
+  fs::copy_file(bin("conveyor"), b / "conveyor");
+  fs::create_symlink(bin("conveyor-coordinator"), b / "conveyor-coordinator");
+  std::ofstream(b / "conveyor-worker") << "#!/bin/sh\n"
+                                       << "echo 'conveyor-worker: worker: cannot create the UCX data plane: "
+                                          "no usable transport (test)' >&2\n"
+                                       << "exit 1\n";
+  fs::permissions(b / "conveyor-worker", fs::perms::owner_all, fs::perm_options::add);
+  const Outcome o = run_local((b / "conveyor").string(), {"--model", source("models/brown-gpt2"), "--stages", "2"},
+                              dir.path, std::chrono::seconds(30));
+  ASSERT_TRUE(o.code.has_value()) << "conveyor local still ran after 30 s; stderr:\n" << o.err;
+  EXPECT_NE(*o.code, 0) << o.err;
+  EXPECT_LT(o.seconds, 15) << o.err;
+  EXPECT_NE(o.err.find("exited during start-up (status 1): worker: cannot create the UCX data plane: no usable "
+                       "transport (test)"),
+            std::string::npos)
+      << o.err;
+  EXPECT_NE(o.err.find(".log"), std::string::npos) << o.err;
+}
+
+TEST(ConveyorLocal, ModelNoWorkerCanLoadPrintsTheLoadError) {
+  TempDir dir("corrupt");
+  // The coordinator needs only the config and the tokenizer; the workers find the weights
+  // file is not a safetensors file.
+  const fs::path model = dir.path / "model";
+  fs::create_directories(model);
+  for (const char* f : {"config.json", "vocab.json", "merges.txt"})
+    fs::copy_file(source("models/brown-gpt2") + "/" + f, model / f);
+  std::ofstream(model / "model.safetensors") << "this is not a safetensors file";
+  const Outcome o = run_local(bin("conveyor"), {"--model", model.string(), "--stages", "2"}, dir.path,
+                              std::chrono::seconds(60));
+  ASSERT_TRUE(o.code.has_value()) << "conveyor local still ran after 60 s; stderr:\n" << o.err;
+  EXPECT_NE(*o.code, 0) << o.err;
+  EXPECT_LT(o.seconds, 40) << o.err;
+  EXPECT_NE(o.err.find("worker0 failed to load its layers: "), std::string::npos) << o.err;
+  EXPECT_NE(o.err.find("worker1 failed to load its layers: "), std::string::npos) << o.err;
+  EXPECT_NE(o.err.find("no worker could load the model"), std::string::npos) << o.err;
+}
+
+}  // namespace
