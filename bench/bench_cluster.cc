@@ -121,6 +121,44 @@ json cluster_info(int port) {
   return json::parse(resp->body);
 }
 
+// Each serving worker's weight load (checkpoint bytes read, converted and placed on its
+// device), from /v1/cluster: load_bytes_total comes from the worker's load progress,
+// load_seconds from its `ready`. Both are 0 for a worker that re-used layers it already held
+// (load_seconds 0) or whose record the coordinator started afresh (it registered again,
+// e.g. after missing heartbeats, and then kept its layers): then the figures of its real
+// load are not known, and the bench says so instead of printing "0.0 MB in 0.00 s".
+void print_loads(int port) {
+  auto known = [](const json& w) {
+    return w.value("state", std::string()) == "ready" && w.value("load_seconds", 0.0) > 0 &&
+           w.value("load_bytes_total", 0.0) > 0;
+  };
+  // The pipelines are ready when this is called; give stragglers (a replica, a repair in
+  // progress) a few seconds to report.
+  json workers = json::array();
+  for (const auto deadline = Clock::now() + std::chrono::seconds(5);;) {
+    workers = json::array();
+    for (const auto& w : cluster_info(port).value("workers", json::array()))
+      if (w.contains("stage")) workers.push_back(w);
+    const bool all = std::all_of(workers.begin(), workers.end(), known);
+    if ((all && !workers.empty()) || Clock::now() > deadline) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  }
+  for (const auto& w : workers) {
+    const json dp = w.value("data_plane", json::object());
+    const std::string name = w.value("name", std::string());
+    const double secs = w.value("load_seconds", 0.0), bytes = w.value("load_bytes_total", 0.0);
+    std::printf("load: %s stage %d, ", name.c_str(), w["stage"].get<int>());
+    if (known(w))
+      std::printf("%.1f MB in %.2f s = %.2f GB/s", bytes / 1e6, secs, bytes / secs / 1e9);
+    else
+      std::printf("not known (state %s, load_seconds %.2f, load_bytes_total %.0f: it re-used layers it already held, "
+                  "or registered again and kept them)",
+                  w.value("state", std::string("?")).c_str(), secs, bytes);
+    std::printf("; activations staged in %s memory, UCX CUDA memory: %s\n", dp.value("staging", std::string("?")).c_str(),
+                dp.value("ucx_cuda_memory", false) ? "yes" : "no");
+  }
+}
+
 // The --recovery mode (see the top of the file).
 int recovery(const std::string& bin_dir, const std::string& model, const std::string& backend, int stages,
              int spares, int concurrency) {
@@ -316,16 +354,7 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "the cluster did not start\n");
     return 1;
   }
-  // Each worker's weight load (checkpoint bytes read, converted and placed on its device).
-  for (const auto& w : cluster_info(cluster.port).value("workers", json::array()))
-    if (w.contains("stage")) {
-      const double secs = w.value("load_seconds", 0.0), bytes = w.value("load_bytes_total", 0.0);
-      const json dp = w.value("data_plane", json::object());
-      std::printf("load: %s stage %d, %.1f MB in %.2f s = %.2f GB/s; activations staged in %s memory, UCX CUDA memory: %s\n",
-                  w.value("name", std::string()).c_str(), w["stage"].get<int>(), bytes / 1e6, secs,
-                  secs > 0 ? bytes / secs / 1e9 : 0.0, dp.value("staging", std::string("?")).c_str(),
-                  dp.value("ucx_cuda_memory", false) ? "yes" : "no");
-    }
+  print_loads(cluster.port);
   const char* prompts[] = {"The jury said", "In the morning the old man walked down to the river, where",
                            "It was a time of great change in the country, and", "Mr. Brown"};
   std::atomic<int> next{0}, tokens{0}, failed{0};

@@ -246,6 +246,12 @@ struct Worker::Impl {
         send(transport::LoadProgressMsg{.fraction = f, .bytes_done = done, .bytes_total = total});
       }
     });
+    const int64_t bytes = weights ? weights->checkpoint_bytes_read : 0;
+    const double read_secs = std::chrono::duration<double>(Clock::now() - t0).count();
+    // The backend is built without stage_mu: placing a large stage on a GPU can outlast the
+    // coordinator's liveness window, and the heartbeats need that lock.
+    std::optional<Expected<std::unique_ptr<StageBackend>>> backend;
+    if (weights) backend = make_backend(std::move(weights).value(), a);
     std::lock_guard lk(stage_mu);
     auto fail = [&](const std::string& why) {
       state = WorkerState::Idle;
@@ -254,11 +260,8 @@ struct Worker::Impl {
       send(transport::LoadFailedMsg{.error = why});
     };
     if (!weights) return fail(weights.error());
-    const int64_t bytes = weights->checkpoint_bytes_read;
-    const double read_secs = std::chrono::duration<double>(Clock::now() - t0).count();
-    auto backend = make_backend(std::move(weights).value(), a);
-    if (!backend) return fail(backend.error());
-    executor = std::make_shared<StageExecutor>(std::move(backend).value());
+    if (!*backend) return fail(backend->error());
+    executor = std::make_shared<StageExecutor>(std::move(*backend).value());
     if (Status s = wire(a); !s) {
       state = WorkerState::Ready;  // the layers are loaded and kept; the next assignment re-wires
       report_wiring_failure(a, s);
