@@ -6,7 +6,8 @@
 //   control:   {host: 127.0.0.1, port: 5555, join_token: TOKEN, curve_secret_key: Z85}
 //   pipeline:  {stages: N, replicas: R, layers: [[b, e], ...]}
 //   scheduler: {in_flight: D, max_batch_tokens: T, prefill_chunk: C, max_queue: Q,
-//               max_running: S, max_sequences_per_batch: B, shutdown_timeout_ms: 30000}
+//               max_running: S, max_sequences_per_batch: B, shutdown_timeout_ms: 30000,
+//               pipeline_wait_ms: 30000}
 //   heartbeat: {interval_ms: 500, liveness_ms: 3000}
 //
 // api_key and join_token may come from CONVEYOR_API_KEY / CONVEYOR_JOIN_TOKEN instead.
@@ -51,6 +52,10 @@ struct ClusterConfig {
   int64_t max_running = 256;
   int64_t max_sequences_per_batch = 64;
   int shutdown_timeout_ms = 30000;  // SIGTERM: how long accepted requests may take to finish
+  // While no pipeline can serve (its only worker drained or died, no spare): how long an
+  // accepted request waits in the queue for one before it is refused (503, Retry-After).
+  // 0: refuse such requests at submission, as nothing could serve them.
+  int pipeline_wait_ms = 30000;
 
   int heartbeat_interval_ms = 500;
   int liveness_ms = 3000;

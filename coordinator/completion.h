@@ -62,9 +62,20 @@ struct ChoiceUpdate {
 struct CompletionSink {
   std::function<void(ChoiceUpdate)> on_update;
   // Every choice finished (after the last on_update) or the request failed (`error` set:
-  // the message says why; no further calls). Exactly once.
+  // the message says why; no further calls). Exactly once, unless on_refused is called.
   std::function<void(const std::string& error)> on_done;
+  // Optional. The core accepted the request but refuses it before it ran a step (it waited
+  // in the queue past scheduler.pipeline_wait_ms with no pipeline able to serve): `why`
+  // is a refusal as submit() would have answered it (Unavailable, with a retry_after).
+  // Called instead of on_done, and then nothing else; when unset, on_done gets the message.
+  std::function<void(const CoreStatus& why)> on_refused;
 };
+
+// Ends an accepted request that never ran with a refusal (see CompletionSink::on_refused).
+inline void refuse_accepted(CompletionSink& sink, const CoreStatus& why) {
+  if (sink.on_refused) sink.on_refused(why);
+  else sink.on_done(why.message);
+}
 
 // The core as the REST layer sees it (implemented by coordinator/coordinator.h).
 class CompletionBackend {

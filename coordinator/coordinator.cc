@@ -47,6 +47,11 @@ bool Coordinator::Impl::pipeline_recoverable(const Pipeline& p) const {
   return missing <= spares;
 }
 
+bool Coordinator::Impl::serviceable() const {
+  return std::any_of(pipelines.begin(), pipelines.end(),
+                     [&](const Pipeline& p) { return pipeline_ready(p) || pipeline_recoverable(p); });
+}
+
 bool Coordinator::Impl::has_leaver(const Pipeline& p) const {
   return std::any_of(p.workers.begin(), p.workers.end(), [&](const std::string& n) {
     auto it = workers.find(n);
@@ -141,6 +146,7 @@ void Coordinator::Impl::engine_loop() {
       }
     }
     reshape_if_pending();
+    scheduler->refuse_unserved(serviceable());
     scheduler->admit(open, capacity);
     for (Pipeline& p : pipelines) launch(p);
   }
@@ -186,11 +192,14 @@ Expected<std::unique_ptr<Coordinator>> Coordinator::start(ClusterConfig config,
 CoreStatus Coordinator::submit(std::shared_ptr<const CompletionRequest> request, CompletionSink sink) {
   Impl& m = *impl_;
   std::lock_guard lk(m.mu);
-  if (m.stopping || !m.accepting) return CoreStatus::refuse(CoreError::Unavailable, "the coordinator is shutting down");
-  const bool serviceable = std::any_of(m.pipelines.begin(), m.pipelines.end(), [&](const Pipeline& p) {
-    return m.pipeline_ready(p) || m.pipeline_recoverable(p);
-  });
-  if (!serviceable) return CoreStatus::refuse(CoreError::Unavailable, "no pipeline can serve: " + m.health_reason());
+  if (m.stopping || !m.accepting)
+    return CoreStatus::retry_later(CoreError::Unavailable, "the coordinator is shutting down",
+                                   Scheduler::kRetryUnavailableSeconds);
+  // With no pipeline able to serve, the request still queues: a worker may join within
+  // scheduler.pipeline_wait_ms (the engine loop refuses it after that). A wait of 0 refuses now.
+  if (m.cfg.pipeline_wait_ms == 0 && !m.serviceable())
+    return CoreStatus::retry_later(CoreError::Unavailable, "no pipeline can serve: " + m.health_reason(),
+                                   Scheduler::kRetryUnavailableSeconds);
   return m.scheduler->submit(std::move(request), std::move(sink));
 }
 

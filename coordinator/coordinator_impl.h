@@ -60,6 +60,9 @@ struct Coordinator::Impl {
   int64_t pipeline_kv_capacity(const Pipeline& p) const;
   // A pipeline is recoverable when each missing stage can be filled by a spare or is loading.
   bool pipeline_recoverable(const Pipeline& p) const;
+  // Some pipeline serves or is being repaired: requests queue for it (scheduler.pipeline_wait_ms
+  // bounds their wait while none is).
+  bool serviceable() const;
   bool has_leaver(const Pipeline& p) const;
   bool has_spare() const;
   int in_flight_depth() const;

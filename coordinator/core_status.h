@@ -25,10 +25,16 @@ struct CoreStatus {
   CoreError error = CoreError::None;
   std::string message;
   std::string param;  // the offending field, for Invalid
+  // QueueFull, Unavailable: when the client may try again, in seconds (HTTP Retry-After);
+  // 0 says nothing.
+  int retry_after_seconds = 0;
 
   bool ok() const { return error == CoreError::None; }
   static CoreStatus refuse(CoreError e, std::string message, std::string param = {}) {
     return {e, std::move(message), std::move(param)};
+  }
+  static CoreStatus retry_later(CoreError e, std::string message, int retry_after_seconds) {
+    return {e, std::move(message), {}, retry_after_seconds};
   }
 };
 

@@ -50,6 +50,15 @@ void Metrics::count_request(int http_status) {
   ++requests_by_code_[http_status];
 }
 
+bool Metrics::counts_as_request(std::string_view target) {
+  const std::string_view path = target.substr(0, target.find('?'));
+  return path != "/health" && path != "/metrics" && path != "/";  // probes, scrapes, the status page
+}
+
+void Metrics::count_request(std::string_view target, int http_status) {
+  if (counts_as_request(target)) count_request(http_status);
+}
+
 void Metrics::observe_time_to_first_token(double seconds) {
   std::lock_guard lock(mu_);
   ttft_.observe(seconds);
@@ -170,7 +179,7 @@ std::string stage_labels(int pipeline, int stage) {
 std::string Metrics::render() const {
   std::lock_guard lock(mu_);
   std::string out;
-  family(out, "conveyor_requests_total", "counter", "HTTP requests answered, by status code.");
+  family(out, "conveyor_requests_total", "counter", "Answers to clients' calls (not /health, /metrics or /), by HTTP status code.");
   for (const auto& [code, n] : requests_by_code_)
     sample(out, "conveyor_requests_total", "code=\"" + std::to_string(code) + "\"", double(n));
 
@@ -184,9 +193,9 @@ std::string Metrics::render() const {
   histogram(out, "conveyor_inter_token_latency_seconds",
             "Seconds between consecutive generated tokens of one sequence.", itl_);
 
-  family(out, "conveyor_queue_depth", "gauge", "Requests admitted but not yet scheduled.");
+  family(out, "conveyor_queue_depth", "gauge", "Requests accepted and waiting in the queue for a pipeline.");
   sample(out, "conveyor_queue_depth", "", double(queue_depth_));
-  family(out, "conveyor_running_sequences", "gauge", "Sequences in the pipelines now.");
+  family(out, "conveyor_running_sequences", "gauge", "Sequences admitted onto a pipeline and not finished.");
   sample(out, "conveyor_running_sequences", "", double(running_sequences_));
 
   family(out, "conveyor_stage_busy_fraction", "gauge",
@@ -196,7 +205,7 @@ std::string Metrics::render() const {
     sample(out, "conveyor_stage_busy_fraction",
            stage_labels(pipeline, stage) + ",worker=\"" + prometheus_label_value(worker) + "\"", value);
   }
-  family(out, "conveyor_kv_cache_used_tokens", "gauge", "KV-cache slots in use on a stage, in tokens.");
+  family(out, "conveyor_kv_cache_used_tokens", "gauge", "KV-cache slots in use on a stage, in tokens, as of its last heartbeat.");
   for (const auto& [key, v] : kv_tokens_)
     sample(out, "conveyor_kv_cache_used_tokens", stage_labels(key.first, key.second), double(v.first));
   family(out, "conveyor_kv_cache_capacity_tokens", "gauge", "KV-cache capacity of a stage, in tokens.");

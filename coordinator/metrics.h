@@ -2,12 +2,24 @@
 // exposition format 0.0.4. No dependency; one mutex guards everything, so every method may
 // be called from any thread (the REST layer's io threads and the scheduler's thread).
 //
-// Who records what:
-//   REST layer (http_server.cc): conveyor_requests_total{code}, time to first token,
-//     inter-token latency, conveyor_prompt_tokens_total (at admission) and
-//     conveyor_generated_tokens_total (as updates arrive).
-//   Core (scheduler): queue depth, running sequences, per-stage busy fraction and KV-cache
-//     use; clear_stage_gauges() after a re-plan so gauges of stages that no longer exist
+// What each family means, and who records it:
+//   REST layer (http_server.cc):
+//     conveyor_requests_total{code}: answers to clients' calls (the API, /v1/..., and any
+//       other path), by HTTP status; a stream counts as 200 when its header goes out.
+//       /health probes, /metrics scrapes and the status page (/) are not counted: a load
+//       balancer polling /health while a cluster starts would otherwise show as 503s that
+//       no client received.
+//     conveyor_prompt_tokens_total (at admission), conveyor_generated_tokens_total (as
+//       updates arrive), time to first token, inter-token latency.
+//   Core (coordinator.cc, from the scheduler and the workers' heartbeats):
+//     conveyor_queue_depth: requests accepted and waiting for a pipeline slot;
+//     conveyor_running_sequences: sequences admitted onto a pipeline and not finished;
+//     conveyor_stage_busy_fraction, conveyor_kv_cache_{used,capacity}_tokens: each stage as
+//       its worker last reported it (every heartbeat interval). A finished sequence's K/V
+//       is released on every stage by the next micro-batch of its pipeline, which the
+//       coordinator sends at once even when it carries nothing else, so used tokens fall to
+//       0 within about one heartbeat of running_sequences reaching 0.
+//     clear_stage_gauges() after a re-plan so gauges of stages that no longer exist
 //     disappear instead of freezing at their last value.
 //
 // Units: seconds for latencies, tokens for KV-cache figures, a fraction in [0, 1] for busy.
@@ -51,6 +63,10 @@ class Metrics {
 
   // REST layer.
   void count_request(int http_status);
+  // As above for an answer to `target` (path and query), unless it is a probe, a scrape or
+  // the status page (/health, /metrics, /), which conveyor_requests_total leaves out.
+  void count_request(std::string_view target, int http_status);
+  static bool counts_as_request(std::string_view target);
   void observe_time_to_first_token(double seconds);
   void observe_inter_token_latency(double seconds, uint64_t tokens = 1);
   void add_prompt_tokens(uint64_t tokens);

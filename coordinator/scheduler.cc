@@ -28,15 +28,39 @@ SamplingParams Scheduler::sampling_for(const CompletionRequest& r) const {
 
 CoreStatus Scheduler::submit(std::shared_ptr<const CompletionRequest> req, CompletionSink sink) {
   if (int64_t(queue_.size()) >= cfg_.max_queue)
-    return CoreStatus::refuse(CoreError::QueueFull,
-                              "the queue is full (" + std::to_string(cfg_.max_queue) + " requests waiting)");
+    return CoreStatus::retry_later(CoreError::QueueFull,
+                                   "the queue is full (" + std::to_string(cfg_.max_queue) + " requests waiting)",
+                                   kRetryQueueFullSeconds);
   auto r = std::make_unique<Request>();
   r->req = std::move(req);
   r->sink = std::move(sink);
+  r->queued_at = Clock::now();
   for (const auto& pr : r->req->prompts)
     r->kv_need += int64_t(r->req->n) * (int64_t(pr.size()) + max_tokens_of(*r->req, pr.size()));
   queue_.push_back(std::move(r));
   return {};
+}
+
+void Scheduler::refuse_unserved(bool serviceable) {
+  if (serviceable) {
+    unserviceable_since_.reset();
+    return;
+  }
+  const Clock::time_point now = Clock::now();
+  if (!unserviceable_since_) unserviceable_since_ = now;
+  const auto wait = std::chrono::milliseconds(cfg_.pipeline_wait_ms);
+  // The queue is in arrival order, so the waits' starts (max of arrival and since) are
+  // ascending: the requests due are a prefix.
+  while (!queue_.empty() && std::max(queue_.front()->queued_at, *unserviceable_since_) + wait <= now) {
+    std::unique_ptr<Request> owned = std::move(queue_.front());
+    queue_.pop_front();
+    refuse_accepted(owned->sink,
+                    CoreStatus::retry_later(CoreError::Unavailable,
+                                            "no pipeline could serve the request within scheduler.pipeline_wait_ms (" +
+                                                std::to_string(cfg_.pipeline_wait_ms) + " ms)",
+                                            kRetryUnavailableSeconds));
+    idle_cv_.notify_all();
+  }
 }
 
 int64_t Scheduler::running_sequences() const {
@@ -285,7 +309,7 @@ void Scheduler::wait_idle(std::unique_lock<std::mutex>& lock, std::chrono::milli
 
 void Scheduler::fail_all(const std::string& why) {
   while (!queue_.empty()) {
-    queue_.front()->sink.on_done(why);
+    refuse_accepted(queue_.front()->sink, CoreStatus::retry_later(CoreError::Unavailable, why, kRetryUnavailableSeconds));
     queue_.pop_front();
   }
   while (!running_.empty()) finish_request(*running_.begin()->first, why);

@@ -35,9 +35,20 @@ class Scheduler {
   // it re-plans in place) must outlive the scheduler.
   Scheduler(const ClusterConfig& cfg, std::shared_ptr<const Tokenizer> tokenizer, std::vector<Pipeline>& pipelines);
 
+  // What a refusal tells the client about trying again (HTTP Retry-After), in seconds.
+  static constexpr int kRetryUnavailableSeconds = 5;  // no pipeline, or shutting down
+  static constexpr int kRetryQueueFullSeconds = 1;
+
   // Queues the request, or refuses it when the queue is full. Accepted requests always end
-  // in sink.on_done.
+  // in sink.on_done, or in sink.on_refused when they waited too long for a pipeline.
   CoreStatus submit(std::shared_ptr<const CompletionRequest> request, CompletionSink sink);
+
+  // The queue's wait for a pipeline. `serviceable`: some pipeline serves or is being
+  // repaired (its missing stages are loading or have spares). While none is, a queued
+  // request is refused (Unavailable, Retry-After) once it has waited pipeline_wait_ms
+  // counted from the later of its arrival in the queue and the moment the last pipeline
+  // stopped being serviceable: time spent behind a busy but working pipeline does not count.
+  void refuse_unserved(bool serviceable);
 
   // Moves queued requests (FIFO) onto the pipelines `open` accepts while their K/V budget
   // (`kv_capacity`, tokens) allows; the least reserved pipeline first. A request larger
@@ -72,7 +83,7 @@ class Scheduler {
   // Waits (releasing `lock`, the coordinator's mutex) until nothing is outstanding or
   // `timeout` passes.
   void wait_idle(std::unique_lock<std::mutex>& lock, std::chrono::milliseconds timeout);
-  // Fails every accepted request with `why`.
+  // Fails every accepted request with `why` (refuses, Unavailable, those still queued).
   void fail_all(const std::string& why);
 
  private:
@@ -88,6 +99,7 @@ class Scheduler {
     int64_t kv_need = 0;  // tokens reserved on its pipeline
     int pipeline = -1;
     bool failed = false;
+    std::chrono::steady_clock::time_point queued_at;
   };
 
   struct Sequence {
@@ -122,6 +134,8 @@ class Scheduler {
   std::vector<Pipeline>& pipelines_;
   uint64_t next_seq_id_ = 1, next_batch_id_ = 1;
   std::condition_variable idle_cv_;  // a request finished
+  // Since when no pipeline has been serviceable (refuse_unserved); unset while one is.
+  std::optional<std::chrono::steady_clock::time_point> unserviceable_since_;
 };
 
 }  // namespace conveyor

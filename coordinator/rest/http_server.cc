@@ -18,6 +18,7 @@
 #include <spdlog/spdlog.h>
 
 #include "coordinator/rest/admin_api.h"
+#include "coordinator/rest/status_page.h"
 
 namespace conveyor {
 
@@ -100,6 +101,7 @@ class Session : public std::enable_shared_from_this<Session> {
   // Called on the strand through the request's sink.
   void on_update(ChoiceUpdate update, Clock::time_point at);
   void on_done(std::string error);
+  void on_refused(CoreStatus why);
 
  private:
   struct Active {  // the completion request this connection is serving
@@ -130,6 +132,7 @@ class Session : public std::enable_shared_from_this<Session> {
                                                   std::string_view content_type);
   void send_json(int status, const json& body);
   void send_error(const ApiError& error, bool close = false);
+  void send_refusal(const CoreStatus& refusal);
   void send(http::response<http::string_body>&& res);
   void on_write(bool close, beast::error_code ec, size_t);
 
@@ -270,7 +273,7 @@ void Session::send_error(const ApiError& error, bool close) {
 }
 
 void Session::send(http::response<http::string_body>&& res) {
-  if (ctx_->metrics) ctx_->metrics->count_request(int(res.result_int()));
+  if (ctx_->metrics) ctx_->metrics->count_request(view(req_.target()), int(res.result_int()));
   const bool close = res.need_eof();
   res_ = std::make_shared<http::response<http::string_body>>(std::move(res));
   stream_.expires_after(kIoTimeout);
@@ -298,7 +301,7 @@ bool Session::authorized() const {
 void Session::handle() {
   std::string_view target = view(req_.target());
   std::string_view path = target.substr(0, target.find('?'));
-  if (path != "/health" && !authorized())
+  if (path != "/health" && path != "/" && !authorized())  // the status page holds no data
     return send_error(api_error(401, "missing or wrong API key: send 'Authorization: Bearer <key>'", "",
                                 "invalid_request_error", "invalid_api_key"));
   try {
@@ -330,6 +333,12 @@ void Session::route(std::string_view path) {
 
   if (path == "/v1/completions") {
     if (allow_only(http::verb::post)) completions();
+  } else if (path == "/") {
+    if (!allow_only(http::verb::get)) return;
+    auto res = make_response(http::status::ok, std::string(status_page_html()), kStatusPageContentType);
+    res.set(http::field::cache_control, "no-cache");
+    res.set("Content-Security-Policy", std::string(kStatusPagePolicy));
+    send(std::move(res));
   } else if (path == "/v1/models") {
     if (allow_only(http::verb::get)) send_json(200, {{"object", "list"}, {"data", json::array({model})}});
   } else if (path.starts_with("/v1/models/")) {
@@ -391,11 +400,12 @@ void Session::completions() {
   std::shared_ptr<net::io_context> ioc = ioc_.lock();
   if (!ioc) return send_error(api_error(503, "the server is stopping", "", "service_unavailable"));
   ApiError error;
+  ResponseOptions options;
   Expected<CompletionRequest> parsed = parse_completion_body(req_.body(), *ctx_->tokenizer, ctx_->config,
-                                                             ctx_->limits, ctx_->model_name, &error);
+                                                             ctx_->limits, ctx_->model_name, &error, &options);
   if (!parsed.ok()) return send_error(error);
   auto request = std::make_shared<const CompletionRequest>(std::move(parsed).value());
-  active_ = std::make_unique<Active>(Active{request, CompletionResponseBuilder(request, *ctx_->tokenizer, unix_now()), false, {}});
+  active_ = std::make_unique<Active>(Active{request, CompletionResponseBuilder(request, *ctx_->tokenizer, unix_now(), std::move(options)), false, {}});
   active_->last_token_at.resize(request->num_choices());
 
   // The sink only posts onto this session's strand. It is called from the core's thread.
@@ -410,6 +420,9 @@ void Session::completions() {
   sink.on_done = [target](const std::string& error) {
     net::post(target->strand, [session = target->session, error]() mutable { session->on_done(std::move(error)); });
   };
+  sink.on_refused = [target](const CoreStatus& why) {
+    net::post(target->strand, [session = target->session, why]() mutable { session->on_refused(std::move(why)); });
+  };
   target.reset();
 
   CoreStatus submitted;
@@ -421,7 +434,7 @@ void Session::completions() {
   if (!submitted.ok()) {
     active_.reset();
     if (submitted.message.empty()) submitted.message = "the request was refused";
-    return send_error(api_error_of(submitted));
+    return send_refusal(submitted);
   }
   if (ctx_->metrics) ctx_->metrics->add_prompt_tokens(uint64_t(active_->builder.prompt_tokens()));
   if (request->stream) start_stream();
@@ -464,6 +477,27 @@ void Session::on_done(std::string error) {
   if (!error.empty()) return send_error(api_error(500, error, "", "server_error"));
   auto res = make_response(http::status::ok, dump_json(done->builder.response()) + "\n", "application/json");
   res.set("X-Request-Id", done->request->id);
+  send(std::move(res));
+}
+
+// The core refused a request it had queued (no pipeline within scheduler.pipeline_wait_ms).
+// A stream has already sent its 200: the refusal is its last event.
+void Session::on_refused(CoreStatus why) {
+  if (!active_) return;
+  std::unique_ptr<Active> done = std::move(active_);
+  spdlog::warn("completion {} refused: {}", done->request->id, why.message);
+  if (done->request->stream) {
+    queue_event(CompletionResponseBuilder::sse_error(api_error_of(why)));
+    return finish_stream(/*close=*/true);
+  }
+  send_refusal(why);
+}
+
+// A refusal of the core in its HTTP form, with Retry-After when the core says when to retry.
+void Session::send_refusal(const CoreStatus& refusal) {
+  const ApiError error = api_error_of(refusal);
+  auto res = make_response(http::status(error.http_status), error_body(error) + "\n", "application/json");
+  if (refusal.retry_after_seconds > 0) res.set(http::field::retry_after, std::to_string(refusal.retry_after_seconds));
   send(std::move(res));
 }
 

@@ -10,9 +10,10 @@
 // on_done, so a request the core accepted always completes safely: if the client went
 // away the output is dropped; if the server was stopped the posted work is discarded.
 //
-// Auth: with a non-empty api_key every route but GET /health needs
+// Auth: with a non-empty api_key every route but GET /health and GET / needs
 // "Authorization: Bearer <key>" (compared in constant time); /health stays open for load
-// balancers and orchestrators.
+// balancers and orchestrators, and / is the status page, which holds no data (it asks the
+// operator for the key and sends it on its own requests).
 #pragma once
 
 #include <chrono>

@@ -223,11 +223,53 @@ Expected<CompletionRequest> failed(const ApiError& e, ApiError* out) {
   return Status::error(e.message);
 }
 
+// "the longest prompt" (a batch) or "the prompt", for context-length messages.
+const char* prompt_noun(const CompletionRequest& req) {
+  return req.prompts.size() > 1 ? "the longest prompt" : "the prompt";
+}
+
+#ifdef CONVEYOR_BUILD_ID
+constexpr const char* kBuildId = CONVEYOR_BUILD_ID;  // the commit the build was configured at
+#else
+constexpr const char* kBuildId = "unversioned";
+#endif
+
+uint64_t fnv1a_64(std::string_view bytes) {
+  uint64_t h = 0xcbf29ce484222325ull;
+  for (unsigned char b : bytes) {
+    h ^= b;
+    h *= 0x100000001b3ull;
+  }
+  return h;
+}
+
 }  // namespace
+
+std::string system_fingerprint(std::string_view served_model, const ModelConfig& config, const Tokenizer& tokenizer) {
+  // Every input is written with its name, so no two different settings give one string.
+  const json identity = {{"model", served_model},
+                         {"n_embd", config.n_embd},
+                         {"n_head", config.n_head},
+                         {"n_layer", config.n_layer},
+                         {"n_inner", config.n_inner},
+                         {"n_positions", config.n_positions},
+                         {"vocab_size", config.vocab_size},
+                         {"layer_norm_epsilon", config.layer_norm_epsilon},
+                         {"activation", int(config.activation)},
+                         {"tie_word_embeddings", config.tie_word_embeddings},
+                         {"eos_token_id", config.eos_token_id},
+                         {"tokenizer_vocab", tokenizer.vocab_size()},
+                         {"build", kBuildId}};
+  char buf[24];
+  std::snprintf(buf, sizeof buf, "fp_%012llx",
+                static_cast<unsigned long long>(fnv1a_64(dump_json(identity)) >> 16));
+  return buf;
+}
 
 Expected<CompletionRequest> parse_completion_request(const nlohmann::json& body, const Tokenizer& tokenizer,
                                                      const ModelConfig& config, const ApiLimits& limits,
-                                                     std::string_view served_model, ApiError* error) {
+                                                     std::string_view served_model, ApiError* error,
+                                                     ResponseOptions* options) {
   if (!body.is_object())
     return failed(api_error(400, "the request body must be a JSON object, got " + describe(body)), error);
   FieldReader r(body);
@@ -287,10 +329,18 @@ Expected<CompletionRequest> parse_completion_request(const nlohmann::json& body,
     return done();
   req.logprobs = int(logprobs);
 
-  // seed: any 64-bit integer (negative values are taken modulo 2^64).
+  // seed: any integer that fits 64 bits, signed or unsigned. The sampler keys on a
+  // uint64_t: negative values are taken modulo 2^64 (-1 and 2^64-1 are one seed).
   if (const json* v = r.find("seed")) {
     if (!v->is_number_integer()) {
-      r.wrong_type("seed", "an integer", *v);
+      constexpr const char* kSeedRange = "'seed' must be an integer from -2^63 to 2^64-1";
+      // The JSON parser keeps integers that fit 64 bits as integers; a whole number this
+      // large arrived as a float because it does not fit.
+      const bool too_large = v->is_number_float() && std::isfinite(v->get<double>()) &&
+                             std::trunc(v->get<double>()) == v->get<double>() &&
+                             std::fabs(v->get<double>()) >= 0x1p63;
+      if (too_large) r.fail("seed", std::string(kSeedRange) + "; " + v->dump() + " does not fit in 64 bits");
+      else r.fail("seed", std::string(kSeedRange) + ", got " + describe(*v));
       return done();
     }
     s.seed = v->is_number_unsigned() ? v->get<uint64_t>() : uint64_t(v->get<int64_t>());
@@ -313,13 +363,13 @@ Expected<CompletionRequest> parse_completion_request(const nlohmann::json& body,
         return done();
       }
       if (!value.is_boolean() && !value.is_null()) {
-        r.fail("stream_options", "'stream_options.include_usage' must be a boolean, got " + describe(value));
+        r.fail("stream_options.include_usage",
+               "'stream_options.include_usage' must be a boolean, got " + describe(value));
         return done();
       }
       include_usage = value.is_boolean() && value.get<bool>();
     }
   }
-  (void)include_usage;  // usage always rides on the last chunk (docs/API.md)
 
   if (const json* v = r.find("user"); v && !v->is_string()) {
     r.wrong_type("user", "a string", *v);
@@ -363,7 +413,13 @@ Expected<CompletionRequest> parse_completion_request(const nlohmann::json& body,
   for (const auto& p : req.prompts) longest = std::max(longest, p.size());
   if (n_positions > 0) {
     const int64_t room = n_positions - int64_t(longest);
-    if (!max_tokens_given) max_tokens = int(std::min<int64_t>(max_tokens, std::max<int64_t>(room, 1)));
+    if (!max_tokens_given && room <= 0) {  // not the client's max_tokens: the prompt leaves no room
+      r.fail("prompt", "this model's maximum context length is " + std::to_string(n_positions) +
+                           " tokens, however " + prompt_noun(req) + " has " + std::to_string(longest) +
+                           " tokens, which leaves no room for a completion; reduce the prompt");
+      return done();
+    }
+    if (!max_tokens_given) max_tokens = int(std::min<int64_t>(max_tokens, room));
     if (int64_t(longest) + max_tokens > n_positions) {
       r.fail("max_tokens", "this model's maximum context length is " + std::to_string(n_positions) +
                                " tokens, however you requested " + std::to_string(longest + size_t(max_tokens)) +
@@ -389,19 +445,24 @@ Expected<CompletionRequest> parse_completion_request(const nlohmann::json& body,
     return done();
   }
   req.arrival = std::chrono::steady_clock::now();
+  if (options) {
+    options->include_usage = include_usage;
+    options->system_fingerprint = system_fingerprint(served_model, config, tokenizer);
+  }
   return req;
 }
 
 Expected<CompletionRequest> parse_completion_body(std::string_view body, const Tokenizer& tokenizer,
                                                   const ModelConfig& config, const ApiLimits& limits,
-                                                  std::string_view served_model, ApiError* error) {
+                                                  std::string_view served_model, ApiError* error,
+                                                  ResponseOptions* options) {
   json parsed;
   try {
     parsed = json::parse(body.begin(), body.end());
   } catch (const json::parse_error& e) {
     return failed(api_error(400, std::string("the request body is not valid JSON: ") + e.what()), error);
   }
-  return parse_completion_request(parsed, tokenizer, config, limits, served_model, error);
+  return parse_completion_request(parsed, tokenizer, config, limits, served_model, error, options);
 }
 
 // ---------------------------------------------------------------------------------------
@@ -452,9 +513,10 @@ std::string token_display_string(const Tokenizer& tokenizer, int32_t id) {
 }
 
 CompletionResponseBuilder::CompletionResponseBuilder(std::shared_ptr<const CompletionRequest> request,
-                                                     const Tokenizer& tokenizer, int64_t created_unix_seconds)
+                                                     const Tokenizer& tokenizer, int64_t created_unix_seconds,
+                                                     ResponseOptions options)
     : request_(std::move(request)), tokenizer_(tokenizer), created_(created_unix_seconds),
-      choices_(request_->num_choices()) {}
+      options_(std::move(options)), choices_(request_->num_choices()) {}
 
 int64_t CompletionResponseBuilder::prompt_tokens() const {
   int64_t n = 0;
@@ -474,7 +536,10 @@ json CompletionResponseBuilder::usage() const {
 }
 
 json CompletionResponseBuilder::envelope() const {
-  return {{"id", request_->id}, {"object", "text_completion"}, {"created", created_}, {"model", request_->model}};
+  json e = {{"id", request_->id}, {"object", "text_completion"}, {"created", created_}, {"model", request_->model},
+            {"system_fingerprint", nullptr}};
+  if (!options_.system_fingerprint.empty()) e["system_fingerprint"] = options_.system_fingerprint;
+  return e;
 }
 
 void CompletionResponseBuilder::append_logprobs(Choice& c, const std::vector<TokenOut>& tokens, bool prompt,
@@ -568,20 +633,16 @@ std::string CompletionResponseBuilder::sse_chunk(const ChoiceUpdate& update) {
   if (update.choice >= choices_.size()) return {};
   json chunk = envelope();
   chunk["choices"] = json::array({apply(update)});
-  if (all_finished() && !usage_sent_) {
-    chunk["usage"] = usage();
-    usage_sent_ = true;
-  }
+  if (options_.include_usage) chunk["usage"] = nullptr;
   return "data: " + dump_json(chunk) + "\n\n";
 }
 
 std::string CompletionResponseBuilder::sse_finish() {
   std::string out;
-  if (!usage_sent_) {
+  if (options_.include_usage) {
     json chunk = envelope();
     chunk["choices"] = json::array();
     chunk["usage"] = usage();
-    usage_sent_ = true;
     out = "data: " + dump_json(chunk) + "\n\n";
   }
   return out + "data: [DONE]\n\n";

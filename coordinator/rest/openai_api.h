@@ -55,20 +55,33 @@ nlohmann::json error_json(const ApiError& error);
 // error_json(...) serialised (invalid UTF-8 in messages replaced).
 std::string error_body(const ApiError& error);
 
+// What shapes a request's answer but not its tokens (so the core never sees it).
+struct ResponseOptions {
+  bool include_usage = false;      // stream_options.include_usage: a final usage-only chunk
+  std::string system_fingerprint;  // system_fingerprint() of the serving model; empty: null
+};
+
+// "fp_" and 12 hex digits: a hash of what decides a request's tokens besides the request
+// itself: the served model's name, its config, the tokenizer's vocabulary size, and the
+// Conveyor build (CONVEYOR_BUILD_ID: the git commit the build was configured at, see
+// coordinator/CMakeLists.txt). The same for every request of one server.
+std::string system_fingerprint(std::string_view served_model, const ModelConfig& config, const Tokenizer& tokenizer);
+
 // Validates `body` (a parsed JSON value) and turns it into token ids and sampling
 // parameters. `served_model`: the name clients must use in `model` (empty: any name is
 // accepted). The request gets a fresh "cmpl-" id, its arrival time, and a random seed when
 // the client gave none. On failure the result's message is `error->message`, and `*error`
-// (when given) says the HTTP status, param and code.
+// (when given) says the HTTP status, param and code. On success `*options` (when given)
+// gets the answer's options: include_usage and the system fingerprint.
 Expected<CompletionRequest> parse_completion_request(const nlohmann::json& body, const Tokenizer& tokenizer,
                                                      const ModelConfig& config, const ApiLimits& limits,
                                                      std::string_view served_model = {},
-                                                     ApiError* error = nullptr);
+                                                     ApiError* error = nullptr, ResponseOptions* options = nullptr);
 // As above from the raw request body: malformed JSON and non-object bodies are refused too.
 Expected<CompletionRequest> parse_completion_body(std::string_view body, const Tokenizer& tokenizer,
                                                   const ModelConfig& config, const ApiLimits& limits,
                                                   std::string_view served_model = {},
-                                                  ApiError* error = nullptr);
+                                                  ApiError* error = nullptr, ResponseOptions* options = nullptr);
 
 // Token text for logprobs (see the top of this file).
 std::string token_display_string(const Tokenizer& tokenizer, int32_t id);
@@ -81,7 +94,7 @@ std::string dump_json(const nlohmann::json& value);
 class CompletionResponseBuilder {
  public:
   CompletionResponseBuilder(std::shared_ptr<const CompletionRequest> request, const Tokenizer& tokenizer,
-                            int64_t created_unix_seconds);
+                            int64_t created_unix_seconds, ResponseOptions options);
 
   // Folds one update in (text, tokens, log-probs, finish_reason). Updates for a choice
   // index out of range are ignored.
@@ -90,11 +103,11 @@ class CompletionResponseBuilder {
   nlohmann::json response() const;
 
   // Folds `update` in and returns its SSE event: "data: {chunk}\n\n", the chunk holding
-  // this update's part of one choice. The update that finishes the last unfinished choice
-  // also carries "usage".
+  // this update's part of one choice. With include_usage the chunk has "usage": null;
+  // without it, no "usage" field (as OpenAI does).
   std::string sse_chunk(const ChoiceUpdate& update);
-  // After the last update: a usage-only chunk (empty choices) when no chunk carried usage
-  // yet (the core ended without finishing every choice), then "data: [DONE]\n\n".
+  // After the last update: with include_usage a usage-only chunk (empty choices), then
+  // "data: [DONE]\n\n".
   std::string sse_finish();
   // A failure after streaming began: "data: {"error": {...}}\n\n" (the stream then ends).
   static std::string sse_error(const ApiError& error);
@@ -125,9 +138,9 @@ class CompletionResponseBuilder {
   std::shared_ptr<const CompletionRequest> request_;
   const Tokenizer& tokenizer_;
   int64_t created_;
+  ResponseOptions options_;
   std::vector<Choice> choices_;
   size_t finished_choices_ = 0;
-  bool usage_sent_ = false;
 };
 
 }  // namespace conveyor

@@ -21,6 +21,25 @@ TEST(Cluster, SixtyFourConcurrentRequestsMatchTheEngine) {
   auto metrics = cluster.get("/metrics");
   ASSERT_TRUE(metrics.ok());
   EXPECT_NE(metrics->body.find("conveyor_requests_total"), std::string::npos);
+  // The /health polls of start() (503 while the workers loaded) are not client requests.
+  EXPECT_EQ(metrics->body.find("conveyor_requests_total{code=\"503\"}"), std::string::npos) << metrics->body;
+  EXPECT_NE(metrics->body.find("conveyor_requests_total{code=\"200\"} 64\n"), std::string::npos) << metrics->body;
+  // Once the load is over every stage's K/V cache drains: the finished sequences' frees
+  // reach the stages although no other work follows them. Workers report every 500 ms.
+  const std::regex used(R"(conveyor_kv_cache_used_tokens\{[^}]*\} ([0-9]+))");
+  std::string last;
+  bool drained = false;
+  for (int k = 0; k < 60 && !drained; ++k) {
+    if (k) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    auto m = cluster.get("/metrics");
+    if (!m) continue;
+    last = m->body;
+    int stages = 0, busy = 0;
+    for (std::sregex_iterator it(last.begin(), last.end(), used), end; it != end; ++it, ++stages)
+      busy += (*it)[1] != "0";
+    drained = stages == 3 && busy == 0 && last.find("\nconveyor_running_sequences 0\n") != std::string::npos;
+  }
+  EXPECT_TRUE(drained) << "K/V still in use 3 s after the load ended:\n" << last;
   auto info = cluster.get("/v1/cluster");
   ASSERT_TRUE(info.ok());
   const json c = json::parse(info->body);

@@ -5,6 +5,11 @@
 // with exactly the engine's tokens: no error, no duplicate, no gap in any stream. The
 // coordinator gives a lost stage to a spare (or re-plans over the survivors), bumps the
 // pipeline's epoch and replays each sequence from its first token.
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
 #include <map>
 
 #include "tests/cluster/cluster_harness.h"
@@ -218,7 +223,10 @@ TEST(Sigterm, WorkerHandsItsStageOver) {
 
 // SIGTERM to the only worker: nothing can take its stage, so its pipeline takes no new
 // requests, finishes the running ones and then lets it go; the requests that arrived
-// meanwhile wait in the queue and are served by the worker that joins next.
+// meanwhile wait in the queue and are served by the worker that joins next. That includes
+// the ones sent between the worker's exit and the next one's registration, when no
+// pipeline can serve: they wait (scheduler.pipeline_wait_ms, 30 s by default) instead of
+// being refused, so every one of the 32 must complete.
 TEST(Sigterm, LastWorkerFinishesItsRequestsFirst) {
   Cluster cluster;
   ASSERT_TRUE(cluster.start("sigterm-last", 1, 1));
@@ -268,6 +276,92 @@ TEST(Sigterm, CoordinatorFinishesAcceptedRequests) {
   EXPECT_EQ(late->status, 503) << late->body;
   EXPECT_NE(late->body.find("shutting down"), std::string::npos) << late->body;
   EXPECT_EQ(cluster.coordinator->wait_exit(std::chrono::seconds(30)), 0);
+}
+
+// One HTTP/1.1 POST on a fresh connection; the whole answer (status line, headers, body)
+// as sent, read until the server closes. Empty when nothing could be sent.
+std::string raw_post(int port, const std::string& target, const json& body) {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  if (fd < 0) return "";
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(uint16_t(port));
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  std::string out;
+  if (::connect(fd, reinterpret_cast<const sockaddr*>(&addr), sizeof addr) == 0) {
+    const std::string text = body.dump();
+    const std::string req = "POST " + target + " HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n" +
+                            "Content-Type: application/json\r\nContent-Length: " + std::to_string(text.size()) +
+                            "\r\n\r\n" + text;
+    if (::send(fd, req.data(), req.size(), MSG_NOSIGNAL) == ssize_t(req.size())) {
+      char buf[4096];
+      for (ssize_t n; (n = ::recv(fd, buf, sizeof buf, 0)) > 0;) out.append(buf, size_t(n));
+    }
+  }
+  ::close(fd);
+  return out;
+}
+
+// SIGTERM to the only worker with nothing running: it is let go at once and no pipeline
+// can serve until another worker joins.
+void leave_without_worker(Cluster& cluster) {
+  cluster.workers[0]->signal(SIGTERM);
+  ASSERT_EQ(cluster.workers[0]->wait_exit(std::chrono::seconds(30)), 0);
+  for (int k = 0; k < 200; ++k) {
+    auto h = cluster.get("/health");
+    if (h && h->status == 503) return;
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  FAIL() << "/health still says a pipeline serves after its only worker left";
+}
+
+// A request sent while no worker serves waits in the queue and is answered (with the
+// engine's tokens) once a worker joins within scheduler.pipeline_wait_ms.
+TEST(PipelineWait, RequestWaitsForTheNextWorker) {
+  Cluster cluster;
+  ASSERT_TRUE(cluster.start("wait-served", 1, 1));
+  leave_without_worker(cluster);
+  if (HasFatalFailure()) return;
+  Reference ref;
+  std::vector<Case> cases = make_cases(ref, 2, 71);  // one plain, one streamed
+  std::vector<std::string> failures;
+  std::thread load([&] { failures = run_cases(cluster, cases, 2); });
+  // Both are queued, none refused, while nothing can serve.
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  json info;
+  while (std::chrono::steady_clock::now() < deadline) {
+    info = cluster.info();
+    if (info.is_object() && info.value("queue", 0) == 2) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  EXPECT_EQ(info.value("queue", 0), 2) << info.dump();
+  std::this_thread::sleep_for(std::chrono::milliseconds(500));
+  EXPECT_EQ(cluster.info().value("queue", 0), 2) << "a queued request was answered while no worker was up";
+  cluster.add_worker("w1", cluster.token);
+  load.join();
+  for (const auto& f : failures) ADD_FAILURE() << f;
+}
+
+// With no worker joining, a queued request is refused after scheduler.pipeline_wait_ms
+// with 503 and Retry-After. /health probes answered 503 while the cluster started are not
+// counted as requests: conveyor_requests_total{code="503"} counts that refusal alone.
+TEST(PipelineWait, RefusedWith503AfterTheWait) {
+  Cluster cluster;
+  ASSERT_TRUE(cluster.start("wait-refused", 1, 1, "scheduler: {pipeline_wait_ms: 1500}\n"));
+  leave_without_worker(cluster);
+  if (HasFatalFailure()) return;
+  const auto t0 = std::chrono::steady_clock::now();
+  const std::string answer = raw_post(cluster.http_port, "/v1/completions", {{"prompt", "The jury said"}, {"max_tokens", 4}});
+  const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_EQ(answer.rfind("HTTP/1.1 503 ", 0), 0u) << answer;
+  EXPECT_NE(answer.find("\r\nRetry-After: 5\r\n"), std::string::npos) << answer;
+  EXPECT_NE(answer.find("pipeline_wait_ms"), std::string::npos) << answer;
+  EXPECT_GE(waited, 1.4) << "refused before the wait was over";
+  EXPECT_LT(waited, 10.0);
+  auto metrics = cluster.get("/metrics");
+  ASSERT_TRUE(metrics && metrics->status == 200);
+  EXPECT_NE(metrics->body.find("\nconveyor_requests_total{code=\"503\"} 1\n"), std::string::npos) << metrics->body;
+  EXPECT_EQ(cluster.info().value("queue", -1), 0);
 }
 
 }  // namespace

@@ -62,6 +62,22 @@ TEST(ClusterConfig, MistakesNameTheLine) {
   EXPECT_EQ(error_of("pipeline: {stages: 2, layers: [[0, 4], [4, 6]]}\n"), "");
 }
 
+TEST(ClusterConfig, PipelineWait) {
+  auto parse = [](const std::string& yaml) {
+    return parse_cluster_config("model: {path: \"" + model_dir() + "\"}\ncontrol: {join_token: t}\n" + yaml, "c.yaml");
+  };
+  auto dflt = parse("");
+  ASSERT_TRUE(dflt) << dflt.error();
+  EXPECT_EQ(dflt->pipeline_wait_ms, 30000);
+  auto set = parse("scheduler: {pipeline_wait_ms: 0}\n");
+  ASSERT_TRUE(set) << set.error();
+  EXPECT_EQ(set->pipeline_wait_ms, 0);
+  const std::string negative = error_of("scheduler:\n  pipeline_wait_ms: -1\n");
+  EXPECT_NE(negative.find("c.yaml:4"), std::string::npos) << negative;
+  EXPECT_NE(negative.find("'scheduler.pipeline_wait_ms' must be at least 0"), std::string::npos) << negative;
+  EXPECT_NE(error_of("scheduler: {pipeline_wait_ms: soon}\n").find("pipeline_wait_ms"), std::string::npos);
+}
+
 ModelConfig shape(int64_t layers, int64_t C, int64_t V) {
   ModelConfig c;
   c.n_layer = layers, c.n_embd = C, c.n_head = 4, c.n_inner = 4 * C, c.n_positions = 256, c.vocab_size = V;

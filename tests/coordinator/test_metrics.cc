@@ -122,6 +122,27 @@ TEST(Metrics, RequestCountersByCode) {
   EXPECT_EQ(m.requests_with_code(500), 0u);
 }
 
+// conveyor_requests_total counts what clients asked of the API: probes and scrapes are not
+// requests (a /health answered 503 while the cluster loads is not a refused client).
+TEST(Metrics, ProbesAndScrapesAreNotRequests) {
+  Metrics m;
+  m.count_request("/health", 503);
+  m.count_request("/health?verbose=1", 503);
+  m.count_request("/metrics", 200);
+  m.count_request("/v1/completions", 503);
+  m.count_request("/v1/models", 200);
+  m.count_request("", 400);  // malformed: no target was read, still a client's request
+  EXPECT_EQ(m.requests_with_code(503), 1u);
+  EXPECT_EQ(m.requests_with_code(200), 1u);
+  EXPECT_EQ(m.requests_with_code(400), 1u);
+  EXPECT_FALSE(Metrics::counts_as_request("/health"));
+  EXPECT_TRUE(Metrics::counts_as_request("/healthz"));
+  EXPECT_FALSE(Metrics::counts_as_request("/"));
+  const std::string text = m.render();
+  expect_valid_exposition(text);
+  EXPECT_TRUE(has_line(text, "conveyor_requests_total{code=\"503\"} 1"));
+}
+
 TEST(Metrics, HistogramBucketsAreCumulativeWithLessOrEqualBounds) {
   Metrics m;
   m.observe_time_to_first_token(0.003);

@@ -57,14 +57,97 @@ TEST_F(HttpServerTest, StreamingSendsOneChunkPerUpdateAndTheSameText) {
     text += chunk["choices"][0]["text"].get<std::string>();
     const bool last = i + 2 == events.size();
     EXPECT_EQ(chunk["choices"][0]["finish_reason"].is_null(), !last);
-    EXPECT_EQ(chunk.contains("usage"), last);
-    if (last) {
-      EXPECT_EQ(chunk["usage"]["completion_tokens"], 8);
-    }
+    EXPECT_FALSE(chunk.contains("usage")) << events[i];  // no stream_options: no usage, as OpenAI
   }
   EXPECT_EQ(text, expected);
   EXPECT_EQ(metrics_->time_to_first_token_count(), ttft_before + 1);
   EXPECT_EQ(metrics_->inter_token_latency_count(), itl_before + 7);
+}
+
+TEST_F(HttpServerTest, StreamWithIncludeUsageEndsWithAUsageOnlyChunk) {
+  const std::string expected = greedy_text("The jury said", 8);
+  json body = kGreedy;
+  body["stream"] = true;
+  body["stream_options"] = {{"include_usage", true}};
+  Reply r = post(port(), body);
+  ASSERT_EQ(r.status, 200) << r.body();
+  const std::vector<std::string> events = sse_data(r.body());
+  ASSERT_EQ(events.size(), 8u + 2u);  // one per token, the usage chunk, then [DONE]
+  EXPECT_EQ(events.back(), "[DONE]");
+  std::string text;
+  for (size_t i = 0; i < 8; ++i) {
+    const json chunk = json::parse(events[i]);
+    ASSERT_EQ(chunk["choices"].size(), 1u) << events[i];
+    ASSERT_TRUE(chunk.contains("usage")) << events[i];
+    EXPECT_TRUE(chunk["usage"].is_null()) << events[i];
+    text += chunk["choices"][0]["text"].get<std::string>();
+  }
+  EXPECT_EQ(text, expected);
+  const json usage_chunk = json::parse(events[8]);
+  EXPECT_EQ(usage_chunk["object"], "text_completion");
+  EXPECT_EQ(usage_chunk["choices"], json::array());
+  const int prompt_tokens = int(tokenizer_->encode("The jury said").size());
+  EXPECT_EQ(usage_chunk["usage"], json({{"prompt_tokens", prompt_tokens},
+                                        {"completion_tokens", 8},
+                                        {"total_tokens", prompt_tokens + 8}}));
+  EXPECT_EQ(usage_chunk["id"], json::parse(events[0])["id"]);
+
+  // include_usage false is the same as leaving stream_options out.
+  body["stream_options"] = {{"include_usage", false}};
+  Reply without = post(port(), body);
+  ASSERT_EQ(without.status, 200) << without.body();
+  const std::vector<std::string> plain = sse_data(without.body());
+  ASSERT_EQ(plain.size(), 8u + 1u);
+  for (size_t i = 0; i < 8; ++i) EXPECT_FALSE(json::parse(plain[i]).contains("usage")) << plain[i];
+
+  // stream_options without a stream is refused, naming it.
+  json not_streaming = kGreedy;
+  not_streaming["stream_options"] = {{"include_usage", true}};
+  Reply refused = post(port(), not_streaming);
+  EXPECT_EQ(refused.status, 400);
+  EXPECT_EQ(refused.body_json()["error"]["param"], "stream_options");
+}
+
+TEST_F(HttpServerTest, EveryResponseAndChunkCarriesOneSystemFingerprint) {
+  Reply plain = post(port(), kGreedy);
+  ASSERT_EQ(plain.status, 200) << plain.body();
+  const json fingerprint = plain.body_json()["system_fingerprint"];
+  ASSERT_TRUE(fingerprint.is_string()) << plain.body();
+  EXPECT_TRUE(fingerprint.get<std::string>().starts_with("fp_")) << fingerprint;
+  EXPECT_EQ(fingerprint, system_fingerprint("brown-gpt2", load_model_config(model_dir()).value(), *tokenizer_));
+  // Another request, and the other server of the same model and build, say the same.
+  EXPECT_EQ(post(port(), kGreedy).body_json()["system_fingerprint"], fingerprint);
+  Reply keyed = post(keyed_server_->port(), kGreedy, {{"Authorization", "Bearer s3cret-key"}});
+  ASSERT_EQ(keyed.status, 200) << keyed.body();
+  EXPECT_EQ(keyed.body_json()["system_fingerprint"], fingerprint);
+  // Every stream chunk, the usage chunk included.
+  json body = kGreedy;
+  body["stream"] = true;
+  body["stream_options"] = {{"include_usage", true}};
+  Reply streamed = post(port(), body);
+  ASSERT_EQ(streamed.status, 200) << streamed.body();
+  const std::vector<std::string> events = sse_data(streamed.body());
+  ASSERT_EQ(events.size(), 10u);
+  for (size_t i = 0; i + 1 < events.size(); ++i) EXPECT_EQ(json::parse(events[i])["system_fingerprint"], fingerprint);
+}
+
+TEST_F(HttpServerTest, SeedsAcrossThe64BitRange) {
+  // The largest unsigned seed and its signed twin (-1, equal modulo 2^64) sample alike.
+  const std::string prefix = R"({"prompt": "The jury said", "max_tokens": 6, "temperature": 1, "ignore_eos": true, "seed": )";
+  Reply top = call(port(), http::verb::post, "/v1/completions", prefix + "18446744073709551615}");
+  Reply minus_one = call(port(), http::verb::post, "/v1/completions", prefix + "-1}");
+  ASSERT_EQ(top.status, 200) << top.body();
+  ASSERT_EQ(minus_one.status, 200) << minus_one.body();
+  EXPECT_EQ(top.body_json()["choices"][0]["text"], minus_one.body_json()["choices"][0]["text"]);
+  Reply lowest = call(port(), http::verb::post, "/v1/completions", prefix + "-9223372036854775808}");
+  EXPECT_EQ(lowest.status, 200) << lowest.body();
+  // 2^64 does not fit: a 400 that says so.
+  Reply over = call(port(), http::verb::post, "/v1/completions", prefix + "18446744073709551616}");
+  ASSERT_EQ(over.status, 400) << over.body();
+  const json err = over.body_json()["error"];
+  EXPECT_EQ(err["param"], "seed");
+  EXPECT_NE(err["message"].get<std::string>().find("from -2^63 to 2^64-1"), std::string::npos) << over.body();
+  EXPECT_EQ(err["message"].get<std::string>().find("non-integer"), std::string::npos) << over.body();
 }
 
 TEST_F(HttpServerTest, SeededSamplingWithSeveralChoicesIsReproducible) {
@@ -121,6 +204,9 @@ TEST_F(HttpServerTest, BadRequestsAre400sNamingTheField) {
   std::string long_prompt = "[";
   for (int i = 0; i < 300; ++i) long_prompt += (i ? ",5" : "5");
   long_prompt += "]";
+  std::string full_prompt = "[";  // exactly the context (256 tokens): no room to generate
+  for (int i = 0; i < 256; ++i) full_prompt += (i ? ",5" : "5");
+  full_prompt += "]";
   const std::vector<Case> cases = {
       {"{\"prompt\": \"x\"", ""},                                    // malformed JSON
       {"[1,2,3]", ""},                                               // not an object
@@ -130,6 +216,7 @@ TEST_F(HttpServerTest, BadRequestsAre400sNamingTheField) {
       {R"({"prompt": ""})", "prompt"},                               // empty
       {R"({"prompt": []})", "prompt"},
       {"{\"prompt\": " + long_prompt + "}", "prompt"},               // longer than n_positions
+      {"{\"prompt\": " + full_prompt + "}", "prompt"},               // fills it, no max_tokens sent
       {R"({"prompt": [1, 2, 4096]})", "prompt"},                     // outside the vocabulary
       {R"({"prompt": [-5]})", "prompt"},
       {R"({"prompt": "x", "frobnicate": 1})", "frobnicate"},         // unknown field
@@ -153,6 +240,11 @@ TEST_F(HttpServerTest, BadRequestsAre400sNamingTheField) {
   }
   EXPECT_EQ(metrics_->requests_with_code(400), before + cases.size());
   EXPECT_EQ(backend_->accepted(), accepted_before);  // nothing bad reached the core
+  // A prompt that fills the context, sent without max_tokens, is not blamed on max_tokens.
+  Reply full = call(port(), http::verb::post, "/v1/completions", "{\"prompt\": " + full_prompt + "}");
+  EXPECT_EQ(full.body_json()["error"]["message"],
+            "this model's maximum context length is 256 tokens, however the prompt has 256 tokens, "
+            "which leaves no room for a completion; reduce the prompt");
   // A model the server does not serve: 404 as OpenAI does.
   Reply wrong_model = post(port(), {{"model", "gpt-4"}, {"prompt", "x"}});
   EXPECT_EQ(wrong_model.status, 404);

@@ -28,9 +28,9 @@ struct Parsed {
   ApiError error;
 };
 
-Parsed parse(const json& body, const ApiLimits& limits = {}) {
+Parsed parse(const json& body, const ApiLimits& limits = {}, ResponseOptions* options = nullptr) {
   ApiError error;
-  Expected<CompletionRequest> r = parse_completion_request(body, tok(), cfg(), limits, kModel, &error);
+  Expected<CompletionRequest> r = parse_completion_request(body, tok(), cfg(), limits, kModel, &error, options);
   return {std::move(r), error};
 }
 
@@ -224,11 +224,26 @@ TEST(ParseCompletion, MaxTokens) {
   EXPECT_NE(msg.find("260"), std::string::npos) << msg;
   EXPECT_NE(msg.find("250"), std::string::npos) << msg;
   EXPECT_EQ(ok(with(with(kBase, "prompt", ids_of_length(250)), "max_tokens", 6)).max_tokens, 6);
-  // Without max_tokens the default shrinks to fit; a full context has no room at all.
+  // Without max_tokens the default shrinks to fit.
   EXPECT_EQ(ok(with(kBase, "prompt", ids_of_length(250))).max_tokens, 6);
-  refused(with(kBase, "prompt", ids_of_length(256)), "max_tokens");
+  EXPECT_EQ(ok(with(kBase, "prompt", ids_of_length(255))).max_tokens, 1);
+  // With max_tokens given, a prompt that fills the context blames max_tokens (it was sent).
+  refused(with(with(kBase, "prompt", ids_of_length(256)), "max_tokens", 1), "max_tokens");
   // The longest of several prompts decides.
   refused(with(with(kBase, "prompt", {ids_of_length(10), ids_of_length(250)}), "max_tokens", 7), "max_tokens");
+}
+
+TEST(ParseCompletion, PromptFillingTheContextWithoutMaxTokensBlamesThePrompt) {
+  // The client sent no max_tokens, so the message must not be about max_tokens.
+  const std::string msg = refused(with(kBase, "prompt", ids_of_length(256)), "prompt");
+  EXPECT_EQ(msg, "this model's maximum context length is 256 tokens, however the prompt has 256 tokens, "
+                 "which leaves no room for a completion; reduce the prompt");
+  EXPECT_EQ(msg.find("max_tokens"), std::string::npos) << msg;
+  // In a batch the longest prompt is named; null max_tokens is "not sent" too.
+  EXPECT_EQ(refused(with(kBase, "prompt", {ids_of_length(256), ids_of_length(3)}), "prompt"),
+            "this model's maximum context length is 256 tokens, however the longest prompt has 256 tokens, "
+            "which leaves no room for a completion; reduce the prompt");
+  refused(with(with(kBase, "prompt", ids_of_length(256)), "max_tokens", nullptr), "prompt");
 }
 
 TEST(ParseCompletion, SamplingRanges) {
@@ -272,6 +287,10 @@ TEST(ParseCompletion, ChoicesStreamLogprobsEcho) {
   refused(with(kBase, "stream_options", {{"include_usage", true}}), "stream_options");  // needs stream
   refused(with(with(kBase, "stream", true), "stream_options", {{"bogus", true}}), "stream_options");
   refused(with(with(kBase, "stream", true), "stream_options", 3), "stream_options");
+  refused(with(with(kBase, "stream", true), "stream_options", {{"include_usage", "yes"}}),
+          "stream_options.include_usage");
+  refused(with(with(kBase, "stream", true), "stream_options", {{"include_usage", 1}}), "stream_options.include_usage");
+  refused(with(with(kBase, "stream", false), "stream_options", {{"include_usage", false}}), "stream_options");
 
   EXPECT_EQ(ok(with(kBase, "logprobs", 0)).logprobs, 0);
   EXPECT_EQ(ok(with(kBase, "logprobs", 20)).logprobs, 20);
@@ -296,10 +315,77 @@ TEST(ParseCompletion, Stop) {
 
 TEST(ParseCompletion, Seed) {
   EXPECT_EQ(ok(with(kBase, "seed", 42)).sampling.seed, 42u);
+  EXPECT_EQ(ok(with(kBase, "seed", 0)).sampling.seed, 0u);
   EXPECT_EQ(ok(with(kBase, "seed", -1)).sampling.seed, UINT64_MAX);
   EXPECT_EQ(ok(with(kBase, "seed", UINT64_MAX)).sampling.seed, UINT64_MAX);
   refused(with(kBase, "seed", "42"), "seed");
   refused(with(kBase, "seed", 4.2), "seed");
+}
+
+// Seeds as clients write them (raw JSON text, so numbers past 64 bits reach the parser).
+Parsed parse_seed(const std::string& seed_text) {
+  ApiError error;
+  Expected<CompletionRequest> r =
+      parse_completion_body(R"({"prompt": "x", "seed": )" + seed_text + "}", tok(), cfg(), {}, kModel, &error);
+  return {std::move(r), error};
+}
+
+uint64_t seed_of(const std::string& seed_text) {
+  Parsed p = parse_seed(seed_text);
+  EXPECT_TRUE(p.request.ok()) << seed_text << " -> " << p.error.message;
+  return p.request.ok() ? p.request->sampling.seed : 0;
+}
+
+std::string seed_refusal(const std::string& seed_text) {
+  Parsed p = parse_seed(seed_text);
+  EXPECT_FALSE(p.request.ok()) << seed_text;
+  EXPECT_EQ(p.error.param, "seed");
+  EXPECT_EQ(p.error.http_status, 400);
+  return p.error.message;
+}
+
+TEST(ParseCompletion, SeedsAtTheEdgesOf64Bits) {
+  // Signed and unsigned extremes are accepted; negative values map modulo 2^64.
+  EXPECT_EQ(seed_of("18446744073709551615"), UINT64_MAX);              // 2^64-1
+  EXPECT_EQ(seed_of("9223372036854775808"), uint64_t(1) << 63);        // 2^63
+  EXPECT_EQ(seed_of("9223372036854775807"), (uint64_t(1) << 63) - 1);  // 2^63-1
+  EXPECT_EQ(seed_of("-9223372036854775808"), uint64_t(1) << 63);       // -2^63
+  EXPECT_EQ(seed_of("-2"), UINT64_MAX - 1);
+  // One past either end does not fit, and the message says so (not "non-integer").
+  for (const char* text : {"18446744073709551616", "-9223372036854775809", "100000000000000000000000"}) {
+    const std::string msg = seed_refusal(text);
+    EXPECT_TRUE(msg.starts_with("'seed' must be an integer from -2^63 to 2^64-1; ")) << msg;
+    EXPECT_TRUE(msg.ends_with(" does not fit in 64 bits")) << msg;
+  }
+  EXPECT_EQ(seed_refusal("4.5"), "'seed' must be an integer from -2^63 to 2^64-1, got a non-integer number");
+  EXPECT_EQ(seed_refusal("\"7\""), "'seed' must be an integer from -2^63 to 2^64-1, got a string");
+}
+
+TEST(ParseCompletion, ResponseOptions) {
+  ResponseOptions o;
+  ASSERT_TRUE(parse(with(with(kBase, "stream", true), "stream_options", {{"include_usage", true}}), {}, &o).request.ok());
+  EXPECT_TRUE(o.include_usage);
+  const std::string fingerprint = o.system_fingerprint;
+  ASSERT_TRUE(parse(with(with(kBase, "stream", true), "stream_options", {{"include_usage", false}}), {}, &o).request.ok());
+  EXPECT_FALSE(o.include_usage);
+  ASSERT_TRUE(parse(with(kBase, "stream", true), {}, &o).request.ok());
+  EXPECT_FALSE(o.include_usage);
+  EXPECT_EQ(o.system_fingerprint, fingerprint);  // the same for every request of one server
+}
+
+TEST(SystemFingerprint, StableAndDerivedFromTheModel) {
+  const std::string fp = system_fingerprint(kModel, cfg(), tok());
+  ASSERT_EQ(fp.size(), 15u) << fp;
+  EXPECT_TRUE(fp.starts_with("fp_")) << fp;
+  EXPECT_EQ(fp.find_first_not_of("0123456789abcdef", 3), std::string::npos) << fp;
+  EXPECT_EQ(system_fingerprint(kModel, cfg(), tok()), fp);
+  EXPECT_NE(system_fingerprint("other-model", cfg(), tok()), fp);
+  ModelConfig longer = cfg();
+  longer.n_positions *= 2;
+  EXPECT_NE(system_fingerprint(kModel, longer, tok()), fp);
+  ModelConfig erf = cfg();
+  erf.activation = erf.activation == Activation::Gelu ? Activation::GeluNew : Activation::Gelu;
+  EXPECT_NE(system_fingerprint(kModel, erf, tok()), fp);
 }
 
 TEST(ParseCompletion, UnsupportedOpenAIFields) {
@@ -348,6 +434,13 @@ TEST(ApiErrors, OpenAIShape) {
 
 // --- responses -----------------------------------------------------------------------
 
+ResponseOptions options(bool include_usage = false) {
+  ResponseOptions o;
+  o.include_usage = include_usage;
+  o.system_fingerprint = "fp_0123456789ab";
+  return o;
+}
+
 std::shared_ptr<CompletionRequest> request_for(const json& body) {
   auto r = std::make_shared<CompletionRequest>(ok(body));
   r->id = "cmpl-test";
@@ -372,7 +465,7 @@ int32_t id_of(const std::string& text) {
 
 TEST(CompletionResponse, NonStreamingDocument) {
   auto req = request_for({{"prompt", "The jury"}, {"max_tokens", 3}});
-  CompletionResponseBuilder b(req, tok(), 1700000000);
+  CompletionResponseBuilder b(req, tok(), 1700000000, options());
   const int32_t a = id_of(" said"), c = id_of(" it");
   b.add(update(0, {a}, " said"));
   b.add(update(0, {c}, " it", "length"));
@@ -383,6 +476,7 @@ TEST(CompletionResponse, NonStreamingDocument) {
       {"object", "text_completion"},
       {"created", 1700000000},
       {"model", kModel},
+      {"system_fingerprint", "fp_0123456789ab"},
       {"choices", {{{"text", " said it"}, {"index", 0}, {"logprobs", nullptr}, {"finish_reason", "length"}}}},
       {"usage", {{"prompt_tokens", prompt_tokens}, {"completion_tokens", 2}, {"total_tokens", prompt_tokens + 2}}}};
   EXPECT_EQ(b.response(), expected) << b.response().dump(2);
@@ -390,7 +484,7 @@ TEST(CompletionResponse, NonStreamingDocument) {
 
 TEST(CompletionResponse, SeveralPromptsAndChoicesWithEchoAndTokenIds) {
   auto req = request_for({{"prompt", {"A", "B"}}, {"n", 2}, {"echo", true}, {"return_token_ids", true}});
-  CompletionResponseBuilder b(req, tok(), 1);
+  CompletionResponseBuilder b(req, tok(), 1, options());
   // Interleaved updates, as the core may send them.
   b.add(update(3, {7}, "x"));
   b.add(update(0, {8}, "y", "stop"));
@@ -418,7 +512,7 @@ TEST(CompletionResponse, LogprobsWithEchoFollowOpenAIShape) {
   auto req = request_for({{"prompt", "The jury"}, {"logprobs", 1}, {"echo", true}});
   const std::vector<int32_t>& prompt = req->prompts[0];
   ASSERT_GE(prompt.size(), 2u);
-  CompletionResponseBuilder b(req, tok(), 1);
+  CompletionResponseBuilder b(req, tok(), 1, options());
   ChoiceUpdate u = update(0, {id_of(" said")}, " said");
   u.tokens[0].logprob = -0.5f;
   u.tokens[0].top = {{id_of(" was"), -0.25f}};  // the chosen token is not the top one
@@ -454,7 +548,7 @@ TEST(CompletionResponse, LogprobsWithEchoFollowOpenAIShape) {
 
 TEST(CompletionResponse, LogprobsWithoutEchoStartAtZero) {
   auto req = request_for({{"prompt", "The jury"}, {"logprobs", 0}});
-  CompletionResponseBuilder b(req, tok(), 1);
+  CompletionResponseBuilder b(req, tok(), 1, options());
   b.add(update(0, {id_of(" said"), id_of(" it")}, " said it", "length"));
   const json lp = b.response()["choices"][0]["logprobs"];
   EXPECT_EQ(lp["tokens"], json({" said", " it"}));
@@ -469,47 +563,89 @@ TEST(CompletionResponse, TokenStringsAreValidUtf8) {
   EXPECT_EQ(token_display_string(tok(), id_of(" said")), " said");
   // A text delta with a broken character is replaced, not thrown on.
   auto req = request_for({{"prompt", "x"}, {"logprobs", 0}});
-  CompletionResponseBuilder b(req, tok(), 1);
+  CompletionResponseBuilder b(req, tok(), 1, options());
   const std::string event = b.sse_chunk(update(0, {partial}, "\xe2", "length"));
   EXPECT_NE(event.find("\"bytes:\\\\xe2\""), std::string::npos) << event;
   EXPECT_NE(event.find("\"text\":\"\xef\xbf\xbd\""), std::string::npos) << event;
   EXPECT_NO_THROW(json::parse(event.substr(6)));
 }
 
-TEST(CompletionResponse, SseGolden) {
+TEST(CompletionResponse, SseGoldenWithoutUsage) {
+  // No stream_options: OpenAI sends no "usage" field in any chunk.
   auto req = request_for({{"prompt", "The jury"}, {"stream", true}});
-  const int64_t p = int64_t(req->prompts[0].size());
-  CompletionResponseBuilder b(req, tok(), 1700000000);
+  CompletionResponseBuilder b(req, tok(), 1700000000, options());
   EXPECT_EQ(b.sse_chunk(update(0, {id_of(" said")}, " said")),
             "data: {\"choices\":[{\"finish_reason\":null,\"index\":0,\"logprobs\":null,\"text\":\" said\"}],"
-            "\"created\":1700000000,\"id\":\"cmpl-test\",\"model\":\"brown-gpt2\",\"object\":\"text_completion\"}\n\n");
+            "\"created\":1700000000,\"id\":\"cmpl-test\",\"model\":\"brown-gpt2\",\"object\":\"text_completion\","
+            "\"system_fingerprint\":\"fp_0123456789ab\"}\n\n");
   EXPECT_EQ(b.sse_chunk(update(0, {id_of(" it")}, " it", "stop")),
             "data: {\"choices\":[{\"finish_reason\":\"stop\",\"index\":0,\"logprobs\":null,\"text\":\" it\"}],"
             "\"created\":1700000000,\"id\":\"cmpl-test\",\"model\":\"brown-gpt2\",\"object\":\"text_completion\","
-            "\"usage\":{\"completion_tokens\":2,\"prompt_tokens\":" + std::to_string(p) +
-                ",\"total_tokens\":" + std::to_string(p + 2) + "}}\n\n");
+            "\"system_fingerprint\":\"fp_0123456789ab\"}\n\n");
   EXPECT_EQ(b.sse_finish(), "data: [DONE]\n\n");
   EXPECT_EQ(CompletionResponseBuilder::sse_error(api_error(500, "boom", "", "server_error")),
             "data: {\"error\":{\"code\":null,\"message\":\"boom\",\"param\":null,\"type\":\"server_error\"}}\n\n");
 }
 
+TEST(CompletionResponse, SseGoldenWithIncludeUsage) {
+  // include_usage: every choice chunk has "usage": null, then one chunk with no choices
+  // carries the usage, then [DONE].
+  auto req = request_for({{"prompt", "The jury"}, {"stream", true}, {"stream_options", {{"include_usage", true}}}});
+  const int64_t p = int64_t(req->prompts[0].size());
+  CompletionResponseBuilder b(req, tok(), 1700000000, options(/*include_usage=*/true));
+  EXPECT_EQ(b.sse_chunk(update(0, {id_of(" said")}, " said")),
+            "data: {\"choices\":[{\"finish_reason\":null,\"index\":0,\"logprobs\":null,\"text\":\" said\"}],"
+            "\"created\":1700000000,\"id\":\"cmpl-test\",\"model\":\"brown-gpt2\",\"object\":\"text_completion\","
+            "\"system_fingerprint\":\"fp_0123456789ab\",\"usage\":null}\n\n");
+  EXPECT_EQ(b.sse_chunk(update(0, {id_of(" it")}, " it", "stop")),
+            "data: {\"choices\":[{\"finish_reason\":\"stop\",\"index\":0,\"logprobs\":null,\"text\":\" it\"}],"
+            "\"created\":1700000000,\"id\":\"cmpl-test\",\"model\":\"brown-gpt2\",\"object\":\"text_completion\","
+            "\"system_fingerprint\":\"fp_0123456789ab\",\"usage\":null}\n\n");
+  EXPECT_EQ(b.sse_finish(),
+            "data: {\"choices\":[],\"created\":1700000000,\"id\":\"cmpl-test\",\"model\":\"brown-gpt2\","
+            "\"object\":\"text_completion\",\"system_fingerprint\":\"fp_0123456789ab\",\"usage\":{\"completion_tokens\":2,"
+            "\"prompt_tokens\":" + std::to_string(p) + ",\"total_tokens\":" + std::to_string(p + 2) + "}}\n\n"
+            "data: [DONE]\n\n");
+}
+
+TEST(CompletionResponse, NoFingerprintIsNull) {
+  auto req = request_for({{"prompt", "The jury"}});
+  CompletionResponseBuilder b(req, tok(), 1, ResponseOptions{});
+  const json doc = b.response();
+  ASSERT_TRUE(doc.contains("system_fingerprint"));
+  EXPECT_TRUE(doc["system_fingerprint"].is_null());
+}
+
 TEST(CompletionResponse, SseEchoAndUsageWhenTheCoreEndsEarly) {
-  auto req = request_for({{"prompt", "The jury"}, {"stream", true}, {"echo", true}, {"n", 2}, {"return_token_ids", true}});
-  CompletionResponseBuilder b(req, tok(), 1);
-  json first = json::parse(b.sse_chunk(update(1, {5}, " a")).substr(6));
-  EXPECT_EQ(first["choices"][0]["index"], 1);
-  EXPECT_EQ(first["choices"][0]["text"], "The jury a");  // the echo rides on a choice's first chunk
-  EXPECT_EQ(first["choices"][0]["token_ids"], json({5}));
-  EXPECT_EQ(first["choices"][0]["prompt_token_ids"], json(req->prompts[0]));
-  json second = json::parse(b.sse_chunk(update(1, {6}, " b", "length")).substr(6));
-  EXPECT_EQ(second["choices"][0]["text"], " b");
-  EXPECT_FALSE(second["choices"][0].contains("prompt_token_ids"));
-  EXPECT_FALSE(second.contains("usage"));  // choice 0 is still open
-  const std::string tail = b.sse_finish();
-  ASSERT_TRUE(tail.ends_with("data: [DONE]\n\n"));
-  json usage_chunk = json::parse(tail.substr(6, tail.find("\n\n") - 6));
-  EXPECT_TRUE(usage_chunk["choices"].empty());
-  EXPECT_EQ(usage_chunk["usage"]["completion_tokens"], 2);
+  const json body = {{"prompt", "The jury"}, {"stream", true}, {"echo", true}, {"n", 2}, {"return_token_ids", true}};
+  for (bool include_usage : {false, true}) {
+    SCOPED_TRACE(include_usage ? "include_usage" : "no usage");
+    auto req = request_for(body);
+    CompletionResponseBuilder b(req, tok(), 1, options(include_usage));
+    json first = json::parse(b.sse_chunk(update(1, {5}, " a")).substr(6));
+    EXPECT_EQ(first["choices"][0]["index"], 1);
+    EXPECT_EQ(first["choices"][0]["text"], "The jury a");  // the echo rides on a choice's first chunk
+    EXPECT_EQ(first["choices"][0]["token_ids"], json({5}));
+    EXPECT_EQ(first["choices"][0]["prompt_token_ids"], json(req->prompts[0]));
+    json second = json::parse(b.sse_chunk(update(1, {6}, " b", "length")).substr(6));
+    EXPECT_EQ(second["choices"][0]["text"], " b");
+    EXPECT_FALSE(second["choices"][0].contains("prompt_token_ids"));
+    EXPECT_EQ(second.contains("usage"), include_usage);
+    if (include_usage) {
+      EXPECT_TRUE(second["usage"].is_null());
+    }
+    // The core ends with choice 0 unfinished: the usage chunk (when asked for) still comes.
+    const std::string tail = b.sse_finish();
+    ASSERT_TRUE(tail.ends_with("data: [DONE]\n\n"));
+    if (!include_usage) {
+      EXPECT_EQ(tail, "data: [DONE]\n\n");
+      continue;
+    }
+    json usage_chunk = json::parse(tail.substr(6, tail.find("\n\n") - 6));
+    EXPECT_TRUE(usage_chunk["choices"].empty());
+    EXPECT_EQ(usage_chunk["usage"]["completion_tokens"], 2);
+    EXPECT_EQ(usage_chunk["system_fingerprint"], "fp_0123456789ab");
+  }
 }
 
 }  // namespace
