@@ -131,7 +131,8 @@ class Session : public std::enable_shared_from_this<Session> {
   http::response<http::string_body> make_response(http::status status, std::string body,
                                                   std::string_view content_type);
   void send_json(int status, const json& body);
-  void send_error(const ApiError& error, bool close = false);
+  // retry_after_seconds > 0: a Retry-After header (the core said when to try again).
+  void send_error(const ApiError& error, bool close = false, int retry_after_seconds = 0);
   void send_refusal(const CoreStatus& refusal);
   void send(http::response<http::string_body>&& res);
   void on_write(bool close, beast::error_code ec, size_t);
@@ -262,9 +263,10 @@ void Session::send_json(int status, const json& body) {
                      dump_json(body) + "\n", "application/json"));
 }
 
-void Session::send_error(const ApiError& error, bool close) {
+void Session::send_error(const ApiError& error, bool close, int retry_after_seconds) {
   auto res = make_response(http::status(error.http_status), error_body(error) + "\n", "application/json");
   if (error.http_status == 401) res.set(http::field::www_authenticate, "Bearer");
+  if (retry_after_seconds > 0) res.set(http::field::retry_after, std::to_string(retry_after_seconds));
   if (close) {
     res.keep_alive(false);
     linger_on_close_ = true;
@@ -390,7 +392,7 @@ void Session::route(std::string_view path) {
 }
 
 void Session::send_admin_reply(const AdminReply& reply) {
-  if (!reply.status.ok()) return send_error(api_error_of(reply.status));
+  if (!reply.status.ok()) return send_refusal(reply.status);
   send_json(200, reply.body);
 }
 
@@ -495,10 +497,7 @@ void Session::on_refused(CoreStatus why) {
 
 // A refusal of the core in its HTTP form, with Retry-After when the core says when to retry.
 void Session::send_refusal(const CoreStatus& refusal) {
-  const ApiError error = api_error_of(refusal);
-  auto res = make_response(http::status(error.http_status), error_body(error) + "\n", "application/json");
-  if (refusal.retry_after_seconds > 0) res.set(http::field::retry_after, std::to_string(refusal.retry_after_seconds));
-  send(std::move(res));
+  send_error(api_error_of(refusal), false, refusal.retry_after_seconds);
 }
 
 void Session::start_stream() {
