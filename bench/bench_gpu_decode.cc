@@ -14,11 +14,15 @@
 //   conveyor-bench-gpu-decode [--shapes gpt2-xl,gpt3-6.7b] [--batches 1,8,32,128]
 //       [--prompts 128,1024] [--new-tokens 128] [--dtype f16|bf16] [--max-tokens 8192]
 //       [--kv-fraction 0.9] [--no-graphs] [--tp N] [--pp N] [--int8] [--fused-ar] [--csv FILE]
+//       [--modes det,fast]
 //
 // --tp N runs each stage over N GPUs (ranks share GPUs where the machine has fewer than
 // tp x pp: a correctness run only, its times mean nothing). --int8: int8 weight-only
 // matrices (quant.h). --fused-ar: tensor-parallel decode steps join the all-reduce with the
-// bias, residual and LayerNorm after it (GpuStageOptions::fused_all_reduce).
+// bias, residual and LayerNorm after it (GpuStageOptions::fused_all_reduce). --modes: det
+// (the default: fixed-order kernels, GpuStageOptions::deterministic) and/or fast (the fastest
+// kernels of each shape, whose sums follow the batch); both run each configuration side by
+// side, the stage built once per mode, and the fast rows show det's time over theirs.
 //
 // Each configuration runs twice: a warm-up (GEMM plans timed, graphs captured) with a few
 // decode steps, then the measured run. A configuration whose K/V cache does not fit is
@@ -31,11 +35,13 @@
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
+#include <map>
 #include <memory>
 #include <random>
 #include <span>
 #include <sstream>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #ifdef CONVEYOR_HAVE_CUDA
@@ -75,13 +81,14 @@ struct Args {
   int tp = 1, pp = 1;
   bool int8 = false, fused_ar = false;
   std::string csv;
+  std::vector<std::string> modes = {"det"};
 };
 
 [[noreturn]] void usage() {
   std::fprintf(stderr,
                "usage: conveyor-bench-gpu-decode [--shapes S,..] [--batches N,..] [--prompts N,..] [--new-tokens N]\n"
                "       [--dtype f16|bf16] [--max-tokens N] [--kv-fraction F] [--no-graphs] [--tp N] [--pp N] [--int8]\n"
-               "       [--fused-ar] [--csv FILE]\n");
+               "       [--fused-ar] [--csv FILE] [--modes det,fast]\n");
   std::exit(2);
 }
 
@@ -106,9 +113,16 @@ Args parse(int argc, char** argv) {
     else if (k == "--int8") a.int8 = true;
     else if (k == "--fused-ar") a.fused_ar = true;
     else if (k == "--csv") a.csv = val();
+    else if (k == "--modes") a.modes = split(val());
     else usage();
   }
   if (a.new_tokens.empty() || *std::min_element(a.new_tokens.begin(), a.new_tokens.end()) < 2 || a.batches.empty() || a.prompts.empty() || a.shapes.empty() || a.tp < 1 || a.tp > 8 || a.pp < 1) usage();
+  for (const std::string& m : a.modes)
+    if (m != "det" && m != "fast") {
+      std::fprintf(stderr, "conveyor-bench-gpu-decode: --modes takes det and/or fast, not '%s'\n", m.c_str());
+      std::exit(2);
+    }
+  if (a.modes.empty()) usage();
   return a;
 }
 
@@ -295,18 +309,21 @@ int main(int argc, char** argv) {
     std::ofstream csv;
     if (!args.csv.empty()) {
       csv.open(args.csv);
-      csv << "shape,dtype,weights,tp,pp,batch,prompt,new_tokens,ttft_ms,ms_per_token,p50_ms,tokens_per_s,floor_ms,"
+      csv << "shape,mode,dtype,weights,tp,pp,batch,prompt,new_tokens,ttft_ms,ms_per_token,p50_ms,tokens_per_s,floor_ms,"
              "fraction_of_floor,total_ms\n";
     }
     std::vector<std::string> table;
     char line[512];
-    std::snprintf(line, sizeof line, "%-10s %-5s %5s %6s %5s %10s %9s %9s %10s %9s %8s %10s", "shape", "dtype", "batch",
-                  "prompt", "new", "ttft_ms", "ms/token", "p50_ms", "tokens/s", "floor_ms", "floor%", "total_ms");
+    std::snprintf(line, sizeof line, "%-10s %-4s %-5s %5s %6s %5s %10s %9s %9s %10s %9s %8s %10s %8s", "shape", "mode",
+                  "dtype", "batch", "prompt", "new", "ttft_ms", "ms/token", "p50_ms", "tokens/s", "floor_ms", "floor%",
+                  "total_ms", "det/fast");
     table.push_back(line);
     std::mt19937 rng(1234);
     const int max_prompt = *std::max_element(args.prompts.begin(), args.prompts.end());
     const int max_batch = *std::max_element(args.batches.begin(), args.batches.end());
+    std::map<std::tuple<std::string, int, int, int>, double> det_ms;  // (shape, prompt, batch, new) -> ms/token
     for (const std::string& shape : args.shapes) {
+     for (const std::string& mode : args.modes) {
       auto cfg_or = named_model_shape(shape);
       if (!cfg_or.ok()) throw Error(cfg_or.error());
       ModelConfig cfg = *cfg_or;
@@ -321,6 +338,7 @@ int main(int argc, char** argv) {
       o.cuda_graphs = args.graphs;
       o.int8_weights = args.int8;
       o.fused_all_reduce = args.fused_ar;
+      o.deterministic = mode == "det";
       const auto t0 = Clock::now();
       std::vector<std::unique_ptr<cuda::TpStage>> stages;
       for (int s = 0; s < args.pp; ++s) {
@@ -333,8 +351,8 @@ int main(int argc, char** argv) {
         stages.push_back(std::move(built).value());
       }
       auto stage = std::make_unique<Pipeline>(std::move(stages));
-      std::printf("# %s (n_positions %lld, %s weights, tp %d, pp %d%s): built in %.1f s%s\n", shape.c_str(),
-                  (long long)cfg.n_positions, args.int8 ? "int8" : args.dtype.c_str(), args.tp, args.pp,
+      std::printf("# %s, %s (n_positions %lld, %s weights, tp %d, pp %d%s): built in %.1f s%s\n", shape.c_str(),
+                  mode == "det" ? "deterministic" : "fast (not batch-invariant)", (long long)cfg.n_positions, args.int8 ? "int8" : args.dtype.c_str(), args.tp, args.pp,
                   args.tp * args.pp > devices ? ", ranks sharing GPUs: times not meaningful" : "", ms_since(t0) / 1e3,
                   stage->memory_report().c_str());
       const double floor_ms = double(stage->decode_weight_bytes()) / bw * 1e3;
@@ -343,8 +361,8 @@ int main(int argc, char** argv) {
          for (int new_tokens : args.new_tokens) {
           const int64_t pages_per_seq = (prompt + new_tokens + cuda::kPageTokens - 1) / cuda::kPageTokens;
           if (batch * pages_per_seq * cuda::kPageTokens > stage->kv_capacity_tokens()) {
-            std::snprintf(line, sizeof line, "%-10s %-5s %5d %6d %5d   skipped: the K/V cache holds %lld positions, %lld needed",
-                          shape.c_str(), args.dtype.c_str(), batch, prompt, new_tokens, (long long)stage->kv_capacity_tokens(),
+            std::snprintf(line, sizeof line, "%-10s %-4s %-5s %5d %6d %5d   skipped: the K/V cache holds %lld positions, %lld needed",
+                          shape.c_str(), mode.c_str(), args.dtype.c_str(), batch, prompt, new_tokens, (long long)stage->kv_capacity_tokens(),
                           (long long)(batch * pages_per_seq * cuda::kPageTokens));
             table.push_back(line);
             std::printf("%s\n", line);
@@ -358,14 +376,19 @@ int main(int argc, char** argv) {
             std::snprintf(floor_s, sizeof floor_s, "%.3f", floor_ms);
             std::snprintf(frac_s, sizeof frac_s, "%.1f%%", 100.0 * floor_ms / r.ms_per_token);
           }
-          std::snprintf(line, sizeof line, "%-10s %-5s %5d %6d %5d %10.2f %9.3f %9.3f %10.1f %9s %8s %10.1f", shape.c_str(),
-                        args.int8 ? "int8" : args.dtype.c_str(), batch, prompt, new_tokens, r.ttft_ms, r.ms_per_token, r.p50_ms, tps,
-                        floor_s, frac_s, r.total_ms);
+          const auto key = std::make_tuple(shape, prompt, batch, new_tokens);
+          char ratio_s[32] = "-";
+          if (mode == "det") det_ms[key] = r.ms_per_token;
+          else if (auto it = det_ms.find(key); it != det_ms.end())
+            std::snprintf(ratio_s, sizeof ratio_s, "%.3f", it->second / r.ms_per_token);
+          std::snprintf(line, sizeof line, "%-10s %-4s %-5s %5d %6d %5d %10.2f %9.3f %9.3f %10.1f %9s %8s %10.1f %8s",
+                        shape.c_str(), mode.c_str(), args.int8 ? "int8" : args.dtype.c_str(), batch, prompt, new_tokens,
+                        r.ttft_ms, r.ms_per_token, r.p50_ms, tps, floor_s, frac_s, r.total_ms, ratio_s);
           table.push_back(line);
           std::printf("%s\n", line);
           std::fflush(stdout);
           if (csv.is_open())
-            csv << shape << "," << args.dtype << "," << (args.int8 ? "int8" : args.dtype) << "," << args.tp << ","
+            csv << shape << "," << mode << "," << args.dtype << "," << (args.int8 ? "int8" : args.dtype) << "," << args.tp << ","
                 << args.pp << "," << batch << "," << prompt << "," << new_tokens << "," << r.ttft_ms
                 << "," << r.ms_per_token << "," << r.p50_ms << "," << tps << "," << (batch == 1 ? floor_ms : 0) << ","
                 << (batch == 1 ? floor_ms / r.ms_per_token : 0) << "," << r.total_ms << "\n";
@@ -374,6 +397,7 @@ int main(int argc, char** argv) {
       }
       if (std::getenv("CONVEYOR_BENCH_PLANS"))
         std::printf("# GEMM plans:\n%s", stage->last().lead().gemm().describe_plans().c_str());
+     }
     }
     std::printf("\n");
     for (const auto& l : table) std::printf("%s\n", l.c_str());

@@ -127,10 +127,10 @@ int run(int argc, char** argv) {
   CUDA_CHECK(cudaMemcpy(tables_d.get(), tables.data(), tables.size() * 4, cudaMemcpyHostToDevice));
   CUDA_CHECK(cudaMemcpy(lens_d.get(), lens.data(), lens.size() * 4, cudaMemcpyHostToDevice));
   const int splits = decode_splits_for(batch, H, context, prop.multiProcessorCount);
-  DeviceBuffer partial = device_alloc(size_t(decode_partial_floats(batch, H, D, splits)) * 4, "bench", "partial");
+  DeviceBuffer partial = device_alloc(size_t(decode_partial_floats(batch, H, D, context)) * 4, "bench", "partial");
   DeviceBuffer counters = device_alloc(size_t(batch * H) * 4, "bench", "counters");
   CUDA_CHECK(cudaMemset(counters.get(), 0, counters.bytes()));
-  DecodeWorkspace ws{partial.as<float>(), counters.as<int32_t>(), int64_t(partial.bytes() / 4), batch * H};
+  DecodeWorkspace ws{partial.as<float>(), counters.as<int32_t>(), int64_t(partial.bytes() / 4), batch * H, context};
 
   Gemm gemm;
   Timer t{stream};

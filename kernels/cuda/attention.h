@@ -18,21 +18,26 @@ namespace conveyor::cuda {
 //   - appends row s's K and V (from qkv) to the cache at position kv_lens[s] - 1,
 //   - attends q over positions [0, kv_lens[s]); kv_lens[s] <= 0 marks a padding row (skipped,
 //     out not written).
-// The key range of each (sequence, head) is cut into num_splits pieces, one block each
-// (flash-decoding), so that a small batch still fills the GPU; the last block to finish
-// merges the pieces (fixed order: deterministic). num_splits is fixed when a CUDA graph is
-// captured, the piece length follows kv_len at run time.
+// Fixed order (attention_decode.cu): the positions are cut into pieces of kDecodePiece, each
+// summed by a fixed set of lane groups and merged in piece order, so a row's result depends on
+// its own kv_len, q and K/V alone; attention_context_fixed_paged computes the same bits for a
+// prompt's rows. num_splits blocks share a (row, head)'s pieces (flash-decoding, so a small
+// batch still fills the GPU) without changing the result; a row of several pieces keeps each
+// piece's state in the workspace and the last block merges them.
+constexpr int kDecodePiece = 128;
 struct DecodeWorkspace {
-  float* partial = nullptr;     // rows * n_head * num_splits * (head_dim + 2) floats are used
+  float* partial = nullptr;     // decode_partial_floats(rows, n_head, head_dim, max_kv_len) floats
   int32_t* counters = nullptr;  // rows * n_head, zero before first use; kernels leave them zero
   int64_t partial_floats = 0;   // capacity of `partial`
   int64_t counter_entries = 0;  // capacity of `counters`
+  int64_t max_kv_len = 0;       // the longest row the workspace holds (a longer one gives NaN)
 };
-// Floats of `partial` one launch uses.
-int64_t decode_partial_floats(int64_t rows, int64_t n_head, int64_t head_dim, int num_splits);
+// Pieces of a row of max_kv_len positions, and the floats of `partial` one launch uses.
+int64_t decode_pieces(int64_t max_kv_len);
+int64_t decode_partial_floats(int64_t rows, int64_t n_head, int64_t head_dim, int64_t max_kv_len);
 
-// Splits that make rows * n_head * splits cover about two waves of `num_sms`, each piece at
-// least 64 positions of max_kv_len; at most 16.
+// Blocks per (row, head) that make rows * n_head * splits cover about two waves of `num_sms`,
+// at most one per piece of max_kv_len; at most 16.
 int decode_splits_for(int64_t rows, int64_t n_head, int64_t max_kv_len, int num_sms);
 
 template <class T>
@@ -51,8 +56,17 @@ struct SeqArrays {
   int64_t num_seqs = 0;
 };
 
+// The flash kernel (tensor cores; attention_context.cu): fast, and a row's result does not
+// depend on the chunking, but its order is not the decode kernel's, so a sequence rebuilt
+// through it after a failover may continue differently. Deterministic mode takes the twin.
 template <class T>
 void attention_context_paged(T* out, const T* qkv, const KvLayerView& kv, const SeqArrays& seqs,
                              int64_t max_q_len, int64_t n_head, int64_t head_dim, cudaStream_t stream);
+
+// The same attention in attention_decode_paged's order (CUDA cores): every query row gets
+// bitwise what decode would give it at that position.
+template <class T>
+void attention_context_fixed_paged(T* out, const T* qkv, const KvLayerView& kv, const SeqArrays& seqs,
+                                   int64_t max_q_len, int64_t n_head, int64_t head_dim, cudaStream_t stream);
 
 }  // namespace conveyor::cuda

@@ -1,14 +1,31 @@
-// Masked multi-head attention for decode (one query row per sequence), reading the K/V cache.
+// Fixed-order attention over the K/V cache: decode (one query row per sequence, the new K/V
+// appended on the way) and its context twin (many query rows per sequence, for prefill and
+// for rebuilding a replayed sequence), which give a query row bitwise the same result.
 //
-// Grid (head, sequence, split); 128 threads. Within a block the threads form groups of G
-// lanes (G = head_dim / 8 rounded up to a power of two: 16 for head_dim 128); a group holds
-// one cached position at a time, each lane 16 bytes of its K and of its V, and keeps its
-// own online-softmax state (running max m, sum l, output accumulator) in registers, so K
-// and V are read in one pass and no score array exists. The groups then merge through
-// shared memory; with num_splits > 1 the blocks of one (sequence, head) merge through a
-// global workspace, the last block to finish doing it (threadfence + counter). The fused
-// append (paged mode) has split 0 copy the new token's K/V into the cache while every
-// block reads that one position straight from qkv, so no block reads what another writes.
+// The order. A query row at kv_len visible positions cuts them into pieces of kPiece
+// positions: [0, kPiece), [kPiece, 2 kPiece), ... The block's threads form groups of G lanes
+// (G = head_dim / 8 rounded up to a power of two: 16 for head_dim 128); in a piece, group g
+// takes positions piece_begin + g, + ngroups, + 2 ngroups, ... in increasing order, its lanes
+// holding 16 bytes of each position's K and V, and keeps its own online-softmax state (max m,
+// sum l, accumulator) with the update of online_update(). The groups of a piece merge in
+// group order (piece_state()), and the pieces in piece order (merge_piece()). Every step uses
+// explicit roundings (fmaf, __fmul_rn, __fadd_rn, __fdiv_rn), so the compiler contracts
+// nothing differently in the two kernels. The result depends on kv_len, the position's K/V
+// and q, and on nothing else: not on the batch, on which block ran which piece, or on how a
+// prompt was chunked.
+//
+// Decode: grid (head, row, Z); block z takes pieces z, z + Z, ... (Z only spreads a small
+// batch over the GPU). A row of one piece is written by its block; otherwise each piece's
+// state goes to a global workspace and the last block to finish (threadfence + counter)
+// merges them. The fused append (paged mode) has block 0 copy the new token's K/V into the
+// cache while every block reads that position straight from qkv, so no block reads what
+// another writes.
+//
+// Context: grid (head, sequence, tile of kContextRows rows); a block walks every piece the
+// tile's rows see, reading each position's K/V once for all of them, and merges each row's
+// pieces in shared memory as it goes. Its cost over the flash kernel (attention_context.cu,
+// the faster and not order-preserving choice) is CUDA-core arithmetic instead of tensor cores:
+// 2 x head_dim FMAs per (row, position, head).
 #include <algorithm>
 #include <cmath>
 
@@ -26,6 +43,8 @@ using namespace detail;
 
 constexpr int kThreads = 128;
 constexpr int kMaxSplits = 16;
+constexpr int kPiece = kDecodePiece;
+static_assert(kPiece % kPageTokens == 0, "pieces are whole pages");
 
 template <class T, int VEC>
 __device__ __forceinline__ void load_chunk(const T* p, int d0, int D, float (&f)[VEC]) {
@@ -39,6 +58,91 @@ __device__ __forceinline__ void load_chunk(const T* p, int d0, int D, float (&f)
   } else {
     f[0] = d0 < D ? to_float(p[d0]) : 0.f;
   }
+}
+
+// A lane's chunks of a row of D values (zeros where p is null).
+template <class T, int VEC, int MAXC>
+__device__ __forceinline__ void load_row(const T* p, int gl, int G, int D, float (&f)[MAXC][VEC]) {
+#pragma unroll
+  for (int c = 0; c < MAXC; ++c) load_chunk<T, VEC>(p, p ? (gl + c * G) * VEC : D, D, f[c]);
+}
+
+// q . k over the group: each lane's chunks in order, then a butterfly over the G lanes.
+template <int VEC, int MAXC>
+__device__ __forceinline__ float group_dot(const float (&q)[MAXC][VEC], const float (&k)[MAXC][VEC], int G) {
+  float dot = 0.f;
+#pragma unroll
+  for (int c = 0; c < MAXC; ++c)
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) dot = fmaf(q[c][j], k[c][j], dot);
+  for (int o = G >> 1; o > 0; o >>= 1) dot = __fadd_rn(dot, __shfl_xor_sync(0xffffffffu, dot, o));
+  return dot;
+}
+
+// One position into a group's online softmax.
+template <int VEC, int MAXC>
+__device__ __forceinline__ void online_update(float& m, float& l, float (&acc)[MAXC][VEC], float dot,
+                                              const float (&v)[MAXC][VEC]) {
+  const float m_new = fmaxf(m, dot);
+  const float corr = expf(m - m_new);  // 0 when m was -inf
+  const float p = expf(dot - m_new);
+  l = __fadd_rn(__fmul_rn(l, corr), p);
+#pragma unroll
+  for (int c = 0; c < MAXC; ++c)
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) acc[c][j] = fmaf(p, v[c][j], __fmul_rn(acc[c][j], corr));
+  m = m_new;
+}
+
+// A group's state into shared memory: gs[group * (D + 2)] = {m, l, acc[D]}.
+template <int VEC, int MAXC>
+__device__ __forceinline__ void store_group(float* gs, int group, int gl, int G, int D, float m, float l,
+                                            const float (&acc)[MAXC][VEC]) {
+  float* mine = gs + group * (D + 2);
+  if (gl == 0) mine[0] = m, mine[1] = l;
+#pragma unroll
+  for (int c = 0; c < MAXC; ++c) {
+    const int d0 = (gl + c * G) * VEC;
+    if (d0 < D)
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) mine[2 + d0 + j] = acc[c][j];
+  }
+}
+
+// The piece's state from its groups' (after a barrier): max M, sum L, and element i.
+struct PieceMl {
+  float M, L;
+};
+__device__ __forceinline__ PieceMl piece_ml(const float* gs, int ngroups, int D) {
+  float M = -INFINITY;
+  for (int g = 0; g < ngroups; ++g) M = fmaxf(M, gs[g * (D + 2)]);
+  float L = 0.f;
+  for (int g = 0; g < ngroups; ++g) {
+    const float mg = gs[g * (D + 2)];
+    if (mg != -INFINITY) L = __fadd_rn(L, __fmul_rn(gs[g * (D + 2) + 1], expf(mg - M)));
+  }
+  return {M, L};
+}
+__device__ __forceinline__ float piece_acc(const float* gs, int ngroups, int D, float M, int i) {
+  float a = 0.f;
+  for (int g = 0; g < ngroups; ++g) {
+    const float mg = gs[g * (D + 2)];
+    if (mg != -INFINITY) a = __fadd_rn(a, __fmul_rn(gs[g * (D + 2) + 2 + i], expf(mg - M)));
+  }
+  return a;
+}
+
+// Pieces merge in order: the running (M, L, O) absorbs piece (Mp, Lp, Op). The first piece
+// is taken as it is (no arithmetic), so a one-piece row ends as Op / Lp.
+struct MergeFactors {
+  float M, a, b;
+};
+__device__ __forceinline__ MergeFactors merge_factors(float M, float Mp) {
+  const float Mn = fmaxf(M, Mp);
+  return {Mn, expf(M - Mn), expf(Mp - Mn)};
+}
+__device__ __forceinline__ float merge_value(float run, float piece, const MergeFactors& f) {
+  return __fadd_rn(__fmul_rn(run, f.a), __fmul_rn(piece, f.b));
 }
 
 // Loads the K and V of U positions per group (base + u * ngroups + group) into registers;
@@ -63,63 +167,67 @@ __device__ __forceinline__ void load_batch(float (&kf)[U][MAXC][VEC], float (&vf
         vp = kv.value(s, h, t);
       }
     }
-#pragma unroll
-    for (int c = 0; c < MAXC; ++c) {
-      const int d0 = (gl + c * G) * VEC;
-      load_chunk<T, VEC>(kp, kp ? d0 : D, D, kf[u][c]);
-      load_chunk<T, VEC>(vp, vp ? d0 : D, D, vf[u][c]);
-    }
+    load_row<T, VEC, MAXC>(kp, gl, G, D, kf[u]);
+    load_row<T, VEC, MAXC>(vp, gl, G, D, vf[u]);
   }
 }
 
+// ---- decode ---------------------------------------------------------------------------------
+//
 // Paged mode (APPEND) relies on this: the cached positions before kv_len - 1 of this layer
 // were written by earlier steps, which a host copy separates from this step, and the step
 // metadata (kv_lens, block tables) too; so the block reads kv_len, the tables and its first
 // batch of K/V before grid_dependency_wait(), overlapping the QKV projection's tail. Only q
 // and the new token's K/V, the QKV projection's output, wait.
+// Four blocks per SM at least (at most 128 registers a thread): decode is a stream of K/V
+// bytes, and the loads in flight are what reach the bandwidth.
 template <class T, int VEC, int MAXC, bool APPEND, class Kv>
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kThreads, 4)
     attention_decode_kernel(T* __restrict__ out, const T* q_base, int64_t q_stride, Kv kv,
-                            const int32_t* __restrict__ kv_lens, int fixed_kv_len, int n_head, int D, int G,
-                            float scale, int num_splits, float* partial, int* counters) {
+                            const int32_t* __restrict__ kv_lens, int n_head, int D, int G, float scale, int max_pieces,
+                            float* partial, int* counters) {
   extern __shared__ float sm[];  // [ngroups][D + 2]: m, l, acc[D]
   __shared__ int is_last;
   grid_dependents_launch();
-  if constexpr (!APPEND) grid_dependency_wait();  // contiguous K/V may come from the kernel before
-  const int h = blockIdx.x, s = blockIdx.y, split = blockIdx.z;
-  const int kv_len = kv_lens != nullptr ? kv_lens[s] : fixed_kv_len;
+  if constexpr (!APPEND) grid_dependency_wait();
+  const int h = blockIdx.x, s = blockIdx.y, z = blockIdx.z, Z = gridDim.z;
+  const int kv_len = kv_lens[s];
   if (kv_len <= 0) return;  // padding row: every block of it leaves, no counter touched
+  const int pieces = (kv_len + kPiece - 1) / kPiece;
+  if (z >= pieces) return;  // no piece for this block (block 0 always has one)
   const int C = n_head * D;
   const T* q = q_base + int64_t(s) * q_stride + int64_t(h) * D;
   const T* new_k = q + C;
   const T* new_v = q + 2 * C;
+  T* o = out + int64_t(s) * C + int64_t(h) * D;
   const int ngroups = blockDim.x / G;
   const int group = threadIdx.x / G, gl = threadIdx.x % G;
-
-  int chunk = (kv_len + num_splits - 1) / num_splits;
-  chunk = (chunk + kPageTokens - 1) / kPageTokens * kPageTokens;
-  const int t_begin = min(kv_len, split * chunk), t_end = min(kv_len, t_begin + chunk);
   const int t_new = APPEND ? kv_len - 1 : -1;
+  if (pieces > 1 && pieces > max_pieces) {  // outside the workspace's contract: NaN, not garbage
+    if (z == 0)
+      for (int i = threadIdx.x; i < D; i += blockDim.x) o[i] = from_float<T>(NAN);
+    return;
+  }
 
   constexpr int U = MAXC >= 4 ? 1 : 4 / MAXC;  // positions per group per step (loads in flight)
   const int step = ngroups * U;
   float kf[U][MAXC][VEC], vf[U][MAXC][VEC];
   bool valid[U];
-  load_batch<T, VEC, MAXC, U, APPEND>(kf, vf, valid, kv, new_k, new_v, s, h, t_begin, ngroups, group, gl, G, D, t_end,
-                                      t_new, /*new_ready=*/!APPEND);
+  // The first batch of the first piece, before the wait (the new position excepted).
+  {
+    const int t_begin = z * kPiece, t_end = min(kv_len, t_begin + kPiece);
+    load_batch<T, VEC, MAXC, U, APPEND>(kf, vf, valid, kv, new_k, new_v, s, h, t_begin, ngroups, group, gl, G, D,
+                                        t_end, t_new, /*new_ready=*/!APPEND);
+  }
   if constexpr (APPEND) {
     grid_dependency_wait();  // q and the new K/V are the QKV projection's output
 #pragma unroll
-    for (int u = 0; u < U; ++u) {
-      if (t_begin + u * ngroups + group == t_new && t_new < t_end) {
-#pragma unroll
-        for (int c = 0; c < MAXC; ++c) {
-          load_chunk<T, VEC>(new_k, (gl + c * G) * VEC, D, kf[u][c]);
-          load_chunk<T, VEC>(new_v, (gl + c * G) * VEC, D, vf[u][c]);
-        }
+    for (int u = 0; u < U; ++u)
+      if (z * kPiece + u * ngroups + group == t_new && valid[u]) {
+        load_row<T, VEC, MAXC>(new_k, gl, G, D, kf[u]);
+        load_row<T, VEC, MAXC>(new_v, gl, G, D, vf[u]);
       }
-    }
-    if (split == 0) {
+    if (z == 0) {
       T* kd = kv.k + kv.offset(s, h, t_new);
       T* vd = kv.v + kv.offset(s, h, t_new);
       for (int i = threadIdx.x; i < D; i += blockDim.x) {
@@ -130,118 +238,164 @@ __global__ void __launch_bounds__(kThreads)
   }
 
   float qf[MAXC][VEC];
-#pragma unroll
-  for (int c = 0; c < MAXC; ++c) {
-    load_chunk<T, VEC>(q, (gl + c * G) * VEC, D, qf[c]);
-#pragma unroll
-    for (int j = 0; j < VEC; ++j) qf[c][j] *= scale;
-  }
-  float m = -INFINITY, l = 0.f;
-  float acc[MAXC][VEC];
+  load_row<T, VEC, MAXC>(q, gl, G, D, qf);
 #pragma unroll
   for (int c = 0; c < MAXC; ++c)
 #pragma unroll
-    for (int j = 0; j < VEC; ++j) acc[c][j] = 0.f;
+    for (int j = 0; j < VEC; ++j) qf[c][j] = __fmul_rn(qf[c][j], scale);
 
-  // The loop bound is uniform over the block, so every lane reaches every shuffle.
-  for (int base = t_begin; base < t_end; base += step) {
-    if (base != t_begin)
-      load_batch<T, VEC, MAXC, U, APPEND>(kf, vf, valid, kv, new_k, new_v, s, h, base, ngroups, group, gl, G, D, t_end,
-                                          t_new, /*new_ready=*/true);
-    float dot[U];
+  float* parts = partial + (int64_t(s) * n_head + h) * max_pieces * (D + 2);
+  for (int p = z; p < pieces; p += Z) {
+    const int t_begin = p * kPiece, t_end = min(kv_len, t_begin + kPiece);
+    float m = -INFINITY, l = 0.f;
+    float acc[MAXC][VEC];
 #pragma unroll
-    for (int u = 0; u < U; ++u) {
-      dot[u] = 0.f;
+    for (int c = 0; c < MAXC; ++c)
 #pragma unroll
-      for (int c = 0; c < MAXC; ++c)
+      for (int j = 0; j < VEC; ++j) acc[c][j] = 0.f;
+    // The loop bound is uniform over the block, so every lane reaches every shuffle.
+    for (int base = t_begin; base < t_end; base += step) {
+      if (base != z * kPiece)
+        load_batch<T, VEC, MAXC, U, APPEND>(kf, vf, valid, kv, new_k, new_v, s, h, base, ngroups, group, gl, G, D,
+                                            t_end, t_new, /*new_ready=*/true);
+      float dot[U];
 #pragma unroll
-        for (int j = 0; j < VEC; ++j) dot[u] = fmaf(qf[c][j], kf[u][c][j], dot[u]);
-      for (int o = G >> 1; o > 0; o >>= 1) dot[u] += __shfl_xor_sync(0xffffffffu, dot[u], o);
+      for (int u = 0; u < U; ++u) dot[u] = group_dot<VEC, MAXC>(qf, kf[u], G);
+#pragma unroll
+      for (int u = 0; u < U; ++u)
+        if (valid[u]) online_update<VEC, MAXC>(m, l, acc, dot[u], vf[u]);
     }
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      if (!valid[u]) continue;
-      const float m_new = fmaxf(m, dot[u]);
-      const float corr = expf(m - m_new);  // 0 when m was -inf
-      const float p = expf(dot[u] - m_new);
-      l = l * corr + p;
-#pragma unroll
-      for (int c = 0; c < MAXC; ++c)
-#pragma unroll
-        for (int j = 0; j < VEC; ++j) acc[c][j] = fmaf(p, vf[u][c][j], acc[c][j] * corr);
-      m = m_new;
+    __syncthreads();  // the previous piece's readers of sm are done
+    store_group<VEC, MAXC>(sm, group, gl, G, D, m, l, acc);
+    __syncthreads();
+    const PieceMl ml = piece_ml(sm, ngroups, D);
+    if (pieces == 1) {
+      for (int i = threadIdx.x; i < D; i += blockDim.x)
+        o[i] = from_float<T>(__fdiv_rn(piece_acc(sm, ngroups, D, ml.M, i), ml.L));
+      return;
     }
-  }
-
-  // Merge the groups of this block.
-  float* mine = sm + group * (D + 2);
-  if (gl == 0) {
-    mine[0] = m;
-    mine[1] = l;
-  }
-#pragma unroll
-  for (int c = 0; c < MAXC; ++c) {
-    const int d0 = (gl + c * G) * VEC;
-    if (d0 < D)
-#pragma unroll
-      for (int j = 0; j < VEC; ++j) mine[2 + d0 + j] = acc[c][j];
-  }
-  __syncthreads();
-  float M = -INFINITY;
-  for (int g = 0; g < ngroups; ++g) M = fmaxf(M, sm[g * (D + 2)]);
-  float L = 0.f;
-  for (int g = 0; g < ngroups; ++g) {
-    const float mg = sm[g * (D + 2)];
-    if (mg != -INFINITY) L += sm[g * (D + 2) + 1] * expf(mg - M);
-  }
-  T* o = out + int64_t(s) * C + int64_t(h) * D;
-  if (num_splits == 1) {
-    for (int i = threadIdx.x; i < D; i += blockDim.x) {
-      float acc_i = 0.f;
-      for (int g = 0; g < ngroups; ++g) {
-        const float mg = sm[g * (D + 2)];
-        if (mg != -INFINITY) acc_i += sm[g * (D + 2) + 2 + i] * expf(mg - M);
-      }
-      o[i] = from_float<T>(acc_i / L);
-    }
-    return;
+    float* part = parts + int64_t(p) * (D + 2);
+    for (int i = threadIdx.x; i < D; i += blockDim.x) part[2 + i] = piece_acc(sm, ngroups, D, ml.M, i);
+    if (threadIdx.x == 0) part[0] = ml.M, part[1] = ml.L;
   }
 
-  // Several splits: write this block's (M, L, O[D]) and let the last block merge them.
-  float* parts = partial + (int64_t(s) * n_head + h) * num_splits * (D + 2);
-  float* part = parts + int64_t(split) * (D + 2);
-  for (int i = threadIdx.x; i < D; i += blockDim.x) {
-    float acc_i = 0.f;
-    for (int g = 0; g < ngroups; ++g) {
-      const float mg = sm[g * (D + 2)];
-      if (mg != -INFINITY) acc_i += sm[g * (D + 2) + 2 + i] * expf(mg - M);
-    }
-    part[2 + i] = acc_i;
-  }
-  if (threadIdx.x == 0) {
-    part[0] = M;
-    part[1] = L;
-  }
-  __threadfence();  // this block's partial is visible device-wide before the counter moves
+  // Several pieces: the last block to finish merges them in piece order.
+  __threadfence();  // this block's pieces are visible device-wide before the counter moves
   __syncthreads();
   int* counter = counters + int64_t(s) * n_head + h;
-  if (threadIdx.x == 0) is_last = atomicAdd(counter, 1) == num_splits - 1;
+  if (threadIdx.x == 0) is_last = atomicAdd(counter, 1) == min(Z, pieces) - 1;
   __syncthreads();
   if (!is_last) return;
   if (threadIdx.x == 0) *counter = 0;  // ready for the next launch (next layer, next step)
   __threadfence();
-  float Ms = -INFINITY;
-  for (int sp = 0; sp < num_splits; ++sp) Ms = fmaxf(Ms, __ldcg(parts + sp * (D + 2)));
   for (int i = threadIdx.x; i < D; i += blockDim.x) {
-    float num = 0.f, den = 0.f;
-    for (int sp = 0; sp < num_splits; ++sp) {
-      const float ms = __ldcg(parts + sp * (D + 2));
-      if (ms == -INFINITY) continue;  // an empty piece
-      const float w = expf(ms - Ms);
-      num += __ldcg(parts + sp * (D + 2) + 2 + i) * w;
-      den += __ldcg(parts + sp * (D + 2) + 1) * w;
+    float M = __ldcg(parts), L = __ldcg(parts + 1), O = __ldcg(parts + 2 + i);
+    for (int p = 1; p < pieces; ++p) {
+      const float* part = parts + int64_t(p) * (D + 2);
+      const MergeFactors f = merge_factors(M, __ldcg(part));
+      L = merge_value(L, __ldcg(part + 1), f);
+      O = merge_value(O, __ldcg(part + 2 + i), f);
+      M = f.M;
     }
-    o[i] = from_float<T>(num / den);
+    o[i] = from_float<T>(__fdiv_rn(O, L));
+  }
+}
+
+// ---- context --------------------------------------------------------------------------------
+
+template <int MAXC>
+constexpr int context_rows() {
+  return 8 / MAXC > 0 ? 8 / MAXC : 1;
+}
+
+template <class T, int VEC, int MAXC, class Kv>
+__global__ void __launch_bounds__(kThreads)
+    attention_context_fixed_kernel(T* __restrict__ out, const T* q_base, int64_t q_stride, Kv kv,
+                                   const int32_t* __restrict__ q_begins, const int32_t* __restrict__ q_lens,
+                                   const int32_t* __restrict__ kv_lens, int fixed_q_len, int fixed_kv_len,
+                                   int n_head, int D, int G, float scale) {
+  constexpr int R = context_rows<MAXC>();
+  extern __shared__ float sm[];  // groups [ngroups][D + 2], then the rows' running state [R][D + 2]
+  grid_dependents_launch();
+  grid_dependency_wait();
+  const int h = blockIdx.x, s = blockIdx.y;
+  const int q_len = q_lens != nullptr ? q_lens[s] : fixed_q_len;
+  const int q0 = blockIdx.z * R;
+  if (q0 >= q_len) return;  // whole block
+  const int kv_len = kv_lens != nullptr ? kv_lens[s] : fixed_kv_len;
+  const int q_begin = q_begins != nullptr ? q_begins[s] : 0;
+  const int rows = min(R, q_len - q0);
+  const int pos0 = kv_len - q_len + q0;  // position of row 0: row r sees positions [0, pos0 + r]
+  const int n_kv = pos0 + rows;
+  const int C = n_head * D;
+  const int ngroups = blockDim.x / G;
+  const int group = threadIdx.x / G, gl = threadIdx.x % G;
+  float* gs = sm;
+  float* run = sm + ngroups * (D + 2);
+
+  float qf[R][MAXC][VEC];
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    const T* q = r < rows ? q_base + int64_t(q_begin + q0 + r) * q_stride + int64_t(h) * D : nullptr;
+    load_row<T, VEC, MAXC>(q, gl, G, D, qf[r]);
+#pragma unroll
+    for (int c = 0; c < MAXC; ++c)
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) qf[r][c][j] = __fmul_rn(qf[r][c][j], scale);
+  }
+
+  const int pieces = (n_kv + kPiece - 1) / kPiece;
+  for (int p = 0; p < pieces; ++p) {
+    const int t_begin = p * kPiece, t_end = min(n_kv, t_begin + kPiece);
+    float m[R], l[R], acc[R][MAXC][VEC];
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      m[r] = -INFINITY, l[r] = 0.f;
+#pragma unroll
+      for (int c = 0; c < MAXC; ++c)
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) acc[r][c][j] = 0.f;
+    }
+    for (int base = t_begin; base < t_end; base += ngroups) {
+      const int t = base + group;
+      const bool in_piece = t < t_end;
+      float kf[MAXC][VEC], vf[MAXC][VEC];
+      load_row<T, VEC, MAXC>(in_piece ? kv.key(s, h, t) : nullptr, gl, G, D, kf);
+      load_row<T, VEC, MAXC>(in_piece ? kv.value(s, h, t) : nullptr, gl, G, D, vf);
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        const float dot = group_dot<VEC, MAXC>(qf[r], kf, G);
+        if (in_piece && t <= pos0 + r) online_update<VEC, MAXC>(m[r], l[r], acc[r], dot, vf);
+      }
+    }
+    // Each row that sees this piece: its groups merged, then merged into its running state.
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      if (r >= rows || t_begin > pos0 + r) continue;  // uniform over the block
+      __syncthreads();  // the previous readers of gs are done
+      store_group<VEC, MAXC>(gs, group, gl, G, D, m[r], l[r], acc[r]);
+      __syncthreads();
+      const PieceMl ml = piece_ml(gs, ngroups, D);
+      float* rs = run + r * (D + 2);
+      if (p == 0) {
+        for (int i = threadIdx.x; i < D; i += blockDim.x) rs[2 + i] = piece_acc(gs, ngroups, D, ml.M, i);
+        __syncthreads();
+        if (threadIdx.x == 0) rs[0] = ml.M, rs[1] = ml.L;
+      } else {
+        const MergeFactors f = merge_factors(rs[0], ml.M);
+        const float L = merge_value(rs[1], ml.L, f);
+        for (int i = threadIdx.x; i < D; i += blockDim.x)
+          rs[2 + i] = merge_value(rs[2 + i], piece_acc(gs, ngroups, D, ml.M, i), f);
+        __syncthreads();  // every thread has read rs[0], rs[1]
+        if (threadIdx.x == 0) rs[0] = f.M, rs[1] = L;
+      }
+    }
+  }
+  __syncthreads();
+  for (int r = 0; r < rows; ++r) {
+    const float* rs = run + r * (D + 2);
+    T* o = out + int64_t(q_begin + q0 + r) * C + int64_t(h) * D;
+    for (int i = threadIdx.x; i < D; i += blockDim.x) o[i] = from_float<T>(__fdiv_rn(rs[2 + i], rs[1]));
   }
 }
 
@@ -251,47 +405,63 @@ int next_pow2(int x) {
   return p;
 }
 
-template <class T, bool APPEND, class Kv>
-void launch_decode(T* out, const T* q, int64_t q_stride, const Kv& kv, const int32_t* kv_lens, int fixed_kv_len,
-                   int64_t rows, int64_t n_head, int64_t D, int num_splits, float* partial, int* counters,
-                   bool vec, cudaStream_t stream) {
-  if (rows <= 0) return;
-  if (rows > 65535) throw Error("attention_decode: more than 65535 rows in one launch");
+// Lanes per group (G) and chunks per lane (MAXC) for head_dim D.
+struct GroupShape {
+  int G, maxc;
+};
+GroupShape group_shape(int64_t D, bool vec) {
   const int nch = int(vec ? D / kVec : D);
   const int G = std::min(32, next_pow2(nch));
-  const int maxc = (nch + G - 1) / G;
-  const size_t smem = size_t(kThreads / G) * size_t(D + 2) * sizeof(float);
-  const dim3 grid{unsigned(n_head), unsigned(rows), unsigned(num_splits)};
-  const float scale = 1.f / std::sqrt(float(D));
-  const int nh = int(n_head), d = int(D);
-#define CONVEYOR_DECODE_LAUNCH(V, M)                                                                          \
-  LAUNCH_PDL("attention_decode_kernel", attention_decode_kernel<T, V, M, APPEND, Kv>, grid, dim3(kThreads), smem, \
-             stream, out, q, q_stride, kv, kv_lens, fixed_kv_len, nh, d, G, scale, num_splits, partial, counters)
+  return {G, (nch + G - 1) / G};
+}
+
+// Calls f.template operator()<VEC, MAXC>() for the instantiation that holds head_dim.
+template <class F>
+void with_group_shape(const GroupShape& gs, bool vec, int64_t D, const char* what, F&& f) {
   if (vec) {
-    if (maxc == 1) CONVEYOR_DECODE_LAUNCH(8, 1);
-    else if (maxc == 2) CONVEYOR_DECODE_LAUNCH(8, 2);
-    else if (maxc <= 4) CONVEYOR_DECODE_LAUNCH(8, 4);
-    else throw Error("attention_decode: head_dim " + std::to_string(D) + " > 1024");
-  } else {
-    if (maxc == 1) CONVEYOR_DECODE_LAUNCH(1, 1);
-    else if (maxc == 2) CONVEYOR_DECODE_LAUNCH(1, 2);
-    else if (maxc <= 4) CONVEYOR_DECODE_LAUNCH(1, 4);
-    else if (maxc <= 8) CONVEYOR_DECODE_LAUNCH(1, 8);
-    else throw Error("attention_decode: head_dim " + std::to_string(D) + " not a multiple of 8 and > 256");
+    if (gs.maxc == 1) return f.template operator()<8, 1>();
+    if (gs.maxc == 2) return f.template operator()<8, 2>();
+    if (gs.maxc <= 4) return f.template operator()<8, 4>();
+    throw Error(std::string(what) + ": head_dim " + std::to_string(D) + " > 1024");
   }
-#undef CONVEYOR_DECODE_LAUNCH
+  if (gs.maxc == 1) return f.template operator()<1, 1>();
+  if (gs.maxc == 2) return f.template operator()<1, 2>();
+  if (gs.maxc <= 4) return f.template operator()<1, 4>();
+  if (gs.maxc <= 8) return f.template operator()<1, 8>();
+  throw Error(std::string(what) + ": head_dim " + std::to_string(D) + " not a multiple of 8 and > 256");
+}
+
+template <class T, class Kv>
+void launch_context_fixed(T* out, const T* q, int64_t q_stride, const Kv& kv, const int32_t* q_begins,
+                          const int32_t* q_lens, const int32_t* kv_lens, int fixed_q_len, int fixed_kv_len,
+                          int64_t max_q_len, int64_t num_seqs, int64_t n_head, int64_t D, bool vec,
+                          cudaStream_t stream) {
+  if (max_q_len <= 0 || num_seqs <= 0) return;
+  if (num_seqs > 65535 || n_head > 65535) throw Error("attention_context_fixed: too many sequences or heads");
+  const GroupShape shape = group_shape(D, vec);
+  const float scale = 1.f / std::sqrt(float(D));
+  with_group_shape(shape, vec, D, "attention_context_fixed", [&]<int V, int M>() {
+    constexpr int R = context_rows<M>();
+    const size_t smem = size_t(kThreads / shape.G + R) * size_t(D + 2) * sizeof(float);
+    const dim3 grid{unsigned(n_head), unsigned(num_seqs), unsigned((max_q_len + R - 1) / R)};
+    LAUNCH_PDL("attention_context_fixed_kernel", attention_context_fixed_kernel<T, V, M, Kv>, grid, dim3(kThreads),
+               smem, stream, out, q, q_stride, kv, q_begins, q_lens, kv_lens, fixed_q_len, fixed_kv_len, int(n_head),
+               int(D), shape.G, scale);
+  });
 }
 
 }  // namespace
 
-int64_t decode_partial_floats(int64_t rows, int64_t n_head, int64_t head_dim, int num_splits) {
-  return num_splits > 1 ? rows * n_head * num_splits * (head_dim + 2) : 0;
+int64_t decode_pieces(int64_t max_kv_len) { return std::max<int64_t>(1, (max_kv_len + kPiece - 1) / kPiece); }
+
+int64_t decode_partial_floats(int64_t rows, int64_t n_head, int64_t head_dim, int64_t max_kv_len) {
+  return rows * n_head * decode_pieces(max_kv_len) * (head_dim + 2);
 }
 
 int decode_splits_for(int64_t rows, int64_t n_head, int64_t max_kv_len, int num_sms) {
   const int64_t blocks = std::max<int64_t>(1, rows * n_head);
   int64_t splits = (2 * int64_t(num_sms) + blocks - 1) / blocks;
-  splits = std::min<int64_t>(splits, std::max<int64_t>(1, (max_kv_len + 63) / 64));
+  splits = std::min<int64_t>(splits, decode_pieces(max_kv_len));
   return int(std::clamp<int64_t>(splits, 1, kMaxSplits));
 }
 
@@ -302,7 +472,8 @@ void attention_decode(T* out, const T* q, const T* k, const T* v, int64_t kv_str
   const bool vec = head_dim % kVec == 0 && kv_stride % kVec == 0 && aligned16(q) && aligned16(k) &&
                    aligned16(v) && aligned16(out);
   const ContiguousKv<T> kv{k, v, kv_stride, int(head_dim)};
-  launch_decode<T, false>(out, q, 0, kv, nullptr, int(kv_len), 1, n_head, head_dim, 1, nullptr, nullptr, vec,
+  // One query row at the last position: the context kernel, which merges every piece itself.
+  launch_context_fixed<T>(out, q, 0, kv, nullptr, nullptr, nullptr, 1, int(kv_len), 1, 1, n_head, head_dim, vec,
                           stream);
 }
 
@@ -311,17 +482,37 @@ void attention_decode_paged(T* out, const T* qkv, const KvLayerView& view, const
                             int64_t num_rows, int64_t n_head, int64_t head_dim, int num_splits,
                             const DecodeWorkspace& ws, cudaStream_t stream) {
   if (num_rows <= 0) return;
+  if (num_rows > 65535) throw Error("attention_decode_paged: more than 65535 rows in one launch");
   if (num_splits < 1 || num_splits > kMaxSplits) throw Error("attention_decode_paged: bad num_splits");
-  if (num_splits > 1 &&
-      (decode_partial_floats(num_rows, n_head, head_dim, num_splits) > ws.partial_floats ||
+  if (ws.max_kv_len > kPiece &&
+      (decode_partial_floats(num_rows, n_head, head_dim, ws.max_kv_len) > ws.partial_floats ||
        num_rows * n_head > ws.counter_entries || !ws.partial || !ws.counters))
-    throw Error("attention_decode_paged: workspace too small for " + std::to_string(num_rows) + " rows x " +
-                std::to_string(num_splits) + " splits");
+    throw Error("attention_decode_paged: workspace too small for " + std::to_string(num_rows) + " rows of up to " +
+                std::to_string(ws.max_kv_len) + " positions");
   const int64_t C = n_head * head_dim;
   const bool vec = head_dim % kVec == 0 && aligned16(qkv) && aligned16(out) && aligned16(view.k) &&
                    aligned16(view.v);
-  launch_decode<T, true>(out, qkv, 3 * C, paged<T>(view, int(head_dim)), kv_lens, 0, num_rows, n_head, head_dim,
-                         num_splits, ws.partial, ws.counters, vec, stream);
+  const GroupShape shape = group_shape(head_dim, vec);
+  const size_t smem = size_t(kThreads / shape.G) * size_t(head_dim + 2) * sizeof(float);
+  const int max_pieces = int(decode_pieces(ws.max_kv_len));
+  const dim3 grid{unsigned(n_head), unsigned(num_rows), unsigned(std::min(num_splits, max_pieces))};
+  const float scale = 1.f / std::sqrt(float(head_dim));
+  const auto kv = paged<T>(view, int(head_dim));
+  with_group_shape(shape, vec, head_dim, "attention_decode", [&]<int V, int M>() {
+    LAUNCH_PDL("attention_decode_kernel", attention_decode_kernel<T, V, M, true, PagedKv<T>>, grid, dim3(kThreads),
+               smem, stream, out, qkv, 3 * C, kv, kv_lens, int(n_head), int(head_dim), shape.G, scale, max_pieces,
+               ws.partial, ws.counters);
+  });
+}
+
+template <class T>
+void attention_context_fixed_paged(T* out, const T* qkv, const KvLayerView& view, const SeqArrays& seqs,
+                                   int64_t max_q_len, int64_t n_head, int64_t head_dim, cudaStream_t stream) {
+  const int64_t C = n_head * head_dim;
+  const bool vec = head_dim % kVec == 0 && aligned16(qkv) && aligned16(out) && aligned16(view.k) &&
+                   aligned16(view.v);
+  launch_context_fixed<T>(out, qkv, 3 * C, paged<T>(view, int(head_dim)), seqs.q_begins, seqs.q_lens, seqs.kv_lens,
+                          0, 0, max_q_len, seqs.num_seqs, n_head, head_dim, vec, stream);
 }
 
 template void attention_decode<half>(half*, const half*, const half*, const half*, int64_t, int64_t, int64_t,
@@ -332,5 +523,9 @@ template void attention_decode_paged<half>(half*, const half*, const KvLayerView
                                            int64_t, int64_t, int, const DecodeWorkspace&, cudaStream_t);
 template void attention_decode_paged<bf16>(bf16*, const bf16*, const KvLayerView&, const int32_t*, int64_t,
                                            int64_t, int64_t, int, const DecodeWorkspace&, cudaStream_t);
+template void attention_context_fixed_paged<half>(half*, const half*, const KvLayerView&, const SeqArrays&, int64_t,
+                                                  int64_t, int64_t, cudaStream_t);
+template void attention_context_fixed_paged<bf16>(bf16*, const bf16*, const KvLayerView&, const SeqArrays&, int64_t,
+                                                  int64_t, int64_t, cudaStream_t);
 
 }  // namespace conveyor::cuda

@@ -11,6 +11,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "kernels/cuda/fixed_gemm.h"
 #include "kernels/cuda/gemv.h"
 #include "kernels/cuda/ops.h"
 #include "kernels/cuda/quant.h"
@@ -34,11 +35,20 @@ const char* type_name(int t) {
   }
 }
 
-// Key::layout of the int8 weight-only plans (beside WeightLayout's KN and NK).
+// Key::layout of the plans beyond WeightLayout's KN and NK (cuBLASLt or the GEMV): the int8
+// weight-only kernels, and the fixed-order tiles (fixed_gemm.h) with T or int8 weights.
 constexpr int kInt8Layout = 2;
+constexpr int kFixedLayout = 3;
+constexpr int kFixedInt8Layout = 4;
 
 const char* layout_name(int layout) {
-  return layout == int(WeightLayout::KN) ? "KN" : layout == int(WeightLayout::NK) ? "NK" : "NK int8";
+  switch (layout) {
+    case int(WeightLayout::KN): return "KN";
+    case int(WeightLayout::NK): return "NK";
+    case kInt8Layout: return "NK int8";
+    case kFixedLayout: return "NK fixed-order";
+    default: return "NK int8 fixed-order";
+  }
 }
 
 int alignment_of(const void* p) {
@@ -53,7 +63,7 @@ int alignment_of(const void* p) {
 
 struct Gemm::Plan {
   bool use_gemv = false;
-  int int8_kernel = -1;        // int8 plans: the detail::Int8Kernel
+  int kernel = -1;             // int8 plans: the detail::Int8Kernel; fixed-order: the FixedTile
   bool bias_epilogue = false;  // cuBLASLt adds the bias (no activation)
   cublasLtMatmulAlgo_t algo{};
   cublasLtMatmulDesc_t desc = nullptr;
@@ -79,6 +89,7 @@ Gemm::Gemm() {
   CUDA_CHECK(cudaEventCreate(&ev_start_));
   CUDA_CHECK(cudaEventCreate(&ev_stop_));
   if (const char* e = std::getenv("CONVEYOR_GEMM_TUNE"); e && std::strcmp(e, "0") == 0) tuning_ = false;
+  if (const char* e = std::getenv("CONVEYOR_DETERMINISTIC"); e && std::strcmp(e, "0") == 0) deterministic_ = false;
 }
 
 Gemm::~Gemm() {
@@ -287,6 +298,10 @@ void Gemm::run(OutT* out, const T* in, const T* w, const T* bias, int64_t T_, in
       throw Error("gemm: fp32 output supports neither bias nor activation");
   }
   check_device();
+  if (deterministic_ && layout == WeightLayout::NK) {
+    run_fixed<T, T, OutT>(out, in, w, nullptr, bias, T_, K, N, act, stream);
+    return;
+  }
 
   Key key{};
   key.layout = int(layout);
@@ -329,21 +344,20 @@ template void Gemm::run<__nv_bfloat16, float>(float*, const __nv_bfloat16*, cons
 // The int8 plan choice beyond detail::Int8Kernel's: dequantise the weight, then run().
 constexpr int kDequantChoice = detail::kInt8Kernels;
 
-std::string int8_choice_name(int k) {
+std::string kernel_choice_name(int layout, int k) {
+  if (layout == kFixedLayout || layout == kFixedInt8Layout) return detail::fixed_tile_name(detail::FixedTile(k));
   return k == kDequantChoice ? "dequant+cublasLt" : detail::int8_kernel_name(detail::Int8Kernel(k));
 }
 
-Gemm::Plan& Gemm::plan_int8(const Key& key, const void* in, const void* w, bool dequant,
-                             const std::function<void(int)>& launch, cudaStream_t stream) {
+Gemm::Plan& Gemm::plan_kernels(const Key& key, std::vector<int> candidates, int untimed_choice, bool dequant,
+                                const std::function<void(int)>& launch, cudaStream_t stream) {
   if (auto it = plans_.find(key); it != plans_.end()) return *it->second;
-  std::vector<int> candidates;
-  for (detail::Int8Kernel k : detail::int8_candidates(key.T, key.K, key.N, in, w)) candidates.push_back(int(k));
   auto plan = std::make_unique<Plan>();
   // Another T of this bucket was timed: its choice, if it is one for this T too.
   if (auto it = timed_buckets_.find(bucket_of(key)); it != timed_buckets_.end()) {
-    const int k = it->second->int8_kernel;
+    const int k = it->second->kernel;
     if ((k == kDequantChoice && dequant) || std::find(candidates.begin(), candidates.end(), k) != candidates.end()) {
-      plan->int8_kernel = k;
+      plan->kernel = k;
       plan->choice = "as its bucket's timed plan (" + it->second->choice + ")";
       return *plans_.emplace(key, std::move(plan)).first->second;
     }
@@ -354,9 +368,9 @@ Gemm::Plan& Gemm::plan_int8(const Key& key, const void* in, const void* w, bool 
   const bool untimed = !tuning_ || capture != cudaStreamCaptureStatusNone;
   if (dequant && !untimed) candidates.push_back(kDequantChoice);
   if (untimed || candidates.size() == 1) {
-    const int k = candidates.size() == 1 ? candidates[0] : int(detail::int8_default_kernel(key.T, key.K, key.N, in, w));
-    plan->int8_kernel = k;
-    plan->choice = int8_choice_name(k) + " (untimed)";
+    const int k = candidates.size() == 1 ? candidates[0] : untimed_choice;
+    plan->kernel = k;
+    plan->choice = kernel_choice_name(key.layout, k) + " (untimed)";
     return *plans_.emplace(key, std::move(plan)).first->second;
   }
   if (dequant) launch(kDequantChoice);  // plans run()'s GEMM (its own timing) before this timing starts
@@ -366,13 +380,34 @@ Gemm::Plan& Gemm::plan_int8(const Key& key, const void* in, const void* w, bool 
       launch(k);
       return true;
     });
-    if (ms >= 0 && (best < 0 || ms < best)) best = ms, plan->int8_kernel = k;
+    if (ms >= 0 && (best < 0 || ms < best)) best = ms, plan->kernel = k;
   }
   plan->ms = best;
-  plan->choice = int8_choice_name(plan->int8_kernel) + " of " + std::to_string(candidates.size());
+  plan->choice = kernel_choice_name(key.layout, plan->kernel) + " of " + std::to_string(candidates.size());
   Plan& chosen = *plans_.emplace(key, std::move(plan)).first->second;
   timed_buckets_.emplace(bucket_of(key), &chosen);
   return chosen;
+}
+
+template <class T, class W, class OutT>
+void Gemm::run_fixed(OutT* out, const T* in, const W* w, const float* scales, const T* bias, int64_t T_, int64_t K,
+                     int64_t N, GemmAct act, cudaStream_t stream) {
+  Key key{};
+  key.layout = std::is_same_v<W, int8_t> ? kFixedInt8Layout : kFixedLayout;
+  key.in_type = int(cuda_type<T>());
+  key.out_type = int(cuda_type<OutT>());
+  key.has_bias = bias != nullptr;
+  key.act = int(act);
+  key.align = std::min(alignment_of(in), alignment_of(w));
+  key.T = T_, key.K = K, key.N = N;
+  auto launch = [&](int k) {
+    detail::fixed_matmul<T, W, OutT>(detail::FixedTile(k), out, in, w, scales, bias, T_, K, N, act, stream);
+  };
+  std::vector<int> candidates;
+  for (detail::FixedTile k : detail::fixed_tile_candidates(T_, K, N)) candidates.push_back(int(k));
+  const Plan& plan =
+      plan_kernels(key, std::move(candidates), int(detail::fixed_default_tile(T_, K, N)), false, launch, stream);
+  launch(plan.kernel);
 }
 
 template <class T, class OutT>
@@ -382,6 +417,10 @@ void Gemm::run_int8(OutT* out, const T* in, const int8_t* w, const float* scales
   static_assert(std::is_same_v<OutT, T> || std::is_same_v<OutT, float>, "OutT is T or float");
   detail::int8_check_args(out, in, w, scales, T_, K, N);
   check_device();
+  if (deterministic_) {
+    run_fixed<T, int8_t, OutT>(out, in, w, scales, bias, T_, K, N, act, stream);
+    return;
+  }
 
   Key key{};
   key.layout = kInt8Layout;
@@ -401,8 +440,11 @@ void Gemm::run_int8(OutT* out, const T* in, const int8_t* w, const float* scales
     }
     detail::int8_matmul<T, OutT>(detail::Int8Kernel(k), out, in, w, scales, bias, T_, K, N, act, stream);
   };
-  const Plan& plan = plan_int8(key, in, w, can_dequant, launch, stream);
-  launch(plan.int8_kernel);
+  std::vector<int> candidates;
+  for (detail::Int8Kernel k : detail::int8_candidates(T_, K, N, in, w)) candidates.push_back(int(k));
+  const Plan& plan = plan_kernels(key, std::move(candidates), int(detail::int8_default_kernel(T_, K, N, in, w)),
+                                  can_dequant, launch, stream);
+  launch(plan.kernel);
 }
 
 template void Gemm::run_int8<__half, __half>(__half*, const __half*, const int8_t*, const float*, const __half*,

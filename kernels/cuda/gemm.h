@@ -20,8 +20,9 @@
 // tensor-core tiles of several sizes; quant.cu).
 //
 // A Gemm owns a cuBLASLt handle and a workspace and is used by one thread on one device,
-// one stream at a time (the workspace is shared by all its calls). Results are not bitwise
-// batch-invariant: the algorithm, hence the summation order, may change with T.
+// one stream at a time (the workspace is shared by all its calls). In deterministic mode (the
+// default, below) a row's result is bitwise independent of T; with it off, the algorithm,
+// hence the summation order, may change with T.
 #pragma once
 
 #include <cublasLt.h>
@@ -33,6 +34,7 @@
 #include <memory>
 #include <string>
 #include <tuple>
+#include <vector>
 
 #include "common/model_config.h"
 #include "kernels/cuda/check.h"
@@ -75,6 +77,15 @@ class Gemm {
   void run_int8(OutT* out, const T* in, const int8_t* w, const float* scales, const T* bias, int64_t T_,
                 int64_t K, int64_t N, GemmAct act, cudaStream_t stream);
 
+  // Deterministic mode (on unless CONVEYOR_DETERMINISTIC=0 or set_deterministic(false)):
+  // run() with the [N, K] layout and run_int8() take the fixed-order tiles (fixed_gemm.h),
+  // whose every output element is summed in an order that depends on K alone, so a row's
+  // result is the same bits whatever T, its place among the rows, or the tile Gemm picks. Off:
+  // the fastest of cuBLASLt, the GEMV and the int8 kernels, whose order follows T. The [K, N]
+  // layout always takes cuBLASLt (the stage never uses it).
+  void set_deterministic(bool on) { deterministic_ = on; }
+  bool deterministic() const { return deterministic_; }
+
   // Lets run_int8 also weigh, for T > 8, dequantising the weight into `workspace` (at least
   // N x K elements of T) and then run(): cuBLASLt's tensor cores at full rate, for 3 extra
   // bytes moved per weight, which wins in prefill. The caller owns the buffer (allocated at
@@ -103,11 +114,15 @@ class Gemm {
 
   Plan& plan_for(const Key& key, const void* out, const void* in, const void* w, const void* bias,
                  cudaStream_t stream);
-  // The int8 plan of `key` (in and w: the caller's, for their alignment); launch(k) runs
-  // detail::Int8Kernel k on the caller's buffers.
-  // dequant: the dequantise-then-run() path (kDequantChoice) is a candidate too.
-  Plan& plan_int8(const Key& key, const void* in, const void* w, bool dequant, const std::function<void(int)>& launch,
-                  cudaStream_t stream);
+  // The plan of `key` among our own kernels: launch(k) runs candidate k (a detail::Int8Kernel
+  // or detail::FixedTile) on the caller's buffers; untimed_choice when nothing is timed.
+  // dequant: the int8 dequantise-then-run() path (kDequantChoice) is a candidate too.
+  Plan& plan_kernels(const Key& key, std::vector<int> candidates, int untimed_choice, bool dequant,
+                     const std::function<void(int)>& launch, cudaStream_t stream);
+  // The fixed-order tiles for W = T or int8_t (scales then required).
+  template <class T, class W, class OutT>
+  void run_fixed(OutT* out, const T* in, const W* w, const float* scales, const T* bias, int64_t T_, int64_t K,
+                 int64_t N, GemmAct act, cudaStream_t stream);
   void check_device() const;  // throws when the current device is not the Gemm's
   // Milliseconds per call of fn (which returns false when it failed: then -1) on `stream`: one
   // warm-up, then 2 to 10 repetitions, about a millisecond in all.
@@ -120,6 +135,7 @@ class Gemm {
   DeviceBuffer workspace_;
   cudaEvent_t ev_start_ = nullptr, ev_stop_ = nullptr;
   bool tuning_ = true;
+  bool deterministic_ = true;
   void* dequant_ = nullptr;
   size_t dequant_bytes_ = 0;
   std::map<Key, std::unique_ptr<Plan>> plans_;

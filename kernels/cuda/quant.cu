@@ -18,6 +18,7 @@
 #include "kernels/cuda/dtype.cuh"
 #include "kernels/cuda/int8_mma.cuh"
 #include "kernels/cuda/launch.cuh"
+#include "kernels/cuda/mma_tile.cuh"
 
 namespace conveyor::cuda {
 namespace detail {
@@ -216,52 +217,18 @@ void launch_gemv(OutT* out, const T* in, const int8_t* w, const float* scales, c
 
 // ---- tensor-core tiles: any T ---------------------------------------------------------------
 //
-// A block computes BM tokens x BN rows of out. Its warps form kWarpsM x kWarpsN x kWarpsK: a
-// warp owns (BM / kWarpsM) x (BN / kWarpsN) outputs as 16 x 8 MMA tiles and, of each stage's
-// BK = 64 kWarpsK values of k, the 64 of its K slice. Stages of shared memory hold the
-// activation tile (BM x BK of T, rows padded by 16 bytes) and the int8 weight tile (BN x BK);
-// cp.async fills kStages - 1 of them ahead of the one in use (one barrier per stage). A lane
-// reads its 16 bytes of a weight row and 2 x 16 bytes of each activation row per 64-wide slice
-// (int8_mma.cuh's mapping), converts the weights in registers and issues the MMAs. The
-// epilogue adds the K slices' partial tiles in slice order in shared memory (reusing the
-// stages) and writes act(s * acc + bias) with coalesced stores.
+// mma_tile.cuh's kernel with int8 weights. Expectations on an H100 (sm_90; mma.sync reaches
+// about two thirds of wgmma's peak, ~600 of ~990 dense fp16 TFLOPS): for decode batches of 32
+// to 128 the kernel is bound by the int8 weight stream plus the MMA time, and should beat fp16
+// cuBLASLt, which streams twice the bytes (K = 4096, N = 12288: 50 MB int8 vs 100 MB fp16,
+// floors 15 vs 30 us). Prefill (T = 2048, K = N = 4096, 68.7 GFLOP) is compute-bound: cuBLAS
+// runs it on wgmma at ~600-700 TFLOPS (~100-115 us); these mma.sync tiles with in-register
+// conversion should reach 250-350 TFLOPS, i.e. about 2x (up to 2.5x) the cuBLAS time.
 //
-// Bank conflicts: 16-byte loads go 8 lanes at a time (g in {2i, 2i+1}, t = 0..3). Activation
-// rows are 16 bytes apart modulo 128, so the two rows meet no common bank. Weight rows of 64
-// bytes interleave by themselves; when BK >= 128 the 16-byte chunks of odd rows are swizzled
-// (chunk c stored at c ^ 4) so the two rows use the two 64-byte halves of the banks.
-//
-// Expectations on an H100 (sm_90; mma.sync reaches about two thirds of wgmma's peak, ~600 of
-// ~990 dense fp16 TFLOPS): for decode batches of 32 to 128 the kernel is bound by the int8
-// weight stream plus the MMA time, and should beat fp16 cuBLASLt, which streams twice the
-// bytes (K = 4096, N = 12288: 50 MB int8 vs 100 MB fp16, floors 15 vs 30 us). Prefill (T =
-// 2048, K = N = 4096, 68.7 GFLOP) is compute-bound: cuBLAS runs it on wgmma at ~600-700
-// TFLOPS (~100-115 us); these mma.sync tiles with in-register conversion should reach
-// 250-350 TFLOPS, i.e. about 2x (up to 2.5x) the cuBLAS time.
-template <int BM_, int BN_, int WM, int WN, int WK, int STAGES, int MIN_BLOCKS>
-struct TileConfig {
-  static constexpr int BM = BM_, BN = BN_, kWarpsM = WM, kWarpsN = WN, kWarpsK = WK;
-  static constexpr int kStages = STAGES, kMinBlocks = MIN_BLOCKS;
-  static constexpr int kThreads = 32 * WM * WN * WK;
-  static constexpr int BK = 64 * WK;
-  static constexpr int kWarpM = BM / WM, kWarpN = BN / WN;  // a warp's outputs
-  static constexpr int MT = kWarpM / 16, NT = kWarpN / 8;   // its MMA tiles
-  static constexpr int kARow = BK + 8;                       // elements per activation row
-  static constexpr int kABytes = BM * kARow * 2;
-  static constexpr int kBBytes = BN * BK;
-  static constexpr int kStageBytes = kABytes + kBBytes;
-  static constexpr int kOutRow = BN + 8;  // floats per row of the epilogue tile
-  static constexpr int kPipeBytes = kStages * kStageBytes, kOutBytes = BM * kOutRow * 4;
-  static constexpr int kSmemBytes = kPipeBytes > kOutBytes ? kPipeBytes : kOutBytes;
-  static constexpr bool kSwizzleB = BK >= 128;
-  static_assert(kWarpM % 16 == 0 && kWarpN % 8 == 0, "warp tile of whole MMA tiles");
-  static_assert((BM * BK / 8) % kThreads == 0 && (BN * BK / 16) % kThreads == 0, "whole loads per thread");
-  static_assert(kStages >= 2, "at least double buffering");
-};
-
 // The shapes Gemm times against each other (quant.h's Int8Kernel). The activation tile is
 // re-read from L2 by every block along N: 2T/BN bytes per weight byte, hence the wide-N tiles
-// for decode batches.
+// for decode batches. They differ in kWarpsK, hence in summation order: the fixed-order set is
+// fixed_gemm.cu's.
 //                              BM   BN  warps M N K  stages  blocks/SM     smem   warps
 using Tile16x32 = TileConfig<16, 32, 1, 1, 4, 4, 3>;    //  65 KB  4
 using Tile32x64 = TileConfig<32, 64, 1, 2, 4, 3, 2>;    //  98 KB  8
@@ -271,211 +238,10 @@ using Tile64x128 = TileConfig<64, 128, 2, 4, 1, 4, 2>;  //  68 KB  8
 using Tile128x64 = TileConfig<128, 64, 2, 2, 1, 4, 2>;  //  88 KB  4
 using Tile128x128 = TileConfig<128, 128, 2, 2, 1, 4, 2>;  // 104 KB  4
 
-// Where 16-byte chunk c of weight-tile row r lives (see the bank note above).
-template <class Cfg>
-__device__ __forceinline__ int b_chunk(int r, int c) {
-  if constexpr (Cfg::kSwizzleB) return c ^ ((r & 1) << 2);
-  else return c;
-}
-
-// kAligned: K % 16 == 0 and in, w 16-byte aligned, so every 16-byte chunk of a tile is either
-// wholly inside the matrix or wholly outside (cp.async, zero-filled). Otherwise each element is
-// loaded on its own with bounds checks (synchronous; correct for any K and alignment).
-template <class T, class OutT, class Cfg, bool kAligned>
-__global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
-    int8_mma_kernel(OutT* __restrict__ out, const T* __restrict__ x, const int8_t* __restrict__ w,
-                    const float* __restrict__ scales, const T* __restrict__ bias, int T_, int K, int N, int act) {
-  constexpr int BM = Cfg::BM, BN = Cfg::BN, BK = Cfg::BK, S = Cfg::kStages;
-  constexpr int MT = Cfg::MT, NT = Cfg::NT, kThreads = Cfg::kThreads;
-  extern __shared__ __align__(16) unsigned char smem[];
-  grid_dependents_launch();
-  const int m0 = blockIdx.x * BM, n0 = blockIdx.y * BN;
-  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
-  const int wk = warp / (Cfg::kWarpsM * Cfg::kWarpsN);
-  const int wm = (warp / Cfg::kWarpsN) % Cfg::kWarpsM, wn = warp % Cfg::kWarpsN;
-  const int ktiles = (K + BK - 1) / BK;
-
-  auto a_stage = [&](int s) { return reinterpret_cast<T*>(smem + s * Cfg::kStageBytes); };
-  auto b_stage = [&](int s) { return reinterpret_cast<int8_t*>(smem + s * Cfg::kStageBytes + Cfg::kABytes); };
-
-  auto load_b = [&](int s, int kt) {
-    constexpr int kRowChunks = BK / 16;
-    int8_t* dst = b_stage(s);
-#pragma unroll
-    for (int i = 0; i < BN * kRowChunks / kThreads; ++i) {
-      const int idx = tid + i * kThreads, r = idx / kRowChunks, c = idx % kRowChunks;
-      const int n = n0 + r, k = kt * BK + 16 * c;
-      int8_t* d = dst + r * BK + 16 * b_chunk<Cfg>(r, c);
-      if constexpr (kAligned) {
-        const bool inside = n < N && k < K;
-        cp_async16(d, inside ? w + int64_t(n) * K + k : w, inside ? 16 : 0);
-      } else {
-        uint32_t v[4] = {0, 0, 0, 0};
-        if (n < N) {
-          const uint8_t* src = reinterpret_cast<const uint8_t*>(w) + int64_t(n) * K;
-#pragma unroll
-          for (int e = 0; e < 16; ++e)
-            if (k + e < K) v[e >> 2] |= uint32_t(src[k + e]) << (8 * (e & 3));
-        }
-        *reinterpret_cast<uint4*>(d) = make_uint4(v[0], v[1], v[2], v[3]);
-      }
-    }
-  };
-  auto load_a = [&](int s, int kt) {
-    constexpr int kRowChunks = BK / 8;
-    T* dst = a_stage(s);
-#pragma unroll
-    for (int i = 0; i < BM * kRowChunks / kThreads; ++i) {
-      const int idx = tid + i * kThreads, r = idx / kRowChunks, c = idx % kRowChunks;
-      const int m = m0 + r, k = kt * BK + 8 * c;
-      T* d = dst + r * Cfg::kARow + 8 * c;
-      if constexpr (kAligned) {
-        const bool inside = m < T_ && k < K;
-        cp_async16(d, inside ? x + int64_t(m) * K + k : x, inside ? 16 : 0);
-      } else {
-        uint32_t v[4] = {0, 0, 0, 0};
-        if (m < T_) {
-          const uint16_t* src = reinterpret_cast<const uint16_t*>(x) + int64_t(m) * K;
-#pragma unroll
-          for (int e = 0; e < 8; ++e)
-            if (k + e < K) v[e >> 1] |= uint32_t(src[k + e]) << (16 * (e & 1));
-        }
-        *reinterpret_cast<uint4*>(d) = make_uint4(v[0], v[1], v[2], v[3]);
-      }
-    }
-  };
-
-  float acc[MT][NT][4];
-#pragma unroll
-  for (int i = 0; i < MT; ++i)
-#pragma unroll
-    for (int j = 0; j < NT; ++j)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.f;
-
-  auto compute = [&](int s) {
-    const T* as = a_stage(s);
-    const int8_t* bs = b_stage(s);
-    uint4 bq[NT];  // 16 weights of row (8j + g) at k [64 wk + 16t, +16): the 4 steps' words
-#pragma unroll
-    for (int j = 0; j < NT; ++j) {
-      const int r = wn * Cfg::kWarpN + 8 * j + g;
-      bq[j] = *reinterpret_cast<const uint4*>(bs + r * BK + 16 * b_chunk<Cfg>(r, 4 * wk + t));
-    }
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {  // steps 2h and 2h + 1
-      uint32_t bc[NT][2][2];        // their weights as pairs of T
-#pragma unroll
-      for (int j = 0; j < NT; ++j)
-#pragma unroll
-        for (int jj = 0; jj < 2; ++jj) int8x4_to_pairs<T>(word(bq[j], 2 * h + jj), bc[j][jj][0], bc[j][jj][1]);
-#pragma unroll
-      for (int i = 0; i < MT; ++i) {
-        uint4 av[2];  // rows g and g + 8 of MMA tile i at k [64 wk + 16t + 8h, +8)
-#pragma unroll
-        for (int rr = 0; rr < 2; ++rr) {
-          const int r = wm * Cfg::kWarpM + 16 * i + 8 * rr + g;
-          av[rr] = *reinterpret_cast<const uint4*>(as + r * Cfg::kARow + 64 * wk + 16 * t + 8 * h);
-        }
-#pragma unroll
-        for (int jj = 0; jj < 2; ++jj) {
-          const uint32_t a[4] = {word(av[0], 2 * jj), word(av[1], 2 * jj), word(av[0], 2 * jj + 1),
-                                 word(av[1], 2 * jj + 1)};
-#pragma unroll
-          for (int j = 0; j < NT; ++j) mma_m16n8k16<T>(acc[i][j], a, bc[j][jj][0], bc[j][jj][1]);
-        }
-      }
-    }
-  };
-
-  // Prologue. Weights never change: their first tiles are requested before the wait for the
-  // previous kernel (PDL); they join the first commit group with the first activation tile.
-#pragma unroll
-  for (int s = 0; s < S - 1; ++s)
-    if (s < ktiles) load_b(s, s);
-  grid_dependency_wait();
-#pragma unroll
-  for (int s = 0; s < S - 1; ++s) {
-    if (s < ktiles) load_a(s, s);
-    cp_async_commit();
-  }
-  // Group i holds tile i. At iteration kt, S - 1 + kt groups are committed; waiting until at
-  // most S - 2 are in flight completes tiles 0..kt. The barrier then also guarantees that every
-  // warp is done with stage (kt - 1) % S, which the next load overwrites.
-  for (int kt = 0; kt < ktiles; ++kt) {
-    cp_async_wait<S - 2>();
-    __syncthreads();
-    const int next = kt + S - 1;
-    if (next < ktiles) {
-      load_b(next % S, next);
-      load_a(next % S, next);
-    }
-    cp_async_commit();
-    compute(kt % S);
-  }
-  cp_async_wait<0>();
-  __syncthreads();
-
-  // Epilogue: the K slices' tiles summed in slice order, then act(s * acc + bias).
-  float* tile = reinterpret_cast<float*>(smem);
-#pragma unroll 1
-  for (int s = 0; s < Cfg::kWarpsK; ++s) {
-    if (wk == s) {
-#pragma unroll
-      for (int i = 0; i < MT; ++i)
-#pragma unroll
-        for (int j = 0; j < NT; ++j)
-#pragma unroll
-          for (int hr = 0; hr < 2; ++hr) {  // accumulator rows g and g + 8, columns 2t, 2t + 1
-            const int r = wm * Cfg::kWarpM + 16 * i + 8 * hr + g, c = wn * Cfg::kWarpN + 8 * j + 2 * t;
-            float2* p = reinterpret_cast<float2*>(tile + r * Cfg::kOutRow + c);
-            float2 v = make_float2(acc[i][j][2 * hr], acc[i][j][2 * hr + 1]);
-            if (s > 0) {
-              const float2 o = *p;
-              v.x = o.x + v.x, v.y = o.y + v.y;
-            }
-            *p = v;
-          }
-    }
-    __syncthreads();
-  }
-  for (int idx = tid; idx < BM * BN; idx += kThreads) {
-    const int r = idx / BN, c = idx % BN, m = m0 + r, n = n0 + c;
-    if (m < T_ && n < N) {
-      const float b = bias != nullptr ? to_float(bias[n]) : 0.f;
-      out[int64_t(m) * N + n] = from_float<OutT>(int8_epilogue(tile[r * Cfg::kOutRow + c], scales[n], b, act));
-    }
-  }
-}
-
-template <class T, class OutT, class Cfg, bool kAligned>
-void launch_tile_kernel(OutT* out, const T* in, const int8_t* w, const float* scales, const T* bias, int T_, int K,
-                        int N, int act, cudaStream_t stream) {
-  auto* kernel = int8_mma_kernel<T, OutT, Cfg, kAligned>;
-  // Over 48 KB of dynamic shared memory needs an opt-in per kernel and device (set once; a
-  // plain attribute call, legal during graph capture).
-  static std::atomic<uint64_t> configured{0};
-  int device = 0;
-  CUDA_CHECK(cudaGetDevice(&device));
-  const uint64_t bit = device < 64 ? uint64_t(1) << device : 0;
-  if (bit == 0 || (configured.load(std::memory_order_relaxed) & bit) == 0) {
-    CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes));
-    CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
-                                    int(cudaSharedmemCarveoutMaxShared)));
-    configured.fetch_or(bit, std::memory_order_relaxed);
-  }
-  const dim3 grid(unsigned((T_ + Cfg::BM - 1) / Cfg::BM), unsigned((N + Cfg::BN - 1) / Cfg::BN));
-  LAUNCH_PDL("int8_mma_kernel", kernel, grid, dim3(Cfg::kThreads), size_t(Cfg::kSmemBytes), stream, out, in, w,
-             scales, bias, T_, K, N, act);
-}
-
 template <class T, class OutT, class Cfg>
 void launch_tiles(OutT* out, const T* in, const int8_t* w, const float* scales, const T* bias, int T_, int K, int N,
                   int act, cudaStream_t stream) {
-  if (K % 16 == 0 && aligned16(in) && aligned16(w))
-    launch_tile_kernel<T, OutT, Cfg, true>(out, in, w, scales, bias, T_, K, N, act, stream);
-  else
-    launch_tile_kernel<T, OutT, Cfg, false>(out, in, w, scales, bias, T_, K, N, act, stream);
+  launch_mma_tiles<T, int8_t, OutT, Cfg>(out, in, w, scales, bias, T_, K, N, act, stream);
 }
 
 struct KernelInfo {

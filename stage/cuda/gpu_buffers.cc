@@ -64,13 +64,8 @@ Status GpuStage::allocate_runtime() {
     std::memset(meta_host_[i].get(), 0, meta_host_[i].bytes());
     CUDA_CHECK(cudaEventCreateWithFlags(&meta_sent_[i], cudaEventDisableTiming));
   }
-  // Decode attention workspace: the most any row count up to max_step_seqs_ uses.
-  int64_t partial = 0;
-  for (int64_t r = 1; r <= max_step_seqs_; ++r) {
-    const int sp = decode_splits(r);
-    max_splits_ = std::max(max_splits_, sp);
-    partial = std::max(partial, decode_partial_floats(r, H, D, sp));
-  }
+  // Decode attention workspace: every piece of every row, up to the context length.
+  const int64_t partial = decode_partial_floats(max_step_seqs_, H, D, config_.n_positions);
   decode_partial_ = device_alloc(size_t(std::max<int64_t>(partial, 1)) * sizeof(float), n, "decode attention workspace");
   decode_counters_ = device_alloc(size_t(max_step_seqs_ * H) * sizeof(int32_t), n, "decode attention counters");
   CUDA_CHECK(cudaMemsetAsync(decode_counters_.get(), 0, decode_counters_.bytes(), stream_));

@@ -1,5 +1,5 @@
 // GpuStage::decode: a step of one new token per sequence, replayed from a CUDA graph per
-// batch-size bucket (1, 2, 4, ..., kMaxGraphRows). The graph's kernels read everything that
+// batch-size bucket (1, 2, 4, ..., 128, then multiples of 64 up to kMaxGraphRows = 512). The graph's kernels read everything that
 // changes between steps (token ids, positions, block tables, lengths) from the step metadata
 // block at a fixed device address, so one capture serves every later step of its bucket; the
 // rows past the batch are padding that no kernel attends for.
@@ -27,6 +27,7 @@ struct UnfinishedCapture {
 }  // namespace
 
 int64_t GpuStage::bucket_for(int64_t rows) {
+  if (rows > 128) return (rows + 63) / 64 * 64;  // 192, 256, ...: at most 63 padding rows
   int64_t b = 1;
   while (b < rows) b *= 2;
   return b;

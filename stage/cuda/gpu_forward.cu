@@ -48,6 +48,7 @@ Status GpuStage::layers_impl(const StepMeta& m, int64_t num_tokens, int64_t num_
   ws.counters = decode_counters_.as<int32_t>();
   ws.partial_floats = int64_t(decode_partial_.bytes() / sizeof(float));
   ws.counter_entries = int64_t(decode_counters_.bytes() / sizeof(int32_t));
+  ws.max_kv_len = config_.n_positions;
   const int splits = decode_seqs > 0 ? decode_splits(decode_seqs) : 1;
   // The prompt chunks: their rows start after the decode sequences' one row each, and their
   // block-table rows after those sequences' rows.
@@ -66,7 +67,10 @@ Status GpuStage::layers_impl(const StepMeta& m, int64_t num_tokens, int64_t num_
                          m.pos + first_chunk_row, num_tokens - first_chunk_row, H, D, stream_);
       KvLayerView chunk_kv = kv;
       chunk_kv.block_tables += decode_seqs * max_pages_;
-      attention_context_paged<T>(attn, qkv, chunk_kv, chunks, max_q_len, H, D, stream_);
+      if (options_.deterministic)
+        attention_context_fixed_paged<T>(attn, qkv, chunk_kv, chunks, max_q_len, H, D, stream_);
+      else
+        attention_context_paged<T>(attn, qkv, chunk_kv, chunks, max_q_len, H, D, stream_);
     }
     matmul<T>(proj, attn, w.at(LT::ProjWeight), w.scales(LT::ProjWeight), nullptr, num_tokens, W, C, GemmAct::None);
     if (Status s = reduce_residual_layernorm<T>(hidden, ln, proj, w.as<T>(LT::ProjBias), w.as<T>(LT::Ln2Gain),

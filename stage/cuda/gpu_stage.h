@@ -26,7 +26,7 @@
 //
 // decode(): every slice is one new token. The step (embedding on the first stage, every
 // layer, ln_f + LM head + greedy argmax on the last) is captured once per batch-size bucket
-// (1, 2, 4, ..., 128; rows past the batch are padding that no kernel attends for) and
+// (1, 2, 4, ..., 128, 192, 256, ... 512; rows past the batch are padding that no kernel attends for) and
 // replayed; the host copies one block of step metadata in and, on the last stage, reads
 // the sampled ids back: the only synchronisation of a step. Rows that need more than argmax
 // (temperature, penalties) go through GpuSampler after the replay.
@@ -86,6 +86,12 @@ struct GpuStageOptions {
   // the next LayerNorm in one kernel (CustomAllReduce::all_reduce_residual_layernorm).
   // Off until it is measured on several GPUs: so far it ran on ranks sharing one GPU only.
   bool fused_all_reduce = false;
+  // Deterministic (the default): every product takes the fixed-order tiles (fixed_gemm.h) and
+  // prompts the fixed-order attention (attention.h), so a sequence's logits and K/V are the
+  // same bits alone or in any batch, chunked any way, and rebuilt after a failover. Off
+  // (CONVEYOR_DETERMINISTIC=0 in the worker's environment also turns it off): the fastest
+  // kernels of each shape, whose summation order follows the batch.
+  bool deterministic = true;
 };
 
 class GpuStage {
@@ -183,7 +189,7 @@ class GpuStage {
   Status synchronize();
 
  private:
-  static constexpr int64_t kMaxGraphRows = 128;  // largest decode bucket
+  static constexpr int64_t kMaxGraphRows = 512;  // largest decode bucket
 
   // The checks of shapes and options create() makes before it touches the device.
   static Status validate(const ModelConfig& config, int64_t layer_begin, int64_t layer_end,
@@ -251,7 +257,6 @@ class GpuStage {
   int64_t max_pages_ = 0;   // block-table entries per sequence: ceil(n_positions / kPageTokens)
   int64_t max_rows_ = 0;    // activation rows: max(max_tokens, largest graph bucket)
   int64_t max_step_seqs_ = 0;  // sequence slots in the metadata: max(max_seqs, largest bucket)
-  int max_splits_ = 1;
   cudaStream_t stream_ = nullptr;
 
   std::unique_ptr<Gemm> gemm_;

@@ -160,11 +160,11 @@ TYPED_TEST(CudaOps, PagedPrefillAndDecode) {
       cpu::attention_decode(dref.data() + static_cast<size_t>(s) * C, step.data() + static_cast<size_t>(s) * 3 * C, kv.data(), kv.data() + C, 2 * C,
                             L + 1, H, D);
     }
-    const int max_splits = 16;
-    Dev<float> partial(cuda::decode_partial_floats(S, H, D, max_splits));
+    const int64_t max_len = *std::max_element(lens.begin(), lens.end());
+    Dev<float> partial(cuda::decode_partial_floats(S, H, D, max_len));
     cuda::DeviceBuffer counters = cuda::device_alloc(static_cast<size_t>(S * H) * 4, "test", "counters");
     CUDA_CHECK(cudaMemset(counters.get(), 0, counters.bytes()));
-    cuda::DecodeWorkspace ws{partial.p(), counters.as<int32_t>(), partial.n, S * H};
+    cuda::DecodeWorkspace ws{partial.p(), counters.as<int32_t>(), partial.n, S * H, max_len};
     for (int splits : {1, 3, 16}) {
       Dev<T> dstep(step), dout(int64_t(S) * C);
       cuda::attention_decode_paged<T>(dout.p(), dstep.p(), view, dlens.p(), S, H, D, splits, ws, s0);

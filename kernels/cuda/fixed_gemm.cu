@@ -1,0 +1,138 @@
+// The fixed-order tiles (fixed_gemm.h): mma_tile.cuh's kernel with kWarpsK = 2 throughout.
+//
+// Floors on an H100 SXM (3.35 TB/s, ~600 dense TFLOPS reachable by mma.sync): batch-1 decode
+// is the weight stream (K = 4096, N = 12288 fp16: 100.7 MB, 30 us); the 16-token tiles keep
+// 5 or 6 stages of 8-17 KB in flight per block and 128+ blocks along N to reach it without
+// a GEMV. From about T = 256 (6.7B shapes) the product is compute-bound on mma.sync: T = 256,
+// K = 4096, N = 16384 is 34.4 GFLOP, 57 us at 600 TFLOPS against 40 us of weight stream;
+// cuBLASLt's wgmma kernels reach ~45 us there. That gap is the price of the fixed order at
+// large batches, measured in docs/PERFORMANCE.md.
+#include "kernels/cuda/fixed_gemm.h"
+
+#include <string>
+#include <type_traits>
+#include <utility>
+
+#include "kernels/cuda/check.h"
+#include "kernels/cuda/mma_tile.cuh"
+
+namespace conveyor::cuda::detail {
+namespace {
+
+constexpr int64_t kMaxDim = int64_t(1) << 30;
+
+//                              BM   BN  warps M N K  stages  blocks/SM    smem (T / int8)
+using F16x16 = TileConfig<16, 16, 1, 1, 2, 8, 3>;     //  70 / 51 KB   2 warps (decode, small N)
+using F16x32 = TileConfig<16, 32, 1, 1, 2, 6, 2>;     //  78 / 50 KB   2 warps
+using F16x64 = TileConfig<16, 64, 1, 2, 2, 5, 2>;     // 109 / 63 KB   4 warps
+using F32x64 = TileConfig<32, 64, 1, 2, 2, 4, 2>;     // 104 / 67 KB   4 warps
+using F64x64 = TileConfig<64, 64, 2, 2, 2, 3, 2>;     // 104 / 77 KB   8 warps
+using F64x128 = TileConfig<64, 128, 2, 2, 2, 3, 1>;   // 157 / 101 KB  8 warps
+using F128x64 = TileConfig<128, 64, 2, 2, 2, 3, 1>;   // 157 / 129 KB  8 warps
+using F128x128 = TileConfig<128, 128, 2, 2, 2, 3, 1>; // 209 / 154 KB  8 warps
+
+template <class Cfg>
+constexpr bool kFixedOrder = Cfg::kWarpsK == 2;
+static_assert(kFixedOrder<F16x16> && kFixedOrder<F16x32> && kFixedOrder<F16x64> && kFixedOrder<F32x64> && kFixedOrder<F64x64> &&
+                  kFixedOrder<F64x128> && kFixedOrder<F128x64> && kFixedOrder<F128x128>,
+              "every fixed-order tile sums K the same way: kWarpsK = 2");
+
+struct TileInfo {
+  const char* name;
+  int bm, bn;
+};
+template <class Cfg>
+constexpr TileInfo info(const char* name) {
+  return {name, Cfg::BM, Cfg::BN};
+}
+constexpr TileInfo kInfo[kFixedTiles] = {
+    info<F16x32>("fixed16x32"),  info<F16x64>("fixed16x64"),   info<F32x64>("fixed32x64"),
+    info<F64x64>("fixed64x64"),  info<F64x128>("fixed64x128"), info<F128x64>("fixed128x64"),
+    info<F128x128>("fixed128x128"), info<F16x16>("fixed16x16"),
+};
+
+bool sizes_ok(int64_t T_, int64_t K, int64_t N) {
+  return T_ > 0 && K > 0 && N > 0 && T_ < kMaxDim && K < kMaxDim && N < kMaxDim;
+}
+
+std::string shape_text(int64_t T_, int64_t K, int64_t N) {
+  return "T=" + std::to_string(T_) + " K=" + std::to_string(K) + " N=" + std::to_string(N);
+}
+
+}  // namespace
+
+const char* fixed_tile_name(FixedTile k) {
+  const int i = int(k);
+  return i >= 0 && i < kFixedTiles ? kInfo[i].name : "?";
+}
+
+bool fixed_tile_supported(FixedTile k, int64_t T_, int64_t K, int64_t N) {
+  const int i = int(k);
+  if (i < 0 || i >= kFixedTiles || !sizes_ok(T_, K, N)) return false;
+  return (N + kInfo[i].bn - 1) / kInfo[i].bn <= 65535;
+}
+
+std::vector<FixedTile> fixed_tile_candidates(int64_t T_, int64_t K, int64_t N) {
+  std::vector<FixedTile> v;
+  int64_t tp = 16;  // T rounded up to a power of two, at least 16
+  while (tp < T_) tp *= 2;
+  for (int i = 0; i < kFixedTiles; ++i) {
+    const int64_t bm = kInfo[i].bm;
+    if (bm <= 2 * tp && 16 * bm >= T_ && fixed_tile_supported(FixedTile(i), T_, K, N)) v.push_back(FixedTile(i));
+  }
+  if (v.empty()) v.push_back(fixed_default_tile(T_, K, N));
+  return v;
+}
+
+FixedTile fixed_default_tile(int64_t T_, int64_t, int64_t) {
+  if (T_ <= 16) return FixedTile::F16x32;
+  if (T_ <= 32) return FixedTile::F32x64;
+  if (T_ <= 64) return FixedTile::F64x64;
+  if (T_ <= 128) return FixedTile::F128x64;
+  return FixedTile::F128x128;
+}
+
+template <class T, class W, class OutT>
+void fixed_matmul(FixedTile k, OutT* out, const T* in, const W* w, const float* scales, const T* bias, int64_t T_,
+                  int64_t K, int64_t N, GemmAct act, cudaStream_t stream) {
+  static_assert(std::is_same_v<T, __half> || std::is_same_v<T, __nv_bfloat16>, "T is __half or __nv_bfloat16");
+  static_assert(std::is_same_v<W, T> || std::is_same_v<W, int8_t>, "W is T or int8_t");
+  static_assert(std::is_same_v<OutT, T> || std::is_same_v<OutT, float>, "OutT is T or float");
+  constexpr bool kInt8 = std::is_same_v<W, int8_t>;
+  if (out == nullptr || in == nullptr || w == nullptr || (kInt8 && scales == nullptr))
+    throw Error(std::string("fixed-order matmul: null pointer (out, in, w") + (kInt8 ? ", scales" : "") +
+                " are required)");
+  if (!sizes_ok(T_, K, N))
+    throw Error("fixed-order matmul: T, K and N must be positive and below 2^30 (" + shape_text(T_, K, N) + ")");
+  if (!fixed_tile_supported(k, T_, K, N))
+    throw Error(std::string("fixed-order matmul: tile ") + fixed_tile_name(k) + " cannot run " + shape_text(T_, K, N));
+  const float* s = kInt8 ? scales : nullptr;
+  const int t = int(T_), kk = int(K), n = int(N), a = int(act);
+  switch (k) {
+    case FixedTile::F16x16: return launch_mma_tiles<T, W, OutT, F16x16>(out, in, w, s, bias, t, kk, n, a, stream);
+    case FixedTile::F16x32: return launch_mma_tiles<T, W, OutT, F16x32>(out, in, w, s, bias, t, kk, n, a, stream);
+    case FixedTile::F16x64: return launch_mma_tiles<T, W, OutT, F16x64>(out, in, w, s, bias, t, kk, n, a, stream);
+    case FixedTile::F32x64: return launch_mma_tiles<T, W, OutT, F32x64>(out, in, w, s, bias, t, kk, n, a, stream);
+    case FixedTile::F64x64: return launch_mma_tiles<T, W, OutT, F64x64>(out, in, w, s, bias, t, kk, n, a, stream);
+    case FixedTile::F64x128: return launch_mma_tiles<T, W, OutT, F64x128>(out, in, w, s, bias, t, kk, n, a, stream);
+    case FixedTile::F128x64: return launch_mma_tiles<T, W, OutT, F128x64>(out, in, w, s, bias, t, kk, n, a, stream);
+    case FixedTile::F128x128:
+      return launch_mma_tiles<T, W, OutT, F128x128>(out, in, w, s, bias, t, kk, n, a, stream);
+  }
+  throw Error("fixed-order matmul: unknown tile " + std::to_string(int(k)));
+}
+
+#define CONVEYOR_FIXED_MATMUL(T, W, OutT)                                                                  \
+  template void fixed_matmul<T, W, OutT>(FixedTile, OutT*, const T*, const W*, const float*, const T*, int64_t, \
+                                         int64_t, int64_t, GemmAct, cudaStream_t);
+CONVEYOR_FIXED_MATMUL(__half, __half, __half)
+CONVEYOR_FIXED_MATMUL(__half, __half, float)
+CONVEYOR_FIXED_MATMUL(__half, int8_t, __half)
+CONVEYOR_FIXED_MATMUL(__half, int8_t, float)
+CONVEYOR_FIXED_MATMUL(__nv_bfloat16, __nv_bfloat16, __nv_bfloat16)
+CONVEYOR_FIXED_MATMUL(__nv_bfloat16, __nv_bfloat16, float)
+CONVEYOR_FIXED_MATMUL(__nv_bfloat16, int8_t, __nv_bfloat16)
+CONVEYOR_FIXED_MATMUL(__nv_bfloat16, int8_t, float)
+#undef CONVEYOR_FIXED_MATMUL
+
+}  // namespace conveyor::cuda::detail

@@ -1,0 +1,224 @@
+// The fixed-order kernels, bit for bit (fixed_gemm.h, attention.h):
+//   - a row of a product is the same bits whatever the token count, its place among the
+//     rows, the tile that ran it, or whether the aligned loader did (T or int8 weights, T or
+//     fp32 output), and Gemm::run/run_int8 in deterministic mode give those bits too;
+//   - decode attention at position p gives the bits the context kernel gives row p, with
+//     the prompt in one chunk or several, any number of blocks per row, over 1..3 pieces.
+// The stage-level suite (tests/stage/cuda/test_gpu_determinism.cc) builds on these.
+// Skips cleanly when built without CUDA or run where no GPU is present.
+#include <gtest/gtest.h>
+
+#ifndef CONVEYOR_HAVE_CUDA
+
+TEST(CudaDeterminism, NotBuilt) { GTEST_SKIP() << "built without the CUDA backend"; }
+
+#else
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstring>
+#include <numeric>
+#include <vector>
+
+#include "common/dtype.h"
+#include "kernels/cuda/attention.h"
+#include "kernels/cuda/check.h"
+#include "kernels/cuda/fixed_gemm.h"
+#include "kernels/cuda/gemm.h"
+#include "kernels/cuda/paged_kv.h"
+#include "kernels/cuda/quant.h"
+#include "stage/cuda/kv_cache.h"
+#include "tests/kernels/cuda/cuda_ops_test_util.h"
+
+namespace conveyor {
+namespace {
+
+using namespace cuda_ops_test;
+TYPED_TEST_SUITE(CudaOps, ElemTypes);
+
+// Raw bytes of a device buffer.
+std::vector<uint8_t> bytes_of(const void* p, size_t n) {
+  std::vector<uint8_t> b(n);
+  CUDA_CHECK(cudaMemcpy(b.data(), p, n, cudaMemcpyDeviceToHost));
+  return b;
+}
+
+// Row r of `got` (rows of row_bytes) against row ref_row of `ref`: equal bits.
+bool same_row(const std::vector<uint8_t>& got, int64_t r, const std::vector<uint8_t>& ref, int64_t ref_row,
+              size_t row_bytes) {
+  return std::memcmp(got.data() + size_t(r) * row_bytes, ref.data() + size_t(ref_row) * row_bytes, row_bytes) == 0;
+}
+
+template <class T, class W, class OutT>
+void check_fixed_rows(Rng& rng, int64_t K, int64_t N) {
+  constexpr bool kInt8 = std::is_same_v<W, int8_t>;
+  const int64_t Tmax = 256;
+  SCOPED_TRACE("K=" + std::to_string(K) + " N=" + std::to_string(N) + (kInt8 ? " int8" : "") +
+               (std::is_same_v<OutT, float> ? " fp32 out" : ""));
+  Dev<T> x(rng.normal(size_t(Tmax * K)));
+  Dev<T> bias(rng.normal(size_t(N), 0.1f));
+  Dev<T> wt(rng.normal(size_t(N * K), 0.05f));
+  cuda::DeviceBuffer q = cuda::device_alloc(size_t(N * K), "test", "int8 weights");
+  Dev<float> scales(N);
+  if constexpr (kInt8) {
+    cuda::quantize_rows_int8<T>(static_cast<int8_t*>(q.get()), scales.p(), wt.p(), N, K, nullptr);
+    CUDA_CHECK(cudaDeviceSynchronize());
+  }
+  const W* w = kInt8 ? reinterpret_cast<const W*>(q.get()) : reinterpret_cast<const W*>(wt.p());
+  const T* b = std::is_same_v<OutT, float> ? nullptr : bias.p();
+  const cuda::GemmAct act = std::is_same_v<OutT, float> ? cuda::GemmAct::None : cuda::GemmAct::GeluTanh;
+  const size_t row_bytes = size_t(N) * sizeof(OutT);
+
+  // The reference: all 256 rows by the largest tile.
+  Dev<OutT> ref_out(Tmax * N);
+  cuda::detail::fixed_matmul<T, W, OutT>(cuda::detail::FixedTile::F128x128, ref_out.p(), x.p(), w, scales.p(), b, Tmax,
+                                         K, N, act, nullptr);
+  CUDA_CHECK(cudaDeviceSynchronize());
+  const auto ref = bytes_of(ref_out.p(), size_t(Tmax) * row_bytes);
+
+  // Every tile, at several token counts, on rows that start at row 0 or row 7 of x (K = 100
+  // also takes the guarded loader: K % 16 != 0).
+  for (int tile = 0; tile < cuda::detail::kFixedTiles; ++tile) {
+    for (int64_t T_ : {1, 5, 16, 33, 128}) {
+      for (int64_t first : {int64_t(0), int64_t(7)}) {
+        Dev<OutT> out(T_ * N);
+        cuda::detail::fixed_matmul<T, W, OutT>(cuda::detail::FixedTile(tile), out.p(), x.p() + first * K, w,
+                                               scales.p(), b, T_, K, N, act, nullptr);
+        CUDA_CHECK(cudaDeviceSynchronize());
+        const auto got = bytes_of(out.p(), size_t(T_) * row_bytes);
+        for (int64_t r = 0; r < T_; ++r)
+          ASSERT_TRUE(same_row(got, r, ref, first + r, row_bytes))
+              << cuda::detail::fixed_tile_name(cuda::detail::FixedTile(tile)) << " T=" << T_ << " row " << r
+              << " (x row " << first + r << ")";
+      }
+    }
+  }
+  // Gemm, which times and picks tiles per T bucket.
+  cuda::Gemm gemm;
+  ASSERT_TRUE(gemm.deterministic());
+  for (int64_t T_ : {1, 3, 8, 9, 64, 200, 256}) {
+    Dev<OutT> out(T_ * N);
+    if constexpr (kInt8)
+      gemm.run_int8<T, OutT>(out.p(), x.p(), reinterpret_cast<const int8_t*>(w), scales.p(), b, T_, K, N, act, nullptr);
+    else
+      gemm.run<T, OutT>(out.p(), x.p(), reinterpret_cast<const T*>(w), b, T_, K, N, cuda::WeightLayout::NK, act,
+                        nullptr);
+    CUDA_CHECK(cudaDeviceSynchronize());
+    const auto got = bytes_of(out.p(), size_t(T_) * row_bytes);
+    for (int64_t r = 0; r < T_; ++r) ASSERT_TRUE(same_row(got, r, ref, r, row_bytes)) << "Gemm T=" << T_ << " row " << r;
+  }
+}
+
+TYPED_TEST(CudaOps, FixedOrderProductRowsIgnoreTheBatch) {
+  using T = TypeParam;
+  Rng rng;
+  SEED_TRACE(rng);
+  for (auto [K, N] : {std::pair<int64_t, int64_t>{1600, 200}, {4096, 96}, {100, 72}}) {
+    check_fixed_rows<T, T, T>(rng, K, N);
+    check_fixed_rows<T, T, float>(rng, K, N);
+    check_fixed_rows<T, int8_t, T>(rng, K, N);
+  }
+}
+
+TYPED_TEST(CudaOps, FixedOrderProductChecksItsArguments) {
+  using T = TypeParam;
+  Dev<T> x(16), w(16), out(16);
+  using cuda::detail::FixedTile;
+  EXPECT_THROW((cuda::detail::fixed_matmul<T, T, T>(FixedTile::F16x32, out.p(), nullptr, w.p(), nullptr, nullptr, 1, 4,
+                                                    4, cuda::GemmAct::None, nullptr)),
+               Error);
+  EXPECT_THROW((cuda::detail::fixed_matmul<T, int8_t, T>(FixedTile::F16x32, out.p(), x.p(),
+                                                         reinterpret_cast<const int8_t*>(w.p()), nullptr, nullptr, 1, 4,
+                                                         4, cuda::GemmAct::None, nullptr)),
+               Error);  // int8 without scales
+  EXPECT_THROW((cuda::detail::fixed_matmul<T, T, T>(FixedTile::F16x32, out.p(), x.p(), w.p(), nullptr, nullptr, 0, 4, 4,
+                                                    cuda::GemmAct::None, nullptr)),
+               Error);
+}
+
+TYPED_TEST(CudaOps, DecodeAttentionEqualsContextRowBitForBit) {
+  using T = TypeParam;
+  Rng rng;
+  SEED_TRACE(rng);
+  const int L = 2 * cuda::kDecodePiece + 88;  // three pieces
+  for (int D : {64, 128, 40}) {             // 40: the scalar (not 16-byte) path
+    SCOPED_TRACE("head_dim " + std::to_string(D));
+    const int H = 3, C = H * D;
+    const DType dt = std::is_same_v<T, half> ? DType::F16 : DType::BF16;
+    const int max_pages = (L + cuda::kPageTokens - 1) / cuda::kPageTokens;
+    cuda::KvCache cache("test", /*layers=*/1, H, D, dt, /*pages=*/max_pages + 2);
+    ASSERT_TRUE(cache.reserve(0, L).ok());
+    std::vector<int32_t> table(cache.pages(0).begin(), cache.pages(0).end());
+    table.resize(size_t(max_pages), 0);
+
+    auto qkv = rng.normal(size_t(L) * 3 * C);
+    Dev<T> dqkv(qkv);
+    // Every decode row below is this sequence at some position: each has the same table.
+    const int R = 40;
+    std::vector<int32_t> tables(static_cast<size_t>(R) * max_pages);
+    for (int r = 0; r < R; ++r) std::copy(table.begin(), table.end(), tables.begin() + int64_t(r) * max_pages);
+    DevInts dtables(tables);
+    const cuda::KvLayerView view = cache.layer(0, dtables.p(), max_pages);
+    std::vector<int32_t> rows(static_cast<size_t>(L), 0), pos(static_cast<size_t>(L));
+    std::iota(pos.begin(), pos.end(), 0);
+    DevInts drows(rows), dpos(pos);
+    cuda::kv_cache_append<T>(view, dqkv.p(), 3 * C, drows.p(), dpos.p(), L, H, D, nullptr);
+
+    // The context kernel: all rows in one chunk, then chunk by chunk (each chunk's rows see
+    // positions up to the chunk's end).
+    Dev<T> one(int64_t(L) * C);
+    {
+      DevInts qb({0}), ql({L}), kl({L});
+      cuda::attention_context_fixed_paged<T>(one.p(), dqkv.p(), view, cuda::SeqArrays{qb.p(), ql.p(), kl.p(), 1}, L, H,
+                                             D, nullptr);
+    }
+    CUDA_CHECK(cudaDeviceSynchronize());
+    const size_t row_bytes = size_t(C) * sizeof(T);
+    const auto ref = bytes_of(one.p(), size_t(L) * row_bytes);
+    for (const std::vector<int>& chunks : {std::vector<int>{1, 255, 256, L - 512}, std::vector<int>{37, 300, L - 337}}) {
+      Dev<T> out(int64_t(L) * C);
+      int begin = 0;
+      for (int c : chunks) {
+        DevInts qb({begin}), ql({c}), kl({begin + c});
+        cuda::attention_context_fixed_paged<T>(out.p(), dqkv.p(), view, cuda::SeqArrays{qb.p(), ql.p(), kl.p(), 1}, c,
+                                               H, D, nullptr);
+        begin += c;
+      }
+      CUDA_CHECK(cudaDeviceSynchronize());
+      const auto got = bytes_of(out.p(), size_t(L) * row_bytes);
+      for (int r = 0; r < L; ++r) ASSERT_TRUE(same_row(got, r, ref, r, row_bytes)) << "chunked, row " << r;
+    }
+
+    // Decode: row i at position p_i (kv_len p_i + 1), its q/k/v the qkv row of p_i; it
+    // re-appends that position's K/V (the same values). Several rows, any number of blocks.
+    std::vector<int32_t> at(static_cast<size_t>(R));
+    for (int r = 0; r < R; ++r) at[size_t(r)] = int32_t(rng.gen() % uint32_t(L));
+    at[0] = 0, at[1] = cuda::kDecodePiece - 1, at[2] = cuda::kDecodePiece, at[3] = L - 1;
+    std::vector<float> step(static_cast<size_t>(R) * 3 * C);
+    for (int r = 0; r < R; ++r)
+      std::copy_n(qkv.begin() + int64_t(at[size_t(r)]) * 3 * C, 3 * C, step.begin() + int64_t(r) * 3 * C);
+    Dev<T> dstep(step);
+    std::vector<int32_t> lens(static_cast<size_t>(R));
+    for (int r = 0; r < R; ++r) lens[size_t(r)] = at[size_t(r)] + 1;
+    DevInts dlens(lens);
+    Dev<float> partial(cuda::decode_partial_floats(R, H, D, L));
+    cuda::DeviceBuffer counters = cuda::device_alloc(size_t(R * H) * 4, "test", "counters");
+    CUDA_CHECK(cudaMemset(counters.get(), 0, counters.bytes()));
+    const cuda::DecodeWorkspace ws{partial.p(), counters.as<int32_t>(), partial.n, R * H, L};
+    for (int splits : {1, 2, 3, 16}) {
+      Dev<T> out(int64_t(R) * C);
+      cuda::attention_decode_paged<T>(out.p(), dstep.p(), view, dlens.p(), R, H, D, splits, ws, nullptr);
+      CUDA_CHECK(cudaDeviceSynchronize());
+      const auto got = bytes_of(out.p(), size_t(R) * row_bytes);
+      for (int r = 0; r < R; ++r)
+        ASSERT_TRUE(same_row(got, r, ref, at[size_t(r)], row_bytes))
+            << "decode at position " << at[size_t(r)] << " with " << splits << " blocks per row";
+    }
+  }
+}
+
+}  // namespace
+}  // namespace conveyor
+
+#endif  // CONVEYOR_HAVE_CUDA
