@@ -30,6 +30,9 @@ Expected<std::unique_ptr<StageBackend>> make_stage_backend(StageWeights weights,
   g.int8_weights = o.int8_weights;
   g.name = o.name;
   g.kv_cache_fraction = o.gpu_memory_fraction;
+  // A micro-batch of up to 512 sequences (the largest decode graph): the scheduler fills the
+  // K/V capacity, and a GPU's decode step costs little more at 256 rows than at 64.
+  g.max_seqs = 512;
   auto b = cuda::GpuStageBackend::create(weights, o.gpus, g);
   if (!b) return b.status();
   return std::unique_ptr<StageBackend>(std::move(b).value());

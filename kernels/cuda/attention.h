@@ -24,7 +24,7 @@ namespace conveyor::cuda {
 // prompt's rows. num_splits blocks share a (row, head)'s pieces (flash-decoding, so a small
 // batch still fills the GPU) without changing the result; a row of several pieces keeps each
 // piece's state in the workspace and the last block merges them.
-constexpr int kDecodePiece = 128;
+constexpr int kDecodePiece = 256;
 struct DecodeWorkspace {
   float* partial = nullptr;     // decode_partial_floats(rows, n_head, head_dim, max_kv_len) floats
   int32_t* counters = nullptr;  // rows * n_head, zero before first use; kernels leave them zero

@@ -9,6 +9,7 @@
 // large batches, measured in docs/PERFORMANCE.md.
 #include "kernels/cuda/fixed_gemm.h"
 
+#include <algorithm>
 #include <string>
 #include <type_traits>
 #include <utility>
@@ -84,6 +85,21 @@ std::vector<FixedTile> fixed_tile_candidates(int64_t T_, int64_t K, int64_t N) {
   return v;
 }
 
+int fixed_k_splits(int64_t K, int64_t N) {
+  const int64_t tiles = (N + 63) / 64, chunks = (K + 63) / 64;
+  // Chunks a chain must keep: 16, or 6 where N is so narrow (under 64 tiles) that the chains'
+  // round trip through memory is small whatever K.
+  const int64_t min_chunks = tiles < 64 ? 6 : 16;
+  int s = 1;
+  while (s < 4 && tiles * s < 160 && chunks >= 2 * (2 * s) * min_chunks) s *= 2;  // the next s: 4s chains
+  return s;
+}
+
+int64_t fixed_chain_floats(int64_t T_, int64_t K, int64_t N) {
+  const int s = fixed_k_splits(K, N);
+  return s > 1 ? int64_t(2 * s) * T_ * N : 0;
+}
+
 FixedTile fixed_default_tile(int64_t T_, int64_t, int64_t) {
   if (T_ <= 16) return FixedTile::F16x32;
   if (T_ <= 32) return FixedTile::F32x64;
@@ -94,7 +110,7 @@ FixedTile fixed_default_tile(int64_t T_, int64_t, int64_t) {
 
 template <class T, class W, class OutT>
 void fixed_matmul(FixedTile k, OutT* out, const T* in, const W* w, const float* scales, const T* bias, int64_t T_,
-                  int64_t K, int64_t N, GemmAct act, cudaStream_t stream) {
+                  int64_t K, int64_t N, GemmAct act, cudaStream_t stream, float* chains) {
   static_assert(std::is_same_v<T, __half> || std::is_same_v<T, __nv_bfloat16>, "T is __half or __nv_bfloat16");
   static_assert(std::is_same_v<W, T> || std::is_same_v<W, int8_t>, "W is T or int8_t");
   static_assert(std::is_same_v<OutT, T> || std::is_same_v<OutT, float>, "OutT is T or float");
@@ -108,23 +124,32 @@ void fixed_matmul(FixedTile k, OutT* out, const T* in, const W* w, const float* 
     throw Error(std::string("fixed-order matmul: tile ") + fixed_tile_name(k) + " cannot run " + shape_text(T_, K, N));
   const float* s = kInt8 ? scales : nullptr;
   const int t = int(T_), kk = int(K), n = int(N), a = int(act);
+  const int splits = fixed_k_splits(K, N);
+  if (splits > 1 && chains == nullptr)
+    throw Error("fixed-order matmul: " + shape_text(T_, K, N) + " runs in " + std::to_string(splits) +
+                " splits along K and needs a chain workspace");
   switch (k) {
-    case FixedTile::F16x16: return launch_mma_tiles<T, W, OutT, F16x16>(out, in, w, s, bias, t, kk, n, a, stream);
-    case FixedTile::F16x32: return launch_mma_tiles<T, W, OutT, F16x32>(out, in, w, s, bias, t, kk, n, a, stream);
-    case FixedTile::F16x64: return launch_mma_tiles<T, W, OutT, F16x64>(out, in, w, s, bias, t, kk, n, a, stream);
-    case FixedTile::F32x64: return launch_mma_tiles<T, W, OutT, F32x64>(out, in, w, s, bias, t, kk, n, a, stream);
-    case FixedTile::F64x64: return launch_mma_tiles<T, W, OutT, F64x64>(out, in, w, s, bias, t, kk, n, a, stream);
-    case FixedTile::F64x128: return launch_mma_tiles<T, W, OutT, F64x128>(out, in, w, s, bias, t, kk, n, a, stream);
-    case FixedTile::F128x64: return launch_mma_tiles<T, W, OutT, F128x64>(out, in, w, s, bias, t, kk, n, a, stream);
-    case FixedTile::F128x128:
-      return launch_mma_tiles<T, W, OutT, F128x128>(out, in, w, s, bias, t, kk, n, a, stream);
+    case FixedTile::F16x16: launch_mma_tiles<T, W, OutT, F16x16>(out, in, w, s, bias, t, kk, n, a, stream, splits, chains); break;
+    case FixedTile::F16x32: launch_mma_tiles<T, W, OutT, F16x32>(out, in, w, s, bias, t, kk, n, a, stream, splits, chains); break;
+    case FixedTile::F16x64: launch_mma_tiles<T, W, OutT, F16x64>(out, in, w, s, bias, t, kk, n, a, stream, splits, chains); break;
+    case FixedTile::F32x64: launch_mma_tiles<T, W, OutT, F32x64>(out, in, w, s, bias, t, kk, n, a, stream, splits, chains); break;
+    case FixedTile::F64x64: launch_mma_tiles<T, W, OutT, F64x64>(out, in, w, s, bias, t, kk, n, a, stream, splits, chains); break;
+    case FixedTile::F64x128: launch_mma_tiles<T, W, OutT, F64x128>(out, in, w, s, bias, t, kk, n, a, stream, splits, chains); break;
+    case FixedTile::F128x64: launch_mma_tiles<T, W, OutT, F128x64>(out, in, w, s, bias, t, kk, n, a, stream, splits, chains); break;
+    case FixedTile::F128x128: launch_mma_tiles<T, W, OutT, F128x128>(out, in, w, s, bias, t, kk, n, a, stream, splits, chains); break;
+    default: throw Error("fixed-order matmul: unknown tile " + std::to_string(int(k)));
   }
-  throw Error("fixed-order matmul: unknown tile " + std::to_string(int(k)));
+  if (splits > 1) {
+    const int64_t total = T_ * N;
+    const unsigned blocks = unsigned(std::min<int64_t>((total + 255) / 256, 4096));
+    LAUNCH_PDL("add_chains_kernel", add_chains_kernel<W, T, OutT>, dim3(blocks), dim3(256), 0, stream, out,
+               static_cast<const float*>(chains), 2 * splits, s, bias, T_, n, a);
+  }
 }
 
 #define CONVEYOR_FIXED_MATMUL(T, W, OutT)                                                                  \
   template void fixed_matmul<T, W, OutT>(FixedTile, OutT*, const T*, const W*, const float*, const T*, int64_t, \
-                                         int64_t, int64_t, GemmAct, cudaStream_t);
+                                         int64_t, int64_t, GemmAct, cudaStream_t, float*);
 CONVEYOR_FIXED_MATMUL(__half, __half, __half)
 CONVEYOR_FIXED_MATMUL(__half, __half, float)
 CONVEYOR_FIXED_MATMUL(__half, int8_t, __half)

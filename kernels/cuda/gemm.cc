@@ -400,8 +400,17 @@ void Gemm::run_fixed(OutT* out, const T* in, const W* w, const float* scales, co
   key.act = int(act);
   key.align = std::min(alignment_of(in), alignment_of(w));
   key.T = T_, key.K = K, key.N = N;
+  // Split products write their chains into the (otherwise cuBLASLt's) workspace, so rows go
+  // in blocks that fit it; rows are independent, so the blocks change no bits.
+  const int64_t per_row = detail::fixed_chain_floats(1, K, N);
+  const int64_t rows_per_call =
+      per_row > 0 ? std::max<int64_t>(1, int64_t(workspace_.bytes() / sizeof(float)) / per_row) : T_;
   auto launch = [&](int k) {
-    detail::fixed_matmul<T, W, OutT>(detail::FixedTile(k), out, in, w, scales, bias, T_, K, N, act, stream);
+    for (int64_t r0 = 0; r0 < T_; r0 += rows_per_call) {
+      const int64_t rows = std::min(rows_per_call, T_ - r0);
+      detail::fixed_matmul<T, W, OutT>(detail::FixedTile(k), out + r0 * N, in + r0 * K, w, scales, bias, rows, K, N,
+                                       act, stream, per_row > 0 ? workspace_.as<float>() : nullptr);
+    }
   };
   std::vector<int> candidates;
   for (detail::FixedTile k : detail::fixed_tile_candidates(T_, K, N)) candidates.push_back(int(k));

@@ -13,13 +13,16 @@
 // memory (reusing the stages) and writes act(s * acc + bias) (int8) or act(acc + bias) (T)
 // with coalesced stores.
 //
-// Summation order. Output (m, n) is ((P_0 + P_1) + ...) + P_{kWarpsK-1}, where P_s is one fp32
-// chain over the 64-wide chunks c = s, s + kWarpsK, s + 2 kWarpsK, ... in increasing order,
-// four m16n8k16 MMAs per chunk (k 16-steps 0..3 of int8_mma.cuh's mapping). It depends on
-// kWarpsK and K, and on nothing else: not on BM, BN, the warp layout, the stages, T, the
-// row's place in the batch or whether the aligned loader ran. Configurations with the same
-// kWarpsK therefore give bitwise the same result for every row, whatever the token count:
-// fixed_gemm.cu keeps kWarpsK = 2 for all of its tiles.
+// Summation order. Output (m, n) is ((P_0 + P_1) + ...) + P_{C-1} over C = kWarpsK x splits
+// chains, where P_j is one fp32 chain over the 64-wide chunks c = j, j + C, j + 2C, ... in
+// increasing order, four m16n8k16 MMAs per chunk (k 16-steps 0..3 of int8_mma.cuh's
+// mapping). With one split the block adds its warps' chains in shared memory; with several
+// (gridDim.z blocks along K, block z taking k-tiles z, z + splits, ...) every warp writes its
+// chain to `chains` and add_chains_kernel adds them in order, with the same epilogue. The
+// order depends on C and K and on nothing else: not on BM, BN, the warp layout, the stages,
+// T, the row's place in the batch or whether the aligned loader ran. Configurations with the
+// same C therefore give bitwise the same result for every row, whatever the token count:
+// fixed_gemm.cu keeps kWarpsK = 2 for all of its tiles and takes the splits from (K, N).
 //
 // Bank conflicts: 16-byte loads go 8 lanes at a time (g in {2i, 2i+1}, t = 0..3). Padded rows
 // are 16 bytes apart modulo 128, so the two rows meet no common bank. int8 weight rows of 64
@@ -80,10 +83,19 @@ struct WeightTile {
 // wholly inside the matrix or wholly outside (cp.async, zero-filled). Otherwise each element is
 // loaded on its own with bounds checks (synchronous; the same sums, bit for bit).
 // scales: one per weight row for W = int8_t; ignored (null) for W = T.
+// The epilogue of one output: act(s * v + b) for int8 weights, act(v + b) for T weights.
+template <class W>
+__device__ __forceinline__ float tile_epilogue(float v, const float* scales, int n, float b, int act) {
+  if constexpr (std::is_same_v<W, int8_t>) return activate(fmaf(v, scales[n], b), act);
+  else return activate(__fadd_rn(v, b), act);
+}
+
+// chains: null for one split; else [gridDim.z * kWarpsK][T_][N] fp32 (out, scales, bias unused).
 template <class T, class W, class OutT, class Cfg, bool kAligned>
 __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
     mma_tile_kernel(OutT* __restrict__ out, const T* __restrict__ x, const W* __restrict__ w,
-                    const float* __restrict__ scales, const T* __restrict__ bias, int T_, int K, int N, int act) {
+                    const float* __restrict__ scales, const T* __restrict__ bias, int T_, int K, int N, int act,
+                    float* __restrict__ chains) {
   using WT = WeightTile<Cfg, W>;
   constexpr int BM = Cfg::BM, BN = Cfg::BN, BK = Cfg::BK, S = Cfg::kStages;
   constexpr int MT = Cfg::MT, NT = Cfg::NT, kThreads = Cfg::kThreads;
@@ -93,12 +105,16 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
   const int wk = warp / (Cfg::kWarpsM * Cfg::kWarpsN);
   const int wm = (warp / Cfg::kWarpsN) % Cfg::kWarpsM, wn = warp % Cfg::kWarpsN;
-  const int ktiles = (K + BK - 1) / BK;
+  // This block's k-tiles: z, z + splits, ...; `ktiles` of them, local tile i being z + i splits.
+  const int splits = gridDim.z, z = blockIdx.z;
+  const int all_tiles = (K + BK - 1) / BK;
+  const int ktiles = all_tiles > z ? (all_tiles - z + splits - 1) / splits : 0;
 
   auto a_stage = [&](int s) { return reinterpret_cast<T*>(smem + s * WT::kStageBytes); };
   auto b_stage = [&](int s) { return reinterpret_cast<W*>(smem + s * WT::kStageBytes + Cfg::kABytes); };
 
-  auto load_b = [&](int s, int kt) {
+  auto load_b = [&](int s, int local) {
+    const int kt = z + local * splits;
     constexpr int E = WT::kElemsPerChunk, kRowChunks = BK / E;
     W* dst = b_stage(s);
 #pragma unroll
@@ -128,7 +144,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
       }
     }
   };
-  auto load_a = [&](int s, int kt) {
+  auto load_a = [&](int s, int local) {
+    const int kt = z + local * splits;
     constexpr int kRowChunks = BK / 8;
     T* dst = a_stage(s);
 #pragma unroll
@@ -234,6 +251,21 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
   cp_async_wait<0>();
   __syncthreads();
 
+  if (chains != nullptr) {  // several splits: each warp's chain out, added by add_chains_kernel
+    float* mine = chains + int64_t(z * Cfg::kWarpsK + wk) * T_ * N;
+#pragma unroll
+    for (int i = 0; i < MT; ++i)
+#pragma unroll
+      for (int j = 0; j < NT; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {  // accumulator rows g, g + 8; columns 2t, 2t + 1
+          const int m = m0 + wm * Cfg::kWarpM + 16 * i + 8 * (e >> 1) + g;
+          const int n = n0 + wn * Cfg::kWarpN + 8 * j + 2 * t + (e & 1);
+          if (m < T_ && n < N) mine[int64_t(m) * N + n] = acc[i][j][e];
+        }
+    return;
+  }
+
   // Epilogue: the K slices' tiles summed in slice order, then the bias and activation.
   float* tile = reinterpret_cast<float*>(smem);
 #pragma unroll 1
@@ -261,18 +293,14 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
     const int r = idx / BN, c = idx % BN, m = m0 + r, n = n0 + c;
     if (m < T_ && n < N) {
       const float b = bias != nullptr ? to_float(bias[n]) : 0.f;
-      const float v = tile[r * Cfg::kOutRow + c];
-      float y;
-      if constexpr (WT::kInt8) y = fmaf(v, scales[n], b);
-      else y = __fadd_rn(v, b);
-      out[int64_t(m) * N + n] = from_float<OutT>(activate(y, act));
+      out[int64_t(m) * N + n] = from_float<OutT>(tile_epilogue<W>(tile[r * Cfg::kOutRow + c], scales, n, b, act));
     }
   }
 }
 
 template <class T, class W, class OutT, class Cfg, bool kAligned>
 void launch_mma_tile_kernel(OutT* out, const T* in, const W* w, const float* scales, const T* bias, int T_, int K,
-                            int N, int act, cudaStream_t stream) {
+                            int N, int act, cudaStream_t stream, int splits, float* chains) {
   auto* kernel = mma_tile_kernel<T, W, OutT, Cfg, kAligned>;
   constexpr int kSmem = WeightTile<Cfg, W>::kSmemBytes;
   // Over 48 KB of dynamic shared memory needs an opt-in per kernel and device (set once; a
@@ -287,19 +315,38 @@ void launch_mma_tile_kernel(OutT* out, const T* in, const W* w, const float* sca
                                     int(cudaSharedmemCarveoutMaxShared)));
     configured.fetch_or(bit, std::memory_order_relaxed);
   }
-  const dim3 grid(unsigned((T_ + Cfg::BM - 1) / Cfg::BM), unsigned((N + Cfg::BN - 1) / Cfg::BN));
+  const dim3 grid(unsigned((T_ + Cfg::BM - 1) / Cfg::BM), unsigned((N + Cfg::BN - 1) / Cfg::BN), unsigned(splits));
   LAUNCH_PDL("mma_tile_kernel", kernel, grid, dim3(Cfg::kThreads), size_t(kSmem), stream, out, in, w, scales, bias,
-             T_, K, N, act);
+             T_, K, N, act, splits > 1 ? chains : nullptr);
 }
 
-// The aligned kernel when every 16-byte chunk is whole, else the guarded one.
+// The aligned kernel when every 16-byte chunk is whole, else the guarded one. splits > 1:
+// the chains go to `chains` ([splits * kWarpsK][T_][N] fp32), for add_chains_kernel.
 template <class T, class W, class OutT, class Cfg>
 void launch_mma_tiles(OutT* out, const T* in, const W* w, const float* scales, const T* bias, int T_, int K, int N,
-                      int act, cudaStream_t stream) {
+                      int act, cudaStream_t stream, int splits = 1, float* chains = nullptr) {
   if (K % 16 == 0 && aligned16(in) && aligned16(w))
-    launch_mma_tile_kernel<T, W, OutT, Cfg, true>(out, in, w, scales, bias, T_, K, N, act, stream);
+    launch_mma_tile_kernel<T, W, OutT, Cfg, true>(out, in, w, scales, bias, T_, K, N, act, stream, splits, chains);
   else
-    launch_mma_tile_kernel<T, W, OutT, Cfg, false>(out, in, w, scales, bias, T_, K, N, act, stream);
+    launch_mma_tile_kernel<T, W, OutT, Cfg, false>(out, in, w, scales, bias, T_, K, N, act, stream, splits, chains);
+}
+
+// out[m, n] = epilogue(((chains[0] + chains[1]) + ...) + chains[C - 1]) at (m, n): the
+// blocks' chains in order, then what mma_tile_kernel's own epilogue does.
+template <class W, class T, class OutT>
+__global__ void add_chains_kernel(OutT* __restrict__ out, const float* __restrict__ chains, int C,
+                                  const float* __restrict__ scales, const T* __restrict__ bias, int64_t T_, int N,
+                                  int act) {
+  grid_dependents_launch();
+  grid_dependency_wait();
+  const int64_t total = T_ * N;
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < total; i += int64_t(gridDim.x) * blockDim.x) {
+    float v = chains[i];
+    for (int c = 1; c < C; ++c) v = __fadd_rn(v, chains[int64_t(c) * total + i]);
+    const int n = int(i % N);
+    const float b = bias != nullptr ? to_float(bias[n]) : 0.f;
+    out[i] = from_float<OutT>(tile_epilogue<W>(v, scales, n, b, act));
+  }
 }
 
 }  // namespace conveyor::cuda::detail

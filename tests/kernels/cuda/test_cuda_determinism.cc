@@ -1,7 +1,8 @@
 // The fixed-order kernels, bit for bit (fixed_gemm.h, attention.h):
 //   - a row of a product is the same bits whatever the token count, its place among the
 //     rows, the tile that ran it, or whether the aligned loader did (T or int8 weights, T or
-//     fp32 output), and Gemm::run/run_int8 in deterministic mode give those bits too;
+//     fp32 output, one split along K or several), and Gemm::run/run_int8 in deterministic
+//     mode give those bits too;
 //   - decode attention at position p gives the bits the context kernel gives row p, with
 //     the prompt in one chunk or several, any number of blocks per row, over 1..3 pieces.
 // The stage-level suite (tests/stage/cuda/test_gpu_determinism.cc) builds on these.
@@ -54,7 +55,8 @@ template <class T, class W, class OutT>
 void check_fixed_rows(Rng& rng, int64_t K, int64_t N) {
   constexpr bool kInt8 = std::is_same_v<W, int8_t>;
   const int64_t Tmax = 256;
-  SCOPED_TRACE("K=" + std::to_string(K) + " N=" + std::to_string(N) + (kInt8 ? " int8" : "") +
+  SCOPED_TRACE("K=" + std::to_string(K) + " N=" + std::to_string(N) + " splits " +
+               std::to_string(cuda::detail::fixed_k_splits(K, N)) + (kInt8 ? " int8" : "") +
                (std::is_same_v<OutT, float> ? " fp32 out" : ""));
   Dev<T> x(rng.normal(size_t(Tmax * K)));
   Dev<T> bias(rng.normal(size_t(N), 0.1f));
@@ -69,11 +71,12 @@ void check_fixed_rows(Rng& rng, int64_t K, int64_t N) {
   const T* b = std::is_same_v<OutT, float> ? nullptr : bias.p();
   const cuda::GemmAct act = std::is_same_v<OutT, float> ? cuda::GemmAct::None : cuda::GemmAct::GeluTanh;
   const size_t row_bytes = size_t(N) * sizeof(OutT);
+  Dev<float> chains(std::max<int64_t>(1, cuda::detail::fixed_chain_floats(Tmax, K, N)));
 
   // The reference: all 256 rows by the largest tile.
   Dev<OutT> ref_out(Tmax * N);
   cuda::detail::fixed_matmul<T, W, OutT>(cuda::detail::FixedTile::F128x128, ref_out.p(), x.p(), w, scales.p(), b, Tmax,
-                                         K, N, act, nullptr);
+                                         K, N, act, nullptr, chains.p());
   CUDA_CHECK(cudaDeviceSynchronize());
   const auto ref = bytes_of(ref_out.p(), size_t(Tmax) * row_bytes);
 
@@ -84,7 +87,7 @@ void check_fixed_rows(Rng& rng, int64_t K, int64_t N) {
       for (int64_t first : {int64_t(0), int64_t(7)}) {
         Dev<OutT> out(T_ * N);
         cuda::detail::fixed_matmul<T, W, OutT>(cuda::detail::FixedTile(tile), out.p(), x.p() + first * K, w,
-                                               scales.p(), b, T_, K, N, act, nullptr);
+                                               scales.p(), b, T_, K, N, act, nullptr, chains.p());
         CUDA_CHECK(cudaDeviceSynchronize());
         const auto got = bytes_of(out.p(), size_t(T_) * row_bytes);
         for (int64_t r = 0; r < T_; ++r)
@@ -114,7 +117,9 @@ TYPED_TEST(CudaOps, FixedOrderProductRowsIgnoreTheBatch) {
   using T = TypeParam;
   Rng rng;
   SEED_TRACE(rng);
-  for (auto [K, N] : {std::pair<int64_t, int64_t>{1600, 200}, {4096, 96}, {100, 72}}) {
+  // One split (512 x 12288; 100 x 72, also the guarded loader), two (1600 x 200) and four
+  // (8192 x 96) blocks along K.
+  for (auto [K, N] : {std::pair<int64_t, int64_t>{512, 12288}, {1600, 200}, {8192, 96}, {100, 72}}) {
     check_fixed_rows<T, T, T>(rng, K, N);
     check_fixed_rows<T, T, float>(rng, K, N);
     check_fixed_rows<T, int8_t, T>(rng, K, N);
@@ -135,6 +140,28 @@ TYPED_TEST(CudaOps, FixedOrderProductChecksItsArguments) {
   EXPECT_THROW((cuda::detail::fixed_matmul<T, T, T>(FixedTile::F16x32, out.p(), x.p(), w.p(), nullptr, nullptr, 0, 4, 4,
                                                     cuda::GemmAct::None, nullptr)),
                Error);
+  // A shape split along K needs the chain workspace (checked before anything launches).
+  ASSERT_GT(cuda::detail::fixed_k_splits(4096, 96), 1);
+  EXPECT_THROW((cuda::detail::fixed_matmul<T, T, T>(FixedTile::F16x32, out.p(), x.p(), w.p(), nullptr, nullptr, 1, 4096,
+                                                    96, cuda::GemmAct::None, nullptr, nullptr)),
+               Error);
+}
+
+// The splits along K (hence the summation order) follow the shape and nothing else: the
+// same figures on every machine, GPU or not.
+TEST(FixedOrder, SplitsFollowTheShapeAlone) {
+  using cuda::detail::fixed_k_splits;
+  EXPECT_EQ(fixed_k_splits(4096, 4096), 2);    // gpt3-6.7b projection: 4 chains of 16 chunks
+  EXPECT_EQ(fixed_k_splits(16384, 4096), 4);   // gpt3-6.7b FC2
+  EXPECT_EQ(fixed_k_splits(4096, 12288), 1);   // gpt3-6.7b QKV
+  EXPECT_EQ(fixed_k_splits(4096, 16384), 1);   // gpt3-6.7b FC
+  EXPECT_EQ(fixed_k_splits(1600, 1600), 2);    // gpt2-xl projection: 25 chunks, 25 tiles
+  EXPECT_EQ(fixed_k_splits(6400, 1600), 4);    // gpt2-xl FC2
+  EXPECT_EQ(fixed_k_splits(1600, 6400), 1);    // gpt2-xl FC: 100 tiles want 16 chunks a chain, K has 25
+  EXPECT_EQ(fixed_k_splits(2048, 200), 2);     // 32 chunks: 8 chains would hold 4
+  EXPECT_EQ(fixed_k_splits(1600, 50257), 1);   // an LM head
+  EXPECT_EQ(cuda::detail::fixed_chain_floats(10, 16384, 4096), 8 * 10 * 4096);
+  EXPECT_EQ(cuda::detail::fixed_chain_floats(10, 4096, 12288), 0);
 }
 
 TYPED_TEST(CudaOps, DecodeAttentionEqualsContextRowBitForBit) {

@@ -6,7 +6,9 @@
 //   - through one stage or two (the hidden state handed over as the pipeline does);
 //   - rebuilt through prefill after N decode steps on a fresh stage (a failover's replay),
 //     which also proves the K/V the prefill wrote: the step after it reads all of it;
-// in fp16 and bf16, with fp16/bf16 or int8 weights, through the CUDA-graph decode path. The prompt is longer than one attention piece
+// in fp16 and bf16, with fp16/bf16 or int8 weights, through the CUDA-graph decode path, at
+// tensor parallel 1 and 2 (the two ranks share GPU 0 on a one-GPU machine; the custom
+// all-reduce sums them in rank order). The prompt is longer than one attention piece
 // (kDecodePiece), so the pieces' merge is exercised too.
 //
 // Skips cleanly when built without CUDA or run where no GPU is present.
@@ -31,17 +33,18 @@ TEST(GpuDeterminism, NotBuilt) { GTEST_SKIP() << "built without the CUDA backend
 #include "kernels/cuda/attention.h"
 #include "model/weights.h"
 #include "stage/cuda/gpu_stage.h"
+#include "stage/cuda/tp_stage.h"
 #include "tests/gpu_test_util.h"
 
 namespace conveyor {
 namespace {
 
-using cuda::GpuStage;
 using cuda::GpuStageOptions;
 
 struct Mode {
   DType dtype;
   bool int8;
+  int tp;
   const char* name;
 };
 
@@ -78,7 +81,8 @@ int64_t first_difference(const float* a, const float* b, size_t n) {
   return -1;
 }
 
-// One pipeline of one or two GpuStages over the same weights, used the way a worker uses it.
+// One pipeline of one or two stages (each a TpStage of mode.tp ranks) over the same
+// weights, used the way a worker uses it.
 class Pipe {
  public:
   Pipe(const ModelConfig& cfg, const Mode& mode, int stages, uint64_t seed) : cfg_(cfg) {
@@ -90,16 +94,21 @@ class Pipe {
     o.max_seqs = 256;
     o.kv_cache_max_bytes = int64_t(512) << 20;
     const int64_t split = stages == 1 ? cfg.n_layer : cfg.n_layer / 2;
-    auto a = GpuStage::create(random_stage_weights(cfg, 0, split, seed), o);
+    const int gpus = testing::gpu_count();
+    std::vector<int> devices;
+    for (int r = 0; r < mode.tp; ++r) devices.push_back(r % gpus);
+    auto a = cuda::TpStage::create(random_stage_weights(cfg, 0, split, seed), devices, o);
     if (!a) throw std::runtime_error(a.status().message());
     stages_.push_back(std::move(a).value());
     if (stages == 2) {
-      auto b = GpuStage::create(random_stage_weights(cfg, split, cfg.n_layer, seed), o);
+      auto b = cuda::TpStage::create(random_stage_weights(cfg, split, cfg.n_layer, seed), devices, o);
       if (!b) throw std::runtime_error(b.status().message());
       stages_.push_back(std::move(b).value());
     }
     for (auto& s : stages_)
-      if (!s->gemm().deterministic()) throw std::runtime_error("deterministic mode is off (CONVEYOR_DETERMINISTIC=0?)");
+      for (int r = 0; r < s->ranks(); ++r)
+        if (!s->rank(r).gemm().deterministic())
+          throw std::runtime_error("deterministic mode is off (CONVEYOR_DETERMINISTIC=0?)");
   }
 
   // Prefill (or any forward) of `slices`: the last row of each slice's logits, [slices, V].
@@ -150,7 +159,7 @@ class Pipe {
     if (!s.ok()) throw std::runtime_error(s.message());
   }
   ModelConfig cfg_;
-  std::vector<std::unique_ptr<GpuStage>> stages_;
+  std::vector<std::unique_ptr<cuda::TpStage>> stages_;
   SamplingParams greedy_ = [] {
     SamplingParams p;
     p.temperature = 0;
@@ -351,8 +360,11 @@ TEST_P(GpuDeterminism, ReplayAfterDecodeSteps) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Modes, GpuDeterminism,
-                         ::testing::Values(Mode{DType::F16, false, "fp16"}, Mode{DType::BF16, false, "bf16"},
-                                           Mode{DType::F16, true, "fp16_int8"}, Mode{DType::BF16, true, "bf16_int8"}),
+                         ::testing::Values(Mode{DType::F16, false, 1, "fp16"}, Mode{DType::BF16, false, 1, "bf16"},
+                                           Mode{DType::F16, true, 1, "fp16_int8"},
+                                           Mode{DType::BF16, true, 1, "bf16_int8"}, Mode{DType::F16, false, 2, "fp16_tp2"},
+                                           Mode{DType::BF16, false, 2, "bf16_tp2"},
+                                           Mode{DType::F16, true, 2, "fp16_int8_tp2"}),
                          [](const ::testing::TestParamInfo<Mode>& i) { return std::string(i.param.name); });
 
 }  // namespace
