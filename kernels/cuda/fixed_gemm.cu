@@ -20,8 +20,6 @@
 namespace conveyor::cuda::detail {
 namespace {
 
-constexpr int64_t kMaxDim = int64_t(1) << 30;
-
 //                              BM   BN  warps M N K  stages  blocks/SM    smem (T / int8)
 using F16x16 = TileConfig<16, 16, 1, 1, 2, 8, 3>;     //  70 / 51 KB   2 warps (decode, small N)
 using F16x32 = TileConfig<16, 32, 1, 1, 2, 6, 2>;     //  78 / 50 KB   2 warps
@@ -38,27 +36,11 @@ static_assert(kFixedOrder<F16x16> && kFixedOrder<F16x32> && kFixedOrder<F16x64> 
                   kFixedOrder<F64x128> && kFixedOrder<F128x64> && kFixedOrder<F128x128>,
               "every fixed-order tile sums K the same way: kWarpsK = 2");
 
-struct TileInfo {
-  const char* name;
-  int bm, bn;
-};
-template <class Cfg>
-constexpr TileInfo info(const char* name) {
-  return {name, Cfg::BM, Cfg::BN};
-}
 constexpr TileInfo kInfo[kFixedTiles] = {
-    info<F16x32>("fixed16x32"),  info<F16x64>("fixed16x64"),   info<F32x64>("fixed32x64"),
-    info<F64x64>("fixed64x64"),  info<F64x128>("fixed64x128"), info<F128x64>("fixed128x64"),
-    info<F128x128>("fixed128x128"), info<F16x16>("fixed16x16"),
+    tile_info<F16x32>("fixed16x32"),  tile_info<F16x64>("fixed16x64"),   tile_info<F32x64>("fixed32x64"),
+    tile_info<F64x64>("fixed64x64"),  tile_info<F64x128>("fixed64x128"), tile_info<F128x64>("fixed128x64"),
+    tile_info<F128x128>("fixed128x128"), tile_info<F16x16>("fixed16x16"),
 };
-
-bool sizes_ok(int64_t T_, int64_t K, int64_t N) {
-  return T_ > 0 && K > 0 && N > 0 && T_ < kMaxDim && K < kMaxDim && N < kMaxDim;
-}
-
-std::string shape_text(int64_t T_, int64_t K, int64_t N) {
-  return "T=" + std::to_string(T_) + " K=" + std::to_string(K) + " N=" + std::to_string(N);
-}
 
 }  // namespace
 
@@ -69,17 +51,14 @@ const char* fixed_tile_name(FixedTile k) {
 
 bool fixed_tile_supported(FixedTile k, int64_t T_, int64_t K, int64_t N) {
   const int i = int(k);
-  if (i < 0 || i >= kFixedTiles || !sizes_ok(T_, K, N)) return false;
-  return (N + kInfo[i].bn - 1) / kInfo[i].bn <= 65535;
+  if (i < 0 || i >= kFixedTiles || !tile_sizes_ok(T_, K, N)) return false;
+  return kInfo[i].fits(N);
 }
 
 std::vector<FixedTile> fixed_tile_candidates(int64_t T_, int64_t K, int64_t N) {
   std::vector<FixedTile> v;
-  int64_t tp = 16;  // T rounded up to a power of two, at least 16
-  while (tp < T_) tp *= 2;
   for (int i = 0; i < kFixedTiles; ++i) {
-    const int64_t bm = kInfo[i].bm;
-    if (bm <= 2 * tp && 16 * bm >= T_ && fixed_tile_supported(FixedTile(i), T_, K, N)) v.push_back(FixedTile(i));
+    if (kInfo[i].worth_timing(T_) && fixed_tile_supported(FixedTile(i), T_, K, N)) v.push_back(FixedTile(i));
   }
   if (v.empty()) v.push_back(fixed_default_tile(T_, K, N));
   return v;
@@ -118,15 +97,15 @@ void fixed_matmul(FixedTile k, OutT* out, const T* in, const W* w, const float* 
   if (out == nullptr || in == nullptr || w == nullptr || (kInt8 && scales == nullptr))
     throw Error(std::string("fixed-order matmul: null pointer (out, in, w") + (kInt8 ? ", scales" : "") +
                 " are required)");
-  if (!sizes_ok(T_, K, N))
-    throw Error("fixed-order matmul: T, K and N must be positive and below 2^30 (" + shape_text(T_, K, N) + ")");
+  if (!tile_sizes_ok(T_, K, N))
+    throw Error("fixed-order matmul: T, K and N must be positive and below 2^30 (" + tile_shape_text(T_, K, N) + ")");
   if (!fixed_tile_supported(k, T_, K, N))
-    throw Error(std::string("fixed-order matmul: tile ") + fixed_tile_name(k) + " cannot run " + shape_text(T_, K, N));
+    throw Error(std::string("fixed-order matmul: tile ") + fixed_tile_name(k) + " cannot run " + tile_shape_text(T_, K, N));
   const float* s = kInt8 ? scales : nullptr;
   const int t = int(T_), kk = int(K), n = int(N), a = int(act);
   const int splits = fixed_k_splits(K, N);
   if (splits > 1 && chains == nullptr)
-    throw Error("fixed-order matmul: " + shape_text(T_, K, N) + " runs in " + std::to_string(splits) +
+    throw Error("fixed-order matmul: " + tile_shape_text(T_, K, N) + " runs in " + std::to_string(splits) +
                 " splits along K and needs a chain workspace");
   switch (k) {
     case FixedTile::F16x16: launch_mma_tiles<T, W, OutT, F16x16>(out, in, w, s, bias, t, kk, n, a, stream, splits, chains); break;

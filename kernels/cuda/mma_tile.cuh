@@ -35,6 +35,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <string>
 #include <type_traits>
 
 #include "kernels/cuda/check.h"
@@ -43,6 +44,30 @@
 #include "kernels/cuda/launch.cuh"
 
 namespace conveyor::cuda::detail {
+
+// T, K and N below this: the kernels index with int.
+constexpr int64_t kMaxTileDim = int64_t(1) << 30;
+inline bool tile_sizes_ok(int64_t T_, int64_t K, int64_t N) {
+  return T_ > 0 && K > 0 && N > 0 && T_ < kMaxTileDim && K < kMaxTileDim && N < kMaxTileDim;
+}
+inline std::string tile_shape_text(int64_t T_, int64_t K, int64_t N) {
+  return "T=" + std::to_string(T_) + " K=" + std::to_string(K) + " N=" + std::to_string(N);
+}
+
+// A tile configuration as the planners see it (bm = bn = 0: not a tile, e.g. a GEMV).
+struct TileInfo {
+  const char* name;
+  int bm, bn;
+  // N in grid.y's range.
+  bool fits(int64_t N) const { return bn == 0 || (N + bn - 1) / bn <= 65535; }
+  // Worth timing for T tokens: at most twice T (rounded up to a power of two, 16 at least),
+  // and no more than 16 blocks along T.
+  bool worth_timing(int64_t T_) const {
+    int64_t tp = 16;
+    while (tp < T_) tp *= 2;
+    return bm <= 2 * tp && 16 * int64_t(bm) >= T_;
+  }
+};
 
 template <int BM_, int BN_, int WM, int WN, int WK, int STAGES, int MIN_BLOCKS>
 struct TileConfig {
@@ -59,6 +84,11 @@ struct TileConfig {
   static_assert((BM * BK / 8) % kThreads == 0, "whole activation loads per thread");
   static_assert(kStages >= 2, "at least double buffering");
 };
+
+template <class Cfg>
+constexpr TileInfo tile_info(const char* name) {
+  return {name, Cfg::BM, Cfg::BN};
+}
 
 // The weight tile's layout for weight type W: int8 rows of BK bytes (swizzled when BK >= 128),
 // or T rows of BK + 8 elements like the activations.

@@ -24,8 +24,6 @@ namespace conveyor::cuda {
 namespace detail {
 namespace {
 
-constexpr int64_t kMaxDim = int64_t(1) << 30;  // T, K, N below this: int indices inside kernels
-
 __device__ __forceinline__ float int8_epilogue(float acc, float scale, float bias, int act) {
   return activate(fmaf(acc, scale, bias), act);
 }
@@ -244,16 +242,8 @@ void launch_tiles(OutT* out, const T* in, const int8_t* w, const float* scales, 
   launch_mma_tiles<T, int8_t, OutT, Cfg>(out, in, w, scales, bias, T_, K, N, act, stream);
 }
 
-struct KernelInfo {
-  const char* name;
-  int bm, bn;  // 0 for the GEMV
-};
-template <class Cfg>
-constexpr KernelInfo tile_info(const char* name) {
-  return {name, Cfg::BM, Cfg::BN};
-}
 // Indexed by Int8Kernel.
-constexpr KernelInfo kInfo[kInt8Kernels] = {
+constexpr TileInfo kInfo[kInt8Kernels] = {
     {"gemv", 0, 0},
     tile_info<Tile16x32>("mma16x32"),
     tile_info<Tile32x64>("mma32x64"),
@@ -264,14 +254,6 @@ constexpr KernelInfo kInfo[kInt8Kernels] = {
     tile_info<Tile128x128>("mma128x128"),
 };
 
-bool sizes_ok(int64_t T_, int64_t K, int64_t N) {
-  return T_ > 0 && K > 0 && N > 0 && T_ < kMaxDim && K < kMaxDim && N < kMaxDim;
-}
-
-std::string shape_text(int64_t T_, int64_t K, int64_t N) {
-  return "T=" + std::to_string(T_) + " K=" + std::to_string(K) + " N=" + std::to_string(N);
-}
-
 }  // namespace
 
 const char* int8_kernel_name(Int8Kernel k) {
@@ -281,20 +263,16 @@ const char* int8_kernel_name(Int8Kernel k) {
 
 bool int8_kernel_supported(Int8Kernel k, int64_t T_, int64_t K, int64_t N, const void* in, const void* w) {
   const int i = int(k);
-  if (i < 0 || i >= kInt8Kernels || !sizes_ok(T_, K, N)) return false;
+  if (i < 0 || i >= kInt8Kernels || !tile_sizes_ok(T_, K, N)) return false;
   if (k == Int8Kernel::Gemv) return T_ <= 8 && K % 16 == 0 && aligned16(in) && aligned16(w);
-  return (N + kInfo[i].bn - 1) / kInfo[i].bn <= 65535;  // grid.y
+  return kInfo[i].fits(N);
 }
 
 std::vector<Int8Kernel> int8_candidates(int64_t T_, int64_t K, int64_t N, const void* in, const void* w) {
   std::vector<Int8Kernel> v;
   if (int8_kernel_supported(Int8Kernel::Gemv, T_, K, N, in, w)) v.push_back(Int8Kernel::Gemv);
-  int64_t tp = 16;  // T rounded up to a power of two, at least 16
-  while (tp < T_) tp *= 2;
   for (int i = 1; i < kInt8Kernels; ++i) {
-    const int64_t bm = kInfo[i].bm;
-    // Tiles up to twice the batch, and not so small that T needs more than 16 of them.
-    if (bm <= 2 * tp && 16 * bm >= T_ && int8_kernel_supported(Int8Kernel(i), T_, K, N, in, w))
+    if (kInfo[i].worth_timing(T_) && int8_kernel_supported(Int8Kernel(i), T_, K, N, in, w))
       v.push_back(Int8Kernel(i));
   }
   if (v.empty()) v.push_back(int8_default_kernel(T_, K, N, in, w));
@@ -316,8 +294,8 @@ void int8_check_args(const void* out, const void* in, const void* w, const void*
   for (auto [p, name] : {std::pair<const void*, const char*>{out, "out"}, {in, "in"}, {w, "w"}, {scales, "scales"}})
     if (p == nullptr) missing += std::string(missing.empty() ? "" : ", ") + name;
   if (!missing.empty()) throw Error("int8 matmul: null pointer (" + missing + ")");
-  if (!sizes_ok(T_, K, N))
-    throw Error("int8 matmul: T, K and N must be positive and below 2^30 (" + shape_text(T_, K, N) + ")");
+  if (!tile_sizes_ok(T_, K, N))
+    throw Error("int8 matmul: T, K and N must be positive and below 2^30 (" + tile_shape_text(T_, K, N) + ")");
 }
 
 template <class T, class OutT>
@@ -327,7 +305,7 @@ void int8_matmul(Int8Kernel k, OutT* out, const T* in, const int8_t* w, const fl
   static_assert(std::is_same_v<OutT, T> || std::is_same_v<OutT, float>, "OutT is T or float");
   int8_check_args(out, in, w, scales, T_, K, N);
   if (!int8_kernel_supported(k, T_, K, N, in, w))
-    throw Error(std::string("int8 matmul: kernel ") + int8_kernel_name(k) + " cannot run " + shape_text(T_, K, N) +
+    throw Error(std::string("int8 matmul: kernel ") + int8_kernel_name(k) + " cannot run " + tile_shape_text(T_, K, N) +
                 (k == Int8Kernel::Gemv ? " (needs T <= 8, K % 16 == 0, in and w 16-byte aligned)" : ""));
   const int t = int(T_), kk = int(K), n = int(N), a = int(act);
   switch (k) {
