@@ -109,26 +109,29 @@ __device__ __forceinline__ void store_group(float* gs, int group, int gl, int G,
   }
 }
 
-// The piece's state from its groups' (after a barrier): max M, sum L, and element i.
+// The piece's state from its groups' (after a barrier): max M, sum L, and element i. Group
+// g's weight expf(m_g - M) is computed once, by thread g, into fac[g]; piece_ml ends with a
+// barrier (every thread of the block must call it), after which piece_acc may read fac.
 struct PieceMl {
   float M, L;
 };
-__device__ __forceinline__ PieceMl piece_ml(const float* gs, int ngroups, int D) {
+__device__ __forceinline__ PieceMl piece_ml(const float* gs, float* fac, int ngroups, int D) {
   float M = -INFINITY;
   for (int g = 0; g < ngroups; ++g) M = fmaxf(M, gs[g * (D + 2)]);
-  float L = 0.f;
-  for (int g = 0; g < ngroups; ++g) {
-    const float mg = gs[g * (D + 2)];
-    if (mg != -INFINITY) L = __fadd_rn(L, __fmul_rn(gs[g * (D + 2) + 1], expf(mg - M)));
+  if (int(threadIdx.x) < ngroups) {
+    const float mg = gs[threadIdx.x * (D + 2)];
+    fac[threadIdx.x] = mg != -INFINITY ? expf(mg - M) : 0.f;
   }
+  __syncthreads();
+  float L = 0.f;
+  for (int g = 0; g < ngroups; ++g)
+    if (gs[g * (D + 2)] != -INFINITY) L = __fadd_rn(L, __fmul_rn(gs[g * (D + 2) + 1], fac[g]));
   return {M, L};
 }
-__device__ __forceinline__ float piece_acc(const float* gs, int ngroups, int D, float M, int i) {
+__device__ __forceinline__ float piece_acc(const float* gs, const float* fac, int ngroups, int D, int i) {
   float a = 0.f;
-  for (int g = 0; g < ngroups; ++g) {
-    const float mg = gs[g * (D + 2)];
-    if (mg != -INFINITY) a = __fadd_rn(a, __fmul_rn(gs[g * (D + 2) + 2 + i], expf(mg - M)));
-  }
+  for (int g = 0; g < ngroups; ++g)
+    if (gs[g * (D + 2)] != -INFINITY) a = __fadd_rn(a, __fmul_rn(gs[g * (D + 2) + 2 + i], fac[g]));
   return a;
 }
 
@@ -187,6 +190,7 @@ __global__ void __launch_bounds__(kThreads, 4)
                             const int32_t* __restrict__ kv_lens, int n_head, int D, int G, float scale, int max_pieces,
                             float* partial, int* counters) {
   extern __shared__ float sm[];  // [ngroups][D + 2]: m, l, acc[D]
+  __shared__ float fac[kThreads];  // the groups' weights in the piece's merge
   __shared__ int is_last;
   grid_dependents_launch();
   if constexpr (!APPEND) grid_dependency_wait();
@@ -268,14 +272,14 @@ __global__ void __launch_bounds__(kThreads, 4)
     __syncthreads();  // the previous piece's readers of sm are done
     store_group<VEC, MAXC>(sm, group, gl, G, D, m, l, acc);
     __syncthreads();
-    const PieceMl ml = piece_ml(sm, ngroups, D);
+    const PieceMl ml = piece_ml(sm, fac, ngroups, D);
     if (pieces == 1) {
       for (int i = threadIdx.x; i < D; i += blockDim.x)
-        o[i] = from_float<T>(__fdiv_rn(piece_acc(sm, ngroups, D, ml.M, i), ml.L));
+        o[i] = from_float<T>(__fdiv_rn(piece_acc(sm, fac, ngroups, D, i), ml.L));
       return;
     }
     float* part = parts + int64_t(p) * (D + 2);
-    for (int i = threadIdx.x; i < D; i += blockDim.x) part[2 + i] = piece_acc(sm, ngroups, D, ml.M, i);
+    for (int i = threadIdx.x; i < D; i += blockDim.x) part[2 + i] = piece_acc(sm, fac, ngroups, D, i);
     if (threadIdx.x == 0) part[0] = ml.M, part[1] = ml.L;
   }
 
@@ -316,6 +320,7 @@ __global__ void __launch_bounds__(kThreads)
                                    int n_head, int D, int G, float scale) {
   constexpr int R = context_rows<MAXC>();
   extern __shared__ float sm[];  // groups [ngroups][D + 2], then the rows' running state [R][D + 2]
+  __shared__ float fac[kThreads];  // the groups' weights in a piece's merge
   grid_dependents_launch();
   grid_dependency_wait();
   const int h = blockIdx.x, s = blockIdx.y;
@@ -375,17 +380,17 @@ __global__ void __launch_bounds__(kThreads)
       __syncthreads();  // the previous readers of gs are done
       store_group<VEC, MAXC>(gs, group, gl, G, D, m[r], l[r], acc[r]);
       __syncthreads();
-      const PieceMl ml = piece_ml(gs, ngroups, D);
+      const PieceMl ml = piece_ml(gs, fac, ngroups, D);
       float* rs = run + r * (D + 2);
       if (p == 0) {
-        for (int i = threadIdx.x; i < D; i += blockDim.x) rs[2 + i] = piece_acc(gs, ngroups, D, ml.M, i);
+        for (int i = threadIdx.x; i < D; i += blockDim.x) rs[2 + i] = piece_acc(gs, fac, ngroups, D, i);
         __syncthreads();
         if (threadIdx.x == 0) rs[0] = ml.M, rs[1] = ml.L;
       } else {
         const MergeFactors f = merge_factors(rs[0], ml.M);
         const float L = merge_value(rs[1], ml.L, f);
         for (int i = threadIdx.x; i < D; i += blockDim.x)
-          rs[2 + i] = merge_value(rs[2 + i], piece_acc(gs, ngroups, D, ml.M, i), f);
+          rs[2 + i] = merge_value(rs[2 + i], piece_acc(gs, fac, ngroups, D, i), f);
         __syncthreads();  // every thread has read rs[0], rs[1]
         if (threadIdx.x == 0) rs[0] = f.M, rs[1] = L;
       }
