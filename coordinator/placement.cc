@@ -132,18 +132,23 @@ void Coordinator::Impl::wire(Pipeline& p) {
 void Coordinator::Impl::fill_from_spares() {
   for (Pipeline& p : pipelines) {
     bool changed = false;
-    for (int s = 0; s < int(p.workers.size()); ++s) {
-      if (!p.workers[size_t(s)].empty()) continue;
-      WorkerInfo* pick = nullptr;
-      for (auto& [_, w] : workers) {
-        if (w.state != MemberState::Spare || w.leaving) continue;
-        const bool held = w.holds(cfg.layers[size_t(s)], cfg.model_path);
-        if (!pick || held) pick = &w;
-        if (held) break;
+    // Two passes: first every hole its layers' holder (after a coordinator restart the workers
+    // come back one by one, each with its layers, and must not be given each other's), then
+    // the holes left to any spare, which loads them.
+    for (const bool holders_only : {true, false}) {
+      for (int s = 0; s < int(p.workers.size()); ++s) {
+        if (!p.workers[size_t(s)].empty()) continue;
+        WorkerInfo* pick = nullptr;
+        for (auto& [_, w] : workers) {
+          if (w.state != MemberState::Spare || w.leaving) continue;
+          if (holders_only && !w.holds(cfg.layers[size_t(s)], cfg.model_path)) continue;
+          pick = &w;
+          break;
+        }
+        if (!pick) continue;
+        assign(p, s, *pick);
+        changed = true;
       }
-      if (!pick) break;
-      assign(p, s, *pick);
-      changed = true;
     }
     if (changed) send_assignments(p);
   }
