@@ -1,12 +1,18 @@
 // conveyor-coordinator: the coordinator daemon (REST API + control plane + scheduler).
-//   conveyor-coordinator --config cluster.yaml
+//   conveyor-coordinator --config cluster.yaml [--http-host H] [--http-port P]
+//                        [--control-host H] [--control-port P] [--join-token-from-env] [--check]
+// The flags override the cluster file's http.host/port and control.host/port (a launcher
+// such as scripts/slurm/conveyor.sbatch knows the node's address, the file does not);
+// --check prints the settings the daemon would run with as JSON and exits.
 // Prints "conveyor-coordinator: listening on http://HOST:PORT (control tcp://HOST:PORT)"
 // once both sockets are bound, so a launcher can find ports chosen with 0.
 #include <csignal>
+#include <optional>
 #include <iostream>
 #include <thread>
 
 #include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
 #include <spdlog/sinks/stdout_color_sinks.h>
 #include <spdlog/spdlog.h>
 
@@ -15,6 +21,7 @@
 #include "coordinator/coordinator.h"
 #include "coordinator/rest/http_server.h"
 #include "coordinator/metrics.h"
+#include "transport/net_interface.h"
 
 namespace {
 std::atomic<bool> g_stop{false};
@@ -23,8 +30,20 @@ void on_signal(int) { g_stop = true; }
 
 int main(int argc, char** argv) {
   std::string config_path;
+  std::optional<std::string> http_host, control_host;
+  std::optional<int> http_port, control_port;
+  bool token_from_env = false, check = false;
   CLI::App app{"conveyor-coordinator: the Conveyor coordinator daemon"};
   app.add_option("--config", config_path, "the cluster file (YAML)")->required();
+  app.add_option("--http-host", http_host, "address the REST API binds (overrides http.host; 0.0.0.0: every interface)");
+  app.add_option("--http-port", http_port, "REST port (overrides http.port; 0: a free one)")->check(CLI::Range(0, 65535));
+  app.add_option("--control-host", control_host,
+                 "address the control plane binds, and whose interface the data plane uses (overrides control.host)");
+  app.add_option("--control-port", control_port, "control port (overrides control.port; 0: a free one)")
+      ->check(CLI::Range(0, 65535));
+  app.add_flag("--join-token-from-env", token_from_env,
+               "take the join token from $CONVEYOR_JOIN_TOKEN even when the file names one (a launcher's token)");
+  app.add_flag("--check", check, "print the settings the daemon would run with (JSON, no secrets) and exit");
   CLI11_PARSE(app, argc, argv);
   spdlog::set_default_logger(spdlog::stderr_color_mt("coordinator"));
   if (const char* lvl = std::getenv("CONVEYOR_LOG_LEVEL")) spdlog::set_level(spdlog::level::from_str(lvl));  // stdout is for the ready line
@@ -33,6 +52,44 @@ int main(int argc, char** argv) {
   if (!cfg) {
     std::cerr << "conveyor-coordinator: " << cfg.error() << "\n";
     return 2;
+  }
+  for (const auto& [flag, value] : {std::pair{"--http-host", &http_host}, std::pair{"--control-host", &control_host}})
+    if (value->has_value() && (*value)->empty()) {
+      std::cerr << "conveyor-coordinator: " << flag << " needs an address (0.0.0.0 binds every interface)\n";
+      return 2;
+    }
+  if (http_host) cfg->http_host = *http_host;
+  if (http_port) cfg->http_port = *http_port;
+  if (control_host) cfg->control_host = *control_host;
+  if (control_port) cfg->control_port = *control_port;
+  if (token_from_env) {
+    const char* t = std::getenv("CONVEYOR_JOIN_TOKEN");
+    if (!t || !*t) {
+      std::cerr << "conveyor-coordinator: --join-token-from-env but CONVEYOR_JOIN_TOKEN is unset or empty\n";
+      return 2;
+    }
+    cfg->join_token = t;
+  }
+  if (check) {
+    // The data plane follows control.host: say which interface that is, or why it is none.
+    auto iface = conveyor::transport::data_plane_interface(cfg->control_host);
+    if (!iface) {
+      std::cerr << "conveyor-coordinator: control host " << cfg->control_host << ": " << iface.error() << "\n";
+      return 2;
+    }
+    const nlohmann::json out = {
+        {"source", cfg->source},
+        {"model", {{"path", cfg->model_path}, {"name", cfg->model_name}}},
+        {"http", {{"host", cfg->http_host}, {"port", cfg->http_port}, {"api_key_set", !cfg->api_key.empty()}}},
+        {"control",
+         {{"host", cfg->control_host},
+          {"port", cfg->control_port},
+          {"join_token_from", token_from_env ? "environment" : "file or environment"},
+          {"data_interface", iface->empty() ? "any" : *iface}}},
+        {"pipeline", {{"stages", cfg->stages}, {"replicas", cfg->replicas}}},
+        {"heartbeat", {{"interval_ms", cfg->heartbeat_interval_ms}, {"liveness_ms", cfg->liveness_ms}}}};
+    std::cout << out.dump(2) << std::endl;
+    return 0;
   }
   auto tok = conveyor::Tokenizer::load(cfg->model_path);
   if (!tok) {

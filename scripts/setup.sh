@@ -12,7 +12,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-# chromium: headless, for the status page's browser test.
+# chromium: headless, for the status page's browser test. iproute2 (ip, tc) and util-linux
+# (nsenter): the network-namespace tests (tests/netns/) and the three-node Slurm test.
 PACKAGES=(
   build-essential cmake ninja-build pkg-config ccache git
   libyaml-cpp-dev libzmq3-dev cppzmq-dev libucx-dev libboost-dev
@@ -20,6 +21,7 @@ PACKAGES=(
   libgtest-dev libgmock-dev libbenchmark-dev libsystemd-dev
   python3 patchelf systemd chromium
   slurmctld slurmd slurm-client munge curl
+  iproute2 util-linux
 )
 # Node.js and npm run the reference tokenizer; a Node.js from elsewhere (one that bundles
 # npm, whose package then conflicts with Debian's npm) is fine.

@@ -28,6 +28,8 @@ Status UcxChannel::Impl::init() {
   ucx::Config config(raw_config);
   if (!std::getenv("UCX_TLS") && !opt.transports.empty())
     CONVEYOR_UCX_CHECK(ucp_config_modify(config.get(), "TLS", opt.transports.c_str()));
+  if (!std::getenv("UCX_NET_DEVICES") && !opt.net_devices.empty())
+    CONVEYOR_UCX_CHECK(ucp_config_modify(config.get(), "NET_DEVICES", opt.net_devices.c_str()));
   if (!std::getenv("UCX_KEEPALIVE_INTERVAL")) {
     const std::string interval = std::to_string(opt.keepalive_interval.count()) + "ms";
     CONVEYOR_UCX_CHECK(ucp_config_modify(config.get(), "KEEPALIVE_INTERVAL", interval.c_str()));

@@ -18,7 +18,8 @@
 // under way, then its failure (once). No call waits without a bound.
 //
 // Transports: the environment's UCX_* variables win; otherwise `transports` (UCX_TLS)
-// applies when set, else UCX's default selection: RDMA or TCP. UCX 1.13 will not use its
+// applies when set, else UCX's default selection: RDMA or TCP; likewise `net_devices`
+// (UCX_NET_DEVICES) keeps a daemon that knows its cluster address on that interface. UCX 1.13 will not use its
 // shared-memory transports with peer-failure detection, so two processes on one host talk
 // over TCP loopback (README.md).
 #pragma once
@@ -38,6 +39,9 @@ struct UcxChannelOptions {
   std::string name = "conveyor";  // worker name in UCX logs
   std::uint32_t channel_id = 0;   // 0: a random id
   std::string transports;         // UCX_TLS when the environment sets none ("tcp", "rc,tcp")
+  // UCX_NET_DEVICES when the environment sets none ("eth0", see net_interface.h): the only
+  // network interfaces whose addresses the channel publishes and uses. Empty: all of them.
+  std::string net_devices;
   std::chrono::milliseconds keepalive_interval{1000};   // unless UCX_KEEPALIVE_INTERVAL is set
   std::size_t inline_payload_bytes = 8 * 1024;          // larger payloads go as their own message
   std::size_t max_queued_bytes = std::size_t{1} << 30;  // received, not yet recv()'d

@@ -48,6 +48,7 @@ struct Cluster {
   std::unique_ptr<ChildProcess> coordinator;
   std::vector<std::unique_ptr<ChildProcess>> workers;
   int http_port = 0, control_port = 0;
+  std::string http_host = "127.0.0.1";  // where the REST API is reached (a node's address in tests/netns)
   std::string token = "test-token";
   std::string api_key;  // set before start(): the coordinator requires it
   // Set before start(): worker i's own arguments, after `worker_args` (e.g. its GPU).
@@ -104,7 +105,7 @@ struct Cluster {
     HttpRequest r;
     r.target = target;
     r.timeout = std::chrono::seconds(5);
-    return http_call("127.0.0.1", http_port, r);
+    return http_call(http_host, http_port, r);
   }
   Expected<HttpResponse> post(const std::string& target, const json& body, std::function<void(std::string_view)> on_body = {},
                               std::vector<std::pair<std::string, std::string>> headers = {}) {
@@ -115,7 +116,7 @@ struct Cluster {
     r.on_body = std::move(on_body);
     r.headers = std::move(headers);
     r.timeout = std::chrono::seconds(120);
-    return http_call("127.0.0.1", http_port, r);
+    return http_call(http_host, http_port, r);
   }
 
   // GET /v1/cluster, parsed; null when it does not answer.
