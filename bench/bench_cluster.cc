@@ -20,17 +20,48 @@
 //   --random L,C,H: instead of --model's weights, random weights of that shape (L layers,
 //     width C, H heads) with --model's tokenizer and vocabulary, written to a temporary
 //     checkpoint (e.g. a 1-layer model for --overhead, or a shape whose stages balance).
+//     A named shape (gpt2-xl, gpt3-6.7b, ...) keeps its own vocabulary (50257) and has its
+//     context raised to the longest prompt + --max-tokens where it is shorter, as
+//     conveyor-bench-gpu-decode does, so both programs run the same model.
+//
+//   Throughput mode, more:
+//     --concurrency 1,64,256: one load per figure, on the same cluster, one row each
+//       (--requests-per-client R: R x clients requests a row; else --requests);
+//     --prompt-tokens P: prompts of P token ids (seeded, the same every run) instead of the
+//       four short texts; --prompt-mix 128,1024: requests take these lengths in turn (with
+//       --prompt-tokens: one more load after the others, --mix-clients clients);
+//     --stream: clients stream (return_token_ids) and the time to first token and the
+//       inter-token latency (p50, p99) are reported; --prompt-mix implies it; --stream-at
+//       1,... streams only the loads of those client counts;
+//     --trace: the workers and the coordinator write their step traces
+//       (CONVEYOR_TRACE_DIR; stage_worker/step_trace.h, coordinator/batch_trace.h) and a
+//       summary of each load's window is printed: per stage the rows a step, busy %, the
+//       wait for input and the idle time with the next input waiting, and the
+//       coordinator's turn-around between a result and the next micro-batch;
+//     --json FILE: each row also as one JSON line appended to FILE (bench/serving_table.sh).
+//   --engine: no cluster: the in-process CPU engine (stage/engine.h) on the same model,
+//     a static batch of --concurrency sequences of --prompt-tokens, --max-tokens new tokens
+//     each: decode tokens/s and ms a step (the CPU column of bench/serving_table.sh).
 //
 //   conveyor-bench-cluster --model models/brown-gpt2 --stages 3 --requests 96 --concurrency 32
 //   conveyor-bench-cluster --overhead --random 1,256,4
+//   conveyor-bench-cluster --random 13,256,4 --stages 3 --concurrency 64 --requests 512 --trace
+//   conveyor-bench-cluster --backend cuda --random gpt2-xl --stages 1 --concurrency 64,256
+//       --requests-per-client 2 --prompt-tokens 128 --max-tokens 128 --trace
 #include <algorithm>
+#include <cmath>
 #include <csignal>
+#include <cstdlib>
+#include <fstream>
+#include <map>
+#include <random>
 #include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <filesystem>
 #include <mutex>
 #include <numeric>
+#include <sstream>
 #include <thread>
 
 #include <CLI/CLI.hpp>
@@ -41,6 +72,7 @@
 #include "stage/engine.h"
 #include "model/tokenizer.h"
 #include "model/weights.h"
+#include "common/model_config.h"
 #include "tests/process_util.h"
 
 using namespace conveyor;
@@ -57,6 +89,7 @@ struct LocalCluster {
   std::string backend = "cpu";
   int gpus = 1;  // cuda: worker i on GPU i % gpus
   int spares = 0;
+  std::string kv_cache_mb;  // conveyor local --kv-cache-mb; empty: its default (auto)
   bool start(const std::string& bin_dir, const std::string& model, int stages, int in_flight) {
     const std::string logs = (std::filesystem::temp_directory_path() / ("conveyor-bench-" + std::to_string(::getpid()))).string();
     std::vector<std::string> argv = {bin_dir + "/conveyor", "local", "--model", model, "--stages", std::to_string(stages),
@@ -64,6 +97,7 @@ struct LocalCluster {
     if (in_flight > 0) argv.insert(argv.end(), {"--in-flight", std::to_string(in_flight)});
     argv.insert(argv.end(), {"--backend", backend, "--spares", std::to_string(spares)});
     if (backend == "cuda") argv.insert(argv.end(), {"--gpus", std::to_string(gpus)});
+    if (!kv_cache_mb.empty()) argv.insert(argv.end(), {"--kv-cache-mb", kv_cache_mb});
     proc = std::make_unique<testing::ChildProcess>(argv);
     const std::string line = proc->read_line_matching("ready at", std::chrono::seconds(120));
     return std::sscanf(line.c_str(), "conveyor local: ready at http://127.0.0.1:%d", &port) == 1;
@@ -89,15 +123,23 @@ Expected<int> complete(int port, const json& body) {
 }
 
 // A checkpoint of random weights of shape "L,C,H" with the vocabulary and tokenizer of
-// `model`, in a fresh temporary folder; returns the folder.
-Expected<std::string> random_checkpoint(const std::string& model, const std::string& shape) {
+// `model`, or of a named shape ("gpt2-xl": its own vocabulary, `model`'s tokenizer, which
+// decodes the ids it knows), in a fresh temporary folder; returns the folder. The context is
+// raised to `min_positions` where it is shorter.
+Expected<std::string> random_checkpoint(const std::string& model, const std::string& shape, int64_t min_positions) {
   auto base = load_model_config(model);
   if (!base) return base.status();
   ModelConfig c = *base;
-  if (std::sscanf(shape.c_str(), "%ld,%ld,%ld", &c.n_layer, &c.n_embd, &c.n_head) != 3 || c.n_layer < 1 ||
-      c.n_embd < 1 || c.n_head < 1 || c.n_embd % c.n_head != 0)
-    return Status::error("--random wants L,C,H with C a multiple of H, got '" + shape + "'");
+  if (shape.find(',') == std::string::npos) {
+    auto named = named_model_shape(shape);
+    if (!named) return Status::error("--random: " + named.error());
+    c = *named;
+  } else if (std::sscanf(shape.c_str(), "%ld,%ld,%ld", &c.n_layer, &c.n_embd, &c.n_head) != 3 || c.n_layer < 1 ||
+             c.n_embd < 1 || c.n_head < 1 || c.n_embd % c.n_head != 0) {
+    return Status::error("--random wants L,C,H with C a multiple of H, or a named shape, got '" + shape + "'");
+  }
   c.n_inner = 4 * c.n_embd;
+  c.n_positions = std::max(c.n_positions, min_positions);
   const std::filesystem::path dir =
       std::filesystem::temp_directory_path() / ("conveyor-bench-model-" + std::to_string(::getpid()));
   std::filesystem::create_directories(dir);
@@ -237,38 +279,301 @@ int recovery(const std::string& bin_dir, const std::string& model, const std::st
   return failed ? 1 : 0;
 }
 
+
+// The p-th percentile (0..100, nearest rank) of `v`; 0 when empty.
+double percentile(std::vector<double> v, double p) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  const size_t i = size_t(std::clamp(std::ceil(p / 100.0 * double(v.size())) - 1, 0.0, double(v.size() - 1)));
+  return v[i];
+}
+
+double mean_of(const std::vector<double>& v) {
+  return v.empty() ? 0.0 : std::accumulate(v.begin(), v.end(), 0.0) / double(v.size());
+}
+
+// Request i's prompt of n token ids: seeded by i, the same every run, ids in [1, vocab).
+std::vector<int32_t> token_prompt(int64_t n, int i, int32_t vocab) {
+  std::mt19937 rng(uint32_t(i) * 2654435761u + 17u);
+  std::uniform_int_distribution<int32_t> id(1, std::max(1, vocab - 1));
+  std::vector<int32_t> out(static_cast<size_t>(n));
+  for (auto& t : out) t = id(rng);
+  return out;
+}
+
+// One streamed completion (SSE with return_token_ids). Fills the time to its first token and
+// the gaps between its tokens (an event of k tokens counts its gap as k gaps of 1/k), all in
+// seconds; returns the tokens received.
+Expected<int> complete_streamed(int port, json body, double& ttft, std::vector<double>& gaps) {
+  body["stream"] = true;
+  body["return_token_ids"] = true;
+  HttpRequest r;
+  r.method = "POST";
+  r.target = "/v1/completions";
+  r.body = body.dump();
+  r.timeout = std::chrono::minutes(5);
+  std::string pending;
+  int tokens = 0;
+  std::string error;
+  const auto start = Clock::now();
+  auto last = start;
+  r.on_body = [&](std::string_view chunk) {
+    const auto now = Clock::now();
+    pending.append(chunk);
+    for (size_t end; (end = pending.find("\n\n")) != std::string::npos;) {
+      const std::string event = pending.substr(0, end);
+      pending.erase(0, end + 2);
+      if (event.rfind("data: ", 0) != 0 || event == "data: [DONE]") continue;
+      const json e = json::parse(event.substr(6), nullptr, false);
+      if (e.is_discarded()) continue;
+      if (e.contains("error")) {
+        error = e["error"].dump();
+        continue;
+      }
+      int k = 0;
+      for (const auto& c : e.value("choices", json::array())) k += int(c.value("token_ids", json::array()).size());
+      if (k == 0) continue;
+      if (tokens == 0) ttft = std::chrono::duration<double>(now - start).count();
+      else
+        for (int j = 0; j < k; ++j) gaps.push_back(std::chrono::duration<double>(now - last).count() / k);
+      tokens += k;
+      last = now;
+    }
+  };
+  auto resp = http_call("127.0.0.1", port, r);
+  if (!resp) return resp.status();
+  if (resp->status != 200) return Status::error("HTTP " + std::to_string(resp->status) + ": " + resp->body);
+  if (!error.empty()) return Status::error("stream ended with an error: " + error);
+  return tokens;
+}
+
+// Reads every JSON line of `path` ("" lines and unparsable ones skipped: a file being written).
+std::vector<json> read_json_lines(const std::filesystem::path& path) {
+  std::vector<json> out;
+  std::ifstream in(path);
+  for (std::string line; std::getline(in, line);) {
+    json j = json::parse(line, nullptr, false);
+    if (!j.is_discarded()) out.push_back(std::move(j));
+  }
+  return out;
+}
+
+// The step traces of one load's window [t0, t1] (steady-clock seconds) as a table: per stage
+// and for the coordinator. Returns the figures as JSON too.
+json print_trace_summary(const std::string& dir, double t0, double t1) {
+  const double window_ms = (t1 - t0) * 1e3;
+  json out = {{"stages", json::array()}};
+  std::map<int, std::vector<json>> by_stage;
+  for (const auto& entry : std::filesystem::directory_iterator(dir)) {
+    const std::string name = entry.path().filename().string();
+    if (name.rfind("worker-", 0) != 0) continue;
+    for (json& j : read_json_lines(entry.path())) {
+      const double t = j.value("t", 0.0);
+      if (t >= t0 && t <= t1) by_stage[j.value("stage", -1)].push_back(std::move(j));
+    }
+  }
+  std::printf("  step trace over %.1f s (per micro-batch means; %% of the window unless said):\n", window_ms * 1e-3);
+  std::printf("  | stage | steps | seqs | decode rows | prefill rows | mixed steps %% | compute ms | busy %% | "
+              "waiting for input %% | idle, input waiting: ms a step (%% of a step) | slot wait ms | send ms | sample ms |\n");
+  std::printf("  |---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
+  for (const auto& [stage, lines] : by_stage) {
+    double seqs = 0, dec = 0, pre = 0, comp = 0, wait = 0, idle = 0, slot = 0, send = 0, sample = 0, mixed = 0;
+    for (const json& j : lines) {
+      mixed += j.value("prefill_rows", 0) > 0;  // with prompt rows: a GPU runs it outside its decode graphs
+      seqs += j.value("seqs", 0.0), dec += j.value("decode_rows", 0.0), pre += j.value("prefill_rows", 0.0);
+      comp += j.value("compute", 0.0), wait += j.value("wait_input", 0.0), idle += j.value("idle_ready", 0.0);
+      slot += j.value("slot_wait", 0.0), send += j.value("send", 0.0), sample += j.value("sample", 0.0);
+    }
+    const double n = double(lines.size());
+    const double busy = 100 * comp / window_ms, idle_step = idle / n, idle_pct = 100 * idle / comp;
+    std::printf("  | %d | %.0f | %.1f | %.1f | %.1f | %.0f%% | %.3f | %.0f%% | %.0f%% | %.3f (%.1f%%) | %.3f | %.3f | %.3f |\n",
+                stage, n, seqs / n, dec / n, pre / n, 100 * mixed / n, comp / n, busy, 100 * wait / window_ms, idle_step, idle_pct, slot / n,
+                send / n, sample / n);
+    out["stages"].push_back({{"stage", stage}, {"steps", n}, {"seqs", seqs / n}, {"decode_rows", dec / n},
+                             {"prefill_rows", pre / n}, {"mixed", mixed / n}, {"compute_ms", comp / n}, {"busy", busy / 100},
+                             {"wait_input", wait / window_ms}, {"idle_ready_ms", idle_step},
+                             {"idle_ready_of_step", idle_pct / 100}, {"slot_wait_ms", slot / n},
+                             {"send_ms", send / n}, {"sample_ms", sample / n}});
+  }
+  std::vector<double> gaps, form, rtt, take, in_flight, running, queue, seqs, dec, pre, kv_reserved;
+  json last_send;
+  for (json& j : read_json_lines(std::filesystem::path(dir) / "coordinator.jsonl")) {
+    const double t = j.value("t", 0.0);
+    if (t < t0 || t > t1) continue;
+    if (j.value("ev", std::string()) == "send") {
+      if (j.contains("gap")) gaps.push_back(j["gap"].get<double>());
+      form.push_back(j.value("form", 0.0)), in_flight.push_back(j.value("in_flight", 0.0));
+      running.push_back(j.value("running", 0.0)), queue.push_back(j.value("queue", 0.0));
+      seqs.push_back(j.value("seqs", 0.0)), dec.push_back(j.value("decode_rows", 0.0));
+      pre.push_back(j.value("prefill_rows", 0.0)), kv_reserved.push_back(j.value("kv_reserved", 0.0));
+      last_send = std::move(j);
+    } else {
+      rtt.push_back(j.value("rtt", 0.0)), take.push_back(j.value("deliver", 0.0));
+    }
+  }
+  if (!seqs.empty()) {
+    std::printf("  coordinator: %zu micro-batches (%.1f seqs: %.1f decode + %.1f prefill rows), in flight %.2f of %d; "
+                "turn-around result -> next send: mean %.3f ms, p50 %.3f, p99 %.3f (forming and sending %.3f ms); "
+                "round trip %.3f ms, text and updates of a result %.3f ms (after the next send); running %.1f (limit %lld), queue %.1f (last: %s); "
+                "K/V reserved %.0f (mean) of %lld tokens; micro-batch limits %lld seqs, %lld rows, %lld prompt rows\n",
+                seqs.size(), mean_of(seqs), mean_of(dec), mean_of(pre), mean_of(in_flight), last_send.value("depth", 0),
+                mean_of(gaps), percentile(gaps, 50), percentile(gaps, 99), mean_of(form), mean_of(rtt), mean_of(take),
+                mean_of(running), (long long)last_send.value("max_running", 0LL), mean_of(queue),
+                last_send.value("queue_wait", std::string("?")).c_str(), mean_of(kv_reserved),
+                (long long)last_send.value("kv_capacity", 0LL), (long long)last_send.value("max_sequences", 0LL),
+                (long long)last_send.value("max_tokens", 0LL), (long long)last_send.value("prefill_tokens", 0LL));
+    out["coordinator"] = {{"batches", seqs.size()}, {"seqs", mean_of(seqs)}, {"in_flight", mean_of(in_flight)},
+                          {"gap_ms_mean", mean_of(gaps)}, {"gap_ms_p50", percentile(gaps, 50)},
+                          {"gap_ms_p99", percentile(gaps, 99)}, {"form_ms", mean_of(form)}, {"rtt_ms", mean_of(rtt)},
+                          {"deliver_ms", mean_of(take)}, {"running", mean_of(running)}, {"queue", mean_of(queue)},
+                          {"kv_reserved", mean_of(kv_reserved)}, {"kv_capacity", last_send.value("kv_capacity", 0LL)},
+                          {"max_running", last_send.value("max_running", 0LL)}};
+  }
+  return out;
+}
+
+// The --engine mode: the in-process CPU engine, a static batch per figure of `batches`.
+int engine_mode(const std::string& model, const std::vector<int>& batches, int64_t prompt_tokens, int max_tokens,
+                const std::string& json_path) {
+  auto w = load_stage_weights(model, 0, load_model_config(model)->n_layer);
+  if (!w) {
+    std::fprintf(stderr, "cannot load %s: %s\n", model.c_str(), w.error().c_str());
+    return 1;
+  }
+  auto engine = Engine::create(std::move(w).value(), EngineOptions{.max_batch_tokens = 512});
+  if (!engine) {
+    std::fprintf(stderr, "%s\n", engine.error().c_str());
+    return 1;
+  }
+  const int32_t vocab = int32_t((*engine)->config().vocab_size);
+  for (int batch : batches) {
+    std::vector<GenerationRequest> reqs(static_cast<size_t>(batch));
+    for (int i = 0; i < batch; ++i) {
+      reqs[size_t(i)].prompt = token_prompt(prompt_tokens, i, vocab);
+      reqs[size_t(i)].max_new_tokens = max_tokens;
+      reqs[size_t(i)].sampling.temperature = 0.8f;
+      reqs[size_t(i)].sampling.top_k = 40;
+      reqs[size_t(i)].sampling.seed = uint64_t(i);
+      reqs[size_t(i)].ignore_eos = true;
+    }
+    std::vector<Clock::time_point> token_times;
+    const auto t0 = Clock::now();
+    auto out = (*engine)->generate(reqs, [&](size_t, int32_t, float) { token_times.push_back(Clock::now()); });
+    if (!out) {
+      std::fprintf(stderr, "engine: %s\n", out.error().c_str());
+      return 1;
+    }
+    // Tokens come a step at a time: the first `batch` are the prefill's, the rest decode steps.
+    const double ttft = std::chrono::duration<double>(token_times[size_t(batch) - 1] - t0).count();
+    const double decode_s = std::chrono::duration<double>(token_times.back() - token_times[size_t(batch) - 1]).count();
+    const double decode_tokens = double(token_times.size()) - batch;
+    const double ms_step = decode_s * 1e3 / std::max(1, max_tokens - 1);
+    std::printf("engine, batch %d, prompt %lld, %d new tokens: %.1f tokens/s (decode), %.3f ms a step, prefill %.3f s\n",
+                batch, (long long)prompt_tokens, max_tokens, decode_tokens / decode_s, ms_step, ttft);
+    if (!json_path.empty()) {
+      std::ofstream(json_path, std::ios::app) << json{{"mode", "engine"}, {"backend", "cpu"}, {"clients", batch},
+                                                      {"prompt", prompt_tokens}, {"max_tokens", max_tokens},
+                                                      {"tokens_per_s", decode_tokens / decode_s},
+                                                      {"ms_per_token", ms_step}, {"ttft_s", ttft}}.dump()
+                                              << "\n";
+    }
+  }
+  return 0;
+}
 }  // namespace
 
 int main(int argc, char** argv) {
   std::string model = "models/brown-gpt2";
-  int stages = 3, requests = 96, concurrency = 32, max_tokens = 48, in_flight = 0, warmup = -1;
-  std::string random_shape, backend = "cpu";
-  bool recovery_mode = false;
-  bool overhead = false;
+  int stages = 3, requests = 96, max_tokens = 48, in_flight = 0, warmup = -1, requests_per_client = 0;
+  std::string concurrency_list = "32";
+  std::string random_shape, backend = "cpu", prompt_mix, json_path, kv_cache_mb;
+  int64_t prompt_tokens = 0;
+  bool recovery_mode = false, overhead = false, stream = false, trace = false, engine = false;
   CLI::App app{"conveyor-bench-cluster: the cluster through its REST API"};
   app.add_option("--model", model, "checkpoint directory");
-  app.add_option("--stages", stages, "pipeline stages");
-  app.add_option("--requests", requests, "requests to send");
-  app.add_option("--concurrency", concurrency, "client threads");
-  app.add_option("--warmup", warmup, "untimed requests before the timed ones (default: --concurrency)");
-  app.add_option("--max-tokens", max_tokens, "tokens per request");
-  app.add_option("--in-flight", in_flight, "micro-batches in flight (0: = stages)");
-  app.add_option("--backend", backend, "the workers' backend: cpu or cuda");
+  app.add_option("--stages", stages, "pipeline stages")->check(CLI::Range(1, 64));
+  app.add_option("--requests", requests, "requests to send (each load)")->check(CLI::PositiveNumber);
+  app.add_option("--requests-per-client", requests_per_client, "requests a load: this many per client (overrides --requests)")
+      ->check(CLI::PositiveNumber);
+  app.add_option("--concurrency", concurrency_list, "client threads; a list (1,64,256) runs one load each on one cluster");
+  app.add_option("--warmup", warmup, "untimed requests before each load (default: its clients)");
+  app.add_option("--max-tokens", max_tokens, "tokens per request")->check(CLI::PositiveNumber);
+  app.add_option("--prompt-tokens", prompt_tokens, "prompts of this many token ids (default: four short texts)")
+      ->check(CLI::PositiveNumber);
+  app.add_option("--prompt-mix", prompt_mix,
+                 "prompt lengths in tokens that requests take in turn, e.g. 128,1024 (streamed); with --prompt-tokens, "
+                 "one more load after the others, of --mix-clients clients");
+  int mix_clients = 64;
+  app.add_option("--mix-clients", mix_clients, "clients of the --prompt-mix load that follows the --prompt-tokens ones")
+      ->check(CLI::PositiveNumber);
+  app.add_flag("--stream", stream, "stream the completions and report time to first token and inter-token latency");
+  std::string stream_at;
+  app.add_option("--stream-at", stream_at, "stream only the loads of these client counts (e.g. 1: a client's per-token latency)");
+  app.add_flag("--trace", trace, "collect the workers' and the coordinator's step traces and summarise each load");
+  app.add_option("--json", json_path, "append each row as a JSON line to this file");
+  app.add_option("--in-flight", in_flight, "micro-batches in flight (0: the coordinator's default)");
+  app.add_option("--kv-cache-mb", kv_cache_mb, "conveyor local --kv-cache-mb (default: its own, auto)");
+  app.add_option("--backend", backend, "the workers' backend: cpu or cuda")->check(CLI::IsMember({"cpu", "cuda"}));
   int gpus = 1;
   app.add_option("--gpus", gpus, "cuda: GPUs to spread the workers over (worker i on GPU i % gpus)")
       ->check(CLI::Range(1, 64));
-  app.add_option("--random", random_shape, "random weights of shape L,C,H with --model's vocabulary");
+  app.add_option("--random", random_shape, "random weights of shape L,C,H with --model's vocabulary, or a named shape");
   app.add_flag("--recovery", recovery_mode, "kill the last stage under a streaming load and measure the pause");
   int spares = 1;
   app.add_option("--spares", spares, "--recovery: spare workers (0: the survivors are re-planned)")->check(CLI::NonNegativeNumber);
   app.add_flag("--overhead", overhead, "measure the coordinator's added latency against the in-process engine");
+  app.add_flag("--engine", engine, "no cluster: the in-process CPU engine, a static batch of each --concurrency figure");
   CLI11_PARSE(app, argc, argv);
-  if (warmup < 0) warmup = concurrency;
+  std::vector<int> concurrencies;
+  {
+    std::stringstream ss(concurrency_list);
+    for (std::string x; std::getline(ss, x, ',');) {
+      char* end = nullptr;
+      const long v = std::strtol(x.c_str(), &end, 10);
+      if (x.empty() || *end != '\0' || v < 1 || v > 100000) {
+        std::fprintf(stderr, "--concurrency wants positive integers separated by commas, got '%s'\n", concurrency_list.c_str());
+        return 2;
+      }
+      concurrencies.push_back(int(v));
+    }
+  }
+  std::vector<int64_t> mix;
+  if (!prompt_mix.empty()) {
+    std::stringstream ss(prompt_mix);
+    for (std::string x; std::getline(ss, x, ',');) {
+      char* end = nullptr;
+      const long v = std::strtol(x.c_str(), &end, 10);
+      if (x.empty() || *end != '\0' || v < 1) {
+        std::fprintf(stderr, "--prompt-mix wants prompt lengths (tokens) separated by commas, got '%s'\n", prompt_mix.c_str());
+        return 2;
+      }
+      mix.push_back(v);
+    }
+  }
+  std::vector<int> streamed;  // client counts whose loads stream (all with --stream)
+  {
+    std::stringstream ss(stream_at);
+    for (std::string x; std::getline(ss, x, ',');) {
+      char* end = nullptr;
+      const long v = std::strtol(x.c_str(), &end, 10);
+      if (x.empty() || *end != '\0' || v < 1) {
+        std::fprintf(stderr, "--stream-at wants client counts separated by commas, got '%s'\n", stream_at.c_str());
+        return 2;
+      }
+      streamed.push_back(int(v));
+    }
+  }
+  if (engine && backend != "cpu") {
+    std::fprintf(stderr, "--engine runs the in-process CPU engine; for the GPU use conveyor-bench-gpu-decode\n");
+    return 2;
+  }
+  const int concurrency = concurrencies.front();
+  const int64_t longest_prompt = mix.empty() ? std::max<int64_t>(prompt_tokens, 16) : *std::max_element(mix.begin(), mix.end());
   const std::string bin_dir = std::filesystem::canonical("/proc/self/exe").parent_path().string();
   model = std::filesystem::absolute(model).string();
   std::string random_dir;
   if (!random_shape.empty()) {
-    auto dir = random_checkpoint(model, random_shape);
+    auto dir = random_checkpoint(model, random_shape, longest_prompt + max_tokens);
     if (!dir) {
       std::fprintf(stderr, "%s\n", dir.error().c_str());
       return 1;
@@ -282,6 +587,7 @@ int main(int argc, char** argv) {
       if (!dir.empty()) std::filesystem::remove_all(dir, ec);
     }
   } remove_random{random_dir};
+  if (engine) return engine_mode(model, concurrencies, std::max<int64_t>(prompt_tokens, 1), max_tokens, json_path);
 
   if (recovery_mode) return recovery(bin_dir, model, backend, stages, spares, concurrency);
   if (overhead) {
@@ -347,83 +653,151 @@ int main(int argc, char** argv) {
     return 0;
   }
 
+  std::string trace_dir;
+  if (trace) {
+    trace_dir = (std::filesystem::temp_directory_path() / ("conveyor-bench-trace-" + std::to_string(::getpid()))).string();
+    std::filesystem::create_directories(trace_dir);
+    ::setenv("CONVEYOR_TRACE_DIR", trace_dir.c_str(), 1);  // the cluster's processes inherit it
+    std::printf("step traces in %s\n", trace_dir.c_str());
+  }
   LocalCluster cluster;
   cluster.backend = backend;
   cluster.gpus = gpus;
+  cluster.kv_cache_mb = kv_cache_mb;
   if (!cluster.start(bin_dir, model, stages, in_flight)) {
     std::fprintf(stderr, "the cluster did not start\n");
     return 1;
   }
   print_loads(cluster.port);
+  int32_t vocab = 0;
+  if (auto c = load_model_config(model)) vocab = int32_t(std::min<int64_t>(c->vocab_size, 50257));
   const char* prompts[] = {"The jury said", "In the morning the old man walked down to the river, where",
                            "It was a time of great change in the country, and", "Mr. Brown"};
-  std::atomic<int> next{0}, tokens{0}, failed{0};
-  std::mutex lat_mu;
-  std::vector<double> latencies;
-  std::atomic<bool> running{true};
-  // n requests from `concurrency` clients; `record`: their tokens, latencies and failures count.
-  auto drive = [&](int n, bool record) {
-    next = 0;
-    std::vector<std::thread> th;
-    for (int t = 0; t < concurrency; ++t)
-      th.emplace_back([&] {
-        for (int i; (i = next++) < n;) {
-          const auto s = Clock::now();
-          auto r = complete(cluster.port, {{"prompt", prompts[i % 4]}, {"max_tokens", max_tokens}, {"temperature", 0.8},
-                                           {"top_k", 40}, {"seed", i}, {"ignore_eos", true}});
-          if (!record) continue;
-          if (!r) {
-            ++failed;
-            continue;
-          }
-          tokens += *r;
-          std::lock_guard lk(lat_mu);
-          latencies.push_back(seconds_since(s));
-        }
-      });
-    for (auto& t : th) t.join();
+  int any_failed = 0;
+  // The loads: one per --concurrency figure, with the mix alone when it is the only prompt
+  // setting, else with --prompt-tokens and then one mixed load of --mix-clients.
+  struct Load {
+    int clients;
+    bool mixed;
   };
-  // Untimed first: a worker's first steps of each size plan their GEMMs and capture graphs.
-  if (warmup > 0) drive(warmup, false);
-  std::vector<std::vector<double>> busy(static_cast<size_t>(stages), std::vector<double>{});
-  // Each stage's cumulative busy seconds at its own clock, per heartbeat seen: the busy
-  // fraction over the whole load is the difference between two of them.
-  std::vector<std::vector<std::pair<double, double>>> busy_total(static_cast<size_t>(stages));
-  std::thread poller([&] {
-    while (running) {
-      std::this_thread::sleep_for(std::chrono::milliseconds(600));
-      const json info = cluster_info(cluster.port);
-      if (!running) continue;
-      for (const auto& w : info.value("workers", json::array())) {
-        if (!w.contains("stage")) continue;
-        const size_t st = size_t(w["stage"].get<int>());
-        busy[st].push_back(w["busy_fraction"].get<double>());
-        const std::pair<double, double> total{w.value("busy_seconds_total", 0.0), w.value("clock_seconds", 0.0)};
-        if (busy_total[st].empty() || busy_total[st].back().second != total.second) busy_total[st].push_back(total);
+  std::vector<Load> loads;
+  for (int c : concurrencies) loads.push_back({c, !mix.empty() && prompt_tokens == 0});
+  if (!mix.empty() && prompt_tokens > 0) loads.push_back({mix_clients, true});
+  for (const auto& [clients, mixed] : loads) {
+    const int n_requests = requests_per_client > 0 ? requests_per_client * clients : requests;
+    std::atomic<int> next{0}, tokens{0}, failed{0};
+    std::mutex lat_mu;
+    std::vector<double> latencies, ttfts, gaps;
+    std::atomic<bool> running{true};
+    const bool stream_load = stream || mixed || std::find(streamed.begin(), streamed.end(), clients) != streamed.end();
+    // The body of request i: a text, or token ids of the stated length (the mix in turn).
+    auto body_of = [&](int i) {
+      json body = {{"max_tokens", max_tokens}, {"temperature", 0.8}, {"top_k", 40}, {"seed", i}, {"ignore_eos", true}};
+      if (mixed) body["prompt"] = token_prompt(mix[size_t(i) % mix.size()], i, vocab);
+      else if (prompt_tokens > 0) body["prompt"] = token_prompt(prompt_tokens, i, vocab);
+      else body["prompt"] = prompts[i % 4];
+      return body;
+    };
+    // n requests from `clients` clients; `record`: their tokens, latencies and failures count.
+    auto drive = [&](int n, bool record) {
+      next = 0;
+      std::vector<std::thread> th;
+      for (int t = 0; t < clients; ++t)
+        th.emplace_back([&] {
+          for (int i; (i = next++) < n;) {
+            const auto s = Clock::now();
+            double ttft = 0;
+            std::vector<double> my_gaps;
+            auto r = stream_load ? complete_streamed(cluster.port, body_of(i), ttft, my_gaps) : complete(cluster.port, body_of(i));
+            if (!record) continue;
+            if (!r) {
+              if (failed++ < 3) std::fprintf(stderr, "request %d: %s\n", i, r.error().c_str());
+              continue;
+            }
+            tokens += *r;
+            std::lock_guard lk(lat_mu);
+            latencies.push_back(seconds_since(s));
+            if (stream_load) {
+              ttfts.push_back(ttft);
+              gaps.insert(gaps.end(), my_gaps.begin(), my_gaps.end());
+            }
+          }
+        });
+      for (auto& t : th) t.join();
+    };
+    // Untimed first: a worker's first steps of each size plan their GEMMs and capture graphs.
+    if (warmup != 0) drive(warmup < 0 ? clients : warmup, false);
+    std::vector<std::vector<double>> busy(static_cast<size_t>(stages), std::vector<double>{});
+    // Each stage's cumulative busy seconds at its own clock, per heartbeat seen: the busy
+    // fraction over the whole load is the difference between two of them.
+    std::vector<std::vector<std::pair<double, double>>> busy_total(static_cast<size_t>(stages));
+    std::vector<std::vector<double>> idle_total(static_cast<size_t>(stages));  // idle_ready_seconds_total
+    std::thread poller([&] {
+      while (running) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(600));
+        const json info = cluster_info(cluster.port);
+        if (!running) continue;
+        for (const auto& w : info.value("workers", json::array())) {
+          if (!w.contains("stage") || w["stage"].get<int>() >= stages) continue;
+          const size_t st = size_t(w["stage"].get<int>());
+          busy[st].push_back(w["busy_fraction"].get<double>());
+          const std::pair<double, double> total{w.value("busy_seconds_total", 0.0), w.value("clock_seconds", 0.0)};
+          if (busy_total[st].empty() || busy_total[st].back().second != total.second) {
+            busy_total[st].push_back(total);
+            idle_total[st].push_back(w.value("idle_ready_seconds_total", 0.0));
+          }
+        }
       }
+    });
+    const double clock0 = std::chrono::duration<double>(Clock::now().time_since_epoch()).count();
+    const auto t0 = Clock::now();
+    drive(n_requests, true);
+    const double wall = seconds_since(t0);
+    const double clock1 = std::chrono::duration<double>(Clock::now().time_since_epoch()).count();
+    running = false;
+    poller.join();
+    const double mean_latency = mean_of(latencies);
+    std::printf("%s, stages %d, in-flight %s, %d requests x %d tokens, prompt %s, %d clients: %.1f tokens/s, %.2f requests/s, "
+                "mean latency %.2f s, %d failed\n",
+                backend.c_str(), stages, in_flight > 0 ? std::to_string(in_flight).c_str() : "default", n_requests, max_tokens,
+                mixed ? ("mix " + prompt_mix).c_str()
+                             : prompt_tokens > 0 ? (std::to_string(prompt_tokens) + " tokens").c_str() : "short texts",
+                clients, tokens / wall, double(latencies.size()) / wall, mean_latency, failed.load());
+    json row = {{"mode", "rest"}, {"backend", backend}, {"stages", stages}, {"clients", clients},
+                {"requests", n_requests}, {"prompt", mixed ? json(prompt_mix) : json(prompt_tokens)}, {"mixed", mixed},
+                {"max_tokens", max_tokens}, {"tokens_per_s", tokens / wall}, {"mean_latency_s", mean_latency},
+                {"failed", failed.load()}, {"busy", json::array()}};
+    if (stream_load) {
+      // A client's per-token latency: the mean gap between its tokens.
+      std::printf("  time to first token: p50 %.1f ms, p99 %.1f ms; inter-token latency: mean %.2f ms, p50 %.2f ms, "
+                  "p99 %.2f ms (%zu gaps)\n",
+                  percentile(ttfts, 50) * 1e3, percentile(ttfts, 99) * 1e3, mean_of(gaps) * 1e3,
+                  percentile(gaps, 50) * 1e3, percentile(gaps, 99) * 1e3, gaps.size());
+      row["ttft_ms_p50"] = percentile(ttfts, 50) * 1e3, row["ttft_ms_p99"] = percentile(ttfts, 99) * 1e3;
+      row["itl_ms_mean"] = mean_of(gaps) * 1e3;
+      row["itl_ms_p50"] = percentile(gaps, 50) * 1e3, row["itl_ms_p99"] = percentile(gaps, 99) * 1e3;
     }
-  });
-  const auto t0 = Clock::now();
-  drive(requests, true);
-  const double wall = seconds_since(t0);
-  running = false;
-  poller.join();
-  std::printf("%s, stages %d, in-flight %d, %d requests x %d tokens, %d clients: %.1f tokens/s, %.2f requests/s, "
-              "mean latency %.2f s, %d failed\n",
-              backend.c_str(), stages, in_flight > 0 ? in_flight : stages, requests, max_tokens, concurrency, tokens / wall,
-              double(latencies.size()) / wall, latencies.empty() ? 0.0 : std::accumulate(latencies.begin(), latencies.end(), 0.0) / double(latencies.size()),
-              failed.load());
-  for (int s = 0; s < stages; ++s) {
-    auto& b = busy[size_t(s)];
-    // Drop the first and last samples: the ramp up and down.
-    if (b.size() > 2) b = std::vector<double>(b.begin() + 1, b.end() - 1);
-    // Cumulative: between the second and the second-to-last heartbeat (past the ramps).
-    const auto& c = busy_total[size_t(s)];
-    const size_t first = c.size() >= 4 ? 1 : 0, last = c.size() >= 4 ? c.size() - 2 : c.size() - 1;
-    const double window = c.size() >= 2 ? c[last].second - c[first].second : 0.0;
-    std::printf("  stage %d busy fraction: %.0f%% over %.1f s (cumulative busy time); heartbeat windows: mean %.0f%% of %zu\n",
-                s, window > 0 ? 100 * (c[last].first - c[first].first) / window : 0.0, window,
-                b.empty() ? 0.0 : 100 * std::accumulate(b.begin(), b.end(), 0.0) / double(b.size()), b.size());
+    for (int s = 0; s < stages; ++s) {
+      auto& b = busy[size_t(s)];
+      // Drop the first and last samples: the ramp up and down.
+      if (b.size() > 2) b = std::vector<double>(b.begin() + 1, b.end() - 1);
+      // Cumulative: between the second and the second-to-last heartbeat (past the ramps).
+      const auto& c = busy_total[size_t(s)];
+      const auto& idle = idle_total[size_t(s)];
+      if (c.empty()) continue;
+      const size_t first = c.size() >= 4 ? 1 : 0, last = c.size() >= 4 ? c.size() - 2 : c.size() - 1;
+      const double window = c.size() >= 2 ? c[last].second - c[first].second : 0.0;
+      const double frac = window > 0 ? (c[last].first - c[first].first) / window : 0.0;
+      const double idle_frac = window > 0 ? (idle[last] - idle[first]) / window : 0.0;
+      std::printf("  stage %d busy fraction: %.0f%% over %.1f s (cumulative busy time); idle with its next input "
+                  "waiting: %.1f%%; heartbeat windows: mean %.0f%% of %zu\n",
+                  s, 100 * frac, window, 100 * idle_frac, b.empty() ? 0.0 : 100 * mean_of(b), b.size());
+      row["busy"].push_back(frac);
+    }
+    if (trace) row["trace"] = print_trace_summary(trace_dir, clock0, clock1);
+    if (!json_path.empty()) std::ofstream(json_path, std::ios::app) << row.dump() << "\n";
+    any_failed += failed.load();
   }
-  return failed ? 1 : 0;
+  if (!trace_dir.empty()) std::printf("step traces kept in %s\n", trace_dir.c_str());
+  return any_failed ? 1 : 0;
 }

@@ -43,7 +43,8 @@ struct LocalOptions {
   int replicas = 1;
   int spares = 0;
   int port = 8000;
-  int kv_cache_mb = 256;
+  // Per worker: "auto" (CPU: 256 MiB; CUDA: the worker sizes it from GPU memory) or MiB.
+  std::string kv_cache_mb = "auto";
   int in_flight = 0;
   std::string log_dir;
   bool verbose = false;

@@ -195,7 +195,17 @@ void add_local_command(CLI::App& app, LocalOptions& o) {
   cmd->add_option("--replicas", o.replicas, "pipeline replicas")->check(CLI::Range(1, 64));
   cmd->add_option("--spares", o.spares, "extra workers kept as spares")->check(CLI::Range(0, 64));
   cmd->add_option("--port", o.port, "HTTP port (0: any free port)")->check(CLI::Range(0, 65535));
-  cmd->add_option("--kv-cache-mb", o.kv_cache_mb, "KV-cache budget per worker, MiB")->check(CLI::Range(1, 1 << 24));
+  cmd->add_option("--kv-cache-mb", o.kv_cache_mb,
+                  "K/V-cache budget per worker, MiB, or auto (default): 256 MiB on the CPU; on CUDA the worker "
+                  "sizes its cache from the GPU memory left after its weights (see `conveyor status`)")
+      ->check([](const std::string& v) -> std::string {
+        if (v == "auto") return "";
+        char* end = nullptr;
+        const long long n = std::strtoll(v.c_str(), &end, 10);
+        if (v.empty() || *end != '\0' || n < 1 || n > (1 << 24))
+          return "--kv-cache-mb wants auto or a whole number of MiB in [1, 16777216], got '" + v + "'";
+        return "";
+      });
   cmd->add_option("--in-flight", o.in_flight, "micro-batches in flight per pipeline (0: = stages)");
   cmd->add_option("--log-dir", o.log_dir, "where the daemons' logs go (default: a new temporary folder)");
   cmd->add_option("--backend", o.backend, "where the stages run: cpu, cuda, or auto (cuda when there is a GPU)")
@@ -207,6 +217,26 @@ void add_local_command(CLI::App& app, LocalOptions& o) {
   cmd->add_flag("--int8-weights", o.int8_weights, "cuda: int8 weight-only layer matrices (converted at load)");
   cmd->add_option("--tp", o.tp, "tensor-parallel ranks per worker: threads (cpu) or GPUs (cuda)")->check(CLI::Range(1, 256));
   cmd->add_flag("--verbose", o.verbose, "daemons log to this terminal");
+}
+
+// What admission works with, from /v1/cluster: each pipeline's K/V budget (its smallest
+// stage's capacity), its admission limit and micro-batch limits.
+void print_capacity(int http_port) {
+  HttpRequest q;
+  q.target = "/v1/cluster";
+  q.timeout = std::chrono::milliseconds(2000);
+  auto answer = http_call("127.0.0.1", http_port, q);
+  const json cluster = answer && answer->status == 200 ? json::parse(answer->body, nullptr, false) : json();
+  if (!cluster.is_object()) return;
+  for (const auto& p : cluster.value("pipelines", json::array())) {
+    const json l = p.value("limits", json::object());
+    std::cout << "conveyor local: pipeline " << p.value("pipeline", 0) << ": K/V cache "
+              << p.value("kv_budget_tokens", int64_t(0)) << " tokens a stage; up to " << l.value("max_running", int64_t(0))
+              << " sequences running (" << p.value("in_flight_depth", 0) << " micro-batches in flight of up to "
+              << l.value("max_sequences_per_batch", int64_t(0)) << " sequences, "
+              << l.value("prefill_tokens_per_batch", int64_t(0)) << " prompt tokens); more wait in the queue"
+              << std::endl;
+  }
 }
 
 // The GPUs a worker on this machine can use (`conveyor-worker --print-gpus`); -1 when it
@@ -300,7 +330,10 @@ int local_command(const LocalOptions& options) {
     const std::string name = "worker" + std::to_string(i);
     std::vector<std::string> argv = {(bin / "conveyor-worker").string(), "--coordinator",
                                      "127.0.0.1:" + std::to_string(control_port), "--name", name, "--join-token", token,
-                                     "--kv-cache-mb", std::to_string(o.kv_cache_mb), "--backend", o.backend};
+                                     "--backend", o.backend};
+    // auto: 256 MiB for a CPU worker; a CUDA worker sizes its cache from the GPU's memory.
+    if (o.kv_cache_mb != "auto") argv.insert(argv.end(), {"--kv-cache-mb", o.kv_cache_mb});
+    else if (o.backend != "cuda") argv.insert(argv.end(), {"--kv-cache-mb", "256"});
     if (o.tp > 1) argv.insert(argv.end(), {"--tp", std::to_string(o.tp)});
     if (o.backend == "cuda") {  // worker i's ranks on GPUs (i * tp + k) % gpus
       std::string gpus;
@@ -376,6 +409,7 @@ int local_command(const LocalOptions& options) {
     std::cerr << "conveyor local: the cluster did not become ready (see " << dir.string() << ")\n";
     return 1;
   }
+  print_capacity(http_port);
   std::cout << "conveyor local: ready at " << url << " (Ctrl-C stops the cluster)" << std::endl;
   while (!g_interrupted) {
     std::this_thread::sleep_for(std::chrono::milliseconds(100));

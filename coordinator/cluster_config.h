@@ -5,9 +5,11 @@
 //   http:      {host: 127.0.0.1, port: 8000, api_key: KEY, threads: 2}
 //   control:   {host: 127.0.0.1, port: 5555, join_token: TOKEN, curve_secret_key: Z85}
 //   pipeline:  {stages: N, replicas: R, layers: [[b, e], ...]}
-//   scheduler: {in_flight: D, max_batch_tokens: T, prefill_chunk: C, max_queue: Q,
-//               max_running: S, max_sequences_per_batch: B, shutdown_timeout_ms: 30000,
-//               pipeline_wait_ms: 30000}
+//   scheduler: {in_flight: D, max_batch_tokens: T, prefill_chunk: C, prefill_tokens_per_batch: P,
+//               max_queue: Q, max_running: S, max_sequences_per_batch: B,
+//               shutdown_timeout_ms: 30000, pipeline_wait_ms: 30000, batch_timeout_ms: 30000}
+//              (D, T, C, P, S, B: 0 or absent = auto, from the pipeline's backend: see
+//               scheduler.h, batch_limits)
 //   heartbeat: {interval_ms: 500, liveness_ms: 3000}
 //
 // api_key and join_token may come from CONVEYOR_API_KEY / CONVEYOR_JOIN_TOKEN instead.
@@ -46,11 +48,17 @@ struct ClusterConfig {
 
   int in_flight = 0;  // micro-batches in flight per pipeline; 0 = number of stages
   bool in_flight_auto = false;  // in_flight was 0: it follows the number of stages on a re-plan
-  int64_t max_batch_tokens = 256;
-  int64_t prefill_chunk = 64;
-  int64_t max_queue = 256;
-  int64_t max_running = 256;
-  int64_t max_sequences_per_batch = 64;
+  // A micro-batch's limits and the admission limit; 0 = auto, by the pipeline's backend
+  // (Scheduler's batch_limits: the CPU's figures, or a GPU's).
+  int64_t max_batch_tokens = 0;          // decode rows + prompt rows
+  int64_t prefill_chunk = 0;             // prompt tokens of one sequence
+  int64_t prefill_tokens_per_batch = 0;  // prompt tokens of all sequences together
+  int64_t max_sequences_per_batch = 0;
+  int64_t max_running = 0;               // sequences running on a pipeline (auto: in_flight x max_sequences_per_batch)
+  int64_t max_queue = 1024;              // requests waiting for admission; more are refused (429)
+  // A micro-batch that has not come back this long after it was sent is taken for lost: its
+  // pipeline replays in a new epoch, as after a stage's error. 0: never.
+  int batch_timeout_ms = 30000;
   int shutdown_timeout_ms = 30000;  // SIGTERM: how long accepted requests may take to finish
   // While no pipeline can serve (its only worker drained or died, no spare): how long an
   // accepted request waits in the queue for one before it is refused (503, Retry-After).

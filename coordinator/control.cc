@@ -1,4 +1,6 @@
 // Control messages from workers (transport/control_messages.h): membership and liveness.
+#include <algorithm>
+
 #include <spdlog/spdlog.h>
 
 #include "coordinator/coordinator_impl.h"
@@ -81,8 +83,13 @@ void Coordinator::Impl::on_worker_message(WorkerInfo& w, const AnyControlMsg& ms
     case ControlKind::Heartbeat: {
       if (const auto& f = std::get<HeartbeatMsg>(msg).figures) {
         w.busy_fraction = f->busy_fraction;
+        if (f->idle_ready_seconds_total && f->clock_seconds > w.clock_seconds && w.clock_seconds > 0)
+          w.idle_ready_fraction = std::clamp((*f->idle_ready_seconds_total - w.idle_ready_seconds_total) /
+                                                 (f->clock_seconds - w.clock_seconds), 0.0, 1.0);
         w.busy_seconds_total = f->busy_seconds_total;
         w.clock_seconds = f->clock_seconds;
+        w.wait_input_seconds_total = f->wait_input_seconds_total.value_or(0);
+        w.idle_ready_seconds_total = f->idle_ready_seconds_total.value_or(0);
         w.kv_used_tokens = f->kv_used_tokens.value_or(0);
         w.sequences = f->sequences.value_or(0);
         if (f->kv_capacity_tokens) w.kv_capacity_tokens = *f->kv_capacity_tokens;

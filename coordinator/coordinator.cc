@@ -6,6 +6,7 @@
 #include <spdlog/spdlog.h>
 
 #include "coordinator/coordinator_impl.h"
+#include "transport/net_interface.h"
 #include "model/microbatch.h"
 
 namespace conveyor {
@@ -63,8 +64,24 @@ bool Coordinator::Impl::has_spare() const {
   return std::any_of(workers.begin(), workers.end(), [](const auto& e) { return e.second.state == MemberState::Spare; });
 }
 
-int Coordinator::Impl::in_flight_depth() const {
-  return std::max(1, cfg.in_flight_auto ? cfg.stages : cfg.in_flight);
+bool Coordinator::Impl::pipeline_on_gpu(const Pipeline& p) const {
+  return std::any_of(p.workers.begin(), p.workers.end(), [&](const std::string& w) {
+    auto it = workers.find(w);
+    return it != workers.end() && it->second.backend == "cuda";
+  });
+}
+
+int Coordinator::Impl::in_flight_depth(const Pipeline& p) const {
+  // Auto: a micro-batch per stage, and on a pipeline of several CPU stages one more, so that
+  // a stage finds its next input waiting while another micro-batch travels the hops and the
+  // coordinator's turn (docs/PERFORMANCE.md, issue 16: two stages 91-95% -> 96-97% busy,
+  // three +11% tokens/s). A single CPU stage loses more to the smaller micro-batches (its
+  // step costs less a row at more rows: -19% tokens/s) than the coordinator's turn costs it
+  // (0.1-0.2 ms against a 30-60 ms step), and a GPU step costs nearly as much at half the
+  // rows, so those keep one micro-batch per stage.
+  if (!cfg.in_flight_auto) return std::max(1, cfg.in_flight);
+  const int stages = std::max(1, int(p.workers.size()));
+  return stages + (p.gpu || stages == 1 ? 0 : 1);
 }
 
 bool Coordinator::Impl::whole() const {
@@ -97,21 +114,27 @@ void Coordinator::Impl::control_loop() {
 void Coordinator::Impl::update_gauges() {
   if (!metrics) return;
   metrics->set_queue_depth(int64_t(scheduler->queue_size()));
+  metrics->set_queue_wait(queue_wait_name(scheduler->queue_wait()), int64_t(scheduler->queue_size()));
   metrics->set_running_sequences(scheduler->running_sequences());
   metrics->clear_stage_gauges();
-  for (const Pipeline& p : pipelines)
+  for (const Pipeline& p : pipelines) {
+    metrics->set_pipeline_admission(p.index, p.limits.max_running, scheduler->running_on(p.index), p.kv_reserved,
+                                    pipeline_kv_capacity(p));
     for (size_t s = 0; s < p.workers.size(); ++s) {
       auto it = workers.find(p.workers[s]);
       if (it == workers.end()) continue;
       metrics->set_stage_busy_fraction(p.index, int(s), it->first, it->second.busy_fraction);
+      metrics->set_stage_idle_ready_fraction(p.index, int(s), it->first, it->second.idle_ready_fraction);
       metrics->set_kv_cache_tokens(p.index, int(s), it->second.kv_used_tokens, it->second.kv_capacity_tokens);
     }
+  }
 }
 
 // Forms and sends micro-batches for `p` while it has room in flight.
 void Coordinator::Impl::launch(Pipeline& p) {
-  const int depth = in_flight_depth();
+  const int depth = in_flight_depth(p);
   while (p.in_flight < depth && pipeline_ready(p)) {
+    const auto t0 = Clock::now();
     auto formed = scheduler->next_batch(p, depth);
     if (!formed) return;
     const std::vector<uint8_t> header = encode(formed->batch);
@@ -122,7 +145,53 @@ void Coordinator::Impl::launch(Pipeline& p) {
       if (workers.count(first)) mark_dead(workers.at(first), "data plane: " + sent.message());
       return;
     }
+    const auto t1 = Clock::now();
+    // The turn-around: from the result that freed this slot to the next micro-batch out.
+    std::optional<double> gap_ms;
+    if (p.result_pending_send) {
+      gap_ms = std::chrono::duration<double, std::milli>(t1 - p.result_at).count();
+      p.result_pending_send = false;
+      if (metrics) metrics->observe_coordinator_gap(*gap_ms * 1e-3);
+    }
+    if (trace) trace_sent(p, formed->batch, std::chrono::duration<double, std::milli>(t1 - t0).count(), gap_ms);
     Scheduler::sent(p, std::move(*formed));
+  }
+}
+
+void Coordinator::Impl::trace_sent(const Pipeline& p, const MicroBatch& b, double form_ms, std::optional<double> gap_ms) {
+  int64_t decode = 0, prefill = 0;
+  for (const SeqWork& w : b.seqs) (w.slice.start_pos >= w.prompt_len ? decode : prefill) += w.slice.num_tokens;
+  json line = {{"ev", "send"},
+               {"t", std::chrono::duration<double>(Clock::now().time_since_epoch()).count()},
+               {"pipeline", p.index}, {"batch", b.batch_id}, {"seqs", b.seqs.size()}, {"decode_rows", decode},
+               {"prefill_rows", prefill}, {"frees", b.free_seq_ids.size()}, {"in_flight", p.in_flight + 1},
+               {"depth", in_flight_depth(p)}, {"form", form_ms}, {"running", scheduler->running_on(p.index)},
+               {"queue", scheduler->queue_size()}, {"queue_wait", queue_wait_name(scheduler->queue_wait())},
+               {"max_running", p.limits.max_running}, {"max_sequences", p.limits.max_sequences},
+               {"max_tokens", p.limits.max_tokens}, {"prefill_tokens", p.limits.prefill_tokens},
+               {"kv_reserved", p.kv_reserved}, {"kv_capacity", pipeline_kv_capacity(p)}};
+  if (gap_ms) line["gap"] = *gap_ms;
+  trace->write(line.dump());
+}
+
+// A micro-batch that never comes back (no result, no error) would leave its sequences in
+// flight for good: past scheduler.batch_timeout_ms its pipeline replays in a new epoch, the
+// way a stage's error makes it.
+void Coordinator::Impl::replay_lost_batches() {
+  if (cfg.batch_timeout_ms <= 0) return;
+  const auto now = Clock::now();
+  for (Pipeline& p : pipelines) {
+    auto lost = std::find_if(p.batches.begin(), p.batches.end(), [&](const auto& e) {
+      return now - e.second.sent >= std::chrono::milliseconds(cfg.batch_timeout_ms);
+    });
+    if (lost == p.batches.end()) continue;
+    const uint64_t id = lost->first;
+    spdlog::warn("coordinator: pipeline {}: micro-batch {} has not come back {} ms after it was sent; replaying the "
+                 "pipeline",
+                 p.index, id, cfg.batch_timeout_ms);
+    p.down_reason = "replaying after micro-batch " + std::to_string(id) + " was lost";
+    restart_pipeline(p);  // clears p.batches
+    send_assignments(p);
   }
 }
 
@@ -131,6 +200,7 @@ void Coordinator::Impl::engine_loop() {
   auto capacity = [this](const Pipeline& p) { return pipeline_kv_capacity(p); };
   while (!stopping) {
     auto got = channel->recv(std::chrono::milliseconds(2));
+    const auto arrived = Clock::now();
     std::unique_lock lk(mu);
     if (!got) {
       spdlog::warn("coordinator: data plane: {}", got.error());
@@ -140,13 +210,43 @@ void Coordinator::Impl::engine_loop() {
       auto res = decode_batch_result(std::span(reinterpret_cast<const uint8_t*>(h.data()), h.size()));
       if (!res) {
         spdlog::error("coordinator: {}", res.error());
-      } else if (Pipeline* replay = scheduler->on_result(*res)) {
-        restart_pipeline(*replay);
-        send_assignments(*replay);  // every stage learns the new epoch, drops its cache, re-wires
+      } else {
+        std::optional<Clock::time_point> sent_at;
+        if (res->pipeline < pipelines.size()) {
+          Pipeline& p = pipelines[res->pipeline];
+          if (auto it = p.batches.find(res->batch_id); it != p.batches.end() && res->epoch == p.epoch) {
+            sent_at = it->second.sent;
+            p.result_at = arrived;
+            p.result_pending_send = true;
+          }
+        }
+        Pipeline* replay = scheduler->on_result(*res);
+        // What the result made possible leaves before its tokens become text and updates.
+        if (!replay && sent_at) launch(pipelines[res->pipeline]);
+        const auto taken = Clock::now();
+        scheduler->deliver();
+        if (trace && sent_at) {
+          json line = {{"ev", "result"},
+                       {"t", std::chrono::duration<double>(arrived.time_since_epoch()).count()},
+                       {"pipeline", res->pipeline}, {"batch", res->batch_id}, {"seqs", res->seqs.size()},
+                       {"rtt", std::chrono::duration<double, std::milli>(arrived - *sent_at).count()},
+                       {"deliver", std::chrono::duration<double, std::milli>(Clock::now() - taken).count()}};
+          if (!res->error.empty()) line["error"] = res->error;
+          trace->write(line.dump());
+        }
+        if (replay) {
+          restart_pipeline(*replay);
+          send_assignments(*replay);  // every stage learns the new epoch, drops its cache, re-wires
+        }
       }
     }
     reshape_if_pending();
+    replay_lost_batches();
     scheduler->refuse_unserved(serviceable());
+    for (Pipeline& p : pipelines) {
+      p.gpu = pipeline_on_gpu(p);
+      p.limits = Scheduler::batch_limits(cfg, p.gpu, int(p.workers.size()), in_flight_depth(p));
+    }
     scheduler->admit(open, capacity);
     for (Pipeline& p : pipelines) launch(p);
   }
@@ -168,6 +268,10 @@ Expected<std::unique_ptr<Coordinator>> Coordinator::start(ClusterConfig config,
   if (!server) return Status::error("coordinator: cannot bind the control plane on " + endpoint + ": " + server.error());
   transport::UcxChannelOptions uopt;
   uopt.name = "coordinator";
+  // The data plane on control.host's interface (none chosen for a wildcard or loopback host).
+  auto iface = transport::data_plane_interface(config.control_host);
+  if (!iface) return Status::error("coordinator: control.host " + config.control_host + ": " + iface.error());
+  uopt.net_devices = *iface;
   auto ch = transport::UcxChannel::create(uopt);
   if (!ch) return Status::error("coordinator: cannot create the UCX data plane: " + ch.error());
   impl->cfg = std::move(config);
@@ -183,6 +287,10 @@ Expected<std::unique_ptr<Coordinator>> Coordinator::start(ClusterConfig config,
     impl->pipelines.push_back(std::move(p));
   }
   impl->scheduler = std::make_unique<Scheduler>(impl->cfg, impl->tokenizer, impl->pipelines);
+  if (auto trace = BatchTrace::from_environment(); !trace)
+    spdlog::warn("coordinator: no batch trace: {}", trace.error());
+  else
+    impl->trace = std::move(trace).value();
   Impl* raw = impl.get();
   impl->control_thread = std::thread([raw] { raw->control_loop(); });
   impl->engine_thread = std::thread([raw] { raw->engine_loop(); });
@@ -273,12 +381,21 @@ json Coordinator::cluster() const {
     for (size_t s = 0; s < p.workers.size(); ++s)
       stages.push_back({{"stage", s}, {"layers", {m.cfg.layers[s].first, m.cfg.layers[s].second}},
                         {"worker", p.workers[s].empty() ? json(nullptr) : json(p.workers[s])}});
+    const BatchLimits& l = p.limits;
     pj.push_back({{"pipeline", p.index}, {"epoch", p.epoch}, {"ready", m.pipeline_ready(p)},
-                  {"in_flight", p.in_flight}, {"kv_reserved_tokens", p.kv_reserved}, {"admitted", p.admitted},
+                  {"in_flight", p.in_flight}, {"in_flight_depth", m.in_flight_depth(p)},
+                  {"kv_reserved_tokens", p.kv_reserved},
+                  {"kv_budget_tokens", m.pipeline_kv_capacity(p)}, {"admitted", p.admitted},
+                  {"running_sequences", m.scheduler->running_on(p.index)},
+                  {"limits", {{"backend", p.gpu ? "cuda" : "cpu"}, {"max_running", l.max_running},
+                              {"max_sequences_per_batch", l.max_sequences}, {"max_batch_tokens", l.max_tokens},
+                              {"prefill_chunk", l.prefill_chunk}, {"prefill_tokens_per_batch", l.prefill_tokens}}},
                   {"stages", stages}});
   }
   return {{"model", m.cfg.model_name}, {"workers", wj}, {"pipelines", pj}, {"queue", m.scheduler->queue_size()},
-          {"in_flight_depth", m.in_flight_depth()}, {"plan", shape_json(m.current_shape())},
+          {"queue_wait", queue_wait_name(m.scheduler->queue_wait())}, {"max_queue", m.cfg.max_queue},
+          {"in_flight_depth", m.pipelines.empty() ? 0 : m.in_flight_depth(m.pipelines.front())},
+          {"plan", shape_json(m.current_shape())},
           {"target", shape_json(m.target)}};
 }
 

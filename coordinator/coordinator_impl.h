@@ -16,6 +16,7 @@
 
 #include <spdlog/spdlog.h>
 
+#include "coordinator/batch_trace.h"
 #include "coordinator/cluster_config.h"
 #include "coordinator/coordinator.h"
 #include "coordinator/membership.h"
@@ -40,6 +41,7 @@ struct Coordinator::Impl {
   Workers workers;
   std::vector<Pipeline> pipelines;
   std::unique_ptr<Scheduler> scheduler;  // over `pipelines`
+  std::unique_ptr<BatchTrace> trace;     // CONVEYOR_TRACE_DIR; the engine thread's
 
   std::atomic<bool> stopping{false};
   bool accepting = true;  // false once a shutdown drain began (quiesce)
@@ -65,7 +67,11 @@ struct Coordinator::Impl {
   bool serviceable() const;
   bool has_leaver(const Pipeline& p) const;
   bool has_spare() const;
-  int in_flight_depth() const;
+  // Micro-batches kept in flight on `p`: scheduler.in_flight, or auto (its stages; +1 for
+  // two or more CPU stages).
+  int in_flight_depth(const Pipeline& p) const;
+  // A stage of the pipeline runs on a GPU (its scheduler limits' auto values follow).
+  bool pipeline_on_gpu(const Pipeline& p) const;
   Shape current_shape() const { return {cfg.stages, cfg.replicas, cfg.layers}; }
   PlanModel plan_model() const { return {cfg.model, cfg.model_path}; }
   bool whole() const;
@@ -75,6 +81,8 @@ struct Coordinator::Impl {
   void control_loop();
   void engine_loop();
   void launch(Pipeline& p);
+  void replay_lost_batches();
+  void trace_sent(const Pipeline& p, const MicroBatch& b, double form_ms, std::optional<double> gap_ms);
   void update_gauges();
 
   // ---- control messages (control.cc)

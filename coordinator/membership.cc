@@ -31,7 +31,9 @@ nlohmann::json worker_json(const WorkerInfo& w) {
   nlohmann::json e = {{"name", w.name}, {"host", w.host}, {"pid", w.pid}, {"backend", w.backend},
                       {"gpus", w.gpus}, {"state", member_state_name(w.state)},
                       {"busy_fraction", w.busy_fraction}, {"busy_seconds_total", w.busy_seconds_total},
-                      {"clock_seconds", w.clock_seconds}, {"kv_used_tokens", w.kv_used_tokens},
+                      {"clock_seconds", w.clock_seconds}, {"wait_input_seconds_total", w.wait_input_seconds_total},
+                      {"idle_ready_seconds_total", w.idle_ready_seconds_total},
+                      {"idle_ready_fraction", w.idle_ready_fraction}, {"kv_used_tokens", w.kv_used_tokens},
                       {"kv_capacity_tokens", w.kv_capacity_tokens}, {"load_progress", w.load_fraction},
                       {"load_bytes_done", w.load_bytes_done}, {"load_bytes_total", w.load_bytes_total},
                       {"load_seconds", w.load_seconds}, {"memory_bytes", w.memory_bytes}};

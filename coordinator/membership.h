@@ -63,6 +63,9 @@ struct WorkerInfo {
   double load_seconds = 0;  // of its last load (0 when it kept its layers)
   double busy_fraction = 0;
   double busy_seconds_total = 0, clock_seconds = 0;  // cumulative busy time, at its clock
+  // Cumulative, between its steps: waiting for input that had not come, sitting with input that had.
+  double wait_input_seconds_total = 0, idle_ready_seconds_total = 0;
+  double idle_ready_fraction = 0;  // of the last heartbeat window (the heartbeat's busy_fraction's twin)
   int64_t kv_used_tokens = 0, kv_capacity_tokens = 0, sequences = 0;
   std::string last_error;
   std::chrono::steady_clock::time_point last_seen = std::chrono::steady_clock::now();

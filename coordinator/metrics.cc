@@ -43,7 +43,44 @@ const std::vector<double>& Metrics::inter_token_latency_buckets() {
   return b;
 }
 
-Metrics::Metrics() : ttft_(time_to_first_token_buckets()), itl_(inter_token_latency_buckets()) {}
+const std::vector<double>& Metrics::turnaround_buckets() {
+  static const std::vector<double> b = {0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005,
+                                        0.01,    0.025,  0.05,    0.1,    0.25,  1};
+  return b;
+}
+
+Metrics::Metrics()
+    : ttft_(time_to_first_token_buckets()), itl_(inter_token_latency_buckets()), gap_(turnaround_buckets()) {}
+
+void Metrics::observe_coordinator_gap(double seconds) {
+  std::lock_guard lock(mu_);
+  gap_.observe(seconds);
+}
+
+uint64_t Metrics::coordinator_gap_count() const {
+  std::lock_guard lock(mu_);
+  return gap_.count();
+}
+
+void Metrics::set_queue_wait(std::string_view reason, int64_t requests) {
+  std::lock_guard lock(mu_);
+  queue_wait_reason_ = std::string(reason);
+  queue_waiting_ = requests;
+}
+
+void Metrics::set_pipeline_admission(int pipeline, int64_t limit_sequences, int64_t running_sequences,
+                                     int64_t kv_reserved_tokens, int64_t kv_budget_tokens) {
+  std::lock_guard lock(mu_);
+  admission_[pipeline] = {limit_sequences, running_sequences, kv_reserved_tokens, kv_budget_tokens};
+}
+
+void Metrics::set_stage_idle_ready_fraction(int pipeline, int stage, const std::string& worker, double fraction) {
+  std::lock_guard lock(mu_);
+  std::erase_if(stage_idle_ready_, [&](const auto& kv) {
+    return std::get<0>(kv.first) == pipeline && std::get<1>(kv.first) == stage && std::get<2>(kv.first) != worker;
+  });
+  stage_idle_ready_[{pipeline, stage, worker}] = fraction;
+}
 
 void Metrics::count_request(int http_status) {
   std::lock_guard lock(mu_);
@@ -107,7 +144,9 @@ void Metrics::set_kv_cache_tokens(int pipeline, int stage, int64_t used_tokens, 
 void Metrics::clear_stage_gauges() {
   std::lock_guard lock(mu_);
   stage_busy_.clear();
+  stage_idle_ready_.clear();
   kv_tokens_.clear();
+  admission_.clear();
 }
 
 uint64_t Metrics::requests_with_code(int http_status) const {
@@ -197,12 +236,43 @@ std::string Metrics::render() const {
   sample(out, "conveyor_queue_depth", "", double(queue_depth_));
   family(out, "conveyor_running_sequences", "gauge", "Sequences admitted onto a pipeline and not finished.");
   sample(out, "conveyor_running_sequences", "", double(running_sequences_));
+  family(out, "conveyor_queue_waiting_requests", "gauge",
+         "Requests in the queue, labelled with why its head waits: kv_cache (no pipeline has K/V room), "
+         "running_limit (pipelines with room run their admission limit), no_pipeline, or none.");
+  for (const char* reason : {"none", "kv_cache", "running_limit", "no_pipeline"})
+    sample(out, "conveyor_queue_waiting_requests", std::string("reason=\"") + reason + "\"",
+           queue_wait_reason_ == reason ? double(queue_waiting_) : 0.0);
+  family(out, "conveyor_pipeline_admission_limit_sequences", "gauge",
+         "Sequences a pipeline may run at once (scheduler.max_running; auto: in-flight depth x sequences per micro-batch).");
+  for (const auto& [p, a] : admission_)
+    sample(out, "conveyor_pipeline_admission_limit_sequences", "pipeline=\"" + std::to_string(p) + "\"", double(a.limit));
+  family(out, "conveyor_pipeline_running_sequences", "gauge", "Sequences running on a pipeline.");
+  for (const auto& [p, a] : admission_)
+    sample(out, "conveyor_pipeline_running_sequences", "pipeline=\"" + std::to_string(p) + "\"", double(a.running));
+  family(out, "conveyor_pipeline_kv_reserved_tokens", "gauge",
+         "K/V tokens the requests admitted onto a pipeline may grow to (prompt + max_tokens).");
+  for (const auto& [p, a] : admission_)
+    sample(out, "conveyor_pipeline_kv_reserved_tokens", "pipeline=\"" + std::to_string(p) + "\"", double(a.kv_reserved));
+  family(out, "conveyor_pipeline_kv_budget_tokens", "gauge",
+         "K/V tokens admission may reserve on a pipeline: the smallest capacity its stages report.");
+  for (const auto& [p, a] : admission_)
+    sample(out, "conveyor_pipeline_kv_budget_tokens", "pipeline=\"" + std::to_string(p) + "\"", double(a.kv_budget));
+  histogram(out, "conveyor_coordinator_turnaround_seconds",
+            "Seconds from a micro-batch's result arriving at the coordinator to its pipeline's next micro-batch being sent.",
+            gap_);
 
   family(out, "conveyor_stage_busy_fraction", "gauge",
          "Fraction of recent wall time a pipeline stage spent computing.");
   for (const auto& [key, value] : stage_busy_) {
     const auto& [pipeline, stage, worker] = key;
     sample(out, "conveyor_stage_busy_fraction",
+           stage_labels(pipeline, stage) + ",worker=\"" + prometheus_label_value(worker) + "\"", value);
+  }
+  family(out, "conveyor_stage_idle_ready_fraction", "gauge",
+         "Fraction of recent wall time a pipeline stage sat between steps with its next input already waiting.");
+  for (const auto& [key, value] : stage_idle_ready_) {
+    const auto& [pipeline, stage, worker] = key;
+    sample(out, "conveyor_stage_idle_ready_fraction",
            stage_labels(pipeline, stage) + ",worker=\"" + prometheus_label_value(worker) + "\"", value);
   }
   family(out, "conveyor_kv_cache_used_tokens", "gauge", "KV-cache slots in use on a stage, in tokens, as of its last heartbeat.");

@@ -19,6 +19,17 @@
 //       is released on every stage by the next micro-batch of its pipeline, which the
 //       coordinator sends at once even when it carries nothing else, so used tokens fall to
 //       0 within about one heartbeat of running_sequences reaching 0.
+//     conveyor_stage_idle_ready_fraction: of the same window, the share a stage sat between
+//       steps with its next input already there (its own overhead: the previous result's
+//       send, decoding the next header), from the worker's heartbeat;
+//     conveyor_queue_waiting_requests{reason}: the queue, by why its head waits (kv_cache: no
+//       pipeline has K/V room for it; running_limit: every pipeline with room runs its
+//       admission limit of sequences; no_pipeline: none serves); one reason at a time;
+//     conveyor_pipeline_admission_limit_sequences, conveyor_pipeline_running_sequences,
+//       conveyor_pipeline_kv_reserved_tokens, conveyor_pipeline_kv_budget_tokens: per
+//       pipeline, what admission allows and what it has given;
+//     conveyor_coordinator_turnaround_seconds: from a micro-batch's result arriving to the
+//       pipeline's next micro-batch being sent (the coordinator's gap between steps).
 //     clear_stage_gauges() after a re-plan so gauges of stages that no longer exist
 //     disappear instead of freezing at their last value.
 //
@@ -58,6 +69,7 @@ class Metrics {
   static constexpr std::string_view kContentType = "text/plain; version=0.0.4; charset=utf-8";
   static const std::vector<double>& time_to_first_token_buckets();   // seconds
   static const std::vector<double>& inter_token_latency_buckets();   // seconds
+  static const std::vector<double>& turnaround_buckets();            // seconds
 
   Metrics();
 
@@ -76,7 +88,13 @@ class Metrics {
   void set_queue_depth(int64_t requests);
   void set_running_sequences(int64_t sequences);
   void set_stage_busy_fraction(int pipeline, int stage, const std::string& worker, double fraction);
+  void set_stage_idle_ready_fraction(int pipeline, int stage, const std::string& worker, double fraction);
   void set_kv_cache_tokens(int pipeline, int stage, int64_t used_tokens, int64_t capacity_tokens);
+  // The queue's requests and why its head waits ("none", "kv_cache", "running_limit", "no_pipeline").
+  void set_queue_wait(std::string_view reason, int64_t requests);
+  void set_pipeline_admission(int pipeline, int64_t limit_sequences, int64_t running_sequences, int64_t kv_reserved_tokens,
+                              int64_t kv_budget_tokens);
+  void observe_coordinator_gap(double seconds);
   void clear_stage_gauges();
 
   // The whole registry in the Prometheus text format (HELP and TYPE for every family).
@@ -86,15 +104,23 @@ class Metrics {
   uint64_t requests_with_code(int http_status) const;
   uint64_t time_to_first_token_count() const;
   uint64_t inter_token_latency_count() const;
+  uint64_t coordinator_gap_count() const;
 
  private:
   mutable std::mutex mu_;
   std::map<int, uint64_t> requests_by_code_;
-  Histogram ttft_, itl_;
+  Histogram ttft_, itl_, gap_;
   uint64_t prompt_tokens_ = 0, generated_tokens_ = 0;
   int64_t queue_depth_ = 0, running_sequences_ = 0;
   std::map<std::tuple<int, int, std::string>, double> stage_busy_;  // (pipeline, stage, worker)
+  std::map<std::tuple<int, int, std::string>, double> stage_idle_ready_;  // (pipeline, stage, worker)
   std::map<std::pair<int, int>, std::pair<int64_t, int64_t>> kv_tokens_;  // -> (used, capacity)
+  std::string queue_wait_reason_ = "none";
+  int64_t queue_waiting_ = 0;
+  struct Admission {
+    int64_t limit = 0, running = 0, kv_reserved = 0, kv_budget = 0;
+  };
+  std::map<int, Admission> admission_;  // by pipeline
 };
 
 // Prometheus sample value: shortest round-trip decimal, "+Inf", "-Inf", "NaN".

@@ -25,6 +25,22 @@ struct InFlightBatch {
   std::chrono::steady_clock::time_point sent;
 };
 
+// What one micro-batch of a pipeline may hold, and how many sequences may run on it: the
+// cluster file's scheduler section with its automatic values resolved for the pipeline's
+// backend (Scheduler's batch_limits).
+struct BatchLimits {
+  int64_t max_sequences = 64;   // slices per micro-batch
+  int64_t max_tokens = 256;     // rows per micro-batch: decode rows + prompt rows
+  int64_t prefill_chunk = 64;   // prompt rows of one sequence per micro-batch
+  int64_t prefill_tokens = 64;  // prompt rows of all sequences together per micro-batch
+  int64_t max_running = 256;    // sequences admitted onto the pipeline (the admission limit)
+  bool operator==(const BatchLimits&) const = default;
+};
+
+// Why the head of the queue is not admitted (GET /v1/cluster, conveyor_queue_waiting_requests).
+enum class QueueWait { None, NoPipeline, KvCache, RunningLimit };
+const char* queue_wait_name(QueueWait w);
+
 struct Pipeline {
   int index = 0;
   uint32_t epoch = 1;
@@ -40,6 +56,12 @@ struct Pipeline {
   std::vector<uint64_t> pending_frees;   // sequences whose K/V the next micro-batch frees
   int64_t kv_reserved = 0;               // tokens its admitted requests may grow to
   int64_t admitted = 0;                  // requests given to it, for the balance between replicas
+  BatchLimits limits;                    // set by the coordinator before each admit / launch
+  bool gpu = false;                      // a stage of it runs on a GPU (its limits' auto values)
+  // The trace and the turn-around gauge: when a result of it last arrived and no micro-batch
+  // has been sent since.
+  std::chrono::steady_clock::time_point result_at{};
+  bool result_pending_send = false;
 
   bool filled() const {
     for (const std::string& w : workers)

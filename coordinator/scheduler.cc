@@ -9,6 +9,39 @@ namespace conveyor {
 
 using Clock = std::chrono::steady_clock;
 
+const char* queue_wait_name(QueueWait w) {
+  switch (w) {
+    case QueueWait::None: return "none";
+    case QueueWait::NoPipeline: return "no_pipeline";
+    case QueueWait::KvCache: return "kv_cache";
+    case QueueWait::RunningLimit: return "running_limit";
+  }
+  return "?";
+}
+
+BatchLimits Scheduler::batch_limits(const ClusterConfig& cfg, bool gpu, int stages, int depth) {
+  auto pick = [](int64_t configured, int64_t automatic) { return configured > 0 ? configured : automatic; };
+  BatchLimits l;
+  // A GPU's decode step costs little more at 256 rows than at 64 (its weights are read once a
+  // step); a CPU's grows with its rows. On the CPU, prompt rows per step are held to a decode
+  // step's rows, so a step that takes in new prompts is at most about twice as long as one
+  // that does not and the inter-token latency of running sequences stays even. On a GPU a
+  // prompt row costs less than a decode step's fixed weight reads, and 256 clients asking for
+  // as many tokens as their prompts hold need a step's worth of prompt rows every step, so it
+  // takes twice the sequences' rows (docs/OPERATIONS.md).
+  l.max_sequences = pick(cfg.max_sequences_per_batch, gpu ? 256 : 64);
+  l.prefill_chunk = pick(cfg.prefill_chunk, gpu ? 512 : 64);
+  // A sequence waits a whole round of the ring between its tokens: `depth` micro-batches
+  // pass each stage in that time. The prompt rows of a round are held to `stages` micro-
+  // batches' worth, so one more micro-batch in flight than stages adds no prompt work a round.
+  const int64_t per_stage = gpu ? 512 : 64;
+  l.prefill_tokens = pick(cfg.prefill_tokens_per_batch,
+                          std::max<int64_t>(16, per_stage * std::max(1, stages) / std::max(1, depth)));
+  l.max_tokens = pick(cfg.max_batch_tokens, l.max_sequences + l.prefill_tokens);
+  l.max_running = pick(cfg.max_running, int64_t(std::max(1, depth)) * l.max_sequences);
+  return l;
+}
+
 Scheduler::Scheduler(const ClusterConfig& cfg, std::shared_ptr<const Tokenizer> tokenizer,
                      std::vector<Pipeline>& pipelines)
     : cfg_(cfg), tokenizer_(std::move(tokenizer)), pipelines_(pipelines) {}
@@ -69,26 +102,47 @@ int64_t Scheduler::running_sequences() const {
   return n;
 }
 
+int64_t Scheduler::running_on(int index) const {
+  int64_t n = 0;
+  for (const auto& [_, s] : seqs_) n += !s.finished && s.pipeline == index;
+  return n;
+}
+
 void Scheduler::admit(const std::function<bool(const Pipeline&)>& open,
                       const std::function<int64_t(const Pipeline&)>& kv_capacity) {
+  queue_wait_ = QueueWait::None;
+  if (queue_.empty()) return;
+  std::vector<int64_t> running(pipelines_.size(), 0);  // sequences per pipeline, kept as we admit
+  for (const auto& [_, s] : seqs_)
+    if (!s.finished && s.pipeline >= 0 && size_t(s.pipeline) < running.size()) ++running[size_t(s.pipeline)];
   while (!queue_.empty()) {
     Request& r = *queue_.front();
+    const int64_t choices = int64_t(r.req->num_choices());
     Pipeline* best = nullptr;
     int64_t max_cap = 0;
+    bool any_open = false, kv_room = false;
     for (Pipeline& p : pipelines_) {
       if (!open(p)) continue;
+      any_open = true;
       const int64_t cap = kv_capacity(p);
       max_cap = std::max(max_cap, cap);
-      if (p.kv_reserved + r.kv_need <= cap && (!best || p.kv_reserved < best->kv_reserved)) best = &p;
+      if (p.kv_reserved + r.kv_need > cap) continue;
+      kv_room = true;
+      if (running[size_t(p.index)] + choices > std::max(p.limits.max_running, choices)) continue;
+      if (!best || p.kv_reserved < best->kv_reserved) best = &p;
     }
-    if (max_cap > 0 && r.kv_need > max_cap && !best) {
+    if (max_cap > 0 && r.kv_need > max_cap && !kv_room) {
       std::unique_ptr<Request> owned = std::move(queue_.front());
       queue_.pop_front();
       owned->sink.on_done("the request needs " + std::to_string(owned->kv_need) +
                           " KV-cache tokens, more than a pipeline holds (" + std::to_string(max_cap) + ")");
       continue;
     }
-    if (!best || running_sequences() + int64_t(r.req->num_choices()) > cfg_.max_running) return;
+    if (!best) {
+      queue_wait_ = !any_open ? QueueWait::NoPipeline : !kv_room ? QueueWait::KvCache : QueueWait::RunningLimit;
+      return;
+    }
+    running[size_t(best->index)] += choices;
     std::unique_ptr<Request> owned = std::move(queue_.front());
     queue_.pop_front();
     Request* rp = owned.get();
@@ -124,9 +178,9 @@ std::optional<Scheduler::Formed> Scheduler::next_batch(Pipeline& p, int depth) {
     (s.all.size() - s.fed == 1 ? decode : prefill).push_back(&s);
   }
   if (decode.empty() && prefill.empty() && p.pending_frees.empty()) return std::nullopt;
+  const BatchLimits& lim = p.limits;
   // Spread the live sequences over the in-flight slots so every stage has work.
-  const int64_t cap_seqs =
-      std::min<int64_t>(cfg_.max_sequences_per_batch, std::max<int64_t>(1, (active + depth - 1) / depth));
+  const int64_t cap_seqs = std::min<int64_t>(lim.max_sequences, std::max<int64_t>(1, (active + depth - 1) / depth));
   auto by_id = [](const Sequence* a, const Sequence* b) { return a->id < b->id; };
   std::sort(decode.begin(), decode.end(), by_id);
   std::sort(prefill.begin(), prefill.end(), by_id);
@@ -158,14 +212,16 @@ std::optional<Scheduler::Formed> Scheduler::next_batch(Pipeline& p, int depth) {
     tokens += n;
   };
   for (Sequence* s : decode) {
-    if (int64_t(b.seqs.size()) >= cap_seqs || tokens + 1 > cfg_.max_batch_tokens) break;
+    if (int64_t(b.seqs.size()) >= cap_seqs || tokens + 1 > lim.max_tokens) break;
     add(*s, 1);
   }
+  int64_t prompt_budget = lim.prefill_tokens;  // prompt rows left in this micro-batch
   for (Sequence* s : prefill) {
-    if (int64_t(b.seqs.size()) >= cap_seqs || tokens >= cfg_.max_batch_tokens) break;
-    const int64_t n =
-        std::min<int64_t>({cfg_.prefill_chunk, int64_t(s->all.size() - s->fed), cfg_.max_batch_tokens - tokens});
+    if (int64_t(b.seqs.size()) >= cap_seqs || tokens >= lim.max_tokens || prompt_budget <= 0) break;
+    const int64_t n = std::min<int64_t>(
+        {lim.prefill_chunk, int64_t(s->all.size() - s->fed), lim.max_tokens - tokens, prompt_budget});
     add(*s, n);
+    prompt_budget -= n;
   }
   return f;
 }
@@ -213,7 +269,7 @@ Pipeline* Scheduler::on_result(const BatchResult& res) {
   return nullptr;
 }
 
-void Scheduler::take_token(Sequence& s, const SeqResult& sr) {
+void Scheduler::take_token(Sequence& s, SeqResult sr) {
   s.in_flight = false;
   const CompletionRequest& r = *s.request->req;
   // Prompt log-probs: entry j predicts the token at position start + 1 + j.
@@ -221,27 +277,49 @@ void Scheduler::take_token(Sequence& s, const SeqResult& sr) {
     size_t pos = s.prompt_lp.size();
     for (size_t j = 0; j < sr.prompt_logprobs.size() && pos < s.prompt_len; ++j, ++pos)
       s.prompt_lp.push_back({s.all[pos], sr.prompt_logprobs[j],
-                             j < sr.prompt_top.size() ? sr.prompt_top[j] : std::vector<std::pair<int32_t, float>>{}});
+                             j < sr.prompt_top.size() ? std::move(sr.prompt_top[j]) : std::vector<std::pair<int32_t, float>>{}});
   }
   if (sr.token < 0) return;
+  s.all.push_back(sr.token);
+  Delivery d{s.id, {sr.token, sr.logprob, std::move(sr.top)}, nullptr, false};
+  const int32_t eos = int32_t(cfg_.model.eos_token_id);
+  const auto& stops = r.sampling.stop_token_ids;
+  d.is_stop_token = int(s.generated()) > r.sampling.min_tokens - 1 &&
+                    ((!r.ignore_eos && eos >= 0 && sr.token == eos) ||
+                     std::find(stops.begin(), stops.end(), sr.token) != stops.end());
+  if (d.is_stop_token) d.finish = "stop";
+  else if (int64_t(s.generated()) >= max_tokens_of(r, s.prompt_len) || int64_t(s.all.size()) >= cfg_.model.n_positions)
+    d.finish = "length";
+  // Ended here: not stepped again (finish_sequence, in deliver, sends the frees).
+  if (d.finish) s.finished = true;
+  deliveries_.push_back(std::move(d));
+}
+
+void Scheduler::deliver() {
+  std::vector<Delivery> ds = std::move(deliveries_);
+  deliveries_.clear();
+  for (Delivery& d : ds) {
+    auto it = seqs_.find(d.seq_id);  // its request may have ended meanwhile (failed, or all choices done)
+    if (it == seqs_.end() || it->second.request->failed) continue;
+    if (it->second.finished && !d.finish) continue;  // ended meanwhile
+    deliver_one(it->second, std::move(d));
+  }
+}
+
+void Scheduler::deliver_one(Sequence& s, Delivery d) {
   ChoiceUpdate u;
   u.choice = s.choice;
   if (!s.prompt_lp.empty() && !s.prompt_lp_sent) {
     u.prompt_tokens = s.prompt_lp;
     s.prompt_lp_sent = true;
   }
-  s.all.push_back(sr.token);
-  u.tokens.push_back({sr.token, sr.logprob, sr.top});
-  const SamplingParams sp = sampling_for(r);
-  const bool is_stop_token =
-      int(s.generated()) > r.sampling.min_tokens - 1 &&
-      std::find(sp.stop_token_ids.begin(), sp.stop_token_ids.end(), sr.token) != sp.stop_token_ids.end();
-  if (!is_stop_token) u.text = s.text->push(sr.token);
-  if (is_stop_token || s.text->stopped()) {
+  const int32_t token = d.token.id;
+  u.tokens.push_back(std::move(d.token));
+  if (!d.is_stop_token) u.text = s.text->push(token);
+  if (d.is_stop_token || s.text->stopped()) {
     finish_sequence(s, "stop", std::move(u));  // may destroy s and its request
-  } else if (int64_t(s.generated()) >= max_tokens_of(r, s.prompt_len) ||
-             int64_t(s.all.size()) >= cfg_.model.n_positions) {
-    finish_sequence(s, "length", std::move(u));
+  } else if (d.finish) {
+    finish_sequence(s, d.finish, std::move(u));
   } else {
     s.request->sink.on_update(std::move(u));
   }

@@ -13,10 +13,18 @@ the host, as in the C++ benchmark. The floor (batch 1) is the bytes a decode ste
 (layers + LM head) over the device-to-device copy bandwidth measured in this run.
 
   python3 scripts/torch_peer_decode.py [--shapes gpt2-xl,gpt3-6.7b] [--batches 1,8,32,128]
-      [--prompts 128,1024] [--new-tokens 128] [--dtype f16|bf16] [--no-compile]
+      [--prompts 128,1024] [--new-tokens 128] [--dtype f16|bf16] [--no-compile] [--csv FILE]
+
+A static batch: every sequence of a row has the same prompt length and decodes together, the
+batch never changes (what conveyor-bench-gpu-decode measures, and bench/serving_table.sh
+sets beside the engine and the cluster through REST). --csv appends one line per row:
+shape,dtype,batch,prompt,new_tokens,ttft_ms,ms_per_token,p50_ms,tokens_per_s (a header first
+when the file is new or empty); rows that did not fit in memory are written with empty
+figures and the note "out of memory".
 """
 import argparse
 import math
+import os
 import statistics
 import sys
 import time
@@ -151,7 +159,32 @@ def main():
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--dtype", default="f16", choices=["f16", "bf16"])
     ap.add_argument("--no-compile", action="store_true")
+    ap.add_argument("--csv", default="", help="append one line per row to this file")
     args = ap.parse_args()
+    try:
+        batches = [int(x) for x in args.batches.split(",")]
+        prompts = [int(x) for x in args.prompts.split(",")]
+    except ValueError:
+        ap.error(f"--batches and --prompts take whole numbers separated by commas, got {args.batches!r} and {args.prompts!r}")
+    if min(batches) < 1 or min(prompts) < 1 or args.new_tokens < 2:
+        ap.error("--batches and --prompts must be at least 1, --new-tokens at least 2")
+    for shape in args.shapes.split(","):
+        try:
+            parse_shape(shape)
+        except ValueError:
+            ap.error(f"unknown shape {shape!r}: use {', '.join(SHAPES)} or n_layer,n_embd,n_head")
+    csv = None
+    if args.csv:
+        new_file = not os.path.exists(args.csv) or os.path.getsize(args.csv) == 0
+        csv = open(args.csv, "a")
+        if new_file:
+            csv.write("shape,dtype,batch,prompt,new_tokens,ttft_ms,ms_per_token,p50_ms,tokens_per_s,note\n")
+            csv.flush()
+
+    def csv_row(shape, batch, prompt, ttft="", ms="", p50="", tps="", note=""):
+        if csv:
+            csv.write(f"{shape},{args.dtype},{batch},{prompt},{args.new_tokens},{ttft},{ms},{p50},{tps},{note}\n")
+            csv.flush()
     dtype = torch.float16 if args.dtype == "f16" else torch.bfloat16
     torch._dynamo.config.cache_size_limit = 64
     torch.backends.cuda.matmul.allow_tf32 = True
@@ -165,14 +198,15 @@ def main():
     gen = torch.Generator(device="cuda")
     gen.manual_seed(1234)
     for shape in args.shapes.split(","):
-        for prompt in (int(x) for x in args.prompts.split(",")):
-            for batch in (int(x) for x in args.batches.split(",")):
+        for prompt in prompts:
+            for batch in batches:
                 max_len = prompt + args.new_tokens
                 try:
                     model, step_bytes = build(shape, batch, max_len, dtype)
                 except torch.cuda.OutOfMemoryError:
                     table.append(f"{shape:<10} {args.dtype:<5} {batch:>5} {prompt:>6}   skipped: out of memory")
                     print(table[-1], flush=True)
+                    csv_row(shape, batch, prompt, note="out of memory")
                     torch.cuda.empty_cache()
                     continue
                 step = model if args.no_compile else torch.compile(model, mode="reduce-overhead", fullgraph=True)
@@ -183,6 +217,7 @@ def main():
                 except torch.cuda.OutOfMemoryError:
                     table.append(f"{shape:<10} {args.dtype:<5} {batch:>5} {prompt:>6}   skipped: out of memory")
                     print(table[-1], flush=True)
+                    csv_row(shape, batch, prompt, note="out of memory")
                     del model, step
                     torch.cuda.empty_cache()
                     continue
@@ -194,6 +229,7 @@ def main():
                 table.append(f"{shape:<10} {args.dtype:<5} {batch:>5} {prompt:>6} {ttft:>10.2f} {ms:>9.3f} {p50:>9.3f} "
                              f"{batch * 1e3 / ms:>10.1f} {floor_s:>9} {frac_s:>8}")
                 print(table[-1] + f"   (compile + runs {warm:.0f} s)", flush=True)
+                csv_row(shape, batch, prompt, f"{ttft:.3f}", f"{ms:.4f}", f"{p50:.4f}", f"{batch * 1e3 / ms:.1f}")
                 del model, step
                 torch._dynamo.reset()
                 torch.cuda.empty_cache()

@@ -30,6 +30,7 @@ Expected<std::unique_ptr<StageBackend>> make_stage_backend(StageWeights weights,
   g.int8_weights = o.int8_weights;
   g.name = o.name;
   g.kv_cache_fraction = o.gpu_memory_fraction;
+  g.kv_cache_max_bytes = o.gpu_kv_cache_max_bytes;
   // A micro-batch of up to 512 sequences (the largest decode graph): the scheduler fills the
   // K/V capacity, and a GPU's decode step costs little more at 256 rows than at 64.
   g.max_seqs = 512;

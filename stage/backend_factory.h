@@ -32,6 +32,7 @@ struct StageOptions {
   bool int8_weights = false;           // cuda: layer matrices int8 weight-only (per-channel scales)
   double gpu_memory_fraction = 0.9;    // cuda: of the memory left after the weights, for the K/V cache
   int64_t kv_cache_bytes = 512ll << 20;  // cpu: the K/V budget
+  int64_t gpu_kv_cache_max_bytes = 0;    // cuda: a cap on each rank's K/V cache (0: the memory fraction alone)
 };
 
 // The stage `weights` describe, on the backend `options` name. Errors say what was wrong (a

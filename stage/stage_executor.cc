@@ -1,6 +1,7 @@
 #include "stage/stage_executor.h"
 
 #include <algorithm>
+#include <chrono>
 #include <span>
 #include <string>
 
@@ -20,6 +21,7 @@ void StageExecutor::drop_all() {
 
 Status StageExecutor::run(const MicroBatch& batch, std::span<const std::byte> in, const ActivationSink& out,
                           BatchResult* result) {
+  sample_seconds_ = 0;
   for (uint64_t id : batch.free_seq_ids) free_sequence(id);
   if (Status s = validate(batch, config()); !s.ok()) return s;
   const std::vector<SeqSlice> slices = batch.slices();
@@ -68,7 +70,9 @@ Status StageExecutor::run_last(const MicroBatch& batch, StepInput& step, BatchRe
   if (!backend_->samples_in_place() || host_only) {
     step.head = all_rows ? HeadOutput::AllLogits : HeadOutput::LastLogits;
     if (Status s = backend_->step(step, step_out_); !s.ok()) return s;
+    const auto t0 = std::chrono::steady_clock::now();
     sample_on_host(batch, step_out_.logits, all_rows, result);
+    sample_seconds_ = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     return ok_status();
   }
   static const SamplingParams kGreedy = [] {

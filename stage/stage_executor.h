@@ -48,6 +48,10 @@ class StageExecutor {
   // already run (either way the coordinator replays the pipeline from a new epoch).
   Status run(const MicroBatch& batch, std::span<const std::byte> in, const ActivationSink& out, BatchResult* result);
 
+  // Seconds the last run() spent choosing tokens on the host (last stage; 0 when the backend
+  // chose them in its own step, which then includes that time). For the worker's step trace.
+  double last_sample_seconds() const { return sample_seconds_; }
+
   // Drops every sequence (failover, re-plan): KV caches and token histories.
   void drop_all();
   void free_sequence(uint64_t seq_id);
@@ -61,6 +65,7 @@ class StageExecutor {
   std::unordered_map<uint64_t, std::vector<int32_t>> history_;  // last stage only
   StepOutput step_out_;  // reused: its buffers keep their capacity
   std::vector<float> scratch_;
+  double sample_seconds_ = 0;
 };
 
 }  // namespace conveyor

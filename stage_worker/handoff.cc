@@ -69,6 +69,11 @@ void Handoff::drain() {
   changed_.wait(lock, [&] { return queue_.empty() && !sending_; });
 }
 
+bool Handoff::idle() {
+  std::lock_guard lock(mu_);
+  return queue_.empty() && !sending_;
+}
+
 void Handoff::run() {
   std::unique_lock lock(mu_);
   for (;;) {
@@ -79,7 +84,11 @@ void Handoff::run() {
     sending_ = true;
     lock.unlock();
     const Slot& s = slots_[size_t(send.slot)];
+    const auto t0 = std::chrono::steady_clock::now();
     const Status sent = channel_.send(send.peer, send.header, {s.data.get(), send.bytes}, timeout_);
+    send_ns_total_.fetch_add(
+        std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count(),
+        std::memory_order_relaxed);
     if (!sent && send.on_failure) send.on_failure(sent);
     lock.lock();
     slots_[size_t(send.slot)].busy = false;

@@ -6,11 +6,16 @@
 // slots (double buffering) a third micro-batch waits for the first slot to come back, which
 // is the back-pressure a pipeline needs: a stalled next stage stalls this one.
 //
+// A last stage whose next input is already waiting queues its result to the coordinator here
+// too (a header and no payload, in a slot of 0 bytes), so that step need not wait for the send.
+//
 // Sends go out in the order they were queued. A failed send calls the closure queued with
 // it, on the sender thread.
 #pragma once
 
+#include <atomic>
 #include <chrono>
+#include <cstdint>
 #include <condition_variable>
 #include <cstddef>
 #include <deque>
@@ -49,8 +54,13 @@ class Handoff {
   void cancel(int index);
   // Returns once every queued send has returned.
   void drain();
+  // Nothing queued or being sent: a send made now by the caller goes out in order.
+  bool idle();
 
   int slots() const { return int(slots_.size()); }
+  // Nanoseconds the sender thread has spent in the channel's send, over every send so far
+  // (the step trace reports its growth per micro-batch).
+  int64_t send_ns_total() const { return send_ns_total_.load(std::memory_order_relaxed); }
 
  private:
   struct Slot {
@@ -75,6 +85,7 @@ class Handoff {
   std::deque<Send> queue_;    // guarded by mu_
   bool sending_ = false;      // the sender thread holds a send; guarded by mu_
   bool stop_ = false;         // guarded by mu_
+  std::atomic<int64_t> send_ns_total_{0};
   std::thread sender_;
 };
 

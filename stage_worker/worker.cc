@@ -2,6 +2,7 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <mutex>
 #include <optional>
 #include <thread>
@@ -15,9 +16,11 @@
 #include "stage/backend_factory.h"
 #include "stage/stage_executor.h"
 #include "stage_worker/handoff.h"
+#include "stage_worker/step_trace.h"
 #include "transport/channel.h"
 #include "transport/control_messages.h"
 #include "transport/control_plane.h"
+#include "transport/net_interface.h"
 #include "transport/ucx_channel.h"
 
 namespace conveyor {
@@ -74,6 +77,10 @@ struct Worker::Impl {
   std::atomic<bool> compute_stop{false};
   std::atomic<uint64_t> batches{0};
   std::atomic<int64_t> busy_ns{0};
+  // Between steps (StepTrace's wait_input and idle_ready, cumulative): waiting for an input
+  // that had not arrived, and sitting with one that had.
+  std::atomic<int64_t> wait_input_ns{0}, idle_ready_ns{0};
+  std::unique_ptr<StepTrace> trace;  // CONVEYOR_TRACE_DIR; the compute thread's alone
   int64_t busy_ns_at_last_heartbeat = 0;
   Clock::time_point heartbeat_window_start = Clock::now();
 
@@ -118,7 +125,9 @@ struct Worker::Impl {
     transport::WorkerFigures f{.busy_fraction = std::min(1.0, busy_fraction),
                                .batches = int64_t(batches.load()),
                                .busy_seconds_total = double(busy) * 1e-9,
-                               .clock_seconds = std::chrono::duration<double>(now.time_since_epoch()).count()};
+                               .clock_seconds = std::chrono::duration<double>(now.time_since_epoch()).count(),
+                               .wait_input_seconds_total = double(wait_input_ns.load()) * 1e-9,
+                               .idle_ready_seconds_total = double(idle_ready_ns.load()) * 1e-9};
     {
       std::lock_guard lk(stage_mu);
       f.state = state;
@@ -146,6 +155,19 @@ struct Worker::Impl {
   }
 
   void on(const AssignMsg& a) {
+    // A next stage that is replaced may be cut off rather than dead: sends to it would hold
+    // the handoff, and with it this thread (and its heartbeats), until they time out, and the
+    // coordinator would take this healthy worker for dead too. Disconnect it first: the sends
+    // queued for it fail at once (tests/netns: a link cut longer than the liveness window).
+    {
+      std::lock_guard lk(stage_mu);
+      if (next_peer != transport::kNoPeer &&
+          !std::equal(next_address.begin(), next_address.end(), a.next_address.begin(), a.next_address.end())) {
+        (void)channel->disconnect(next_peer);
+        next_peer = transport::kNoPeer;
+        next_address.clear();
+      }
+    }
     // Same layers of the same model already loaded: only the wiring changes.
     bool reuse = false;
     {
@@ -287,10 +309,20 @@ struct Worker::Impl {
   }
 
   // The compute thread: one micro-batch at a time, in arrival order; the handoff's thread
-  // sends the activations on while the next one runs.
+  // sends the activations on while the next one runs. Between steps it tells apart waiting
+  // for an input that has not arrived and sitting with one that has (StepTrace): right after
+  // a step it looks, without waiting, whether the next input is there.
   void compute_loop() {
+    using Received = Expected<std::optional<transport::Message>>;
+    std::optional<Received> ready_at_end;  // what that look found
+    Clock::time_point prev_end = Clock::now();
+    const auto ns = [](Clock::duration d) { return std::chrono::duration_cast<std::chrono::nanoseconds>(d).count(); };
+    const auto ms = [](Clock::duration d) { return std::chrono::duration<double, std::milli>(d).count(); };
     while (!compute_stop) {
-      auto got = channel->recv(std::chrono::milliseconds(100));
+      const bool was_ready = ready_at_end.has_value();
+      Received got = was_ready ? std::move(*ready_at_end) : channel->recv(std::chrono::milliseconds(100));
+      ready_at_end.reset();
+      const auto arrived = Clock::now();
       if (!got) {
         spdlog::warn("{}: data plane: {}", opt.name, got.error());
         report_data_error(got.error(), "");
@@ -317,11 +349,20 @@ struct Worker::Impl {
         send_result(coord, result);
         continue;
       }
-      if (batch->epoch != a.epoch) continue;  // a batch from before a re-plan: dropped by design
+      if (batch->epoch != a.epoch) {  // a batch from before a re-plan or failover: fenced off
+        spdlog::info("{}: dropped a stale micro-batch (batch {}, epoch {}; this stage runs epoch {})", opt.name,
+                     batch->batch_id, batch->epoch, a.epoch);
+        continue;
+      }
       result.batch_id = batch->batch_id, result.pipeline = batch->pipeline, result.epoch = batch->epoch;
       // The outgoing activations go into a free send slot, asked for once the layers have run
       // (on a GPU: been queued); waiting for the slot is not busy time.
       const auto t0 = Clock::now();
+      const Clock::duration wait_input = was_ready ? Clock::duration{} : std::max(Clock::duration{}, arrived - prev_end);
+      const Clock::duration idle_ready = t0 - (was_ready ? prev_end : std::max(prev_end, arrived));
+      wait_input_ns += ns(wait_input);
+      idle_ready_ns += ns(idle_ready);
+      const int64_t sent_ns_before = handoff->send_ns_total();
       Clock::duration waited{};
       int slot = -1;
       size_t out_bytes = 0;
@@ -335,20 +376,57 @@ struct Worker::Impl {
         return handoff->slot(slot).first(bytes);
       };
       Status s = ex->run(*batch, msg.payload.view(), sink, a.next_address.empty() ? &result : nullptr);
-      const auto busy = Clock::now() - t0 - waited;
+      prev_end = Clock::now();
+      const auto busy = prev_end - t0 - waited;
+      if (compute_stop) ready_at_end.reset();
+      else ready_at_end = channel->recv(std::chrono::milliseconds(0));
+      if (ready_at_end && *ready_at_end && !(*ready_at_end)->has_value()) ready_at_end.reset();  // nothing waiting
       if (s && !a.next_address.empty() && slot < 0) s = Status::error("the stage handed on no activations");
       if (!s && slot >= 0) handoff->cancel(slot);
-      busy_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(busy).count();
+      busy_ns += ns(busy);
       ++batches;
       publish_stats();
+      StepRecord rec;
+      if (trace) {
+        rec.t = std::chrono::duration<double>(t0.time_since_epoch()).count();
+        rec.stage = a.stage, rec.batch = batch->batch_id, rec.epoch = batch->epoch;
+        rec.seqs = int64_t(batch->seqs.size()), rec.frees = int64_t(batch->free_seq_ids.size());
+        for (const SeqWork& w : batch->seqs)
+          (w.slice.start_pos >= w.prompt_len ? rec.decode_rows : rec.prefill_rows) += w.slice.num_tokens;
+        rec.compute_ms = ms(busy), rec.wait_input_ms = ms(wait_input), rec.idle_ready_ms = ms(idle_ready);
+        rec.slot_wait_ms = ms(waited), rec.sample_ms = ex->last_sample_seconds() * 1e3;
+      }
+      auto write_trace = [&](Clock::duration send) {
+        if (!trace) return;
+        // What the handoff thread spent sending since this step began (mostly the previous
+        // step's activations, or on the last stage its result); a failed step's error result
+        // is sent on this thread (`send`).
+        rec.send_ms = ms(send) + double(handoff->send_ns_total() - sent_ns_before) * 1e-6;
+        trace->write(rec);
+      };
       if (!s) {
         result.error = opt.name + " (stage " + std::to_string(a.stage) + "): " + s.message();
+        const auto s0 = Clock::now();
         send_result(coord, result);
+        write_trace(Clock::now() - s0);
         continue;
       }
       if (a.next_address.empty()) {
+        // With the next input already waiting, the result goes out on the handoff's thread
+        // (like activations) so the next step starts at once; with none waiting this thread
+        // has nothing else to do, and sends it itself, sparing the wake-up of another thread
+        // (a one-stage pipeline's next input cannot come before the coordinator has this).
         result.busy_seconds = std::chrono::duration<double>(busy).count();
-        send_result(coord, result);
+        const auto s0 = Clock::now();
+        if (ready_at_end) {
+          queue_result(coord, result, ex);
+          if (trace) rec.slot_wait_ms += ms(Clock::now() - s0);
+          write_trace({});
+        } else {
+          if (!handoff->idle()) handoff->drain();  // results leave in order
+          send_result(coord, result);
+          write_trace(Clock::now() - s0);
+        }
         continue;
       }
       std::vector<std::byte> out_header = std::move(msg.header);
@@ -367,7 +445,23 @@ struct Worker::Impl {
         result.error = opt.name + ": could not hand batch to the next stage: " + sent.message();
         send_result(coord, result);
       });
+      write_trace({});
     }
+  }
+
+  // A last stage's result, sent by the handoff's thread in order with nothing else (a
+  // header, no payload); a failed send is a data-plane error, as send_result's.
+  void queue_result(PeerId coord, const BatchResult& r, const std::shared_ptr<StageExecutor>& ex) {
+    auto slot = handoff->acquire(0, [&](size_t n) { return ex->backend().allocate_host(n); });
+    if (!slot) {  // no slot memory cannot happen for 0 bytes; send here all the same
+      send_result(coord, r);
+      return;
+    }
+    const std::vector<uint8_t> bytes = encode(r);
+    std::vector<std::byte> header(reinterpret_cast<const std::byte*>(bytes.data()),
+                                  reinterpret_cast<const std::byte*>(bytes.data()) + bytes.size());
+    handoff->submit(*slot, coord, std::move(header), 0,
+                    [this](const Status& sent) { report_data_error(sent.message(), "coordinator"); });
   }
 
   void send_result(PeerId coord, const BatchResult& r) {
@@ -492,13 +586,23 @@ Expected<std::unique_ptr<Worker>> Worker::create(WorkerOptions options) {
   if (!client) return Status::error("worker: cannot set up the control connection to " + endpoint + ": " + client.error());
   transport::UcxChannelOptions uopt;
   uopt.name = options.name;
+  if (!options.host.empty()) {  // --host: the data plane on that address's interface alone
+    auto iface = transport::data_plane_interface(options.host);
+    if (!iface) return Status::error("worker: --host " + options.host + ": " + iface.error());
+    uopt.net_devices = *iface;
+  }
   uopt.receive_allocator = receive_allocator(options.stage);
   auto ch = transport::UcxChannel::create(uopt);
   if (!ch) return Status::error("worker: cannot create the UCX data plane: " + ch.error());
+  if (!options.host.empty()) impl->host = options.host;
   impl->opt = std::move(options);
   impl->control = std::move(client).value();
   impl->channel = std::move(ch).value();
   impl->handoff = std::make_unique<Handoff>(*impl->channel, 2, std::chrono::milliseconds(10000));
+  if (auto trace = StepTrace::from_environment(impl->opt.name); !trace)
+    spdlog::warn("{}: no step trace: {}", impl->opt.name, trace.error());
+  else
+    impl->trace = std::move(trace).value();
   return std::unique_ptr<Worker>(new Worker(std::move(impl)));
 }
 

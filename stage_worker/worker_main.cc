@@ -25,9 +25,16 @@ int main(int argc, char** argv) {
   CLI::App app{"conveyor-worker: a pipeline stage worker"};
   app.add_option("--coordinator", opt.coordinator, "the coordinator's control endpoint, HOST:PORT (required)");
   app.add_option("--name", opt.name, "this worker's unique name (default: HOST-PID)");
+  app.add_option("--host", opt.host,
+                 "this node's address on the cluster network (IPv4 or a name): advertised to the coordinator and the "
+                 "only interface the data plane uses (default: the host name, every interface)");
   app.add_option("--join-token", opt.join_token, "the cluster's join token (default: $CONVEYOR_JOIN_TOKEN)");
   app.add_option("--curve-server-key", opt.curve_server_key, "the coordinator's CURVE public key (Z85)");
-  app.add_option("--kv-cache-mb", kv_mb, "KV-cache budget of this worker's stage, MiB")->check(CLI::Range(1, 1 << 24));
+  CLI::Option* kv_opt =
+      app.add_option("--kv-cache-mb", kv_mb,
+                     "KV-cache budget of this worker's stage, MiB (cpu: default 512; cuda: a cap on each GPU's cache, "
+                     "which otherwise takes --gpu-memory-fraction of what the weights leave)")
+          ->check(CLI::Range(1, 1 << 24));
   app.add_option("--backend", backend, "where the stage runs: cpu, cuda, or auto (cuda when this node has a GPU)")
       ->check(CLI::IsMember({"auto", "cpu", "cuda"}));
   bool print_gpus = false;
@@ -94,6 +101,7 @@ int main(int argc, char** argv) {
   if (opt.join_token.empty())
     if (const char* t = std::getenv("CONVEYOR_JOIN_TOKEN")) opt.join_token = t;
   stage.kv_cache_bytes = kv_mb << 20;
+  if (kv_opt->count() > 0) stage.gpu_kv_cache_max_bytes = kv_mb << 20;
   opt.heartbeat_interval = std::chrono::milliseconds(heartbeat_ms);
   opt.coordinator_liveness = std::chrono::milliseconds(liveness_ms);
   opt.drain_timeout = std::chrono::milliseconds(drain_ms);

@@ -253,6 +253,8 @@ HeartbeatMsg decode_heartbeat(FieldReader& r) {
   if (r.has("kv_used_tokens")) f.kv_used_tokens = r.integer<int64_t>("kv_used_tokens");
   if (r.has("kv_capacity_tokens")) f.kv_capacity_tokens = r.integer<int64_t>("kv_capacity_tokens");
   if (r.has("sequences")) f.sequences = r.integer<int64_t>("sequences");
+  if (r.has("wait_input_seconds_total")) f.wait_input_seconds_total = r.number("wait_input_seconds_total");
+  if (r.has("idle_ready_seconds_total")) f.idle_ready_seconds_total = r.number("idle_ready_seconds_total");
   m.figures = f;
   return m;
 }
@@ -361,6 +363,8 @@ ControlMessage encode(const HeartbeatMsg& m) {
     if (f.kv_used_tokens) body["kv_used_tokens"] = *f.kv_used_tokens;
     if (f.kv_capacity_tokens) body["kv_capacity_tokens"] = *f.kv_capacity_tokens;
     if (f.sequences) body["sequences"] = *f.sequences;
+    if (f.wait_input_seconds_total) body["wait_input_seconds_total"] = *f.wait_input_seconds_total;
+    if (f.idle_ready_seconds_total) body["idle_ready_seconds_total"] = *f.idle_ready_seconds_total;
   }
   if (m.register_again) body["register"] = true;
   return make<HeartbeatMsg>(std::move(body));

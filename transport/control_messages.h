@@ -155,6 +155,9 @@ struct WorkerFigures {
   double busy_seconds_total = 0;  // cumulative
   double clock_seconds = 0;       // the worker's steady clock
   std::optional<int64_t> kv_used_tokens{}, kv_capacity_tokens{}, sequences{};
+  // Cumulative, between steps (stage_worker/step_trace.h): waiting for an input that had not
+  // arrived, and sitting with one that had. Optional on the wire (older workers).
+  std::optional<double> wait_input_seconds_total{}, idle_ready_seconds_total{};
   bool operator==(const WorkerFigures&) const = default;
 };
 

@@ -49,6 +49,33 @@ TEST(Handoff, SendsInOrderFromReusedSlots) {
   }
 }
 
+// A last stage's result: a header with no payload, from a slot of 0 bytes (no memory asked
+// for); idle() says whether anything is still queued or being sent, and counts the send time.
+TEST(Handoff, HeaderOnlySendsAndIdle) {
+  auto fabric = transport::InProcFabric::create();
+  transport::InProcChannel a(fabric, "a"), b(fabric, "b");
+  auto to_b = a.connect(b.address(), "b");
+  ASSERT_TRUE(to_b) << to_b.error();
+  Handoff h(a, 2, 1s);
+  EXPECT_TRUE(h.idle());
+  int allocations = 0;
+  for (uint8_t i = 0; i < 4; ++i) {
+    auto slot = h.acquire(0, [&](size_t n) { ++allocations; return heap(n); });
+    ASSERT_TRUE(slot.ok()) << slot.error();
+    h.submit(*slot, *to_b, {std::byte{i}}, 0, {});
+  }
+  h.drain();
+  EXPECT_TRUE(h.idle());
+  EXPECT_EQ(allocations, 0);
+  EXPECT_GT(h.send_ns_total(), 0);  // four sends took some time
+  for (uint8_t i = 0; i < 4; ++i) {
+    auto m = b.recv(1s);
+    ASSERT_TRUE(m && m->has_value());
+    EXPECT_EQ(uint8_t((*m)->header.at(0)), i);
+    EXPECT_EQ((*m)->payload.size(), 0u);
+  }
+}
+
 TEST(Handoff, AFailedSendReachesItsClosure) {
   auto fabric = transport::InProcFabric::create();
   transport::InProcChannel a(fabric, "a");

@@ -51,7 +51,8 @@ RegisterMsg sample_register() {
 HeartbeatMsg sample_worker_heartbeat() {
   return {.figures = WorkerFigures{.state = WorkerState::Ready, .load_fraction = 1, .busy_fraction = 0.25,
                                    .batches = 99, .busy_seconds_total = 12.5, .clock_seconds = 1234.5,
-                                   .kv_used_tokens = 300, .kv_capacity_tokens = 4096, .sequences = 4}};
+                                   .kv_used_tokens = 300, .kv_capacity_tokens = 4096, .sequences = 4,
+                                   .wait_input_seconds_total = 1.5, .idle_ready_seconds_total = 0.25}};
 }
 
 // One message of every kind, with values other than the defaults.
@@ -142,7 +143,8 @@ TEST(ControlMessages, HeartbeatWireJson) {
   EXPECT_EQ(encode(sample_worker_heartbeat()).body,
             json::parse(R"({"type": "heartbeat", "state": "ready", "load_fraction": 1.0, "busy_fraction": 0.25,
                 "batches": 99, "busy_seconds_total": 12.5, "clock_seconds": 1234.5, "kv_used_tokens": 300,
-                "kv_capacity_tokens": 4096, "sequences": 4})"));
+                "kv_capacity_tokens": 4096, "sequences": 4, "wait_input_seconds_total": 1.5,
+                "idle_ready_seconds_total": 0.25})"));
   EXPECT_EQ(encode(HeartbeatMsg{}).body, json::parse(R"({"type": "heartbeat"})"));
   EXPECT_EQ(encode(HeartbeatMsg{.register_again = true}).body,
             json::parse(R"({"type": "heartbeat", "register": true})"));

@@ -1,0 +1,42 @@
+// BatchTrace: the coordinator's opt-in record of its pipelines' micro-batches, the twin of the
+// workers' step trace (stage_worker/step_trace.h). CONVEYOR_TRACE_DIR=DIR makes it append to
+// DIR/coordinator.jsonl one JSON line per micro-batch sent and per result taken in:
+//
+//   {"ev":"send", "t", "pipeline", "batch", "seqs", "decode_rows", "prefill_rows", "frees",
+//    "in_flight" (after this one), "depth", "gap" (ms from the result that freed the slot to
+//    this send; absent when no result preceded it), "form" (ms forming, encoding, sending it),
+//    "running" (sequences on the pipeline), "queue" (requests waiting), "queue_wait" (why),
+//    "max_running" (the admission limit), "max_sequences", "max_tokens", "prefill_tokens",
+//    "kv_reserved", "kv_capacity" (tokens: reserved by admitted requests, the budget)}
+//   {"ev":"result", "t", "pipeline", "batch", "seqs", "rtt" (ms since it was sent),
+//    "deliver" (ms turning its tokens into text and updates, after the next micro-batch
+//    it allowed was sent), "error" (when it failed)}
+//
+// "t" is the steady clock in seconds (CLOCK_MONOTONIC, as the workers' lines).
+#pragma once
+
+#include <cstdio>
+#include <memory>
+#include <string>
+
+#include "common/status.h"
+
+namespace conveyor {
+
+class BatchTrace {
+ public:
+  // DIR/coordinator.jsonl under $CONVEYOR_TRACE_DIR; null when that is unset or empty.
+  static Expected<std::unique_ptr<BatchTrace>> from_environment();
+  explicit BatchTrace(std::FILE* file) : file_(file) {}
+  ~BatchTrace();
+  BatchTrace(const BatchTrace&) = delete;
+  BatchTrace& operator=(const BatchTrace&) = delete;
+
+  // One line (a JSON object's text without the braces' newline), flushed.
+  void write(const std::string& json_object);
+
+ private:
+  std::FILE* file_;
+};
+
+}  // namespace conveyor

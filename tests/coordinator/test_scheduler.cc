@@ -1,0 +1,147 @@
+// The scheduler without threads or sockets: its limits' automatic values, admission against
+// the K/V budget and the admission limit (and why the queue waits), and how a micro-batch
+// takes in prompt rows (prefill_chunk per sequence, prefill_tokens_per_batch in all).
+#include <gtest/gtest.h>
+
+#include <memory>
+#include <numeric>
+#include <vector>
+
+#include "coordinator/scheduler.h"
+#include "tests/test_util.h"
+
+namespace conveyor {
+namespace {
+
+struct Harness {
+  ClusterConfig cfg;
+  std::vector<Pipeline> pipelines;
+  std::unique_ptr<Scheduler> scheduler;
+  std::vector<std::string> done;  // on_done messages, in order
+
+  explicit Harness(BatchLimits limits) {
+    const std::string model = testing::source_dir() + "/models/brown-gpt2";
+    cfg.model = load_model_config(model).value();
+    auto tok = Tokenizer::load(model);
+    EXPECT_TRUE(tok.ok()) << tok.error();
+    pipelines.resize(1);
+    pipelines[0].limits = limits;
+    scheduler = std::make_unique<Scheduler>(cfg, std::make_shared<const Tokenizer>(std::move(tok).value()), pipelines);
+  }
+
+  // A request of one choice: `prompt_len` token ids, `max_tokens` to generate.
+  void submit(int prompt_len, int max_tokens) {
+    auto r = std::make_shared<CompletionRequest>();
+    std::vector<int32_t> prompt(static_cast<size_t>(prompt_len));
+    std::iota(prompt.begin(), prompt.end(), 1);
+    r->prompts = {prompt};
+    r->max_tokens = max_tokens;
+    r->sampling.temperature = 0;
+    CompletionSink sink;
+    sink.on_update = [](ChoiceUpdate) {};
+    sink.on_done = [this](const std::string& e) { done.push_back(e); };
+    ASSERT_TRUE(scheduler->submit(r, sink).ok());
+  }
+
+  void admit(int64_t kv_capacity, bool open = true) {
+    scheduler->admit([open](const Pipeline&) { return open; }, [kv_capacity](const Pipeline&) { return kv_capacity; });
+  }
+};
+
+TEST(Scheduler, AutomaticLimitsFollowTheBackend) {
+  ClusterConfig cfg;  // every limit 0: auto
+  const BatchLimits cpu = Scheduler::batch_limits(cfg, /*gpu=*/false, /*stages=*/3, /*depth=*/4);
+  EXPECT_EQ(cpu.max_sequences, 64);
+  EXPECT_EQ(cpu.prefill_chunk, 64);
+  EXPECT_EQ(cpu.prefill_tokens, 48);  // a round of the ring takes in 3 micro-batches' worth
+  EXPECT_EQ(cpu.max_tokens, 64 + 48);
+  EXPECT_EQ(cpu.max_running, 4 * 64);
+  EXPECT_EQ(Scheduler::batch_limits(cfg, false, 1, 2).prefill_tokens, 32);
+  EXPECT_EQ(Scheduler::batch_limits(cfg, false, 1, 8).prefill_tokens, 16);  // never below 16
+  const BatchLimits gpu = Scheduler::batch_limits(cfg, /*gpu=*/true, /*stages=*/1, /*depth=*/1);
+  EXPECT_EQ(gpu.max_sequences, 256);
+  EXPECT_EQ(gpu.prefill_chunk, 512);
+  EXPECT_EQ(gpu.prefill_tokens, 512);
+  EXPECT_EQ(gpu.max_tokens, 768);
+  EXPECT_EQ(gpu.max_running, 256);
+  // What the cluster file sets wins over the automatic values, on either backend.
+  cfg.max_sequences_per_batch = 10, cfg.max_batch_tokens = 30, cfg.prefill_chunk = 7, cfg.prefill_tokens_per_batch = 9;
+  cfg.max_running = 3;
+  for (bool g : {false, true}) {
+    const BatchLimits l = Scheduler::batch_limits(cfg, g, 2, 3);
+    EXPECT_EQ(l, (BatchLimits{.max_sequences = 10, .max_tokens = 30, .prefill_chunk = 7, .prefill_tokens = 9,
+                              .max_running = 3}));
+  }
+}
+
+TEST(Scheduler, AdmissionStopsAtTheRunningLimitAndSaysWhy) {
+  Harness h({.max_sequences = 64, .max_tokens = 128, .prefill_chunk = 64, .prefill_tokens = 64, .max_running = 2});
+  for (int i = 0; i < 3; ++i) h.submit(10, 5);
+  h.admit(/*kv_capacity=*/10000);
+  EXPECT_EQ(h.scheduler->running_on(0), 2);
+  EXPECT_EQ(h.scheduler->queue_size(), 1u);
+  EXPECT_EQ(h.scheduler->queue_wait(), QueueWait::RunningLimit);
+  EXPECT_EQ(h.pipelines[0].kv_reserved, 2 * (10 + 5));
+  EXPECT_TRUE(h.done.empty());
+}
+
+TEST(Scheduler, AdmissionFillsTheKvBudgetAndSaysWhy) {
+  Harness h({.max_sequences = 64, .max_tokens = 128, .prefill_chunk = 64, .prefill_tokens = 64, .max_running = 100});
+  for (int i = 0; i < 4; ++i) h.submit(20, 10);  // 30 tokens each
+  h.admit(/*kv_capacity=*/95);                     // room for three
+  EXPECT_EQ(h.scheduler->running_on(0), 3);
+  EXPECT_EQ(h.pipelines[0].kv_reserved, 90);
+  EXPECT_EQ(h.scheduler->queue_wait(), QueueWait::KvCache);
+  // No pipeline open: the queue says so, and admits nothing.
+  Harness closed({});
+  closed.submit(5, 5);
+  closed.admit(1000, /*open=*/false);
+  EXPECT_EQ(closed.scheduler->queue_wait(), QueueWait::NoPipeline);
+  EXPECT_EQ(closed.scheduler->running_on(0), 0);
+  // A request larger than any budget is failed with the figures, not left waiting.
+  Harness small({});
+  small.submit(50, 50);
+  small.admit(60);
+  ASSERT_EQ(small.done.size(), 1u);
+  EXPECT_NE(small.done[0].find("100 KV-cache tokens"), std::string::npos) << small.done[0];
+  EXPECT_EQ(small.scheduler->queue_size(), 0u);
+  EXPECT_EQ(small.scheduler->queue_wait(), QueueWait::None);
+}
+
+TEST(Scheduler, PromptRowsPerMicroBatchStayWithinTheirBudget) {
+  Harness h({.max_sequences = 64, .max_tokens = 200, .prefill_chunk = 48, .prefill_tokens = 64, .max_running = 64});
+  for (int i = 0; i < 3; ++i) h.submit(100, 4);
+  h.admit(10000);
+  ASSERT_EQ(h.scheduler->running_on(0), 3);
+  // Depth 2: two micro-batches in flight. The first takes a whole chunk of the first prompt
+  // and what is left of the budget from the second; the next the rest of the budget.
+  auto first = h.scheduler->next_batch(h.pipelines[0], 2);
+  ASSERT_TRUE(first.has_value());
+  ASSERT_EQ(first->batch.seqs.size(), 2u);
+  EXPECT_EQ(first->batch.seqs[0].slice.num_tokens, 48);
+  EXPECT_EQ(first->batch.seqs[1].slice.num_tokens, 16);
+  EXPECT_EQ(first->batch.token_ids.size(), 64u);
+  Scheduler::sent(h.pipelines[0], std::move(*first));
+  auto second = h.scheduler->next_batch(h.pipelines[0], 2);
+  ASSERT_TRUE(second.has_value());
+  ASSERT_EQ(second->batch.seqs.size(), 1u);  // the third sequence: the others are in flight
+  EXPECT_EQ(second->batch.seqs[0].slice.start_pos, 0);
+  EXPECT_EQ(second->batch.seqs[0].slice.num_tokens, 48);
+  Scheduler::sent(h.pipelines[0], std::move(*second));
+  EXPECT_EQ(h.pipelines[0].in_flight, 2);
+  // Nothing left that is not in flight: no third micro-batch.
+  EXPECT_FALSE(h.scheduler->next_batch(h.pipelines[0], 2).has_value());
+}
+
+TEST(Scheduler, AMicroBatchHoldsAtMostMaxBatchTokensRows) {
+  Harness h({.max_sequences = 64, .max_tokens = 3, .prefill_chunk = 64, .prefill_tokens = 64, .max_running = 64});
+  for (int i = 0; i < 5; ++i) h.submit(1, 4);  // one-token prompts: every slice is one row
+  h.admit(10000);
+  auto b = h.scheduler->next_batch(h.pipelines[0], 1);
+  ASSERT_TRUE(b.has_value());
+  EXPECT_EQ(b->batch.token_ids.size(), 3u);  // max_tokens rows
+  EXPECT_EQ(b->batch.seqs.size(), 3u);
+}
+
+}  // namespace
+}  // namespace conveyor
