@@ -8,6 +8,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <chrono>
 #include <optional>
 #include <string>
@@ -15,6 +16,20 @@
 #include <vector>
 
 namespace conveyor::testing {
+
+// True while child `pid` runs. Once it has exited (or is no child of ours any more) it is
+// reaped, `pid` becomes -1 and its wait status goes to `status` (when there is one).
+inline bool child_running(pid_t& pid, std::optional<int>* status = nullptr) {
+  if (pid <= 0) return false;
+  int st = 0;
+  const pid_t r = ::waitpid(pid, &st, WNOHANG);
+  if (r == pid || (r < 0 && errno == ECHILD)) {
+    if (r == pid && status != nullptr) *status = st;
+    pid = -1;
+    return false;
+  }
+  return true;
+}
 
 class ChildProcess {
  public:
@@ -52,16 +67,7 @@ class ChildProcess {
   ChildProcess& operator=(const ChildProcess&) = delete;
 
   pid_t pid() const { return pid_; }
-  bool running() {
-    if (pid_ <= 0) return false;
-    int status = 0;
-    if (::waitpid(pid_, &status, WNOHANG) == pid_) {
-      exit_status_ = status;
-      pid_ = -1;
-      return false;
-    }
-    return true;
-  }
+  bool running() { return child_running(pid_, &exit_status_); }
   // The exit code once it exited (waits up to `timeout`), or nullopt.
   std::optional<int> wait_exit(std::chrono::milliseconds timeout) {
     const auto deadline = std::chrono::steady_clock::now() + timeout;

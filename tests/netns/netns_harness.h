@@ -40,6 +40,7 @@
 
 #include <gtest/gtest.h>
 
+#include "tests/process_util.h"
 #include "tests/test_util.h"
 
 namespace conveyor::netns_test {
@@ -140,16 +141,7 @@ class Process {
   Process& operator=(const Process&) = delete;
 
   pid_t pid() const { return pid_; }
-  bool alive() {
-    if (pid_ <= 0) return false;
-    int status = 0;
-    const pid_t r = ::waitpid(pid_, &status, WNOHANG);
-    if (r == pid_ || (r < 0 && errno == ECHILD)) {
-      pid_ = -1;
-      return false;
-    }
-    return true;
-  }
+  bool alive() { return testing::child_running(pid_); }
   void signal(int sig) {
     if (pid_ > 0) ::kill(pid_, sig);
   }

@@ -223,16 +223,7 @@ class Daemon {
   Daemon(const Daemon&) = delete;
   Daemon& operator=(const Daemon&) = delete;
 
-  bool alive() {
-    if (pid_ <= 0) return false;
-    int status = 0;
-    const pid_t r = ::waitpid(pid_, &status, WNOHANG);
-    if (r == pid_ || (r < 0 && errno == ECHILD)) {
-      pid_ = -1;
-      return false;
-    }
-    return true;
-  }
+  bool alive() { return testing::child_running(pid_); }
   // SIGTERM to the group, SIGKILL after `grace`; reaps the daemon.
   void stop(milliseconds grace = milliseconds(5000)) {
     if (pid_ <= 0) return;
