@@ -498,6 +498,8 @@ int main(int argc, char** argv) {
   app.add_option("--concurrency", concurrency_list, "client threads; a list (1,64,256) runs one load each on one cluster");
   app.add_option("--warmup", warmup, "untimed requests before each load (default: its clients)");
   app.add_option("--max-tokens", max_tokens, "tokens per request")->check(CLI::PositiveNumber);
+  bool greedy = false;
+  app.add_flag("--greedy", greedy, "greedy requests (temperature 0) instead of temperature 0.8, top-k 40");
   app.add_option("--prompt-tokens", prompt_tokens, "prompts of this many token ids (default: four short texts)")
       ->check(CLI::PositiveNumber);
   app.add_option("--prompt-mix", prompt_mix,
@@ -692,7 +694,8 @@ int main(int argc, char** argv) {
     const bool stream_load = stream || mixed || std::find(streamed.begin(), streamed.end(), clients) != streamed.end();
     // The body of request i: a text, or token ids of the stated length (the mix in turn).
     auto body_of = [&](int i) {
-      json body = {{"max_tokens", max_tokens}, {"temperature", 0.8}, {"top_k", 40}, {"seed", i}, {"ignore_eos", true}};
+      json body = greedy ? json{{"max_tokens", max_tokens}, {"temperature", 0}, {"ignore_eos", true}}
+                         : json{{"max_tokens", max_tokens}, {"temperature", 0.8}, {"top_k", 40}, {"seed", i}, {"ignore_eos", true}};
       if (mixed) body["prompt"] = token_prompt(mix[size_t(i) % mix.size()], i, vocab);
       else if (prompt_tokens > 0) body["prompt"] = token_prompt(prompt_tokens, i, vocab);
       else body["prompt"] = prompts[i % 4];
