@@ -349,9 +349,11 @@ std::string kernel_choice_name(int layout, int k) {
   return k == kDequantChoice ? "dequant+cublasLt" : detail::int8_kernel_name(detail::Int8Kernel(k));
 }
 
-Gemm::Plan& Gemm::plan_kernels(const Key& key, std::vector<int> candidates, int untimed_choice, bool dequant,
-                                const std::function<void(int)>& launch, cudaStream_t stream) {
+Gemm::Plan& Gemm::plan_kernels(const Key& key, const std::function<std::vector<int>()>& candidates_of,
+                                int untimed_choice, bool dequant, const std::function<void(int)>& launch,
+                                cudaStream_t stream) {
   if (auto it = plans_.find(key); it != plans_.end()) return *it->second;
+  std::vector<int> candidates = candidates_of();
   auto plan = std::make_unique<Plan>();
   // Another T of this bucket was timed: its choice, if it is one for this T too.
   if (auto it = timed_buckets_.find(bucket_of(key)); it != timed_buckets_.end()) {
@@ -412,10 +414,12 @@ void Gemm::run_fixed(OutT* out, const T* in, const W* w, const float* scales, co
                                        act, stream, per_row > 0 ? workspace_.as<float>() : nullptr);
     }
   };
-  std::vector<int> candidates;
-  for (detail::FixedTile k : detail::fixed_tile_candidates(T_, K, N)) candidates.push_back(int(k));
-  const Plan& plan =
-      plan_kernels(key, std::move(candidates), int(detail::fixed_default_tile(T_, K, N)), false, launch, stream);
+  auto candidates = [&] {
+    std::vector<int> v;
+    for (detail::FixedTile k : detail::fixed_tile_candidates(T_, K, N)) v.push_back(int(k));
+    return v;
+  };
+  const Plan& plan = plan_kernels(key, candidates, int(detail::fixed_default_tile(T_, K, N)), false, launch, stream);
   launch(plan.kernel);
 }
 
@@ -449,10 +453,13 @@ void Gemm::run_int8(OutT* out, const T* in, const int8_t* w, const float* scales
     }
     detail::int8_matmul<T, OutT>(detail::Int8Kernel(k), out, in, w, scales, bias, T_, K, N, act, stream);
   };
-  std::vector<int> candidates;
-  for (detail::Int8Kernel k : detail::int8_candidates(T_, K, N, in, w)) candidates.push_back(int(k));
-  const Plan& plan = plan_kernels(key, std::move(candidates), int(detail::int8_default_kernel(T_, K, N, in, w)),
-                                  can_dequant, launch, stream);
+  auto candidates = [&] {
+    std::vector<int> v;
+    for (detail::Int8Kernel k : detail::int8_candidates(T_, K, N, in, w)) v.push_back(int(k));
+    return v;
+  };
+  const Plan& plan =
+      plan_kernels(key, candidates, int(detail::int8_default_kernel(T_, K, N, in, w)), can_dequant, launch, stream);
   launch(plan.kernel);
 }
 

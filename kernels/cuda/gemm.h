@@ -114,11 +114,13 @@ class Gemm {
 
   Plan& plan_for(const Key& key, const void* out, const void* in, const void* w, const void* bias,
                  cudaStream_t stream);
-  // The plan of `key` among our own kernels: launch(k) runs candidate k (a detail::Int8Kernel
-  // or detail::FixedTile) on the caller's buffers; untimed_choice when nothing is timed.
-  // dequant: the int8 dequantise-then-run() path (kDequantChoice) is a candidate too.
-  Plan& plan_kernels(const Key& key, std::vector<int> candidates, int untimed_choice, bool dequant,
-                     const std::function<void(int)>& launch, cudaStream_t stream);
+  // The plan of `key` among our own kernels: candidates_of() lists them (asked only when
+  // `key` has no plan yet: every call of a planned shape passes here), launch(k) runs
+  // candidate k (a detail::Int8Kernel or detail::FixedTile) on the caller's buffers;
+  // untimed_choice when nothing is timed. dequant: the int8 dequantise-then-run() path
+  // (kDequantChoice) is a candidate too.
+  Plan& plan_kernels(const Key& key, const std::function<std::vector<int>()>& candidates_of, int untimed_choice,
+                     bool dequant, const std::function<void(int)>& launch, cudaStream_t stream);
   // The fixed-order tiles for W = T or int8_t (scales then required).
   template <class T, class W, class OutT>
   void run_fixed(OutT* out, const T* in, const W* w, const float* scales, const T* bias, int64_t T_, int64_t K,

@@ -3,7 +3,6 @@
 // forward, the hidden-state transfers and the sequence bookkeeping. Every public entry runs
 // through guard() once (guard.h).
 #include <algorithm>
-#include <cstdlib>
 #include <cstring>
 #include <string>
 #include <type_traits>
@@ -52,7 +51,8 @@ GpuStage::GpuStage(const ModelConfig& config, int64_t layer_begin, int64_t layer
   CUDA_CHECK(cudaDeviceGetAttribute(&num_sms_, cudaDevAttrMultiProcessorCount, device_));
   CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
   gemm_ = std::make_unique<Gemm>();
-  if (const char* e = std::getenv("CONVEYOR_DETERMINISTIC"); e && std::string(e) == "0") options_.deterministic = false;
+  // The Gemm starts in the mode the environment asks for (CONVEYOR_DETERMINISTIC=0: off).
+  options_.deterministic = options_.deterministic && gemm_->deterministic();
   gemm_->set_deterministic(options_.deterministic);
 
   const int64_t largest_bucket = options_.max_seqs <= kMaxGraphRows ? bucket_for(options_.max_seqs) : 0;
