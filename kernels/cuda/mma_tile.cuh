@@ -109,6 +109,21 @@ struct WeightTile {
   }
 };
 
+// The 16-byte chunk of `row` (elements of 16 / E bytes: E = 8 for T, 16 for int8) that starts
+// at element k, each element at or past K zero: the guarded loaders' chunk.
+template <int E, class U>
+__device__ __forceinline__ uint4 guarded_chunk(const U* row, int k, int K) {
+  using Bits = std::conditional_t<E == 16, uint8_t, uint16_t>;
+  static_assert(sizeof(U) == sizeof(Bits), "E elements of U fill 16 bytes");
+  constexpr int kPerWord = E / 4, kShift = 32 / kPerWord;
+  const Bits* src = reinterpret_cast<const Bits*>(row);
+  uint32_t v[4] = {0, 0, 0, 0};
+#pragma unroll
+  for (int e = 0; e < E; ++e)
+    if (k + e < K) v[e / kPerWord] |= uint32_t(src[k + e]) << (kShift * (e % kPerWord));
+  return make_uint4(v[0], v[1], v[2], v[3]);
+}
+
 // kAligned: K % 16 == 0 and in, w 16-byte aligned, so every 16-byte chunk of a tile is either
 // wholly inside the matrix or wholly outside (cp.async, zero-filled). Otherwise each element is
 // loaded on its own with bounds checks (synchronous; the same sums, bit for bit).
@@ -156,21 +171,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
         const bool inside = n < N && k < K;
         cp_async16(d, inside ? w + int64_t(n) * K + k : w, inside ? 16 : 0);
       } else {
-        uint32_t v[4] = {0, 0, 0, 0};
-        if (n < N) {
-          if constexpr (WT::kInt8) {
-            const uint8_t* src = reinterpret_cast<const uint8_t*>(w) + int64_t(n) * K;
-#pragma unroll
-            for (int e = 0; e < 16; ++e)
-              if (k + e < K) v[e >> 2] |= uint32_t(src[k + e]) << (8 * (e & 3));
-          } else {
-            const uint16_t* src = reinterpret_cast<const uint16_t*>(w) + int64_t(n) * K;
-#pragma unroll
-            for (int e = 0; e < 8; ++e)
-              if (k + e < K) v[e >> 1] |= uint32_t(src[k + e]) << (16 * (e & 1));
-          }
-        }
-        *reinterpret_cast<uint4*>(d) = make_uint4(v[0], v[1], v[2], v[3]);
+        *reinterpret_cast<uint4*>(d) = n < N ? guarded_chunk<E>(w + int64_t(n) * K, k, K) : make_uint4(0, 0, 0, 0);
       }
     }
   };
@@ -187,14 +188,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
         const bool inside = m < T_ && k < K;
         cp_async16(d, inside ? x + int64_t(m) * K + k : x, inside ? 16 : 0);
       } else {
-        uint32_t v[4] = {0, 0, 0, 0};
-        if (m < T_) {
-          const uint16_t* src = reinterpret_cast<const uint16_t*>(x) + int64_t(m) * K;
-#pragma unroll
-          for (int e = 0; e < 8; ++e)
-            if (k + e < K) v[e >> 1] |= uint32_t(src[k + e]) << (16 * (e & 1));
-        }
-        *reinterpret_cast<uint4*>(d) = make_uint4(v[0], v[1], v[2], v[3]);
+        *reinterpret_cast<uint4*>(d) = m < T_ ? guarded_chunk<8>(x + int64_t(m) * K, k, K) : make_uint4(0, 0, 0, 0);
       }
     }
   };
