@@ -49,6 +49,7 @@
 //   conveyor-bench-cluster --backend cuda --random gpt2-xl --stages 1 --concurrency 64,256
 //       --requests-per-client 2 --prompt-tokens 128 --max-tokens 128 --trace
 #include <algorithm>
+#include <climits>
 #include <cmath>
 #include <csignal>
 #include <cstdlib>
@@ -61,6 +62,7 @@
 #include <filesystem>
 #include <mutex>
 #include <numeric>
+#include <optional>
 #include <sstream>
 #include <thread>
 
@@ -281,6 +283,19 @@ int recovery(const std::string& bin_dir, const std::string& model, const std::st
 
 
 // The p-th percentile (0..100, nearest rank) of `v`; 0 when empty.
+// The comma-separated integers of `text`, each in [1, max]; nullopt when one is not.
+std::optional<std::vector<int64_t>> positive_list(const std::string& text, int64_t max) {
+  std::vector<int64_t> out;
+  std::stringstream ss(text);
+  for (std::string x; std::getline(ss, x, ',');) {
+    char* end = nullptr;
+    const long v = std::strtol(x.c_str(), &end, 10);
+    if (x.empty() || *end != '\0' || v < 1 || v > max) return std::nullopt;
+    out.push_back(v);
+  }
+  return out;
+}
+
 double percentile(std::vector<double> v, double p) {
   if (v.empty()) return 0;
   std::sort(v.begin(), v.end());
@@ -526,45 +541,24 @@ int main(int argc, char** argv) {
   app.add_flag("--overhead", overhead, "measure the coordinator's added latency against the in-process engine");
   app.add_flag("--engine", engine, "no cluster: the in-process CPU engine, a static batch of each --concurrency figure");
   CLI11_PARSE(app, argc, argv);
-  std::vector<int> concurrencies;
-  {
-    std::stringstream ss(concurrency_list);
-    for (std::string x; std::getline(ss, x, ',');) {
-      char* end = nullptr;
-      const long v = std::strtol(x.c_str(), &end, 10);
-      if (x.empty() || *end != '\0' || v < 1 || v > 100000) {
-        std::fprintf(stderr, "--concurrency wants positive integers separated by commas, got '%s'\n", concurrency_list.c_str());
-        return 2;
-      }
-      concurrencies.push_back(int(v));
-    }
+  const auto concurrency_values = positive_list(concurrency_list, 100000);
+  if (!concurrency_values) {
+    std::fprintf(stderr, "--concurrency wants positive integers separated by commas, got '%s'\n", concurrency_list.c_str());
+    return 2;
   }
-  std::vector<int64_t> mix;
-  if (!prompt_mix.empty()) {
-    std::stringstream ss(prompt_mix);
-    for (std::string x; std::getline(ss, x, ',');) {
-      char* end = nullptr;
-      const long v = std::strtol(x.c_str(), &end, 10);
-      if (x.empty() || *end != '\0' || v < 1) {
-        std::fprintf(stderr, "--prompt-mix wants prompt lengths (tokens) separated by commas, got '%s'\n", prompt_mix.c_str());
-        return 2;
-      }
-      mix.push_back(v);
-    }
+  const std::vector<int> concurrencies(concurrency_values->begin(), concurrency_values->end());
+  const auto mix_values = positive_list(prompt_mix, LONG_MAX);
+  if (!mix_values) {
+    std::fprintf(stderr, "--prompt-mix wants prompt lengths (tokens) separated by commas, got '%s'\n", prompt_mix.c_str());
+    return 2;
   }
-  std::vector<int> streamed;  // client counts whose loads stream (all with --stream)
-  {
-    std::stringstream ss(stream_at);
-    for (std::string x; std::getline(ss, x, ',');) {
-      char* end = nullptr;
-      const long v = std::strtol(x.c_str(), &end, 10);
-      if (x.empty() || *end != '\0' || v < 1) {
-        std::fprintf(stderr, "--stream-at wants client counts separated by commas, got '%s'\n", stream_at.c_str());
-        return 2;
-      }
-      streamed.push_back(int(v));
-    }
+  const std::vector<int64_t>& mix = *mix_values;
+  const auto streamed_values = positive_list(stream_at, INT_MAX);  // client counts whose loads stream (all with --stream)
+  if (!streamed_values) {
+    std::fprintf(stderr, "--stream-at wants client counts separated by commas, got '%s'\n", stream_at.c_str());
+    return 2;
   }
+  const std::vector<int> streamed(streamed_values->begin(), streamed_values->end());
   if (engine && backend != "cpu") {
     std::fprintf(stderr, "--engine runs the in-process CPU engine; for the GPU use conveyor-bench-gpu-decode\n");
     return 2;
