@@ -10,6 +10,19 @@
 //    peer has the data), the peer acknowledging the last message; bytes / elapsed time.
 // Receive-side costs are included: the receiver allocates a fresh buffer per message.
 // UCX_TLS in the environment overrides --transports.
+//
+//   conveyor-bench-transport --handoff [--device 0] [--min 16384] [--max 67108864] [--seconds 0.5]
+//
+// (CUDA builds.) One micro-batch handoff between two GPU stage processes on one GPU, as the
+// stage worker makes it, on both data paths in one run:
+//  - staged: device rows -> page-locked slot (cudaMemcpy D2H) -> UCX (host memory) ->
+//    page-locked receive buffer -> device rows (cudaMemcpy H2D);
+//  - direct: device rows -> device slot (D2D) -> UCX (CUDA memory: cuda_ipc between two
+//    processes on one GPU) -> device receive buffer -> device rows (D2D); only when the UCX
+//    moves CUDA memory (a UCX built with CUDA: scripts/setup.sh), else reported as absent.
+// Latency is half the round trip of a handoff and its way back; bandwidth is back-to-back
+// handoffs of one sender, each waiting for its send (the handoff's back-pressure), the
+// receiver copying every one into its rows, acknowledged at the end.
 #include <spawn.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -22,6 +35,10 @@
 #include <filesystem>
 #include <string>
 #include <vector>
+
+#ifdef CONVEYOR_HAVE_CUDA
+#include <cuda_runtime.h>
+#endif
 
 #include "transport/control_plane.h"
 #include "transport/ucx_channel.h"
@@ -87,6 +104,9 @@ struct Args {
   std::size_t min_bytes = 4096;
   std::size_t max_bytes = 64u << 20;
   double seconds = 0.5;  // per size and measurement
+  bool handoff = false;  // --handoff: the GPU stage handoff, staged and direct
+  int device = 0;
+  std::string path;      // the handoff peer's path: "staged" or "direct"
 };
 
 double percentile(std::vector<double> v, double p) {
@@ -99,6 +119,31 @@ std::string size_text(std::size_t n) {
   return std::to_string(n >> 10) + " KiB";
 }
 
+// Starts this program again as the peer (`peer_args` after its own path), and wires the two
+// channels up through the control plane: the peer registers its address, gets `ch`'s back.
+struct Peer {
+  pid_t pid = -1;
+  PeerId id = kNoPeer;
+};
+Peer start_peer(const char* self, ControlServer& server, UcxChannel& ch, std::vector<std::string> peer_args,
+                std::chrono::seconds wait) {
+  peer_args.insert(peer_args.begin(), self);
+  std::vector<char*> argv;
+  for (auto& a : peer_args) argv.push_back(a.data());
+  argv.push_back(nullptr);
+  Peer peer;
+  if (posix_spawn(&peer.pid, self, nullptr, nullptr, argv.data(), environ) != 0) die("posix_spawn");
+  const auto deadline = Clock::now() + wait;
+  while (peer.id == kNoPeer && Clock::now() < deadline) {
+    auto in = check(server.recv(500ms), "control recv");
+    if (!in || in->message.type() != "register") continue;
+    peer.id = check(ch.connect(in->message.blob, "bench-peer"), "connect");
+    check(server.send(in->peer, ControlMessage::make("assign", nullptr, ch.address())), "assign");
+  }
+  if (peer.id == kNoPeer) die("the peer process did not register");
+  return peer;
+}
+
 int run_bench(const Args& args, const char* self) {
   auto server = check(ControlServer::bind("tcp://127.0.0.1:0"), "control bind");
   UcxChannelOptions options;
@@ -107,22 +152,9 @@ int run_bench(const Args& args, const char* self) {
   auto ch = check(UcxChannel::create(options), "create channel");
 
   // Start the peer and wire the two channels up through the control plane.
-  std::vector<std::string> argv_s = {self, "--peer", server->endpoint(), "--transports",
-                                     args.transports};
-  std::vector<char*> argv;
-  for (auto& a : argv_s) argv.push_back(a.data());
-  argv.push_back(nullptr);
-  pid_t pid = -1;
-  if (posix_spawn(&pid, self, nullptr, nullptr, argv.data(), environ) != 0) die("posix_spawn");
-  PeerId peer = kNoPeer;
-  const auto deadline = Clock::now() + 20s;
-  while (peer == kNoPeer && Clock::now() < deadline) {
-    auto in = check(server->recv(500ms), "control recv");
-    if (!in || in->message.type() != "register") continue;
-    peer = check(ch->connect(in->message.blob, "bench-peer"), "connect");
-    check(server->send(in->peer, ControlMessage::make("assign", nullptr, ch->address())), "assign");
-  }
-  if (peer == kNoPeer) die("the peer process did not register");
+  const Peer started = start_peer(self, *server, *ch, {"--peer", server->endpoint(), "--transports", args.transports}, 20s);
+  const pid_t pid = started.pid;
+  const PeerId peer = started.id;
 
   auto info = check(ch->transport_info(peer), "transport info");
   const char* env_tls = std::getenv("UCX_TLS");
@@ -169,6 +201,178 @@ int run_bench(const Args& args, const char* self) {
   return 0;
 }
 
+#ifdef CONVEYOR_HAVE_CUDA
+// ------------------------------------------------------------------ --handoff (CUDA)
+
+void cuda_check(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) die(std::string(what) + ": " + cudaGetErrorString(e));
+}
+
+// One end of a GPU handoff: its stage's rows on the device and a stream, the slot it sends
+// from (page-locked host memory staged, device memory direct), as a GPU worker has them.
+struct GpuEnd {
+  bool direct = false;
+  std::size_t max_bytes = 0;
+  cudaStream_t stream = nullptr;
+  void* rows = nullptr;  // the stage's activations on the device
+  void* slot = nullptr;  // where they go before the send
+
+  GpuEnd(bool direct_path, std::size_t bytes, int device) : direct(direct_path), max_bytes(bytes) {
+    cuda_check(cudaSetDevice(device), "cudaSetDevice");
+    cuda_check(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreate");
+    cuda_check(cudaMalloc(&rows, bytes), "cudaMalloc rows");
+    cuda_check(cudaMemset(rows, 0x5a, bytes), "cudaMemset");
+    if (direct) cuda_check(cudaMalloc(&slot, bytes), "cudaMalloc slot");
+    else cuda_check(cudaHostAlloc(&slot, bytes, cudaHostAllocPortable), "cudaHostAlloc slot");
+  }
+  ~GpuEnd() {
+    if (direct) cudaFree(slot);
+    else cudaFreeHost(slot);
+    cudaFree(rows);
+    cudaStreamDestroy(stream);
+  }
+  // The stage hands its rows on: into the slot, on its stream, synchronised (download_hidden).
+  PayloadView hand_on(std::size_t n) {
+    cuda_check(cudaMemcpyAsync(slot, rows, n, cudaMemcpyDefault, stream), "copy into the slot");
+    cuda_check(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
+    return {slot, n, direct};
+  }
+  // The next stage takes received rows in (upload_hidden): from host or device memory.
+  void take_in(const Message& m) {
+    if (m.payload.size() > max_bytes) die("payload larger than the rows");
+    cuda_check(cudaMemcpyAsync(rows, m.payload.data(), m.payload.size(), cudaMemcpyDefault, stream), "copy into the rows");
+    cuda_check(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
+  }
+};
+
+// A channel as a GPU worker's: page-locked receive buffers; on the direct path device receive
+// buffers too, with the GPU current on the progress thread.
+UcxChannelOptions gpu_channel_options(const std::string& name, const Args& args, bool direct) {
+  UcxChannelOptions o;
+  o.name = name;
+  o.transports = args.transports;
+  const int device = args.device;
+  o.receive_allocator.allocate = [device](std::size_t n) -> void* {
+    void* p = nullptr;
+    return cudaSetDevice(device) == cudaSuccess && cudaHostAlloc(&p, n, cudaHostAllocPortable) == cudaSuccess ? p : nullptr;
+  };
+  o.receive_allocator.release = [](void* p) { cudaFreeHost(p); };
+  if (direct) {
+    o.device_allocator.allocate = [device](std::size_t n) -> void* {
+      void* p = nullptr;
+      return cudaSetDevice(device) == cudaSuccess && cudaMalloc(&p, n) == cudaSuccess ? p : nullptr;
+    };
+    o.device_allocator.release = [](void* p) { cudaFree(p); };
+    o.progress_thread_init = [device] { cudaSetDevice(device); };
+  }
+  return o;
+}
+
+// The handoff peer: takes every micro-batch into its rows; sends "ping"s back the same way.
+int run_handoff_peer(const std::string& endpoint, const Args& args) {
+  const bool direct = args.path == "direct";
+  GpuEnd end(direct, args.max_bytes, args.device);
+  auto ch = check(UcxChannel::create(gpu_channel_options("bench-peer", args, direct)), "create channel");
+  ControlClientOptions co;
+  co.identity = "bench-peer";
+  auto control = check(ControlClient::connect(endpoint, co), "control connect");
+  check(control->send(ControlMessage::make("register", nullptr, ch->address()), 10s), "register");
+  auto assign = check(control->recv(20s), "assign");
+  if (!assign) die("no assign");
+  const PeerId parent = check(ch->connect(assign->blob, "bench"), "connect");
+  for (;;) {
+    Message m = recv_message(*ch);
+    const auto kind = as_string_view(m.header);
+    if (kind == "bye") return 0;
+    end.take_in(m);
+    if (kind == "ping") check(ch->send(parent, m.header, end.hand_on(m.payload.size()), 60s), "echo");
+    else if (kind == "last") check(ch->send(parent, as_bytes("ack"), {}, 60s), "ack");
+  }
+}
+
+struct HandoffRow {
+  double p50_us = 0, p99_us = 0, gb_per_s = 0;
+};
+
+// Measures every size on one path against a peer process of the same path. Empty when the
+// direct path cannot run (a UCX without CUDA).
+std::vector<HandoffRow> measure_handoff(const Args& args, const char* self, bool direct, const std::vector<std::size_t>& sizes) {
+  auto server = check(ControlServer::bind("tcp://127.0.0.1:0"), "control bind");
+  GpuEnd end(direct, args.max_bytes, args.device);
+  auto ch = check(UcxChannel::create(gpu_channel_options("bench", args, direct)), "create channel");
+  if (direct && !ch->takes_device_memory()) {
+    std::printf("direct path: this UCX cannot move CUDA memory (ucp_context_query), so it is not measured\n");
+    return {};
+  }
+  const Peer started = start_peer(self, *server, *ch,
+                                  {"--peer", server->endpoint(), "--transports", args.transports, "--handoff", "--path",
+                                   direct ? "direct" : "staged", "--device", std::to_string(args.device), "--max",
+                                   std::to_string(args.max_bytes)},
+                                  30s);
+  const pid_t pid = started.pid;
+  const PeerId peer = started.id;
+  if (direct && !ch->peer_takes_device_memory(peer)) die("the direct peer does not take device memory");
+
+  std::vector<HandoffRow> rows;
+  for (std::size_t n : sizes) {
+    auto handoff = [&](const char* kind) { check(ch->send(peer, as_bytes(kind), end.hand_on(n), 60s), "send"); };
+    for (int i = 0; i < 3; ++i) {  // warm-up: UCX maps the buffers (cuda_ipc) once
+      handoff("ping");
+      end.take_in(recv_message(*ch));
+    }
+    std::vector<double> half_rtt_us;
+    const auto lat_end = Clock::now() + std::chrono::duration<double>(args.seconds);
+    while (half_rtt_us.size() < 5 || (Clock::now() < lat_end && half_rtt_us.size() < 100000)) {
+      const auto t0 = Clock::now();
+      handoff("ping");
+      end.take_in(recv_message(*ch));
+      half_rtt_us.push_back(std::chrono::duration<double, std::micro>(Clock::now() - t0).count() / 2);
+    }
+    const std::size_t count = std::clamp<std::size_t>(static_cast<std::size_t>(args.seconds * 5e9 / double(n)), 4, 20000);
+    const auto t0 = Clock::now();
+    for (std::size_t i = 0; i + 1 < count; ++i) handoff("bulk");
+    handoff("last");
+    recv_message(*ch);
+    const double seconds = std::chrono::duration<double>(Clock::now() - t0).count();
+    rows.push_back({percentile(half_rtt_us, 0.5), percentile(half_rtt_us, 0.99), double(n) * double(count) / seconds / 1e9});
+  }
+  auto info = ch->transport_info(peer);
+  std::printf("%s path, endpoint to the peer process:\n%s\n", direct ? "direct" : "staged",
+              info.ok() ? info->c_str() : info.error().c_str());
+  check(ch->send(peer, as_bytes("bye"), {}, 10s), "bye");
+  int status = 0;
+  waitpid(pid, &status, 0);
+  return rows;
+}
+
+int run_handoff_bench(Args args, const char* self) {
+  if (args.min_bytes < 16384 && args.min_bytes == 4096) args.min_bytes = 16384;  // the default: 16 KiB
+  cudaDeviceProp prop{};
+  cuda_check(cudaGetDeviceProperties(&prop, args.device), "cudaGetDeviceProperties");
+  std::vector<std::size_t> sizes;
+  for (std::size_t n = args.min_bytes; n <= args.max_bytes; n *= 4) sizes.push_back(n);
+  const char* env_tls = std::getenv("UCX_TLS");
+  std::printf("GPU handoff, both processes on GPU %d (%s); UCX_TLS=%s\n", args.device, prop.name,
+              env_tls ? env_tls : (args.transports.empty() ? "(default)" : args.transports.c_str()));
+  const auto staged = measure_handoff(args, self, false, sizes);
+  const auto direct = measure_handoff(args, self, true, sizes);
+  std::printf("| size | staged p50 (us) | direct p50 (us) | staged p99 (us) | direct p99 (us) | staged (GB/s) | direct (GB/s) |\n");
+  std::printf("|---:|---:|---:|---:|---:|---:|---:|\n");
+  for (std::size_t i = 0; i < sizes.size(); ++i) {
+    auto cell = [&](const std::vector<HandoffRow>& v, double HandoffRow::*f, const char* fmt) {
+      char b[32] = "-";
+      if (i < v.size()) std::snprintf(b, sizeof(b), fmt, v[i].*f);
+      return std::string(b);
+    };
+    std::printf("| %s | %s | %s | %s | %s | %s | %s |\n", size_text(sizes[i]).c_str(),
+                cell(staged, &HandoffRow::p50_us, "%.1f").c_str(), cell(direct, &HandoffRow::p50_us, "%.1f").c_str(),
+                cell(staged, &HandoffRow::p99_us, "%.1f").c_str(), cell(direct, &HandoffRow::p99_us, "%.1f").c_str(),
+                cell(staged, &HandoffRow::gb_per_s, "%.2f").c_str(), cell(direct, &HandoffRow::gb_per_s, "%.2f").c_str());
+  }
+  return 0;
+}
+#endif
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -190,10 +394,24 @@ int main(int argc, char** argv) {
       args.max_bytes = std::stoull(next());
     else if (a == "--seconds")
       args.seconds = std::stod(next());
+    else if (a == "--handoff")
+      args.handoff = true;
+    else if (a == "--device")
+      args.device = std::stoi(next());
+    else if (a == "--path")
+      args.path = next();
     else
       die("unknown argument " + a + " (see the comment at the top of bench_transport.cc)");
   }
-  if (!peer_endpoint.empty()) return run_peer(peer_endpoint, args.transports);
   const std::string self = std::filesystem::read_symlink("/proc/self/exe").string();
+  if (args.handoff) {
+#ifdef CONVEYOR_HAVE_CUDA
+    if (!peer_endpoint.empty()) return run_handoff_peer(peer_endpoint, args);
+    return run_handoff_bench(args, self.c_str());
+#else
+    die("--handoff needs a build with the CUDA backend");
+#endif
+  }
+  if (!peer_endpoint.empty()) return run_peer(peer_endpoint, args.transports);
   return run_bench(args, self.c_str());
 }

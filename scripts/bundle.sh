@@ -46,12 +46,21 @@ for f in "$BUILD_DIR"/bin/* "$BUILD_DIR"/tests/test_*; do
   strip --strip-debug "$dest"
   copy_deps "$f"
 done
-# UCX loads its transports (tcp, shared memory, verbs...) as modules from the folder "ucx"
-# beside libucs; a module whose own libraries the node lacks is skipped by UCX.
-UCX_MODULES="$(pkg-config --variable=libdir ucx 2>/dev/null)/ucx"
-if [[ -d "$UCX_MODULES" && -e "$STAGE/lib/libucs.so.0" ]]; then
+# UCX loads its transports (tcp, shared memory, verbs, and with the UCX scripts/setup.sh
+# builds when CUDA is present, cuda_copy and cuda_ipc in libuct_cuda) as modules from the
+# folder "ucx" beside the libucs the programs link; a module whose own libraries the node
+# lacks (libibverbs, say) is skipped by UCX. The run scripts point UCX_MODULE_DIR at lib/ucx.
+UCX_LIBDIR=""
+for f in "$BUILD_DIR"/bin/*; do
+  UCX_LIBDIR=$(ldd "$f" 2>/dev/null | awk '/libucs\.so/ { print $3; exit }')
+  [[ -n "$UCX_LIBDIR" ]] && UCX_LIBDIR=$(dirname "$UCX_LIBDIR") && break
+done
+if [[ -n "$UCX_LIBDIR" && -d "$UCX_LIBDIR/ucx" && -e "$STAGE/lib/libucs.so.0" ]]; then
   mkdir -p "$STAGE/lib/ucx"
-  cp -L "$UCX_MODULES"/*.so* "$STAGE/lib/ucx/" 2>/dev/null || true
+  # UCX opens each module by its soname (libuct_cuda.so.0), not the .so link.
+  for m in "$UCX_LIBDIR"/ucx/lib{uct,ucm}_*.so.0; do
+    [[ -e "$m" ]] && cp -L "$m" "$STAGE/lib/ucx/"
+  done
 fi
 CUDA_RPATH='/usr/local/cuda/lib64:/usr/local/cuda/targets/x86_64-linux/lib'
 for f in "$STAGE"/bin/* "$STAGE"/tests/*; do
@@ -61,8 +70,11 @@ for f in "$STAGE"/lib/*.so* "$STAGE"/lib/ucx/*.so*; do
   [[ -f "$f" ]] || continue
   chmod u+w "$f"
   strip --strip-unneeded "$f" 2>/dev/null || true
-  patchelf --set-rpath '$ORIGIN:$ORIGIN/..' "$f"
+  # The CUDA modules (libuct_cuda, libucm_cuda) need the node's CUDA runtime as well.
+  patchelf --set-rpath "\$ORIGIN:\$ORIGIN/..:$CUDA_RPATH" "$f"
 done
 mkdir -p "$(dirname "$OUT")"
 tar -C "$STAGE" -cf - bin tests lib | xz -T0 -6 > "$OUT"
-echo "bundle: $OUT ($(du -h "$OUT" | cut -f1)): $(ls "$STAGE/bin" "$STAGE/tests" | grep -vc :) programs, $(ls "$STAGE/lib" | wc -l) libraries"
+ucx_note="UCX from ${UCX_LIBDIR:-?}"
+[[ -e "$STAGE/lib/ucx/libuct_cuda.so" ]] && ucx_note+=" with CUDA (cuda_copy, cuda_ipc)"
+echo "bundle: $OUT ($(du -h "$OUT" | cut -f1)): $(ls "$STAGE/bin" "$STAGE/tests" | grep -vc :) programs, $(ls "$STAGE/lib" | wc -l) libraries; $ucx_note"

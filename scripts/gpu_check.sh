@@ -13,7 +13,8 @@
 #
 # Environment: OUT (logs go to $OUT, else /tmp/gpu_check), CHECK_PEER=0 skips the PyTorch
 # peer, CHECK_BENCH=0 the decode benchmark, CHECK_KERNELS=0 the per-kernel profile,
-# CHECK_CLUSTER=0 the local cluster, CHECK_TP=0 the tensor-parallel part (the all-reduce and
+# CHECK_CLUSTER=0 the local cluster, CHECK_DATA_PLANE=0 the data plane's direct path (the
+# transport's path tests and the handoff benchmark, staged against direct), CHECK_TP=0 the tensor-parallel part (the all-reduce and
 # TpStage tests everywhere; with two GPUs or more also the all-reduce table and the decode
 # benchmark at tp 1 and 2, for each of TP_WEIGHTS: "f16", "int8" or both), CHECK_INT8=0
 # the int8 weight-only tests and GEMM benchmark, BENCH_ARGS / PEER_ARGS / TP_BENCH_ARGS
@@ -35,14 +36,26 @@ if [[ "${1:-}" == "--pack" ]]; then
   programs=${PACK_PROGRAMS:-"$(cuda_tests | sed 's#^#tests/#')
            bin/conveyor-bench-all-reduce bin/conveyor-bench-int8-gemm
            bin/conveyor-bench-gpu-decode bin/conveyor-bench-gpu-kernels bin/conveyor-bench-cluster
-           bin/conveyor-bench-stage-step
+           bin/conveyor-bench-stage-step bin/conveyor-bench-transport tests/test_ucx_channel tests/test_handoff
            bin/conveyor bin/conveyor-coordinator bin/conveyor-worker"}
   for p in $programs; do
     strip -o "$stage/$(basename "$p")" "$build/$p" || exit 1
   done
-  # UCX loads its transports as modules at run time.
-  ucx_modules=$(pkg-config --variable=libdir ucx)/ucx
-  [[ -d "$ucx_modules" ]] && cp -rL "$ucx_modules" "$stage/ucx"
+  # UCX loads its transports as modules at run time, from the folder "ucx" beside the libucs
+  # the programs link (the UCX built with CUDA when setup.sh made one: cuda_copy, cuda_ipc).
+  ucx_libdir=""
+  for f in "$stage"/conveyor* "$stage"/test_*; do
+    ucx_libdir=$(ldd "$f" 2>/dev/null | awk '/libucs\.so/ { print $3; exit }')
+    [[ -n "$ucx_libdir" ]] && ucx_libdir=$(dirname "$ucx_libdir") && break
+  done
+  if [[ -n "$ucx_libdir" && -d "$ucx_libdir/ucx" ]]; then
+    mkdir -p "$stage/ucx"
+    # UCX opens each module by its soname (libuct_cuda.so.0), not the .so link.
+    for m in "$ucx_libdir"/ucx/lib{uct,ucm}_*.so.0; do
+      [[ -e "$m" ]] && cp -L "$m" "$stage/ucx/"
+    done
+    echo "UCX from $ucx_libdir$([[ -e "$stage/ucx/libuct_cuda.so.0" ]] && echo " with CUDA (cuda_copy, cuda_ipc)")"
+  fi
   # Shared libraries that are neither glibc/libstdc++ nor CUDA's or NCCL's (the GPU machine has those).
   ldd "$stage"/test_* "$stage"/conveyor* | awk '/=> \//{print $3}' | sort -u |
     grep -v -E '/(libc|libm|libdl|libpthread|librt|libgcc_s|libstdc\+\+|ld-linux[^/]*)\.so|/libcu(dart|blas|blasLt)\.so|/libnccl\.so' |
@@ -141,6 +154,28 @@ if [[ "${CHECK_CLUSTER:-1}" != "0" ]]; then
     timeout 120 "$bins/conveyor-bench-cluster" --backend cuda --model "$repo/models/brown-gpt2" --stages "$st" \
       --requests 512 --concurrency 64 --max-tokens 48 2>&1 | tail -4 | tee -a "$out/cluster.log"
   done
+fi
+
+if [[ "${CHECK_DATA_PLANE:-1}" != "0" ]]; then
+  # Activations GPU to GPU (UCX built with CUDA): the transport's wire-format and ordering
+  # tests over both paths (the direct ones between two processes on one GPU go through
+  # cuda_ipc), then one micro-batch handoff, staged against direct, 16 KiB to 64 MiB.
+  echo "== data plane: staged and direct paths"
+  if [[ -x "$tests/test_ucx_channel" ]]; then
+    CONVEYOR_EXPECT_UCX_CUDA="${CONVEYOR_EXPECT_UCX_CUDA:-0}" timeout 300 "$tests/test_ucx_channel" \
+      --gtest_filter='Paths/*:*DevicePath*' --gtest_color=no >"$out/test_ucx_channel.log" 2>&1
+    rc=$?
+    grep -E '^\[  (FAILED|SKIPPED) \] [A-Za-z]|^\[  PASSED|Failure|cuda_ipc|moves CUDA' "$out/test_ucx_channel.log" | head -30
+    summary+=("test_ucx_channel (paths): rc=$rc")
+  fi
+  if [[ -x "$tests/test_handoff" ]]; then
+    timeout 120 "$tests/test_handoff" --gtest_filter='*Device*' --gtest_color=no >"$out/test_handoff.log" 2>&1
+    rc=$?
+    grep -E '^\[  (FAILED|SKIPPED) \] [A-Za-z]|^\[  PASSED|Failure' "$out/test_handoff.log" | head -10
+    summary+=("test_handoff (device slots): rc=$rc")
+  fi
+  timeout 240 "$bins/conveyor-bench-transport" --handoff 2>&1 | tee "$out/handoff.log"
+  summary+=("bench-transport --handoff: rc=$?")
 fi
 
 if [[ "${CHECK_KERNELS:-1}" != "0" ]]; then

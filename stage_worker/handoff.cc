@@ -18,7 +18,7 @@ Handoff::~Handoff() {
   sender_.join();
 }
 
-Expected<int> Handoff::acquire(size_t bytes, const Allocate& allocate) {
+Expected<int> Handoff::acquire(size_t bytes, const Allocate& allocate, bool device) {
   std::unique_lock lock(mu_);
   int index = -1;
   changed_.wait(lock, [&] {
@@ -29,13 +29,15 @@ Expected<int> Handoff::acquire(size_t bytes, const Allocate& allocate) {
   Slot& s = slots_[size_t(index)];
   s.busy = true;
   lock.unlock();
-  if (s.capacity < bytes) {
+  if (s.capacity < bytes || (s.device != device && bytes > 0)) {
     s.data.reset();  // before the new allocation: the old one may be large
     s.capacity = 0;
+    s.device = device;
     s.data = allocate(bytes);
     if (!s.data) {
       cancel(index);
-      return Status::error("no host memory for " + std::to_string(bytes) + " bytes of outgoing activations");
+      return Status::error(std::string("no ") + (device ? "device" : "host") + " memory for " + std::to_string(bytes) +
+                           " bytes of outgoing activations");
     }
     s.capacity = bytes;
   }
@@ -85,7 +87,9 @@ void Handoff::run() {
     lock.unlock();
     const Slot& s = slots_[size_t(send.slot)];
     const auto t0 = std::chrono::steady_clock::now();
-    const Status sent = channel_.send(send.peer, send.header, {s.data.get(), send.bytes}, timeout_);
+    const bool device = s.device && send.bytes > 0;
+    const Status sent = channel_.send(send.peer, send.header, {s.data.get(), send.bytes, device}, timeout_);
+    if (device && sent) device_sends_.fetch_add(1, std::memory_order_relaxed);
     send_ns_total_.fetch_add(
         std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count(),
         std::memory_order_relaxed);

@@ -6,6 +6,13 @@
 // slots (double buffering) a third micro-batch waits for the first slot to come back, which
 // is the back-pressure a pipeline needs: a stalled next stage stalls this one.
 //
+// The direct path: when the channel sends device memory and the next stage takes it
+// (transport::Channel::sends_device_memory, peer_takes_device_memory), a GPU stage asks for a
+// device slot instead (cudaMalloc on its GPU). The stage copies its rows into it on its stream
+// and synchronises that stream before it returns (GpuStage::download_hidden), so a submitted
+// slot holds finished rows: UCX then sends them GPU to GPU (cuda_ipc on one node, RDMA between
+// nodes) with no trip through host memory. The same two slots and the same back-pressure.
+//
 // A last stage whose next input is already waiting queues its result to the coordinator here
 // too (a header and no payload, in a slot of 0 bytes), so that step need not wait for the send.
 //
@@ -42,10 +49,11 @@ class Handoff {
   Handoff(const Handoff&) = delete;
   Handoff& operator=(const Handoff&) = delete;
 
-  // A free slot of at least `bytes` (memory from `allocate` when the slot is smaller), as an
-  // index for slot()/submit()/cancel(). Waits while every slot is being sent. Fails, holding
-  // no slot, when `allocate` has no memory.
-  Expected<int> acquire(size_t bytes, const Allocate& allocate);
+  // A free slot of at least `bytes` (memory from `allocate` when the slot is smaller, or holds
+  // the other kind of memory), as an index for slot()/submit()/cancel(). `device`: `allocate`
+  // gives CUDA device memory, and the slot's send says so. Waits while every slot is being
+  // sent. Fails, holding no slot, when `allocate` has no memory.
+  Expected<int> acquire(size_t bytes, const Allocate& allocate, bool device = false);
   std::span<std::byte> slot(int index);
   // Queues `bytes` of slot `index` with `header` to `peer`; the slot is free again once the
   // send returns.
@@ -61,11 +69,14 @@ class Handoff {
   // Nanoseconds the sender thread has spent in the channel's send, over every send so far
   // (the step trace reports its growth per micro-batch).
   int64_t send_ns_total() const { return send_ns_total_.load(std::memory_order_relaxed); }
+  // Sends made from device slots (the direct path), over every send so far.
+  int64_t device_sends() const { return device_sends_.load(std::memory_order_relaxed); }
 
  private:
   struct Slot {
     std::shared_ptr<std::byte[]> data;
     size_t capacity = 0;
+    bool device = false;  // CUDA device memory
     bool busy = false;
   };
   struct Send {
@@ -86,6 +97,7 @@ class Handoff {
   bool sending_ = false;      // the sender thread holds a send; guarded by mu_
   bool stop_ = false;         // guarded by mu_
   std::atomic<int64_t> send_ns_total_{0};
+  std::atomic<int64_t> device_sends_{0};
   std::thread sender_;
 };
 

@@ -1,5 +1,6 @@
 #include "transport/buffer_pool.h"
 
+#include <algorithm>
 #include <bit>
 #include <cstdlib>
 #include <new>
@@ -47,9 +48,9 @@ std::byte* BufferCache::take(std::size_t capacity) {
 }  // namespace detail
 
 OwnedBuffer BufferPool::allocate(std::size_t bytes) {
-  if (bytes < kMinPooledBytes || (cache_->max_cached_bytes == 0 && !cache_->allocator.allocate))
+  if (bytes < cache_->min_pooled_bytes || (cache_->max_cached_bytes == 0 && !cache_->allocator.allocate))
     return OwnedBuffer::allocate(bytes);
-  const std::size_t capacity = std::bit_ceil(bytes);
+  const std::size_t capacity = std::bit_ceil(std::max<std::size_t>(bytes, OwnedBuffer::kAlignment));
   std::byte* p = cache_->take(capacity);
   if (!p) p = cache_->allocate(capacity);
   if (!p) throw std::bad_alloc();

@@ -27,7 +27,8 @@ using conveyor::HostAllocator;
 
 namespace detail {
 struct BufferCache {
-  BufferCache(std::size_t max_bytes, HostAllocator alloc) : max_cached_bytes(max_bytes), allocator(std::move(alloc)) {}
+  BufferCache(std::size_t max_bytes, HostAllocator alloc, std::size_t min_pooled)
+      : max_cached_bytes(max_bytes), min_pooled_bytes(min_pooled), allocator(std::move(alloc)) {}
   ~BufferCache();
   void put(std::byte* p, std::size_t capacity);
   std::byte* take(std::size_t capacity);
@@ -35,6 +36,7 @@ struct BufferCache {
   void release(std::byte* p);                 // back to where it came from
 
   const std::size_t max_cached_bytes;
+  const std::size_t min_pooled_bytes;
   const HostAllocator allocator;
   std::mutex mu;
   std::size_t cached_bytes = 0;                 // guarded by mu
@@ -46,8 +48,11 @@ class BufferPool {
  public:
   static constexpr std::size_t kMinPooledBytes = 256 * 1024;  // smaller: plain allocation
 
-  explicit BufferPool(std::size_t max_cached_bytes, HostAllocator allocator = {})
-      : cache_(std::make_shared<detail::BufferCache>(max_cached_bytes, std::move(allocator))) {}
+  // `min_pooled_bytes`: smaller buffers come from the heap, not the pool. A pool of device
+  // memory (the direct path's receive buffers) gives 0: every buffer from its allocator.
+  explicit BufferPool(std::size_t max_cached_bytes, HostAllocator allocator = {},
+                      std::size_t min_pooled_bytes = kMinPooledBytes)
+      : cache_(std::make_shared<detail::BufferCache>(max_cached_bytes, std::move(allocator), min_pooled_bytes)) {}
 
   // Uninitialised storage of `bytes` bytes; throws std::bad_alloc when memory is short.
   OwnedBuffer allocate(std::size_t bytes);

@@ -48,11 +48,12 @@ constexpr std::size_t kPrefixBytes = 16;
 }  // namespace
 
 std::vector<std::byte> encode_channel_address(ChannelKind kind, std::uint32_t channel_id,
-                                              std::span<const std::byte> body) {
+                                              std::span<const std::byte> body, std::uint16_t flags) {
   std::vector<std::byte> out(kPrefixBytes + body.size());
   std::memcpy(out.data(), kMagic, 4);
   out[4] = std::byte{kVersion};
   out[5] = std::byte{static_cast<std::uint8_t>(kind)};
+  std::memcpy(out.data() + 6, &flags, 2);
   const auto body_bytes = static_cast<std::uint32_t>(body.size());
   std::memcpy(out.data() + 8, &channel_id, 4);
   std::memcpy(out.data() + 12, &body_bytes, 4);
@@ -74,6 +75,7 @@ Expected<ChannelAddress> parse_channel_address(std::span<const std::byte> blob) 
     return Status::error("channel address of unknown kind " + std::to_string(kind));
   ChannelAddress a;
   a.kind = static_cast<ChannelKind>(kind);
+  std::memcpy(&a.flags, blob.data() + 6, 2);
   std::uint32_t body_bytes = 0;
   std::memcpy(&a.channel_id, blob.data() + 8, 4);
   std::memcpy(&body_bytes, blob.data() + 12, 4);

@@ -66,10 +66,13 @@ class OwnedBuffer {
   std::size_t size_ = 0;
 };
 
-// A borrowed tensor: `bytes` bytes at `data` (host memory).
+// A borrowed tensor: `bytes` bytes at `data`, host memory unless `device`: CUDA device
+// memory, which only a channel whose UCX moves CUDA memory can send, and only to a peer that
+// takes it (Channel::peer_takes_device_memory; the direct path between GPU stages).
 struct PayloadView {
   const void* data = nullptr;
   std::size_t bytes = 0;
+  bool device = false;
 };
 
 // One received data-plane message.
@@ -80,6 +83,9 @@ struct Message {
   std::uint64_t seq = 0;        // the sender's message counter (over all its peers)
   std::vector<std::byte> header;
   OwnedBuffer payload;
+  // The payload is CUDA device memory (the sender sent it from its GPU and this channel
+  // takes device memory); otherwise host memory.
+  bool payload_on_device = false;
 };
 
 class Channel {
@@ -111,6 +117,12 @@ class Channel {
 
   // Ok while the peer is usable; otherwise the reason it failed.
   virtual Status peer_status(PeerId peer) const = 0;
+
+  // The direct path: whether this channel can send payloads from CUDA device memory, and
+  // whether `peer` receives them into its GPU's memory (its address says so). A sender
+  // sends device payloads only when both hold; otherwise it stages through host memory.
+  virtual bool sends_device_memory() const { return false; }
+  virtual bool peer_takes_device_memory(PeerId /*peer*/) const { return false; }
 };
 
 // Views of common header types as bytes.

@@ -4,7 +4,7 @@
 //   0       4      magic "CVYA"
 //   4       1      version (1)
 //   5       1      kind: 1 = UCX worker address, 2 = in-process mailbox
-//   6       2      reserved (0)
+//   6       2      flags: bit 0 = takes payloads into CUDA device memory (the direct path)
 //   8       4      channel id (the id carried in every message the channel sends)
 //   12      4      body length in bytes
 //   16      n      body: the ucp worker address (kind 1) or the mailbox number (kind 2)
@@ -23,14 +23,18 @@ namespace conveyor::transport {
 
 enum class ChannelKind : std::uint8_t { kUcx = 1, kInProc = 2 };
 
+inline constexpr std::uint16_t kAddressTakesDeviceMemory = 1;  // flags bit 0
+
 struct ChannelAddress {
   ChannelKind kind = ChannelKind::kUcx;
+  std::uint16_t flags = 0;  // kAddressTakesDeviceMemory
   std::uint32_t channel_id = 0;
   std::span<const std::byte> body;  // a view into the parsed blob
 };
 
 std::vector<std::byte> encode_channel_address(ChannelKind kind, std::uint32_t channel_id,
-                                              std::span<const std::byte> body);
+                                              std::span<const std::byte> body,
+                                              std::uint16_t flags = 0);
 // Checks magic, version, kind and length; the result views into `blob`.
 Expected<ChannelAddress> parse_channel_address(std::span<const std::byte> blob);
 

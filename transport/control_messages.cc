@@ -191,6 +191,7 @@ RegisterMsg decode_register(FieldReader& r, const std::vector<std::byte>& blob) 
   m.memory_bytes = r.integer<int64_t>("memory_bytes");
   m.kv_cache_bytes = r.integer<int64_t>("kv_cache_bytes");
   m.int8_weights = r.boolean("int8_weights");
+  if (r.has("fp8")) m.fp8 = r.boolean("fp8");
   if (const json* dp = r.object("data_plane")) m.data_plane = *dp;
   if (r.has("holding"))
     if (const json* h = r.object("holding")) m.holding = decode_held_stage(*h, r);
@@ -319,6 +320,7 @@ ControlMessage encode(const RegisterMsg& m) {
                {"backend", m.backend}, {"tensor_parallel", m.tensor_parallel}, {"gpus", m.gpus},
                {"memory_bytes", m.memory_bytes}, {"kv_cache_bytes", m.kv_cache_bytes},
                {"int8_weights", m.int8_weights}, {"data_plane", m.data_plane}};
+  if (m.fp8) body["fp8"] = true;  // only when set: the wire of other workers is unchanged
   if (m.holding) {
     const HeldStage& h = *m.holding;
     body["holding"] = {{"epoch", h.epoch}, {"pipeline", h.pipeline}, {"stage", h.stage},

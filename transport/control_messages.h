@@ -80,6 +80,7 @@ struct RegisterMsg {
   int64_t memory_bytes = 0;            // where the weights live: GPU(s) or host
   int64_t kv_cache_bytes = 0;
   bool int8_weights = false;
+  bool fp8 = false;                    // a GPU worker whose layer matrices and their inputs are FP8 E4M3
   nlohmann::json data_plane = nlohmann::json::object();  // free-form, shown in /v1/cluster
   std::optional<HeldStage> holding{};
   std::vector<std::byte> data_address{};  // the binary frame, not JSON; the coordinator needs one

@@ -48,6 +48,15 @@ Status UcxChannel::Impl::init() {
     CONVEYOR_UCX_CHECK(ucp_context_query(context.get(), &attr));
     cuda_memory = (attr.memory_types & UCS_BIT(UCS_MEMORY_TYPE_CUDA)) != 0;
   }
+  // UCX detects CUDA memory even when UCX_TLS leaves out the transports that move it
+  // (cuda_copy, cuda_ipc); such a channel must not send or take device payloads.
+  {
+    const char* env_tls = std::getenv("UCX_TLS");
+    const std::string tls = env_tls ? env_tls : opt.transports;
+    if (!tls.empty() && tls[0] != '^' && tls.find("cuda") == std::string::npos && tls.find("all") == std::string::npos)
+      cuda_memory = false;
+  }
+  takes_device = cuda_memory && static_cast<bool>(opt.device_allocator.allocate);
 
   ucp_worker_params_t wparams{};
   wparams.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE | UCP_WORKER_PARAM_FIELD_NAME;
@@ -62,7 +71,8 @@ Status UcxChannel::Impl::init() {
     std::size_t address_bytes = 0;
     CONVEYOR_UCX_CHECK(ucp_worker_get_address(worker.get(), &raw_address, &address_bytes));
     ucx::WorkerAddress address(worker.get(), raw_address, address_bytes);
-    address_blob = encode_channel_address(ChannelKind::kUcx, channel_id, address.bytes());
+    address_blob = encode_channel_address(ChannelKind::kUcx, channel_id, address.bytes(),
+                                          takes_device ? kAddressTakesDeviceMemory : 0);
   }
 
   CONVEYOR_UCX_CHECK(ucp_worker_get_efd(worker.get(), &worker_fd));
@@ -161,6 +171,7 @@ Expected<PeerId> UcxChannel::connect(std::span<const std::byte> peer_address, st
   peer->impl = impl_.get();
   peer->name = std::move(name);
   peer->channel_id = parsed->channel_id;
+  peer->takes_device = (parsed->flags & kAddressTakesDeviceMemory) != 0;
 
   auto result = std::make_shared<std::promise<Status>>();
   auto future = result->get_future();
@@ -246,6 +257,8 @@ Status UcxChannel::send(PeerId peer, std::span<const std::byte> header, PayloadV
     return Status::error("send: header of " + std::to_string(header.size()) +
                          " bytes exceeds the limit of " + std::to_string(wire::kMaxHeaderBytes));
   if (payload.bytes && !payload.data) return Status::error("send: payload with no data pointer");
+  if (payload.device && payload.bytes && !impl_->cuda_memory)
+    return Status::error("send: a payload in device memory, and this UCX cannot move CUDA memory");
   auto op = std::make_shared<Impl::SendOp>();
   op->peer = peer;
   op->header = header;
@@ -291,6 +304,13 @@ Status UcxChannel::peer_status(PeerId peer) const {
 }
 
 bool UcxChannel::supports_cuda_memory() const { return impl_->cuda_memory; }
+bool UcxChannel::takes_device_memory() const { return impl_->takes_device; }
+
+bool UcxChannel::peer_takes_device_memory(PeerId peer) const {
+  std::lock_guard lock(impl_->mu);
+  auto it = impl_->peers.find(peer);
+  return it != impl_->peers.end() && it->second->takes_device;
+}
 
 Expected<std::string> UcxChannel::transport_info(PeerId peer) {
   auto result = std::make_shared<std::promise<Expected<std::string>>>();

@@ -27,6 +27,7 @@
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 
@@ -50,6 +51,14 @@ struct UcxChannelOptions {
   // Where those receive buffers come from (buffer_pool.h): the heap unless set; a GPU stage
   // worker gives page-locked memory.
   HostAllocator receive_allocator;
+  // The direct path: CUDA device memory (cudaMalloc on the stage's GPU) for payloads peers
+  // send from their GPUs. Used only when this UCX supports CUDA memory; the channel's address
+  // then says it takes device memory, and senders that can send it from their GPUs do so.
+  HostAllocator device_allocator;
+  std::size_t device_cache_bytes = std::size_t{256} << 20;  // idle device buffers kept
+  // Runs first on the progress thread when the channel takes device memory (a GPU worker
+  // makes its GPU current there: UCX's CUDA transports work in the thread's CUDA context).
+  std::function<void()> progress_thread_init;
   // A payload that has not arrived this long after its envelope is given up (sender gone).
   std::chrono::milliseconds stalled_receive_timeout{30000};
   std::chrono::milliseconds idle_tick{50};        // idle wake-up period of the progress thread
@@ -73,9 +82,13 @@ class UcxChannel final : public Channel {
   Status peer_status(PeerId peer) const override;
 
   // Whether this UCX can send from and receive into CUDA device memory (ucp_context_query's
-  // memory types): a build with CUDA support. Debian's UCX has none, so a GPU stage stages
-  // its activations through page-locked host memory.
+  // memory types): a build with CUDA support (scripts/setup.sh builds one). Debian's UCX has
+  // none, so a GPU stage then stages its activations through page-locked host memory.
   bool supports_cuda_memory() const;
+  // supports_cuda_memory() and a device_allocator: peers may send device payloads here.
+  bool takes_device_memory() const;
+  bool sends_device_memory() const override { return supports_cuda_memory(); }
+  bool peer_takes_device_memory(PeerId peer) const override;
 
   // The transports and thresholds UCX chose for the endpoint to `peer` (ucp_ep_print_info).
   Expected<std::string> transport_info(PeerId peer);

@@ -83,6 +83,7 @@ struct UcxChannel::Impl {
     PeerId id = kNoPeer;
     std::string name;
     std::uint32_t channel_id = 0;
+    bool takes_device = false;   // its address says it takes device payloads
     ucp_ep_h ep = nullptr;       // progress thread only
     Status failure;              // guarded by mu
     bool close_pending = false;  // progress thread only: failed, endpoint still to close
@@ -131,7 +132,10 @@ struct UcxChannel::Impl {
     std::size_t queued_bytes = 0;
   };
 
-  explicit Impl(UcxChannelOptions o) : opt(std::move(o)), pool(opt.buffer_cache_bytes, opt.receive_allocator) {}
+  explicit Impl(UcxChannelOptions o)
+      : opt(std::move(o)),
+        pool(opt.buffer_cache_bytes, opt.receive_allocator),
+        device_pool(opt.device_cache_bytes, opt.device_allocator, /*min_pooled_bytes=*/0) {}
   ~Impl();
 
   Status init();
@@ -167,10 +171,12 @@ struct UcxChannel::Impl {
   static void on_ep_error(void* arg, ucp_ep_h ep, ucs_status_t status);
 
   UcxChannelOptions opt;
-  BufferPool pool;  // receive buffers
+  BufferPool pool;         // receive buffers
+  BufferPool device_pool;  // receive buffers in device memory (device_allocator; the direct path)
   std::uint32_t channel_id = 0;
   std::vector<std::byte> address_blob;
-  bool cuda_memory = false;  // the context's memory types include CUDA (ucp_context_query)
+  bool cuda_memory = false;   // the context's memory types include CUDA (ucp_context_query)
+  bool takes_device = false;  // cuda_memory and a device_allocator: advertised in the address
 
   // UCX resources, in creation order (destroyed in reverse by ~Impl).
   ucx::Context context;

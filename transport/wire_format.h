@@ -7,7 +7,7 @@
 //   payload  = payload bytes (only when not inline)
 //
 // Payloads up to the inline limit ride inside the envelope (one eager message, gathered
-// from the caller's buffers with an iov: no extra copy). Larger payloads go as their own
+// from the caller's buffers with an iov: no extra copy), unless they are in device memory. Larger payloads go as their own
 // contiguous tagged message so that UCX can use zero-copy rendezvous; the receiver posts a
 // receive for it into a buffer of exactly the advertised size as soon as the envelope is in.
 //
@@ -32,7 +32,7 @@ inline constexpr std::uint16_t kVersion = 1;
 struct WirePrefix {
   std::uint32_t magic = kMagic;
   std::uint16_t version = kVersion;
-  std::uint16_t flags = 0;  // kFlagInline
+  std::uint16_t flags = 0;  // kFlagInline, kFlagDevicePayload
   std::uint32_t sender_id = 0;
   std::uint32_t header_bytes = 0;
   std::uint64_t payload_bytes = 0;
@@ -41,6 +41,10 @@ struct WirePrefix {
 static_assert(sizeof(WirePrefix) == 32);
 
 inline constexpr std::uint16_t kFlagInline = 1;
+// The payload was sent from CUDA device memory (never inline): a receiver that takes device
+// memory (its address says so) receives it into its GPU's memory. Nothing else about the
+// message changes, so a receiver that ignores the bit still gets the same bytes.
+inline constexpr std::uint16_t kFlagDevicePayload = 2;
 inline constexpr std::uint64_t kMaxHeaderBytes = (1ull << 24) - 1;
 
 inline constexpr std::uint64_t kEnvelopeBit = 1ull << 63;

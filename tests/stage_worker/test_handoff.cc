@@ -2,12 +2,18 @@
 // were queued, from slots that are reused only once their send has returned; with every slot
 // in flight the compute thread waits (a stalled next stage stalls this one, over real UCX on
 // loopback); a failed send reaches the closure queued with it; drain() returns once all is
-// sent.
+// sent. Device slots (the direct path): a slot changes kind when asked for the other kind, a
+// channel that cannot move device memory refuses its send, and on a GPU with a UCX built with
+// CUDA two device slots carry micro-batches GPU to GPU in order.
 #include <gtest/gtest.h>
 
 #include <atomic>
 #include <cstring>
 #include <future>
+
+#ifdef CONVEYOR_HAVE_CUDA
+#include <cuda_runtime.h>
+#endif
 
 #include "stage_worker/handoff.h"
 #include "transport/inproc_channel.h"
@@ -144,6 +150,91 @@ TEST(Handoff, WaitsWhileEverySlotIsInFlight) {
   EXPECT_TRUE(got_third);
   h.drain();
 }
+
+// A slot asked for the other kind of memory gets it from the allocator given; a UcxChannel
+// whose UCX cannot move CUDA memory, or whose peer does not take it, refuses the device
+// send, and the failure reaches the closure (the worker then reports a data-plane error; it
+// asks for device slots only when both ends take device memory).
+TEST(Handoff, DeviceSlotsChangeKindAndAreRefusedWhereUcxCannotMoveThem) {
+  auto rx = transport::UcxChannel::create({.name = "receiver"});
+  ASSERT_TRUE(rx) << rx.error();
+  auto tx = transport::UcxChannel::create({.name = "sender"});
+  ASSERT_TRUE(tx) << tx.error();
+  auto peer = (*tx)->connect((*rx)->address(), "receiver");
+  ASSERT_TRUE(peer) << peer.error();
+  ASSERT_FALSE((*tx)->peer_takes_device_memory(*peer)) << "a receiver without a device allocator";
+  int host_allocations = 0, device_allocations = 0;
+  auto host = [&](size_t n) { ++host_allocations; return heap(n); };
+  auto device = [&](size_t n) { ++device_allocations; return heap(n); };  // stands in: never sent
+  Handoff h(**tx, 1, 5s);
+  const int a = *h.acquire(4096, host);
+  h.cancel(a);
+  const int b = *h.acquire(4096, device, /*device=*/true);
+  EXPECT_EQ(host_allocations, 1);
+  EXPECT_EQ(device_allocations, 1) << "a host slot was handed out for device rows";
+  std::promise<Status> failed;
+  h.submit(b, *peer, {std::byte{7}}, 4096, [&](const Status& s) { failed.set_value(s); });
+  auto f = failed.get_future();
+  ASSERT_EQ(f.wait_for(10s), std::future_status::ready) << "the device send was not refused";
+  EXPECT_NE(f.get().message().find("device memory"), std::string::npos);
+  h.drain();
+  EXPECT_EQ(h.device_sends(), 0);
+  const int c = *h.acquire(4096, host);  // back to host memory
+  EXPECT_EQ(host_allocations, 2);
+  h.cancel(c);
+}
+
+#ifdef CONVEYOR_HAVE_CUDA
+// On a GPU with a UCX built with CUDA: micro-batches leave from two device slots and arrive in
+// the receiver's device memory, in order, each slot reused once its send has returned.
+TEST(Handoff, DeviceSlotsCarryMicroBatchesGpuToGpu) {
+  int gpus = 0;
+  if (cudaGetDeviceCount(&gpus) != cudaSuccess || gpus == 0) GTEST_SKIP() << "no GPU";
+  HostAllocator on_gpu{[](size_t n) -> void* {
+                         void* p = nullptr;
+                         return cudaSetDevice(0) == cudaSuccess && cudaMalloc(&p, n) == cudaSuccess ? p : nullptr;
+                       },
+                       [](void* p) { cudaFree(p); }};
+  transport::UcxChannelOptions o;
+  o.device_allocator = on_gpu;
+  o.progress_thread_init = [] { cudaSetDevice(0); };
+  o.name = "receiver";
+  auto rx = transport::UcxChannel::create(o);
+  ASSERT_TRUE(rx) << rx.error();
+  o.name = "sender";
+  auto tx = transport::UcxChannel::create(o);
+  ASSERT_TRUE(tx) << tx.error();
+  if (!(*rx)->takes_device_memory()) GTEST_SKIP() << "this UCX cannot move CUDA memory";
+  auto peer = (*tx)->connect((*rx)->address(), "receiver");
+  ASSERT_TRUE(peer) << peer.error();
+  ASSERT_TRUE((*tx)->peer_takes_device_memory(*peer));
+  auto device_slot = [&](size_t n) {
+    return std::shared_ptr<std::byte[]>(static_cast<std::byte*>(on_gpu.allocate(n)), [&](std::byte* q) { on_gpu.release(q); });
+  };
+  constexpr size_t kBytes = 3 << 20;
+  constexpr int kCount = 8;
+  {
+    Handoff h(**tx, 2, 20s);
+    for (int i = 0; i < kCount; ++i) {
+      const int slot = *h.acquire(kBytes, device_slot, /*device=*/true);
+      ASSERT_EQ(cudaMemset(h.slot(slot).data(), i + 1, kBytes), cudaSuccess);
+      h.submit(slot, *peer, {std::byte(i)}, kBytes, [](const Status& s) { ADD_FAILURE() << s.message(); });
+    }
+    h.drain();
+    EXPECT_EQ(h.device_sends(), kCount);
+  }
+  std::vector<uint8_t> host(kBytes);
+  for (int i = 0; i < kCount; ++i) {
+    auto m = (*rx)->recv(10s);
+    ASSERT_TRUE(m && m->has_value()) << (m ? "timed out" : m.error());
+    EXPECT_EQ((*m)->header, std::vector<std::byte>{std::byte(i)});
+    EXPECT_TRUE((*m)->payload_on_device);
+    ASSERT_EQ(cudaMemcpy(host.data(), (*m)->payload.data(), kBytes, cudaMemcpyDeviceToHost), cudaSuccess);
+    EXPECT_EQ(host.front(), i + 1);
+    EXPECT_EQ(host.back(), i + 1);
+  }
+}
+#endif
 
 }  // namespace
 }  // namespace conveyor

@@ -1,7 +1,10 @@
 // UcxChannel: two channels in one process, and across processes (this test program
 // re-executes itself as the peer: see UcxPeerProcess.DISABLED_Run at the end). Every test
 // runs twice: with UCX's default transport choice and with UCX_TLS=tcp (an environment
-// UCX_TLS, when set, overrides both).
+// UCX_TLS, when set, overrides both). The wire-format and ordering tests (UcxPathTest) run
+// over both data paths as well: staged (payloads in host memory) and direct (payloads sent
+// from and received into CUDA device memory; skipped without a GPU or a UCX built with CUDA;
+// "tcp" is then UCX_TLS=tcp,cuda_copy, as UCX needs cuda_copy to move device memory at all).
 #include <gtest/gtest.h>
 #include <unistd.h>
 
@@ -15,7 +18,12 @@
 #include <string>
 #include <thread>
 
+#ifdef CONVEYOR_HAVE_CUDA
+#include <cuda_runtime.h>
+#endif
+
 #include "tests/transport/transport_test_util.h"
+#include "transport/channel_address.h"
 #include "transport/control_plane.h"
 #include "transport/ucx_channel.h"
 
@@ -57,12 +65,131 @@ class UcxChannelTest : public ::testing::TestWithParam<std::string> {
   const std::string& transports() const { return GetParam(); }
 };
 
+// ------------------------------------------------------------------ the two data paths
+
+enum class Path { kStaged, kDirect };
+void PrintTo(Path path, std::ostream* os) { *os << (path == Path::kDirect ? "direct" : "staged"); }
+
+// Whether this process can use the direct path at all: a CUDA build and a GPU. (The UCX's
+// CUDA support is asked of a channel: UcxChannel::supports_cuda_memory.)
+bool have_gpu() {
+#ifdef CONVEYOR_HAVE_CUDA
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess) {
+    cudaGetLastError();
+    return false;
+  }
+  return n > 0;
+#else
+  return false;
+#endif
+}
+
+// A channel's options for `path`: the direct path receives device payloads into GPU 0's
+// memory (cudaMalloc), with GPU 0 current on the progress thread, as a GPU worker's channel.
+UcxChannelOptions path_options(Path path, UcxChannelOptions o = {}) {
+#ifdef CONVEYOR_HAVE_CUDA
+  if (path == Path::kDirect) {
+    o.device_allocator.allocate = [](std::size_t n) -> void* {
+      void* p = nullptr;
+      return cudaSetDevice(0) == cudaSuccess && cudaMalloc(&p, n) == cudaSuccess ? p : nullptr;
+    };
+    o.device_allocator.release = [](void* p) { cudaFree(p); };
+    o.progress_thread_init = [] { cudaSetDevice(0); };
+  }
+#else
+  (void)path;
+#endif
+  return o;
+}
+
+// A payload buffer on the path's side: host memory (staged) or GPU 0's memory (direct),
+// filled and checked through host copies.
+class PathBuffer {
+ public:
+  PathBuffer(Path path, std::size_t bytes) : path_(path), host_(bytes) {
+#ifdef CONVEYOR_HAVE_CUDA
+    if (path_ == Path::kDirect && bytes) {
+      EXPECT_EQ(cudaMalloc(&device_, bytes), cudaSuccess);
+    }
+#endif
+  }
+  ~PathBuffer() {
+#ifdef CONVEYOR_HAVE_CUDA
+    if (device_) cudaFree(device_);
+#endif
+  }
+  PathBuffer(const PathBuffer&) = delete;
+  PathBuffer& operator=(const PathBuffer&) = delete;
+
+  void fill(std::size_t n, std::uint64_t seed) {
+    fill_pattern(host_.data(), n, seed);
+#ifdef CONVEYOR_HAVE_CUDA
+    if (device_) {
+      EXPECT_EQ(cudaMemcpy(device_, host_.data(), n, cudaMemcpyHostToDevice), cudaSuccess);
+    }
+#endif
+  }
+  PayloadView view(std::size_t n) const {
+    if (path_ == Path::kDirect) return {device_, n, true};
+    return {host_.data(), n};
+  }
+
+ private:
+  Path path_;
+  std::vector<unsigned char> host_;
+  void* device_ = nullptr;
+};
+
+// Where a received payload differs from fill_pattern(seed) (-1: nowhere). A message of the
+// direct path must have its payload in device memory (unless empty), the staged path's in
+// host memory.
+long long check_received(Path path, const Message& m, std::uint64_t seed) {
+  const std::size_t n = m.payload.size();
+  if (path == Path::kStaged || n == 0) {
+    EXPECT_FALSE(m.payload_on_device);
+    return check_pattern(m.payload.data(), n, seed);
+  }
+  EXPECT_TRUE(m.payload_on_device) << "a device payload of " << n << " bytes arrived in host memory";
+  if (!m.payload_on_device) return check_pattern(m.payload.data(), n, seed);
+#ifdef CONVEYOR_HAVE_CUDA
+  std::vector<unsigned char> host(n);
+  EXPECT_EQ(cudaMemcpy(host.data(), m.payload.data(), n, cudaMemcpyDeviceToHost), cudaSuccess);
+  return check_pattern(host.data(), n, seed);
+#else
+  return 0;
+#endif
+}
+
+class UcxPathTest : public ::testing::TestWithParam<std::tuple<std::string, Path>> {
+ protected:
+  Path path() const { return std::get<1>(GetParam()); }
+  std::string transports() const {
+    const std::string& t = std::get<0>(GetParam());
+    return path() == Path::kDirect && t == "tcp" ? "tcp,cuda_copy" : t;
+  }
+  void SetUp() override {
+    if (path() == Path::kDirect && !have_gpu()) GTEST_SKIP() << "direct path: no GPU (or a build without CUDA)";
+  }
+  // Skips the direct path when this UCX cannot move CUDA memory (Debian's 1.13.1).
+  // With CONVEYOR_EXPECT_UCX_CUDA=1 (a GPU run that ships the UCX built with CUDA) a UCX
+  // without CUDA is a failure, not a skip.
+  bool skip_without_cuda_ucx(const UcxChannel& ch) {
+    if (path() != Path::kDirect || ch.takes_device_memory()) return false;
+    const char* expected = std::getenv("CONVEYOR_EXPECT_UCX_CUDA");
+    if (expected && std::string(expected) == "1")
+      ADD_FAILURE() << "this UCX cannot move CUDA memory (CONVEYOR_EXPECT_UCX_CUDA=1)";
+    return true;
+  }
+};
+
 // ------------------------------------------------------------------ one process
 
-TEST_P(UcxChannelTest, SizesFromEmptyTo64MiB) {
-  auto a = make_channel(transports(), "a");
-  auto b = make_channel(transports(), "b");
+TEST_P(UcxPathTest, SizesFromEmptyTo64MiB) {
+  auto a = make_channel(transports(), "a", path_options(path()));
+  auto b = make_channel(transports(), "b", path_options(path()));
   ASSERT_TRUE(a && b);
+  if (skip_without_cuda_ucx(*b)) GTEST_SKIP() << "direct path: this UCX cannot move CUDA memory";
   auto to_b = a->connect(b->address(), "b");
   ASSERT_TRUE(to_b.ok()) << to_b.error();
   auto to_a = b->connect(a->address(), "a");
@@ -70,18 +197,19 @@ TEST_P(UcxChannelTest, SizesFromEmptyTo64MiB) {
 
   const std::size_t sizes[] = {0,        1,           1 * KiB,  8 * KiB, 8 * KiB + 1,
                                64 * KiB, 1 * MiB + 3, 16 * MiB, 64 * MiB};
-  std::vector<unsigned char> buf(64 * MiB);
+  EXPECT_EQ(a->peer_takes_device_memory(*to_b), path() == Path::kDirect);
+  PathBuffer buf(path(), 64 * MiB);
   std::uint64_t last_seq = 0;
   for (std::size_t i = 0; i < std::size(sizes); ++i) {
     const std::size_t n = sizes[i];
-    fill_pattern(buf.data(), n, seed_of(1, i));
+    buf.fill(n, seed_of(1, i));
     const std::string header = "size " + std::to_string(n);
-    Status s = a->send(*to_b, as_bytes(header), {buf.data(), n}, 20s);
+    Status s = a->send(*to_b, as_bytes(header), buf.view(n), 20s);
     ASSERT_TRUE(s.ok()) << s.message();
     Message m = recv_one(*b);
     EXPECT_EQ(as_string_view(m.header), header);
     ASSERT_EQ(m.payload.size(), n);
-    EXPECT_EQ(check_pattern(m.payload.data(), n, seed_of(1, i)), -1) << "size " << n;
+    EXPECT_EQ(check_received(path(), m, seed_of(1, i)), -1) << "size " << n;
     EXPECT_EQ(m.from, *to_a);
     EXPECT_EQ(m.sender_id, a->id());
     if (i) {
@@ -92,7 +220,7 @@ TEST_P(UcxChannelTest, SizesFromEmptyTo64MiB) {
   auto info = a->transport_info(*to_b);
   ASSERT_TRUE(info.ok()) << info.error();
   std::cout << "[ transports ] " << (transports().empty() ? "default" : transports())
-            << ", endpoint a->b in one process:\n"
+            << (path() == Path::kDirect ? ", direct path" : ", staged path") << ", endpoint a->b in one process:\n"
             << *info;
 }
 
@@ -149,22 +277,23 @@ TEST_P(UcxChannelTest, ReceiveBuffersComeFromTheGivenAllocator) {
   EXPECT_TRUE(counts->live.empty());
 }
 
-TEST_P(UcxChannelTest, ManyMixedMessagesInOrder) {
-  auto a = make_channel(transports(), "a");
-  auto b = make_channel(transports(), "b");
+TEST_P(UcxPathTest, ManyMixedMessagesInOrder) {
+  auto a = make_channel(transports(), "a", path_options(path()));
+  auto b = make_channel(transports(), "b", path_options(path()));
   ASSERT_TRUE(a && b);
+  if (skip_without_cuda_ucx(*b)) GTEST_SKIP() << "direct path: this UCX cannot move CUDA memory";
   auto to_b = a->connect(b->address(), "b");
   ASSERT_TRUE(to_b.ok());
-  // Small (inline) and large (separate payload) messages interleaved: a small one sent
-  // after a large one must not overtake it.
+  // Small (inline on the staged path) and large (separate payload) messages interleaved, and
+  // header-only ones: a small one sent after a large one must not overtake it.
   constexpr int kCount = 600;
-  auto size_of = [](int i) -> std::size_t { return i % 3 == 0 ? 300 * KiB : 100 + i; };
+  auto size_of = [](int i) -> std::size_t { return i % 3 == 0 ? 300 * KiB : i % 7 == 0 ? 0 : 100 + i; };
   std::thread sender([&] {
-    std::vector<unsigned char> buf(300 * KiB);
+    PathBuffer buf(path(), 300 * KiB);
     for (int i = 0; i < kCount; ++i) {
-      fill_pattern(buf.data(), size_of(i), seed_of(1, i));
+      buf.fill(size_of(i), seed_of(1, i));
       const std::string h = std::to_string(i);
-      Status s = a->send(*to_b, as_bytes(h), {buf.data(), size_of(i)}, 10s);
+      Status s = a->send(*to_b, as_bytes(h), buf.view(size_of(i)), 10s);
       ASSERT_TRUE(s.ok()) << s.message();
     }
   });
@@ -172,9 +301,48 @@ TEST_P(UcxChannelTest, ManyMixedMessagesInOrder) {
     Message m = recv_one(*b);
     ASSERT_EQ(as_string_view(m.header), std::to_string(i));
     ASSERT_EQ(m.payload.size(), size_of(i));
-    ASSERT_EQ(check_pattern(m.payload.data(), m.payload.size(), seed_of(1, i)), -1);
+    ASSERT_EQ(check_received(path(), m, seed_of(1, i)), -1);
   }
   sender.join();
+}
+
+// Who takes device memory is settled by the addresses: a channel with a device allocator
+// says so in its address only when its UCX moves CUDA memory; a sender sends a device payload
+// only to a peer that takes it, and refuses one otherwise (the worker then stages). Runs
+// everywhere: with Debian's UCX (no CUDA) it checks the staged side of the negotiation.
+TEST_P(UcxChannelTest, DevicePathIsNegotiatedByAddress) {
+  UcxChannelOptions with_device;
+  with_device.device_allocator.allocate = [](std::size_t n) -> void* { return std::aligned_alloc(64, n); };
+  with_device.device_allocator.release = [](void* p) { std::free(p); };
+  auto plain = make_channel(transports(), "plain");
+  auto gpu = make_channel(transports(), "gpu", with_device);
+  ASSERT_TRUE(plain && gpu);
+  EXPECT_FALSE(plain->takes_device_memory()) << "no device allocator, no device payloads";
+  EXPECT_EQ(gpu->takes_device_memory(), gpu->supports_cuda_memory());
+  auto gpu_address = parse_channel_address(gpu->address());
+  ASSERT_TRUE(gpu_address.ok()) << gpu_address.error();
+  EXPECT_EQ((gpu_address->flags & kAddressTakesDeviceMemory) != 0, gpu->takes_device_memory());
+  auto plain_address = parse_channel_address(plain->address());
+  ASSERT_TRUE(plain_address.ok());
+  EXPECT_EQ(plain_address->flags, 0);
+
+  auto to_plain = gpu->connect(plain->address(), "plain");
+  auto to_gpu = plain->connect(gpu->address(), "gpu");
+  ASSERT_TRUE(to_plain.ok() && to_gpu.ok());
+  EXPECT_FALSE(gpu->peer_takes_device_memory(*to_plain));
+  EXPECT_EQ(plain->peer_takes_device_memory(*to_gpu), gpu->takes_device_memory());
+  std::vector<unsigned char> buf(64 * KiB);
+  // A device payload to a peer that does not take one is refused, naming why; the staged
+  // send of the same bytes goes through.
+  Status refused = gpu->send(*to_plain, as_bytes("x"), {buf.data(), buf.size(), true}, 5s);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_NE(refused.message().find("device memory"), std::string::npos) << refused.message();
+  fill_pattern(buf.data(), buf.size(), seed_of(4, 0));
+  ASSERT_TRUE(gpu->send(*to_plain, as_bytes("staged"), {buf.data(), buf.size()}, 5s).ok());
+  Message m = recv_one(*plain);
+  EXPECT_FALSE(m.payload_on_device);
+  EXPECT_EQ(check_pattern(m.payload.data(), m.payload.size(), seed_of(4, 0)), -1);
+  std::cout << "[ memory ] UCX moves CUDA memory: " << (gpu->supports_cuda_memory() ? "yes" : "no") << "\n";
 }
 
 TEST_P(UcxChannelTest, ConcurrentSendersToOneReceiver) {
@@ -290,14 +458,15 @@ std::string self_exe() { return std::filesystem::read_symlink("/proc/self/exe").
 std::unique_ptr<Peer> start_peer(ControlServer& server, UcxChannel& channel,
                                  const std::string& transports, const std::string& name,
                                  const std::string& role, std::size_t bytes = 0, int count = 0,
-                                 bool connect_back = true) {
+                                 bool connect_back = true, Path path = Path::kStaged) {
   auto peer = std::make_unique<Peer>();
   const bool started = peer->process.start(
       {self_exe(), "--gtest_filter=UcxPeerProcess.DISABLED_Run", "--gtest_also_run_disabled_tests"},
       {"CONVEYOR_UCX_PEER_ROLE=" + role, "CONVEYOR_UCX_PEER_NAME=" + name,
        "CONVEYOR_UCX_PEER_ENDPOINT=" + server.endpoint(), "CONVEYOR_UCX_PEER_TLS=" + transports,
        "CONVEYOR_UCX_PEER_BYTES=" + std::to_string(bytes),
-       "CONVEYOR_UCX_PEER_COUNT=" + std::to_string(count)});
+       "CONVEYOR_UCX_PEER_COUNT=" + std::to_string(count),
+       std::string("CONVEYOR_UCX_PEER_PATH=") + (path == Path::kDirect ? "direct" : "staged")});
   EXPECT_TRUE(started);
   if (!started) return nullptr;
   const auto deadline = Clock::now() + 20s;
@@ -319,33 +488,40 @@ std::unique_ptr<Peer> start_peer(ControlServer& server, UcxChannel& channel,
   return nullptr;
 }
 
-TEST_P(UcxChannelTest, CrossProcessEcho1KiBTo64MiB) {
+// Two processes (on one GPU for the direct path: there UCX's default choice moves the device
+// payloads with cuda_ipc, which the endpoint's transports must show).
+TEST_P(UcxPathTest, CrossProcessEcho1KiBTo64MiB) {
   auto server = ControlServer::bind("tcp://127.0.0.1:0");
   ASSERT_TRUE(server.ok()) << server.error();
-  auto ch = make_channel(transports(), "parent");
+  auto ch = make_channel(transports(), "parent", path_options(path()));
   ASSERT_TRUE(ch);
-  auto peer = start_peer(**server, *ch, transports(), "echo", "echo");
+  if (skip_without_cuda_ucx(*ch)) GTEST_SKIP() << "direct path: this UCX cannot move CUDA memory";
+  auto peer = start_peer(**server, *ch, transports(), "echo", "echo", 0, 0, true, path());
   ASSERT_TRUE(peer);
+  EXPECT_EQ(ch->peer_takes_device_memory(peer->id), path() == Path::kDirect);
 
-  std::vector<unsigned char> buf(64 * MiB);
+  PathBuffer buf(path(), 64 * MiB);
   int i = 0;
   for (std::size_t n : {1 * KiB, 4 * KiB, 64 * KiB, 1 * MiB, 8 * MiB, 64 * MiB}) {
-    fill_pattern(buf.data(), n, seed_of(0, i));
+    buf.fill(n, seed_of(0, i));
     const std::string header = "echo " + std::to_string(i);
-    Status s = ch->send(peer->id, as_bytes(header), {buf.data(), n}, 30s);
+    Status s = ch->send(peer->id, as_bytes(header), buf.view(n), 30s);
     ASSERT_TRUE(s.ok()) << s.message();
     Message m = recv_one(*ch, 30s);
     EXPECT_EQ(as_string_view(m.header), header);
     EXPECT_EQ(m.from, peer->id);
     ASSERT_EQ(m.payload.size(), n);
-    EXPECT_EQ(check_pattern(m.payload.data(), n, seed_of(0, i)), -1) << n << " bytes";
+    EXPECT_EQ(check_received(path(), m, seed_of(0, i)), -1) << n << " bytes";
     ++i;
   }
   auto info = ch->transport_info(peer->id);
   ASSERT_TRUE(info.ok()) << info.error();
   std::cout << "[ transports ] " << (transports().empty() ? "default" : transports())
-            << ", endpoint parent->child process:\n"
+            << (path() == Path::kDirect ? ", direct path" : ", staged path") << ", endpoint parent->child process:\n"
             << *info;
+  if (path() == Path::kDirect && transports().empty()) {
+    EXPECT_NE(info->find("cuda_ipc"), std::string::npos) << "the direct path between processes on one GPU uses no cuda_ipc";
+  }
   ASSERT_TRUE(ch->send(peer->id, as_bytes("bye"), {}, 5s).ok());
   EXPECT_EQ(peer->process.wait_exit(10s), 0) << "the echo process reported a failure";
 }
@@ -506,6 +682,13 @@ INSTANTIATE_TEST_SUITE_P(Transports, UcxChannelTest, ::testing::Values("", "tcp"
                          [](const auto& info) {
                            return info.param.empty() ? std::string("Default") : info.param;
                          });
+INSTANTIATE_TEST_SUITE_P(Paths, UcxPathTest,
+                         ::testing::Combine(::testing::Values("", "tcp"), ::testing::Values(Path::kStaged, Path::kDirect)),
+                         [](const auto& info) {
+                           const std::string& t = std::get<0>(info.param);
+                           return (t.empty() ? std::string("Default") : t) +
+                                  (std::get<1>(info.param) == Path::kDirect ? "_Direct" : "_Staged");
+                         });
 
 // ------------------------------------------------------------------ the peer process
 
@@ -523,7 +706,9 @@ TEST(UcxPeerProcess, DISABLED_Run) {
   const std::size_t bytes = std::stoull(std::getenv("CONVEYOR_UCX_PEER_BYTES"));
   const long long count = std::stoll(std::getenv("CONVEYOR_UCX_PEER_COUNT"));
 
-  auto ch = make_channel(std::getenv("CONVEYOR_UCX_PEER_TLS"), name);
+  const char* path_env = std::getenv("CONVEYOR_UCX_PEER_PATH");
+  const Path path = path_env && std::string(path_env) == "direct" ? Path::kDirect : Path::kStaged;
+  auto ch = make_channel(std::getenv("CONVEYOR_UCX_PEER_TLS"), name, path_options(path));
   ASSERT_TRUE(ch);
   ControlClientOptions co;
   co.identity = name;
@@ -543,7 +728,8 @@ TEST(UcxPeerProcess, DISABLED_Run) {
       Message& m = **r;
       if (as_string_view(m.header) == "bye") return;
       if (role == "echo") {
-        Status s = ch->send(*parent, m.header, {m.payload.data(), m.payload.size()}, 30s);
+        // Back as it came: from device memory when it arrived there (the direct path).
+        Status s = ch->send(*parent, m.header, {m.payload.data(), m.payload.size(), m.payload_on_device}, 30s);
         ASSERT_TRUE(s.ok()) << s.message();
       }
     }

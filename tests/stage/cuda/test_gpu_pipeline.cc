@@ -66,6 +66,18 @@ TEST(GpuPipeline, TwoWorkerProcessesOnTwoGpusAnswerAsOneGpu) {
     const json info = c.info();
     std::cout << "[cluster] " << info.dump() << "\n";
     two = greedy_answers(c, prompts);
+    // The activations' path between the two processes: direct (GPU to GPU, UCX moving CUDA
+    // memory: cuda_ipc on one node) when both workers' UCX moves CUDA memory, else staged
+    // through page-locked host memory. The first stage's log says which it used;
+    // CONVEYOR_EXPECT_UCX_CUDA=1 (a run with the UCX built with CUDA) insists on direct.
+    bool direct = true;
+    for (const auto& w : info.at("workers")) direct = direct && w.at("data_plane").value("path", "") == "direct";
+    const std::string logs = Cluster::read(c.dir / "w0.log") + Cluster::read(c.dir / "w1.log");
+    EXPECT_NE(logs.find(direct ? "to the next stage go direct" : "to the next stage go staged"), std::string::npos)
+        << "the first stage did not say it used the " << (direct ? "direct" : "staged") << " path";
+    const char* expect_direct = std::getenv("CONVEYOR_EXPECT_UCX_CUDA");
+    if (expect_direct && std::string(expect_direct) == "1") EXPECT_TRUE(direct) << "a worker's data_plane is not direct";
+    std::cout << "[data plane] activations between the stages: " << (direct ? "direct" : "staged") << "\n";
   }
   ASSERT_EQ(one.size(), prompts.size());
   ASSERT_EQ(two.size(), prompts.size());
