@@ -21,6 +21,20 @@ Status validate_sampling_params(const SamplingParams& p, int64_t vocab_size) {
     if (id < 0 || id >= vocab_size)
       return bad("stop_token_ids", "holds " + std::to_string(id) + ", outside the vocabulary [0, " +
                                        std::to_string(vocab_size) + ")");
+  if (p.logit_bias.size() > kMaxLogitBiasEntries)
+    return bad("logit_bias", "holds " + std::to_string(p.logit_bias.size()) + " entries; at most " +
+                                 std::to_string(kMaxLogitBiasEntries) + " are allowed");
+  for (size_t i = 0; i < p.logit_bias.size(); ++i) {
+    const auto [id, bias] = p.logit_bias[i];
+    if (id < 0 || id >= vocab_size)
+      return bad("logit_bias", "holds token id " + std::to_string(id) + ", outside the vocabulary [0, " +
+                                   std::to_string(vocab_size) + ")");
+    if (i > 0 && id <= p.logit_bias[i - 1].first)
+      return bad("logit_bias", "ids must be ascending and distinct (" + std::to_string(id) + " follows " +
+                                   std::to_string(p.logit_bias[i - 1].first) + ")");
+    if (!std::isfinite(bias) || bias < -kLogitBiasMax || bias > kLogitBiasMax)
+      return bad("logit_bias", "bias of token " + std::to_string(id) + " must be between -100 and 100");
+  }
   return ok_status();
 }
 

@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <span>
+#include <utility>
 #include <vector>
 
 #include "common/status.h"
@@ -21,10 +22,19 @@ struct SamplingParams {
   int min_tokens = 0;              // stop ids are masked until this many tokens are generated
   std::vector<int32_t> stop_token_ids;
   uint64_t seed = 0;
+  // OpenAI logit_bias: (token id, bias) sorted by id, each id once. The bias is added to the
+  // logit before the penalties; kLogitBiasBan (-100) bans the token (its logit becomes -inf).
+  std::vector<std::pair<int32_t, float>> logit_bias;
 };
 
+constexpr float kLogitBiasMax = 100.0f;        // biases lie in [-kLogitBiasMax, kLogitBiasMax]
+constexpr float kLogitBiasBan = -kLogitBiasMax;
+constexpr size_t kMaxLogitBiasEntries = 300;   // OpenAI's limit
+
 // Checks ranges (temperature >= 0, top_k >= 0, 0 < top_p <= 1, repetition_penalty > 0,
-// finite penalties, min_tokens >= 0, stop ids in [0, vocab_size)); the error names the field.
+// finite penalties, min_tokens >= 0, stop ids in [0, vocab_size); logit_bias: at most
+// kMaxLogitBiasEntries, ids in [0, vocab_size), ascending and distinct, biases in [-100, 100]);
+// the error names the field.
 Status validate_sampling_params(const SamplingParams& params, int64_t vocab_size);
 
 // One row of logits to choose from, with what sample_next would be given for it (a

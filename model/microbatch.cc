@@ -7,7 +7,7 @@
 namespace conveyor {
 namespace {
 
-constexpr uint32_t kBatchMagic = 0x32424d43;   // "CMB2" (2: the activations' dtype)
+constexpr uint32_t kBatchMagic = 0x33424d43;   // "CMB3" (2: the activations' dtype; 3: logit_bias, forks)
 constexpr uint32_t kResultMagic = 0x31525243;  // "CRR1"
 constexpr uint32_t kMaxCount = 1u << 24;       // no field of a sane batch is this long
 
@@ -126,8 +126,11 @@ std::vector<uint8_t> encode(const MicroBatch& b) {
     w.put(p.presence_penalty), w.put(p.frequency_penalty), w.put(int32_t(p.min_tokens));
     w.put(p.seed);
     w.put_vec(p.stop_token_ids);
+    w.put_top(p.logit_bias);
   }
   w.put_vec(b.token_ids);
+  w.put<uint32_t>(uint32_t(b.forks.size()));
+  for (const SeqFork& f : b.forks) w.put(f.parent), w.put(f.child), w.put(f.num_tokens);
   w.put_vec(b.free_seq_ids);
   return w.take();
 }
@@ -159,14 +162,20 @@ Expected<MicroBatch> decode_microbatch(std::span<const uint8_t> bytes) {
         !r.get(p.repetition_penalty, "repetition_penalty") ||
         !r.get(p.presence_penalty, "presence_penalty") ||
         !r.get(p.frequency_penalty, "frequency_penalty") || !r.get(min_tokens, "min_tokens") ||
-        !r.get(p.seed, "seed") || !r.get_vec(p.stop_token_ids, "stop_token_ids"))
+        !r.get(p.seed, "seed") || !r.get_vec(p.stop_token_ids, "stop_token_ids") ||
+        !r.get_top(p.logit_bias, "logit_bias"))
       return r.status();
     s.sample = flags & 1;
     s.prompt_logprobs = flags & 2;
     p.top_k = top_k;
     p.min_tokens = min_tokens;
   }
-  if (!r.get_vec(b.token_ids, "token_ids") || !r.get_vec(b.free_seq_ids, "free_seq_ids")) return r.status();
+  uint32_t num_forks = 0;
+  if (!r.get_vec(b.token_ids, "token_ids") || !r.count(num_forks, "forks", 20)) return r.status();
+  b.forks.resize(num_forks);
+  for (SeqFork& f : b.forks)
+    if (!r.get(f.parent, "forks") || !r.get(f.child, "forks") || !r.get(f.num_tokens, "forks")) return r.status();
+  if (!r.get_vec(b.free_seq_ids, "free_seq_ids")) return r.status();
   if (!r.done()) return Status::error("malformed micro-batch: trailing bytes after free_seq_ids");
   int64_t total = 0;
   for (const SeqWork& s : b.seqs) {
@@ -202,7 +211,6 @@ Expected<BatchResult> decode_batch_result(std::span<const uint8_t> bytes) {
   Reader r(bytes, "batch result");
   BatchResult res;
   uint32_t magic = 0, n = 0;
-  uint8_t act_dtype = 0;
   if (!r.get(magic, "magic")) return r.status();
   if (magic != kResultMagic) return Status::error("malformed batch result: bad magic word");
   if (!r.get(res.batch_id, "batch_id") || !r.get(res.pipeline, "pipeline") || !r.get(res.epoch, "epoch") ||
@@ -236,6 +244,14 @@ Status validate(const MicroBatch& b, const ModelConfig& config) {
       return Status::error(who + ": lookahead token " + std::to_string(s.lookahead_token) + " is out of range");
     if (Status st = validate_sampling_params(s.sampling, config.vocab_size); !st.ok())
       return Status::error(who + ": " + st.message());
+  }
+  for (const SeqFork& f : b.forks) {
+    if (f.parent == f.child)
+      return Status::error("fork of sequence " + std::to_string(f.parent) + " into itself");
+    if (f.num_tokens < 1 || f.num_tokens > config.n_positions)
+      return Status::error("fork of sequence " + std::to_string(f.parent) + " into " + std::to_string(f.child) +
+                           ": num_tokens " + std::to_string(f.num_tokens) + " is outside 1.." +
+                           std::to_string(config.n_positions));
   }
   for (int32_t id : b.token_ids)
     if (id < 0 || id >= config.vocab_size)

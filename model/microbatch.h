@@ -40,6 +40,16 @@ struct SeqWork {
   SamplingParams sampling;
 };
 
+// Before a batch runs, every stage gives `child` a copy of the first num_tokens positions of
+// `parent`'s K/V (beam search: a beam continues its parent's cache). Forks are applied in
+// order, before the frees, so a parent freed in the same batch can still be forked from.
+struct SeqFork {
+  uint64_t parent = 0;
+  uint64_t child = 0;
+  int32_t num_tokens = 0;
+  bool operator==(const SeqFork&) const = default;
+};
+
 struct MicroBatch {
   uint64_t batch_id = 0;
   uint32_t pipeline = 0;          // pipeline replica
@@ -47,7 +57,8 @@ struct MicroBatch {
   DType activation_dtype = DType::F32;  // of the activations sent with this header (F32, F16, BF16)
   std::vector<SeqWork> seqs;
   std::vector<int32_t> token_ids;        // every slice's tokens, concatenated in slice order
-  std::vector<uint64_t> free_seq_ids;    // free these sequences' KV before running
+  std::vector<SeqFork> forks;            // applied first (see SeqFork)
+  std::vector<uint64_t> free_seq_ids;    // free these sequences' KV before running (after the forks)
 
   std::vector<SeqSlice> slices() const;
   int64_t total_tokens() const;
@@ -79,7 +90,8 @@ std::vector<uint8_t> encode(const BatchResult& result);
 Expected<BatchResult> decode_batch_result(std::span<const uint8_t> bytes);
 
 // Checks a decoded micro-batch against a model: slice sizes and token count agree, token
-// ids in [0, vocab), positions within n_positions, top_logprobs within 0..20.
+// ids in [0, vocab), positions within n_positions, top_logprobs within 0..20; forks with a
+// child other than the parent and 1 <= num_tokens <= n_positions.
 Status validate(const MicroBatch& batch, const ModelConfig& config);
 
 }  // namespace conveyor

@@ -90,6 +90,11 @@ class StageBackend {
   // (copies to and from the device run as DMA), the heap otherwise. Null when none is left.
   virtual std::shared_ptr<std::byte[]> allocate_host(size_t bytes) const = 0;
 
+  // Gives `child` the first num_tokens positions of `parent`'s K/V (beam search, prefix
+  // reuse). Fails, changing nothing, naming what is wrong: an unknown parent, a child that
+  // exists, num_tokens outside 1..the parent's cached length, or no room for the child.
+  // A paged cache shares the parent's full pages and copies only a partial last one.
+  virtual Status fork_sequence(uint64_t parent, uint64_t child, int64_t num_tokens) = 0;
   virtual void free_sequence(uint64_t seq_id) = 0;
   virtual void clear() = 0;  // every sequence (failover, re-plan)
 

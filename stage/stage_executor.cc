@@ -22,7 +22,22 @@ void StageExecutor::drop_all() {
 Status StageExecutor::run(const MicroBatch& batch, std::span<const std::byte> in, const ActivationSink& out,
                           BatchResult* result) {
   sample_seconds_ = 0;
+  // Forks before frees: a parent freed by this batch can still be forked from. A fork that
+  // fails fails the batch (the coordinator replays the pipeline from a new epoch, which drops
+  // every cache); the frees still run, so nothing the coordinator released stays held.
+  Status forked = ok_status();
+  for (const SeqFork& f : batch.forks) {
+    forked = backend_->fork_sequence(f.parent, f.child, f.num_tokens);
+    if (!forked.ok()) break;
+    if (auto h = history_.find(f.parent); h != history_.end()) {
+      const int64_t n = std::min<int64_t>(f.num_tokens, int64_t(h->second.size()));
+      std::vector<int32_t> prefix(h->second.begin(), h->second.begin() + n);  // before history_ may rehash
+      history_[f.child] = std::move(prefix);
+    }
+  }
   for (uint64_t id : batch.free_seq_ids) free_sequence(id);
+  if (!forked.ok())
+    return is_first() ? forked : Status::error("micro-batch " + std::to_string(batch.batch_id) + ": " + forked.message());
   if (Status s = validate(batch, config()); !s.ok()) return s;
   const std::vector<SeqSlice> slices = batch.slices();
   StepInput step;

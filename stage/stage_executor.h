@@ -43,7 +43,9 @@ class StageExecutor {
   // incoming activations [T, C] (batch.activation_dtype, host memory). A non-last stage
   // writes its outgoing activations where `out` says (called once, also with 0 bytes for a
   // batch that only frees sequences, so the frees travel on); the last stage fills `result`
-  // with the sampled tokens and log-probs. Frees batch.free_seq_ids first. A batch refused
+  // with the sampled tokens and log-probs. Applies batch.forks first (each child gets its
+  // parent's first num_tokens K/V positions, and on the last stage its token history), then
+  // frees batch.free_seq_ids, then runs the slices. A batch refused
   // by the checks changes no sequence's cache; one whose rows find no room in `out` has
   // already run (either way the coordinator replays the pipeline from a new epoch).
   Status run(const MicroBatch& batch, std::span<const std::byte> in, const ActivationSink& out, BatchResult* result);

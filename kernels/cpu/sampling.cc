@@ -78,6 +78,11 @@ void sort_candidates(std::span<const float> logits, std::vector<int32_t>& order)
 void apply_penalties(std::span<float> logits, const SamplingParams& p, std::span<const int32_t> prompt,
                      std::span<const int32_t> generated) {
   const size_t V = logits.size();
+  for (const auto& [id, bias] : p.logit_bias) {  // 0
+    if (!in_vocab(id, V)) continue;
+    float& l = logits[size_t(id)];
+    l = bias <= kLogitBiasBan ? kNegInf : l + bias;
+  }
   if (p.repetition_penalty != 1.0f) {
     for (auto [id, count] : id_counts(prompt, generated)) {
       if (!in_vocab(id, V)) continue;
@@ -114,7 +119,7 @@ int32_t sample_next(std::span<float> logits, const SamplingParams& p, std::span<
                     std::span<const int32_t> generated, uint64_t sample_index) {
   const size_t V = logits.size();
   if (V == 0) return -1;
-  apply_penalties(logits, p, prompt, generated);  // 1
+  apply_penalties(logits, p, prompt, generated);  // 0-1
   if (p.temperature == 0.0f) return argmax_token(logits);  // 2
   if (p.temperature != 1.0f)  // 3 (division by 1 is exact, skipping it changes nothing)
     for (float& l : logits) l = l / p.temperature;

@@ -4,7 +4,9 @@
 // draws the same token on CPU and GPU wherever the two compute the same probabilities.
 // V = logits.size(); s = generated.size() (the step); all arithmetic as stated.
 //
-//  1. Penalties, in place on the fp32 logits, in this order:
+//  0. logit_bias, in place on the fp32 logits: for each (id, b), l = -inf when b <= -100
+//     (kLogitBiasBan: the token is banned), else l = l + b (fp32 addition).
+//  1. Penalties, in place on the (biased) fp32 logits, in this order:
 //     a. repetition_penalty p != 1 (HF RepetitionPenaltyLogitsProcessor): once for each
 //        distinct id in prompt + generated, l = l > 0 ? l / p : l * p.
 //     b. presence / frequency (OpenAI): for each distinct id with count c >= 1 in
@@ -28,8 +30,8 @@
 //     masked), return it.
 //
 // LOG-PROBS (OpenAI `logprobs`) are reported under the model's raw distribution:
-// log_softmax of the logits exactly as the LM head produced them, before penalties,
-// temperature and top-k/top-p. Callers compute them before sample_next mutates the row.
+// log_softmax of the logits exactly as the LM head produced them, before logit_bias,
+// penalties, temperature and top-k/top-p. Callers compute them before sample_next mutates the row.
 #pragma once
 
 #include <cstdint>
@@ -41,13 +43,13 @@
 
 namespace conveyor {
 
-// Steps 1-8 above. `logits` is mutated (penalties, temperature). `sample_index` tells
+// Steps 0-8 above. `logits` is mutated (penalties, temperature). `sample_index` tells
 // apart the n independent choices of one request.
 int32_t sample_next(std::span<float> logits, const SamplingParams& params,
                     std::span<const int32_t> prompt, std::span<const int32_t> generated,
                     uint64_t sample_index);
 
-// Step 1 alone (what sample_next applies before choosing).
+// Steps 0 and 1 alone (what sample_next applies before choosing).
 void apply_penalties(std::span<float> logits, const SamplingParams& params,
                      std::span<const int32_t> prompt, std::span<const int32_t> generated);
 

@@ -1,5 +1,7 @@
 #include "kernels/cuda/paged_kv.h"
 
+#include <algorithm>
+
 #include "kernels/cuda/dtype.cuh"
 #include "kernels/cuda/launch.cuh"
 
@@ -36,7 +38,30 @@ __global__ void kv_append_kernel(T* __restrict__ kc, T* __restrict__ vc, int64_t
   }
 }
 
+// Grid (blocks, n_layer): each block copies a strided share of one layer's page, 16 bytes a thread.
+__global__ void kv_copy_page_kernel(char* __restrict__ pool, int64_t layer_bytes, int64_t page_bytes, int32_t src,
+                                    int32_t dst) {
+  const char* from = pool + blockIdx.y * layer_bytes + int64_t(src) * page_bytes;
+  char* to = pool + blockIdx.y * layer_bytes + int64_t(dst) * page_bytes;
+  const int64_t n = page_bytes / 16;
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
+    reinterpret_cast<uint4*>(to)[i] = reinterpret_cast<const uint4*>(from)[i];
+}
+
 }  // namespace
+
+void kv_copy_page(void* pool, int64_t layer_bytes, int64_t page_bytes, int64_t n_layer, int32_t src, int32_t dst,
+                  cudaStream_t stream) {
+  if (n_layer <= 0 || page_bytes <= 0 || src == dst) return;
+  if (page_bytes % 16 != 0 || layer_bytes % 16 != 0 || !aligned16(pool))
+    throw Error("kv_copy_page: page and layer sizes must be multiples of 16 bytes and the pool 16-byte aligned");
+  const int threads = 256;
+  const int64_t vecs = page_bytes / 16;
+  const unsigned blocks = unsigned(std::min<int64_t>(64, (vecs + threads - 1) / threads));
+  kv_copy_page_kernel<<<dim3(blocks, unsigned(n_layer)), threads, 0, stream>>>(static_cast<char*>(pool), layer_bytes,
+                                                                                page_bytes, src, dst);
+  CUDA_CHECK(cudaGetLastError());
+}
 
 template <class T>
 void kv_cache_append(const KvLayerView& kv, const T* qkv, int64_t qkv_stride, const int32_t* token_rows,

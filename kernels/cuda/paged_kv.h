@@ -36,4 +36,11 @@ void kv_cache_append(const KvLayerView& kv, const T* qkv, int64_t qkv_stride, co
                      const int32_t* token_pos, int64_t num_tokens, int64_t n_head, int64_t head_dim,
                      cudaStream_t stream);
 
+// Copies page `src` to page `dst` (K and V, every head, all kPageTokens positions) in each of
+// n_layer layers of a pool laid out as above: layer l's pages start at pool + l * layer_bytes,
+// page p at + p * page_bytes. page_bytes must be a multiple of 16 and the pool 16-byte
+// aligned. The fork of a sequence whose last page is partial copies that page this way.
+void kv_copy_page(void* pool, int64_t layer_bytes, int64_t page_bytes, int64_t n_layer, int32_t src, int32_t dst,
+                  cudaStream_t stream);
+
 }  // namespace conveyor::cuda

@@ -22,12 +22,13 @@ constexpr int kDrawThreads = 512;  // the double scan needs more than 64 registe
 constexpr int kItems = 4;  // consecutive candidates per thread per scan tile
 
 // What the prepare and draw kernels need of one row; list ranges index GpuSampler's one
-// int list (repetition ids, then (id, count) pairs for presence/frequency, then stop ids).
+// int list ((id, bias bits) pairs of logit_bias, repetition ids, then (id, count) pairs for
+// presence/frequency, then stop ids).
 struct RowParams {
   float temperature, top_p, repetition, presence, frequency;
   int32_t top_k;
   uint64_t seed, step, sample_index;
-  int32_t rep_begin, rep_end, freq_begin, freq_end, stop_begin, stop_end;
+  int32_t bias_begin, bias_end, rep_begin, rep_end, freq_begin, freq_end, stop_begin, stop_end;
 };
 
 struct ArgMax {
@@ -140,13 +141,20 @@ __device__ __forceinline__ unsigned long long candidate(uint32_t bits, int64_t i
   return (static_cast<unsigned long long>(bits) << 32) | (0xffffffffu - uint32_t(id));
 }
 
-// Steps 1-3 of sample_next. Greedy rows are finished here; the others get a sort segment
+// Steps 0-3 of sample_next. Greedy rows are finished here; the others get a sort segment
 // (empty for the rows topk_select_kernel takes).
 __global__ void __launch_bounds__(kThreads) prepare_kernel(float* logits, const RowParams* params, const int32_t* lists, int64_t V,
                                int32_t* tokens, int* seg_begin, int* seg_end) {
   const int r = blockIdx.x;
   const RowParams p = params[r];
   float* l = logits + int64_t(r) * V;
+  for (int i = p.bias_begin + 2 * threadIdx.x; i < p.bias_end; i += 2 * blockDim.x) {  // distinct ids
+    const int32_t id = lists[i];
+    const float bias = __int_as_float(lists[i + 1]);
+    if (id < 0 || id >= V) continue;
+    l[id] = bias <= kLogitBiasBan ? -INFINITY : __fadd_rn(l[id], bias);
+  }
+  __syncthreads();
   for (int i = p.rep_begin + threadIdx.x; i < p.rep_end; i += blockDim.x) {  // distinct ids
     const int32_t id = lists[i];
     if (id < 0 || id >= V) continue;
@@ -429,7 +437,7 @@ void GpuSampler::ensure_list_capacity(int64_t ints) {
 
 bool GpuSampler::needs_sampler(const SamplingParams& p, size_t generated_len) {
   return p.temperature != 0.f || p.repetition_penalty != 1.f || p.presence_penalty != 0.f ||
-         p.frequency_penalty != 0.f || generated_len < size_t(std::max(p.min_tokens, 0));
+         p.frequency_penalty != 0.f || !p.logit_bias.empty() || generated_len < size_t(std::max(p.min_tokens, 0));
 }
 
 void GpuSampler::sample(float* logits, std::span<const SampleRow> rows, int32_t* tokens, cudaStream_t stream) {
@@ -438,7 +446,7 @@ void GpuSampler::sample(float* logits, std::span<const SampleRow> rows, int32_t*
   if (n > max_rows_)
     throw Error(owner_ + ": sampler asked for " + std::to_string(n) + " rows, built for " + std::to_string(max_rows_));
 
-  // Penalty lists, as apply_penalties builds them (distinct ids; (id, count) pairs).
+  // Bias and penalty lists, as apply_penalties builds them (distinct ids; (id, count) pairs).
   thread_local std::vector<int32_t> lists, scratch;
   lists.clear();
   std::vector<RowParams> params(static_cast<size_t>(n));
@@ -456,6 +464,14 @@ void GpuSampler::sample(float* logits, std::span<const SampleRow> rows, int32_t*
     p.seed = sp.seed;
     p.step = uint64_t(row.generated.size());
     p.sample_index = row.sample_index;
+    p.bias_begin = int32_t(lists.size());
+    for (const auto& [id, bias] : sp.logit_bias) {  // the bias travels as its float bits
+      int32_t bits;
+      std::memcpy(&bits, &bias, sizeof bits);
+      lists.push_back(id);
+      lists.push_back(bits);
+    }
+    p.bias_end = int32_t(lists.size());
     p.rep_begin = p.rep_end = int32_t(lists.size());
     if (sp.repetition_penalty != 1.f) {
       scratch.assign(row.prompt.begin(), row.prompt.end());

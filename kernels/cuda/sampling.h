@@ -6,7 +6,7 @@
 // there, so they may differ in the last bits, which changes a token only when the draw
 // lands within ~1e-16 of a boundary.
 //
-// Kernels per call: one prepare kernel (penalties; greedy rows take their argmax there;
+// Kernels per call: one prepare kernel (logit_bias, penalties; greedy rows take their argmax there;
 // others are divided by the temperature), the candidates in order: rows with a top-k of at
 // most 256 get just their first top-k from a select kernel (a radix select over the keys'
 // bytes, then a bitonic sort in shared memory: a row of GPT-2's 50257 logits is not sorted
@@ -39,7 +39,7 @@ class GpuSampler {
   GpuSampler(const GpuSampler&) = delete;
   GpuSampler& operator=(const GpuSampler&) = delete;
 
-  // True when a row needs more than argmax_rows: a temperature > 0 or any penalty.
+  // True when a row needs more than argmax_rows: a temperature > 0, a logit_bias or any penalty.
   static bool needs_sampler(const SamplingParams& p, size_t generated_len);
 
   // logits: device [rows.size(), V], mutated (penalties, temperature) as sample_next mutates

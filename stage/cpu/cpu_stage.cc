@@ -216,6 +216,28 @@ Status CpuStage::logits(std::span<const SeqSlice> slices, const float* hidden, b
   return ok_status();
 }
 
+Status CpuStage::fork_sequence(uint64_t parent, uint64_t child, int64_t num_tokens) {
+  auto it = cache_.find(parent);
+  if (it == cache_.end())
+    return Status::error("fork: " + seq_name(parent) + " is not cached on this stage (forking into " +
+                         std::to_string(child) + ")");
+  if (cache_.count(child)) return Status::error("fork: " + seq_name(child) + " exists already (forking " + seq_name(parent) + ")");
+  if (num_tokens < 1 || num_tokens > it->second.length)
+    return Status::error("fork: " + std::to_string(num_tokens) + " tokens of " + seq_name(parent) + ", which has " +
+                         std::to_string(it->second.length) + " cached (1.." + std::to_string(it->second.length) + " allowed)");
+  const SequenceCache& from = it->second;
+  SequenceCache to;
+  to.length = int32_t(num_tokens);
+  to.kv.resize(from.kv.size());
+  const size_t tp = shards_.size();
+  for (size_t i = 0; i < from.kv.size(); ++i) {
+    const size_t n = size_t(num_tokens * 2 * shards_[i % tp].width);
+    to.kv[i].assign(from.kv[i].begin(), from.kv[i].begin() + int64_t(n));
+  }
+  cache_.emplace(child, std::move(to));
+  return ok_status();
+}
+
 void CpuStage::free_sequence(uint64_t seq_id) { cache_.erase(seq_id); }
 
 void CpuStage::clear() { cache_.clear(); }

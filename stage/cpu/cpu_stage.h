@@ -67,6 +67,11 @@ class CpuStage {
   // Reads no cache; the slices only give the row layout of `hidden`.
   Status logits(std::span<const SeqSlice> slices, const float* hidden, bool all_positions, float* out);
 
+  // Gives `child` the first num_tokens positions of `parent`'s K/V. The CPU cache is one
+  // contiguous buffer a sequence (its attention reads rows [0, length) in one span), so the
+  // child gets its own copy of those rows. Fails, changing nothing, on an unknown parent, a
+  // child that exists, or num_tokens outside 1..the parent's length.
+  Status fork_sequence(uint64_t parent, uint64_t child, int64_t num_tokens);
   void free_sequence(uint64_t seq_id);
   void clear();
 

@@ -38,6 +38,15 @@ Status CpuStageBackend::step(const StepInput& in, StepOutput& out) {
   return stage_->logits(in.slices, hidden_.data(), all, out.logits.data());
 }
 
+Status CpuStageBackend::fork_sequence(uint64_t parent, uint64_t child, int64_t num_tokens) {
+  // The budget the worker was given bounds the copies a fork makes (its prefix's rows).
+  if (stage_->kv_bytes_used() + num_tokens * stage_->kv_bytes_per_token() > kv_cache_bytes_)
+    return Status::error("cpu stage: no K/V room to fork sequence " + std::to_string(parent) + " into " +
+                         std::to_string(child) + " (" + std::to_string(num_tokens) + " tokens; " +
+                         std::to_string(kv_used_tokens()) + " of " + std::to_string(kv_capacity_tokens()) + " used)");
+  return stage_->fork_sequence(parent, child, num_tokens);
+}
+
 std::shared_ptr<std::byte[]> CpuStageBackend::allocate_host(size_t bytes) const {
   return std::shared_ptr<std::byte[]>(new (std::nothrow) std::byte[bytes]);
 }

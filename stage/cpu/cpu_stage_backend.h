@@ -25,6 +25,7 @@ class CpuStageBackend final : public StageBackend {
   bool samples_in_place() const override { return false; }
   Status step(const StepInput& in, StepOutput& out) override;
   std::shared_ptr<std::byte[]> allocate_host(size_t bytes) const override;
+  Status fork_sequence(uint64_t parent, uint64_t child, int64_t num_tokens) override;
   void free_sequence(uint64_t seq_id) override { stage_->free_sequence(seq_id); }
   void clear() override { stage_->clear(); }
   int64_t num_sequences() const override { return stage_->num_sequences(); }

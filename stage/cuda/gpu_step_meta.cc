@@ -109,6 +109,7 @@ Status GpuStage::reserve(std::span<const SeqSlice> slices) {
   for (const SeqSlice& s : slices) {
     const bool is_new = !kv_->contains(s.seq_id);
     Status st = kv_->reserve(s.seq_id, int64_t(s.start_pos) + s.num_tokens);
+    if (st.ok()) st = kv_->prepare_write(s.seq_id, s.start_pos, stream_);  // copy-on-write
     if (!st.ok()) {
       for (uint64_t id : fresh) kv_->release(id);
       return Status::error(options_.name + ": " + st.message());

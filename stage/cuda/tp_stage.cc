@@ -126,6 +126,16 @@ Status TpStage::download_hidden(void* dst, DType dtype, int64_t num_tokens) {
   return lead().download_hidden(dst, dtype, num_tokens);
 }
 
+Status TpStage::fork_sequence(uint64_t parent, uint64_t child, int64_t num_tokens) {
+  for (size_t r = 0; r < ranks_.size(); ++r) {
+    if (Status s = ranks_[r]->fork_sequence(parent, child, num_tokens); !s) {
+      for (size_t done = 0; done < r; ++done) ranks_[done]->free_sequence(child);
+      return s;
+    }
+  }
+  return ok_status();
+}
+
 void TpStage::free_sequence(uint64_t seq_id) {
   for (auto& s : ranks_) s->free_sequence(seq_id);
 }

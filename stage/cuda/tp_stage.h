@@ -76,6 +76,8 @@ class TpStage {
   Status download_hidden(void* dst, DType dtype, int64_t num_tokens);
   Status upload_hidden(const float* host, int64_t num_tokens) { return upload_hidden(host, DType::F32, num_tokens); }
   Status download_hidden(float* host, int64_t num_tokens) { return download_hidden(host, DType::F32, num_tokens); }
+  // On every rank; a rank that fails undoes the ranks before it.
+  Status fork_sequence(uint64_t parent, uint64_t child, int64_t num_tokens);
   void free_sequence(uint64_t seq_id);
   void clear();
 

@@ -294,6 +294,55 @@ TEST(Sampling, ValidateNamesTheField) {
   EXPECT_NE(validate_sampling_params(p, 10).message().find("stop_token_ids"), std::string::npos);
 }
 
+TEST(Sampling, LogitBiasBansAndFavoursTokens) {
+  auto l = random_logits(500, 21);
+  const int32_t best = argmax_token(l);
+  SamplingParams p;
+  p.temperature = 0;
+  // -100 bans the argmax: greedy takes the runner-up, whatever its distance.
+  p.logit_bias = {{best, kLogitBiasBan}};
+  std::vector<float> masked = l;
+  masked[size_t(best)] = -std::numeric_limits<float>::infinity();
+  EXPECT_EQ(draw(l, p), argmax_token(masked));
+  std::vector<float> huge = l;
+  huge[size_t(best)] = 1e30f;  // a ban is a ban, not a large negative number
+  EXPECT_NE(draw(huge, p), best);
+  // A ban holds under sampling too: no draw of many seeds picks it.
+  p.temperature = 1.5f;
+  for (uint64_t seed = 0; seed < 2000; ++seed) {
+    p.seed = seed;
+    ASSERT_NE(draw(huge, p), best) << "seed " << seed;
+  }
+  // A positive bias makes a token greedy: bias = gap + 1 lifts the least likely token above all.
+  const int32_t worst = int32_t(std::min_element(l.begin(), l.end()) - l.begin());
+  p = {};
+  p.temperature = 0;
+  p.logit_bias = {{worst, l[size_t(best)] - l[size_t(worst)] + 1.0f}};
+  EXPECT_EQ(draw(l, p), worst);
+  // The bias is added before the penalties: repetition divides the biased logit (HF rule for
+  // l > 0), so a bias of 4 on a logit of 2 with penalty 2 gives 3, above 2.9.
+  std::vector<float> small = {2.0f, 2.9f, 0.0f};
+  p = {};
+  p.temperature = 0;
+  p.repetition_penalty = 2.0f;
+  p.logit_bias = {{0, 4.0f}};
+  const std::vector<int32_t> prompt = {0};
+  std::vector<float> row = small;
+  apply_penalties(row, p, prompt, {});
+  EXPECT_FLOAT_EQ(row[0], 3.0f);
+  EXPECT_EQ(draw(small, p, {}, 0, prompt), 0);
+  // Validation names the field.
+  p = {};
+  p.logit_bias = {{3, 1.f}, {3, 2.f}};
+  EXPECT_NE(validate_sampling_params(p, 10).message().find("logit_bias"), std::string::npos);
+  p.logit_bias = {{10, 1.f}};
+  EXPECT_NE(validate_sampling_params(p, 10).message().find("logit_bias"), std::string::npos);
+  p.logit_bias = {{1, 100.5f}};
+  EXPECT_NE(validate_sampling_params(p, 10).message().find("logit_bias"), std::string::npos);
+  p.logit_bias = {{1, -100.f}, {2, 100.f}};
+  EXPECT_TRUE(validate_sampling_params(p, 10).ok());
+}
+
 TEST(Logprobs, TokenLogprobsUseTheRawDistribution) {
   const auto l = random_logits(301, 11);
   const double lse = log_sum_exp(l);

@@ -85,6 +85,171 @@ TEST(MicroBatchWire, RoundTripsAndNamesWhatIsWrong) {
   EXPECT_NE(cut.error().find("free_seq_ids"), std::string::npos) << cut.error();
 }
 
+TEST(MicroBatchWire, LogitBiasRoundTripsAndIsChecked) {
+  MicroBatch b = prompt_batch();
+  b.seqs[1].sampling.logit_bias = {{13, -100.f}, {262, 2.5f}, {4095, 100.f}};
+  const std::vector<uint8_t> bytes = encode(b);
+  auto back = decode_microbatch(bytes);
+  ASSERT_TRUE(back) << back.error();
+  EXPECT_TRUE(back->seqs[0].sampling.logit_bias.empty());
+  EXPECT_EQ(back->seqs[1].sampling.logit_bias, b.seqs[1].sampling.logit_bias);
+  const ModelConfig config = load_model_config(model_dir()).value();
+  EXPECT_TRUE(validate(*back, config).ok());
+  // A count that runs past the message is refused by decode, naming the field.
+  MicroBatch one;
+  SeqWork w;
+  w.slice = {1, 0, 1};
+  w.sampling.logit_bias = {{1, 1.f}, {2, 2.f}};
+  one.seqs.push_back(w);
+  one.token_ids = {5};
+  std::vector<uint8_t> cut = encode(one);
+  const size_t tail = 4 + 4 + 4 + 4;  // token_ids (count + 1 id), forks (count), free_seq_ids (count)
+  auto refused = decode_microbatch(std::span(cut).first(cut.size() - tail - 4));  // inside the last pair
+  ASSERT_FALSE(refused);
+  EXPECT_NE(refused.error().find("logit_bias"), std::string::npos) << refused.error();
+  // An id outside the vocabulary is refused by validate, naming the field.
+  back->seqs[1].sampling.logit_bias = {{int32_t(config.vocab_size), 1.f}};
+  const Status st = validate(*back, config);
+  ASSERT_FALSE(st.ok());
+  EXPECT_NE(st.message().find("logit_bias"), std::string::npos) << st.message();
+}
+
+TEST(StageExecutor, LogitBiasChangesTheLastStagesChoice) {
+  StageExecutor whole = stage(0, 6);
+  MicroBatch b = prompt_batch();
+  BatchResult plain, banned, favoured;
+  ASSERT_TRUE(whole.run(b, {}, kNoSink, &plain).ok());
+  whole.drop_all();
+  const int32_t greedy = plain.seqs[0].token;
+  b.seqs[0].sampling.logit_bias = {{greedy, kLogitBiasBan}};
+  ASSERT_TRUE(whole.run(b, {}, kNoSink, &banned).ok());
+  whole.drop_all();
+  EXPECT_NE(banned.seqs[0].token, greedy);
+  EXPECT_EQ(banned.seqs[0].token, plain.seqs[0].top[1].first);  // the runner-up
+  EXPECT_EQ(banned.seqs[1].token, plain.seqs[1].token);         // the other sequence is untouched
+  // Log-probs are of the raw distribution: the runner-up's log-prob is what it was.
+  EXPECT_FLOAT_EQ(banned.seqs[0].logprob, plain.seqs[0].top[1].second);
+  b.seqs[0].sampling.logit_bias = {{7, 100.f}};
+  ASSERT_TRUE(whole.run(b, {}, kNoSink, &favoured).ok());
+  EXPECT_EQ(favoured.seqs[0].token, 7);
+}
+
+// One sequence's step: `tokens` from `start`, sampling greedy, its top-5 reported.
+SeqWork seq_step(uint64_t id, int32_t start, int32_t n, int32_t prompt_len) {
+  SeqWork w;
+  w.slice = {id, start, n};
+  w.prompt_len = prompt_len;
+  w.sample = true;
+  w.top_logprobs = 5;
+  w.sampling.temperature = 0;
+  return w;
+}
+
+TEST(MicroBatchWire, ForksRoundTripAndAreChecked) {
+  MicroBatch b = prompt_batch();
+  b.forks = {{1, 5, 3}, {2, 6, 1}};
+  b.free_seq_ids = {1};
+  auto back = decode_microbatch(encode(b));
+  ASSERT_TRUE(back) << back.error();
+  EXPECT_EQ(back->forks, b.forks);
+  EXPECT_EQ(back->free_seq_ids, b.free_seq_ids);
+  const ModelConfig config = load_model_config(model_dir()).value();
+  EXPECT_TRUE(validate(*back, config).ok());
+  const std::vector<uint8_t> bytes = encode(b);
+  auto cut = decode_microbatch(std::span(bytes).first(bytes.size() - 4 - 8 - 10));  // inside the forks
+  ASSERT_FALSE(cut);
+  EXPECT_NE(cut.error().find("forks"), std::string::npos) << cut.error();
+  back->forks = {{3, 3, 1}};
+  EXPECT_NE(validate(*back, config).message().find("into itself"), std::string::npos);
+  back->forks = {{3, 4, 0}};
+  EXPECT_NE(validate(*back, config).message().find("num_tokens"), std::string::npos);
+}
+
+// A fork gives the child its parent's K/V prefix: decoding the children gives the same tokens
+// and log-probs as sequences computed from scratch, bit for bit (the CPU stage is batch and
+// chunk invariant); a parent freed by the same batch can be forked from; the K/V accounting
+// counts what each sequence holds; and bad forks are refused naming what is wrong.
+TEST(StageExecutor, ForkedSequencesDecodeAsIfComputedFromScratch) {
+  StageExecutor ex = stage(0, 6), ref = stage(0, 6);
+  const std::vector<int32_t> prompt = {464, 1578, 531, 818, 262, 3329, 262, 1468, 11, 290, 339, 1110, 13, 383, 2010,
+                                       257, 1244, 318, 7, 42, 99};  // 21 tokens: one full page and a part
+  MicroBatch first;
+  first.seqs.push_back(seq_step(1, 0, int32_t(prompt.size()), int32_t(prompt.size())));
+  first.token_ids = prompt;
+  BatchResult r1;
+  ASSERT_TRUE(ex.run(first, {}, kNoSink, &r1).ok());
+  EXPECT_EQ(ex.backend().kv_used_tokens(), 21);
+
+  // Children of 21, 16 and 9 tokens, each continuing with its own next token; the parent is
+  // freed in the same batch.
+  MicroBatch second;
+  second.batch_id = 2;
+  second.forks = {{1, 2, 21}, {1, 3, 16}, {1, 4, 9}};
+  second.free_seq_ids = {1};
+  const std::vector<std::pair<int32_t, int32_t>> next = {{21, r1.seqs[0].token}, {16, 77}, {9, 1000}};
+  for (size_t i = 0; i < next.size(); ++i) {
+    second.seqs.push_back(seq_step(2 + i, next[i].first, 1, int32_t(prompt.size())));
+    second.token_ids.push_back(next[i].second);
+  }
+  BatchResult r2;
+  const Status st = ex.run(second, {}, kNoSink, &r2);
+  ASSERT_TRUE(st.ok()) << st.message();
+  EXPECT_EQ(ex.backend().num_sequences(), 3);
+  EXPECT_EQ(ex.backend().kv_used_tokens(), 22 + 17 + 10);
+  ASSERT_EQ(r2.seqs.size(), 3u);
+  for (size_t i = 0; i < next.size(); ++i) {
+    std::vector<int32_t> whole(prompt.begin(), prompt.begin() + next[i].first);
+    whole.push_back(next[i].second);
+    MicroBatch scratch;
+    scratch.seqs.push_back(seq_step(100 + i, 0, int32_t(whole.size()), int32_t(prompt.size())));
+    scratch.token_ids = whole;
+    BatchResult want;
+    ASSERT_TRUE(ref.run(scratch, {}, kNoSink, &want).ok());
+    EXPECT_EQ(r2.seqs[i].token, want.seqs[0].token) << "child " << i;
+    EXPECT_EQ(r2.seqs[i].logprob, want.seqs[0].logprob) << "child " << i;
+    EXPECT_EQ(r2.seqs[i].top, want.seqs[0].top) << "child " << i;
+  }
+
+  // Errors: an unknown parent, a child that exists, more tokens than the parent holds.
+  auto refuse = [&](SeqFork f, const std::string& what) {
+    MicroBatch b;
+    b.batch_id = 9;
+    b.forks = {f};
+    BatchResult r;
+    const Status s = ex.run(b, {}, kNoSink, &r);
+    ASSERT_FALSE(s.ok()) << what;
+    EXPECT_NE(s.message().find(what), std::string::npos) << s.message();
+  };
+  refuse({1, 8, 3}, "sequence 1 is not cached");
+  refuse({2, 3, 3}, "sequence 3 exists already");
+  refuse({2, 8, 23}, "23 tokens of sequence 2, which has 22 cached");
+  EXPECT_EQ(ex.backend().num_sequences(), 3);  // nothing changed
+  for (uint64_t id : {2, 3, 4}) ex.free_sequence(id);
+  EXPECT_EQ(ex.backend().kv_used_tokens(), 0);
+}
+
+TEST(StageExecutor, AForkNeedsRoomInTheBudget) {
+  auto w = load_stage_weights(model_dir(), 0, 6);
+  ASSERT_TRUE(w) << w.error();
+  auto backend = CpuStageBackend::create(std::move(*w), 1, 0);
+  ASSERT_TRUE(backend) << backend.error();
+  const int64_t per_token = (*backend)->kv_bytes_per_token();
+  auto w2 = load_stage_weights(model_dir(), 0, 6);
+  StageExecutor ex(CpuStageBackend::create(std::move(*w2), 1, 12 * per_token).value());
+  MicroBatch b;
+  b.seqs.push_back(seq_step(1, 0, 8, 8));
+  b.token_ids = {1, 2, 3, 4, 5, 6, 7, 8};
+  BatchResult r;
+  ASSERT_TRUE(ex.run(b, {}, kNoSink, &r).ok());
+  MicroBatch f;
+  f.forks = {{1, 2, 4}};
+  ASSERT_TRUE(ex.run(f, {}, kNoSink, &r).ok());  // 12 of 12
+  f.forks = {{1, 3, 1}};
+  const Status s = ex.run(f, {}, kNoSink, &r);
+  ASSERT_FALSE(s.ok());
+  EXPECT_NE(s.message().find("no K/V room to fork"), std::string::npos) << s.message();
+}
+
 TEST(StageExecutor, TwoStagesGiveTheWholeModelsTokens) {
   StageExecutor whole = stage(0, 6), first = stage(0, 3), second = stage(3, 6);
   EXPECT_TRUE(first.is_first() && !first.is_last() && second.is_last());

@@ -14,6 +14,7 @@ TEST(CudaOps, NotBuilt) { GTEST_SKIP() << "built without the CUDA backend"; }
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cmath>
 #include <span>
 #include <vector>
@@ -120,6 +121,53 @@ TEST(CudaSampling, TopKRowsMatchCpuSampleNext) {
         EXPECT_EQ(got[static_cast<size_t>(r)], expect[static_cast<size_t>(r)])
             << "V " << V << " round " << round << " row " << r << " k=" << params[static_cast<size_t>(r)].top_k
             << " p=" << params[static_cast<size_t>(r)].top_p;
+    }
+  }
+}
+
+// logit_bias (bans at -100, biases either way) before the penalties: the same tokens as
+// sample_next, greedy rows included (a bias alone sends a greedy row to the full sampler), and
+// a banned argmax is never chosen.
+TEST(CudaSampling, LogitBiasMatchesCpuSampleNext) {
+  REQUIRE_GPU();
+  Rng rng;
+  SEED_TRACE(rng);
+  const int V = 50257, rows = 16;
+  cuda::GpuSampler sampler("test", rows, V);
+  for (int round = 0; round < 4; ++round) {
+    std::vector<SamplingParams> params(static_cast<size_t>(rows));
+    std::vector<std::vector<int32_t>> gens(static_cast<size_t>(rows));
+    auto logits = rng.normal(static_cast<size_t>(rows) * V, 2.f);
+    std::vector<int32_t> banned(static_cast<size_t>(rows), -1);
+    for (int r = 0; r < rows; ++r) {
+      SamplingParams& p = params[static_cast<size_t>(r)];
+      p.seed = rng.gen();
+      p.temperature = std::vector<float>{0.f, 0.8f, 1.f, 1.2f}[static_cast<size_t>(r % 4)];
+      if (r % 3 == 1) p.top_k = 40;
+      if (r % 5 == 2) p.repetition_penalty = 1.3f, p.presence_penalty = 0.4f;
+      const float* row = logits.data() + static_cast<size_t>(r) * V;
+      const int32_t best = int32_t(std::max_element(row, row + V) - row);
+      banned[static_cast<size_t>(r)] = best;
+      std::vector<std::pair<int32_t, float>> bias = {{best, kLogitBiasBan}};
+      for (int i = rng.uniform(0, 30); i > 0; --i) bias.emplace_back(rng.uniform(0, V - 1), float(rng.uniform(-100, 100)));
+      if (r % 4 == 3) bias.emplace_back(rng.uniform(0, V - 1), 100.f);
+      std::sort(bias.begin(), bias.end(), [](auto a, auto b) { return a.first < b.first; });
+      for (const auto& e : bias)  // distinct ids; the first of a repeated id stays (the ban)
+        if (p.logit_bias.empty() || p.logit_bias.back().first != e.first) p.logit_bias.push_back(e);
+      for (int i = rng.uniform(0, 8); i > 0; --i) gens[static_cast<size_t>(r)].push_back(rng.uniform(0, V - 1));
+    }
+    std::vector<int32_t> expect(static_cast<size_t>(rows));
+    std::vector<cuda::SampleRow> srows(static_cast<size_t>(rows));
+    for (int r = 0; r < rows; ++r) {
+      std::vector<float> row(logits.begin() + int64_t(r) * V, logits.begin() + int64_t(r + 1) * V);
+      expect[static_cast<size_t>(r)] = sample_next(row, params[static_cast<size_t>(r)], {}, gens[static_cast<size_t>(r)], 0);
+      srows[static_cast<size_t>(r)] = cuda::SampleRow{&params[static_cast<size_t>(r)], {}, gens[static_cast<size_t>(r)], 0};
+      EXPECT_TRUE(cuda::GpuSampler::needs_sampler(params[static_cast<size_t>(r)], gens[static_cast<size_t>(r)].size()));
+    }
+    const std::vector<int32_t> got = sample_on_gpu(sampler, logits, srows);
+    for (int r = 0; r < rows; ++r) {
+      EXPECT_EQ(got[static_cast<size_t>(r)], expect[static_cast<size_t>(r)]) << "round " << round << " row " << r;
+      EXPECT_NE(got[static_cast<size_t>(r)], banned[static_cast<size_t>(r)]) << "round " << round << " row " << r;
     }
   }
 }

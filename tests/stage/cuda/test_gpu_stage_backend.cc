@@ -173,8 +173,8 @@ void GpuStageBackendTest::check_against_cpu(std::array<bool, 2> arrangement) {
 // The last stage samples on the GPU (HeadOutput::Tokens; decode steps replayed from
 // CUDA graphs, GpuStage::decode) unless a slice asks for top log-probs (then the ordinary
 // forward and logits run, and the host samples): both ways must choose the same tokens
-// (greedy, seeded temperature sampling, and a repetition penalty, which makes the GPU
-// sampler mutate its logits) and report the same log-prob of the chosen token. Untimed
+// (greedy, seeded temperature sampling, a repetition penalty, which makes the GPU sampler
+// mutate its logits, and logit_bias on a greedy and a sampled row) and report the same log-prob of the chosen token. Untimed
 // GEMM plans, so both pipelines compute the same logits.
 TEST_P(GpuStageBackendTest, SamplingOnTheGpuMatchesTheHostPath) {
   auto tok = Tokenizer::load(model_dir());
@@ -183,7 +183,7 @@ TEST_P(GpuStageBackendTest, SamplingOnTheGpuMatchesTheHostPath) {
   for (Pipeline* p : {&on_gpu, &on_host})
     for (auto& st : p->stages) static_cast<cuda::GpuStageBackend&>(st->backend()).stage().lead().gemm().set_tuning(false);
   ASSERT_TRUE(on_gpu.stages.back()->backend().samples_in_place());
-  const std::vector<std::string> texts = {"The jury said", "It was a cold", "Mr. Brown"};
+  const std::vector<std::string> texts = {"The jury said", "It was a cold", "Mr. Brown", "In the morning"};
   std::vector<std::vector<int32_t>> seqs;
   std::vector<int32_t> prompt_lens;
   for (const auto& t : texts) seqs.push_back(tok->encode(t)), prompt_lens.push_back(int32_t(seqs.back().size()));
@@ -193,6 +193,8 @@ TEST_P(GpuStageBackendTest, SamplingOnTheGpuMatchesTheHostPath) {
       w.sampling.temperature = i == 0 ? 0.f : 0.8f;
       w.sampling.seed = 7 + i;
       if (i == 2) w.sampling.repetition_penalty = 1.3f;
+      if (i == 3) w.sampling.temperature = 0.f, w.sampling.logit_bias = {{13, kLogitBiasBan}, {262, 3.f}, {290, 1.5f}};
+      if (i == 1) w.sampling.logit_bias = {{11, -2.f}, {262, 1.f}};
     });
     const BatchResult g = on_gpu.run(b);
     for (SeqWork& w : b.seqs) w.top_logprobs = 1;  // the same batch, sampled on the host
@@ -206,7 +208,7 @@ TEST_P(GpuStageBackendTest, SamplingOnTheGpuMatchesTheHostPath) {
       ++sampled;
     }
   }
-  EXPECT_EQ(sampled, 48);
+  EXPECT_EQ(sampled, 64);
 }
 
 TEST_P(GpuStageBackendTest, ErrorsAreStatusesAndChangeNothing) {
@@ -255,6 +257,82 @@ TEST_P(GpuStageBackendTest, ErrorsAreStatusesAndChangeNothing) {
   room = out.size();
   EXPECT_TRUE(step(ok, rows(4)).ok());
   EXPECT_EQ(s.num_sequences(), 1);
+}
+
+// K/V forks on GPU stages: children of 21, 16 and 9 tokens of a 21-token parent (one full
+// page and a partial one), the parent freed in the same batch, then decoded (the graph path,
+// tokens chosen on the GPU) and decoded again with log-probs (the host path): the same tokens
+// and log-probs as sequences that prefilled the same prefix themselves and decoded the same
+// steps. Full pages are shared, not copied; every page is free again once all are freed.
+TEST_P(GpuStageBackendTest, ForkedSequencesMatchSequencesThatPrefilledTheirPrefix) {
+  const std::vector<int32_t> prompt = {464, 1578, 531, 818, 262, 3329, 262, 1468, 11, 290, 339, 1110, 13, 383, 2010,
+                                       257, 1244, 318, 7, 42, 99};
+  const std::vector<int32_t> prefix = {21, 16, 9};
+  const std::vector<std::vector<int32_t>> steps = {{5, 77, 1000}, {6, 8, 10}};  // per step, each child's token
+  auto work = [&](uint64_t id, int32_t start, int32_t n, int top) {
+    SeqWork w;
+    w.slice = {id, start, n};
+    w.prompt_len = int32_t(prompt.size());
+    w.sample = true;
+    w.top_logprobs = top;
+    w.sampling.temperature = 0;
+    return w;
+  };
+  Pipeline forked = make_pipeline(true, GetParam());
+  auto& lead = static_cast<cuda::GpuStageBackend&>(forked.stages[0]->backend()).stage().lead();
+  const int64_t free_at_start = lead.kv_free_tokens();
+  MicroBatch first;
+  first.seqs.push_back(work(1, 0, int32_t(prompt.size()), 0));
+  first.token_ids = prompt;
+  forked.run(first);
+  EXPECT_EQ(lead.kv_free_tokens(), free_at_start - 2 * cuda::kPageTokens);
+  std::vector<std::vector<BatchResult>> got(prefix.size());
+  for (size_t step = 0; step < steps.size(); ++step) {
+    MicroBatch b;
+    b.batch_id = 2 + step;
+    if (step == 0) b.forks = {{1, 2, 21}, {1, 3, 16}, {1, 4, 9}}, b.free_seq_ids = {1};
+    for (size_t i = 0; i < prefix.size(); ++i) {
+      b.seqs.push_back(work(2 + i, prefix[i] + int32_t(step), 1, step == 0 ? 0 : 5));
+      b.token_ids.push_back(steps[step][i]);
+    }
+    const BatchResult r = forked.run(b);
+    ASSERT_EQ(r.seqs.size(), prefix.size());
+    for (size_t i = 0; i < prefix.size(); ++i) {
+      BatchResult one = r;
+      one.seqs = {r.seqs[i]};
+      got[i].push_back(one);
+    }
+    if (step == 0) {  // children 2 and 3 share the parent's full page; 2 and 4 got copies of a partial page
+      EXPECT_EQ(lead.kv_cache().pages(2)[0], lead.kv_cache().pages(3)[0]);
+      EXPECT_EQ(lead.kv_cache().page_refs(lead.kv_cache().pages(2)[0]), 2);
+      EXPECT_NE(lead.kv_cache().pages(4)[0], lead.kv_cache().pages(2)[0]);
+      // Pages held: the shared one, 2's copy, 3's new page (position 16), 4's copy.
+      EXPECT_EQ(lead.kv_free_tokens(), free_at_start - 4 * cuda::kPageTokens);
+    }
+  }
+  for (uint64_t id : {2, 3, 4})
+    for (auto& st : forked.stages) st->free_sequence(id);
+  EXPECT_EQ(lead.kv_free_tokens(), free_at_start);
+
+  for (size_t i = 0; i < prefix.size(); ++i) {
+    Pipeline ref = make_pipeline(true, GetParam());
+    MicroBatch pre;
+    pre.seqs.push_back(work(7, 0, prefix[i], 0));
+    pre.token_ids.assign(prompt.begin(), prompt.begin() + prefix[i]);
+    ref.run(pre);
+    for (size_t step = 0; step < steps.size(); ++step) {
+      MicroBatch b;
+      b.batch_id = 2 + step;
+      b.seqs.push_back(work(7, prefix[i] + int32_t(step), 1, step == 0 ? 0 : 5));
+      b.token_ids = {steps[step][i]};
+      const BatchResult want = ref.run(b);
+      ASSERT_EQ(want.seqs.size(), 1u);
+      const SeqResult& g = got[i][step].seqs[0];
+      EXPECT_EQ(g.token, want.seqs[0].token) << "child " << i << " step " << step;
+      EXPECT_EQ(g.logprob, want.seqs[0].logprob) << "child " << i << " step " << step;
+      EXPECT_EQ(g.top, want.seqs[0].top) << "child " << i << " step " << step;
+    }
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Dtypes, GpuStageBackendTest, ::testing::Values(DType::F16, DType::BF16),

@@ -10,8 +10,13 @@ TEST(CudaKvCache, NotBuilt) { GTEST_SKIP() << "built without the CUDA backend"; 
 
 #else
 
+#include <cstdint>
 #include <string>
+#include <vector>
 
+#include <cuda_runtime.h>
+
+#include "kernels/cuda/check.h"
 #include "stage/cuda/kv_cache.h"
 #include "tests/gpu_test_util.h"
 
@@ -45,6 +50,86 @@ TEST(CudaKvCache, PagesAndErrors) {
   auto empty = cuda::KvCache::create("stage-y", 1, 2, 64, DType::F16, 0);
   ASSERT_FALSE(empty.ok());
   EXPECT_NE(empty.error().find("stage-y: KV cache needs positive sizes"), std::string::npos) << empty.error();
+}
+
+// The bytes of page `page` of layer `layer` (K and V).
+std::vector<uint16_t> page_bytes_of(const cuda::KvCache& cache, int64_t layer, int32_t page, int64_t page_elems) {
+  const cuda::KvLayerView v = cache.layer(layer, nullptr, 0);
+  std::vector<uint16_t> out(static_cast<size_t>(page_elems));
+  CUDA_CHECK(cudaMemcpy(out.data(), static_cast<const uint16_t*>(v.k) + int64_t(page) * v.page_stride,
+                        size_t(page_elems) * 2, cudaMemcpyDeviceToHost));
+  return out;
+}
+
+// Forks share full pages by reference count and copy a partial last page (in every layer);
+// a page is free again when its last holder releases it; a write into a shared page copies
+// it first; bad forks change nothing.
+TEST(CudaKvCache, ForkSharesFullPagesAndCopiesThePartialOne) {
+  REQUIRE_GPU();
+  const int64_t layers = 2, heads = 2, D = 64, pages_total = 8;
+  auto made = cuda::KvCache::create("test", layers, heads, D, DType::F16, pages_total);
+  ASSERT_TRUE(made.ok()) << made.error();
+  cuda::KvCache& cache = **made;
+  const int64_t page_elems = 2 * heads * cuda::kPageTokens * D;
+  // Known contents: every element of the pool its index (mod 2^16).
+  {
+    const cuda::KvLayerView v = cache.layer(0, nullptr, 0);
+    std::vector<uint16_t> fill(size_t(layers * pages_total * page_elems));
+    for (size_t i = 0; i < fill.size(); ++i) fill[i] = uint16_t(i * 7 + 3);
+    CUDA_CHECK(cudaMemcpy(v.k, fill.data(), fill.size() * 2, cudaMemcpyHostToDevice));
+  }
+  ASSERT_TRUE(cache.reserve(1, 21).ok());  // pages: one full, one partial
+  const std::vector<int32_t> parent(cache.pages(1).begin(), cache.pages(1).end());
+  ASSERT_EQ(parent.size(), 2u);
+  ASSERT_TRUE(cache.fork(1, 2, 21, 21, nullptr).ok());  // shares page 0, copies page 1
+  ASSERT_TRUE(cache.fork(1, 3, 21, 16, nullptr).ok());  // shares page 0 only
+  ASSERT_TRUE(cache.fork(1, 4, 21, 9, nullptr).ok());   // copies page 0
+  CUDA_CHECK(cudaDeviceSynchronize());
+  EXPECT_EQ(cache.free_pages(), pages_total - 4);
+  EXPECT_EQ(cache.page_refs(parent[0]), 3);
+  EXPECT_EQ(cache.page_refs(parent[1]), 1);
+  ASSERT_EQ(cache.pages(2).size(), 2u);
+  EXPECT_EQ(cache.pages(2)[0], parent[0]);
+  EXPECT_NE(cache.pages(2)[1], parent[1]);
+  ASSERT_EQ(cache.pages(3).size(), 1u);
+  EXPECT_EQ(cache.pages(3)[0], parent[0]);
+  ASSERT_EQ(cache.pages(4).size(), 1u);
+  EXPECT_NE(cache.pages(4)[0], parent[0]);
+  for (int64_t l = 0; l < layers; ++l) {  // the copies hold the parent's bytes in every layer
+    EXPECT_EQ(page_bytes_of(cache, l, cache.pages(2)[1], page_elems), page_bytes_of(cache, l, parent[1], page_elems));
+    EXPECT_EQ(page_bytes_of(cache, l, cache.pages(4)[0], page_elems), page_bytes_of(cache, l, parent[0], page_elems));
+  }
+  // Errors change nothing.
+  EXPECT_NE(cache.fork(9, 5, 4, 4, nullptr).message().find("holds no K/V pages"), std::string::npos);
+  EXPECT_NE(cache.fork(1, 2, 21, 4, nullptr).message().find("exists already"), std::string::npos);
+  EXPECT_NE(cache.fork(1, 5, 21, 22, nullptr).message().find("22 tokens of sequence 1"), std::string::npos);
+  EXPECT_NE(cache.fork(1, 5, 21, 0, nullptr).message().find("0 tokens"), std::string::npos);
+  EXPECT_EQ(cache.free_pages(), pages_total - 4);
+  // Copy-on-write: sequence 3 writing from position 10 (into shared page 0) gets its own copy.
+  ASSERT_TRUE(cache.prepare_write(3, 10, nullptr).ok());
+  CUDA_CHECK(cudaDeviceSynchronize());
+  EXPECT_NE(cache.pages(3)[0], parent[0]);
+  EXPECT_EQ(cache.page_refs(parent[0]), 2);
+  EXPECT_EQ(page_bytes_of(cache, 1, cache.pages(3)[0], page_elems), page_bytes_of(cache, 1, parent[0], page_elems));
+  // Writing past the shared pages copies nothing.
+  const int64_t free_before = cache.free_pages();
+  ASSERT_TRUE(cache.reserve(2, 40).ok());
+  ASSERT_TRUE(cache.prepare_write(2, 21, nullptr).ok());
+  EXPECT_EQ(cache.pages(2)[0], parent[0]);
+  EXPECT_EQ(cache.free_pages(), free_before - 1);  // the reserve's new page only
+  // Out of pages: a fork needing a copy fails, changing nothing.
+  while (cache.free_pages() > 0) ASSERT_TRUE(cache.reserve(50 + uint64_t(cache.free_pages()), 1).ok());
+  const Status full = cache.fork(1, 6, 21, 21, nullptr);
+  EXPECT_NE(full.message().find("KV cache full"), std::string::npos) << full.message();
+  EXPECT_FALSE(cache.contains(6));
+  EXPECT_EQ(cache.page_refs(parent[0]), 2);
+  ASSERT_TRUE(cache.fork(1, 6, 21, 16, nullptr).ok());  // whole pages need no free page
+  EXPECT_EQ(cache.page_refs(parent[0]), 3);
+  // Every holder released: every page free again.
+  for (uint64_t id : {1, 2, 3, 4, 6}) cache.release(id);
+  for (uint64_t id = 50; id < 60; ++id) cache.release(id);
+  EXPECT_EQ(cache.free_pages(), pages_total);
+  EXPECT_EQ(cache.page_refs(parent[0]), 0);
 }
 
 }  // namespace
