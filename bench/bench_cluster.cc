@@ -27,6 +27,8 @@
 //   Throughput mode, more:
 //     --concurrency 1,64,256: one load per figure, on the same cluster, one row each
 //       (--requests-per-client R: R x clients requests a row; else --requests);
+//     --shared-prefix S (with --prompt-tokens P): every prompt is the same S token ids, then P
+//       of its own (prefix reuse; --no-prefix-cache runs the cluster without it);
 //     --prompt-tokens P: prompts of P token ids (seeded, the same every run) instead of the
 //       four short texts; --prompt-mix 128,1024: requests take these lengths in turn (with
 //       --prompt-tokens: one more load after the others, --mix-clients clients);
@@ -48,6 +50,7 @@
 //   conveyor-bench-cluster --random 13,256,4 --stages 3 --concurrency 64 --requests 512 --trace
 //   conveyor-bench-cluster --backend cuda --random gpt2-xl --stages 1 --concurrency 64,256
 //       --requests-per-client 2 --prompt-tokens 128 --max-tokens 128 --trace
+//   (--fp8: the cuda workers run FP8 layer matrices, conveyor local --fp8)
 #include <algorithm>
 #include <climits>
 #include <cmath>
@@ -92,6 +95,8 @@ struct LocalCluster {
   int gpus = 1;  // cuda: worker i on GPU i % gpus
   int spares = 0;
   std::string kv_cache_mb;  // conveyor local --kv-cache-mb; empty: its default (auto)
+  bool fp8 = false;         // cuda: conveyor local --fp8
+  bool no_prefix_cache = false;
   bool start(const std::string& bin_dir, const std::string& model, int stages, int in_flight) {
     const std::string logs = (std::filesystem::temp_directory_path() / ("conveyor-bench-" + std::to_string(::getpid()))).string();
     std::vector<std::string> argv = {bin_dir + "/conveyor", "local", "--model", model, "--stages", std::to_string(stages),
@@ -99,6 +104,8 @@ struct LocalCluster {
     if (in_flight > 0) argv.insert(argv.end(), {"--in-flight", std::to_string(in_flight)});
     argv.insert(argv.end(), {"--backend", backend, "--spares", std::to_string(spares)});
     if (backend == "cuda") argv.insert(argv.end(), {"--gpus", std::to_string(gpus)});
+    if (backend == "cuda" && fp8) argv.push_back("--fp8");
+    if (no_prefix_cache) argv.push_back("--no-prefix-cache");
     if (!kv_cache_mb.empty()) argv.insert(argv.end(), {"--kv-cache-mb", kv_cache_mb});
     proc = std::make_unique<testing::ChildProcess>(argv);
     const std::string line = proc->read_line_matching("ready at", std::chrono::seconds(120));
@@ -517,6 +524,12 @@ int main(int argc, char** argv) {
   app.add_flag("--greedy", greedy, "greedy requests (temperature 0) instead of temperature 0.8, top-k 40");
   app.add_option("--prompt-tokens", prompt_tokens, "prompts of this many token ids (default: four short texts)")
       ->check(CLI::PositiveNumber);
+  int64_t shared_prefix = 0;
+  app.add_option("--shared-prefix", shared_prefix,
+                 "with --prompt-tokens: every prompt begins with the same this many token ids (prefix reuse)")
+      ->check(CLI::PositiveNumber);
+  bool no_prefix_cache = false;
+  app.add_flag("--no-prefix-cache", no_prefix_cache, "conveyor local --no-prefix-cache: compute every prompt whole");
   app.add_option("--prompt-mix", prompt_mix,
                  "prompt lengths in tokens that requests take in turn, e.g. 128,1024 (streamed); with --prompt-tokens, "
                  "one more load after the others, of --mix-clients clients");
@@ -534,6 +547,8 @@ int main(int argc, char** argv) {
   int gpus = 1;
   app.add_option("--gpus", gpus, "cuda: GPUs to spread the workers over (worker i on GPU i % gpus)")
       ->check(CLI::Range(1, 64));
+  bool fp8 = false;
+  app.add_flag("--fp8", fp8, "cuda: the workers' layer matrices and their inputs in FP8 (conveyor local --fp8)");
   app.add_option("--random", random_shape, "random weights of shape L,C,H with --model's vocabulary, or a named shape");
   app.add_flag("--recovery", recovery_mode, "kill the last stage under a streaming load and measure the pause");
   int spares = 1;
@@ -564,7 +579,7 @@ int main(int argc, char** argv) {
     return 2;
   }
   const int concurrency = concurrencies.front();
-  const int64_t longest_prompt = mix.empty() ? std::max<int64_t>(prompt_tokens, 16) : *std::max_element(mix.begin(), mix.end());
+  const int64_t longest_prompt = mix.empty() ? std::max<int64_t>(shared_prefix + prompt_tokens, 16) : *std::max_element(mix.begin(), mix.end());
   const std::string bin_dir = std::filesystem::canonical("/proc/self/exe").parent_path().string();
   model = std::filesystem::absolute(model).string();
   std::string random_dir;
@@ -583,6 +598,14 @@ int main(int argc, char** argv) {
       if (!dir.empty()) std::filesystem::remove_all(dir, ec);
     }
   } remove_random{random_dir};
+  if (shared_prefix > 0 && prompt_tokens == 0) {
+    std::fprintf(stderr, "--shared-prefix needs --prompt-tokens (the tokens each prompt has after the shared ones)\n");
+    return 2;
+  }
+  if (fp8 && backend != "cuda") {
+    std::fprintf(stderr, "--fp8 needs --backend cuda\n");
+    return 2;
+  }
   if (engine) return engine_mode(model, concurrencies, std::max<int64_t>(prompt_tokens, 1), max_tokens, json_path);
 
   if (recovery_mode) return recovery(bin_dir, model, backend, stages, spares, concurrency);
@@ -660,6 +683,8 @@ int main(int argc, char** argv) {
   cluster.backend = backend;
   cluster.gpus = gpus;
   cluster.kv_cache_mb = kv_cache_mb;
+  cluster.fp8 = fp8;
+  cluster.no_prefix_cache = no_prefix_cache;
   if (!cluster.start(bin_dir, model, stages, in_flight)) {
     std::fprintf(stderr, "the cluster did not start\n");
     return 1;
@@ -691,7 +716,12 @@ int main(int argc, char** argv) {
       json body = greedy ? json{{"max_tokens", max_tokens}, {"temperature", 0}, {"ignore_eos", true}}
                          : json{{"max_tokens", max_tokens}, {"temperature", 0.8}, {"top_k", 40}, {"seed", i}, {"ignore_eos", true}};
       if (mixed) body["prompt"] = token_prompt(mix[size_t(i) % mix.size()], i, vocab);
-      else if (prompt_tokens > 0) body["prompt"] = token_prompt(prompt_tokens, i, vocab);
+      else if (prompt_tokens > 0 && shared_prefix > 0) {  // the same first tokens, then its own
+        std::vector<int32_t> p = token_prompt(shared_prefix, -1, vocab);
+        const std::vector<int32_t> own = token_prompt(prompt_tokens, i, vocab);
+        p.insert(p.end(), own.begin(), own.end());
+        body["prompt"] = p;
+      } else if (prompt_tokens > 0) body["prompt"] = token_prompt(prompt_tokens, i, vocab);
       else body["prompt"] = prompts[i % 4];
       return body;
     };

@@ -46,6 +46,7 @@ struct LocalOptions {
   // Per worker: "auto" (CPU: 256 MiB; CUDA: the worker sizes it from GPU memory) or MiB.
   std::string kv_cache_mb = "auto";
   int in_flight = 0;
+  bool no_prefix_cache = false;  // scheduler.prefix_cache: false
   std::string log_dir;
   bool verbose = false;
   std::string backend = "auto";  // the workers' --backend; auto: cuda when conveyor-worker finds a GPU
@@ -53,6 +54,7 @@ struct LocalOptions {
   bool gpus_given = false;       // --gpus was on the command line (auto then keeps it)
   std::string dtype = "f16";
   bool int8_weights = false;     // cuda: int8 weight-only layer matrices
+  bool fp8 = false;              // cuda, Hopper: FP8 E4M3 layer matrices and activations
   int tp = 1;                    // tensor-parallel ranks per worker: threads (cpu) or GPUs (cuda)
 };
 void add_local_command(CLI::App& app, LocalOptions& options);

@@ -207,6 +207,7 @@ void add_local_command(CLI::App& app, LocalOptions& o) {
         return "";
       });
   cmd->add_option("--in-flight", o.in_flight, "micro-batches in flight per pipeline (0: = stages)");
+  cmd->add_flag("--no-prefix-cache", o.no_prefix_cache, "compute every prompt whole (no K/V reuse of shared prefixes)");
   cmd->add_option("--log-dir", o.log_dir, "where the daemons' logs go (default: a new temporary folder)");
   cmd->add_option("--backend", o.backend, "where the stages run: cpu, cuda, or auto (cuda when there is a GPU)")
       ->check(CLI::IsMember({"auto", "cpu", "cuda"}));
@@ -215,6 +216,7 @@ void add_local_command(CLI::App& app, LocalOptions& o) {
       ->each([&o](const std::string&) { o.gpus_given = true; });
   cmd->add_option("--dtype", o.dtype, "cuda: f16 or bf16")->check(CLI::IsMember({"f16", "bf16"}));
   cmd->add_flag("--int8-weights", o.int8_weights, "cuda: int8 weight-only layer matrices (converted at load)");
+  cmd->add_flag("--fp8", o.fp8, "cuda, Hopper: FP8 E4M3 layer matrices (converted at load) and activations");
   cmd->add_option("--tp", o.tp, "tensor-parallel ranks per worker: threads (cpu) or GPUs (cuda)")->check(CLI::Range(1, 256));
   cmd->add_flag("--verbose", o.verbose, "daemons log to this terminal");
 }
@@ -271,6 +273,12 @@ int local_command(const LocalOptions& options) {
                                               : std::string("no GPU found: the stages run on the CPU"))
               << std::endl;
   }
+  if (o.fp8 && (o.backend != "cuda" || o.int8_weights)) {
+    std::cerr << "conveyor local: --fp8 " << (o.int8_weights ? "and --int8-weights exclude each other (choose one)"
+                                                             : "needs the CUDA backend (a GPU with FP8 tensor cores)")
+              << "\n";
+    return 2;
+  }
   std::error_code ec;
   const fs::path model = fs::absolute(o.model_dir, ec);
   if (!fs::exists(model / "config.json")) {
@@ -287,7 +295,9 @@ int local_command(const LocalOptions& options) {
       << "http: {host: 127.0.0.1, port: " << o.port << "}\n"
       << "control: {host: 127.0.0.1, port: 0, join_token: \"" << token << "\"}\n"
       << "pipeline: {stages: " << o.stages << ", replicas: " << o.replicas << "}\n";
-    if (o.in_flight > 0) y << "scheduler: {in_flight: " << o.in_flight << "}\n";
+    y << "scheduler: {prefix_cache: " << (o.no_prefix_cache ? "false" : "true");
+    if (o.in_flight > 0) y << ", in_flight: " << o.in_flight;
+    y << "}\n";
   }
   ::signal(SIGINT, on_interrupt);
   ::signal(SIGTERM, on_interrupt);
@@ -326,6 +336,11 @@ int local_command(const LocalOptions& options) {
   const long cores = std::max(1L, ::sysconf(_SC_NPROCESSORS_ONLN));
   if (!std::getenv("CONVEYOR_CPU_THREADS"))
     ::setenv("CONVEYOR_CPU_THREADS", std::to_string(std::max(1L, cores / (o.stages * o.replicas))).c_str(), 1);
+  if (o.fp8) {  // FP8 products are not row-invariant: the workers must run with deterministic mode off
+    ::setenv("CONVEYOR_DETERMINISTIC", "0", 1);
+    std::cout << "conveyor local: --fp8: the workers run with CONVEYOR_DETERMINISTIC=0 (cuBLASLt's FP8 products "
+                 "are not row-invariant, so an answer may depend on the batch)" << std::endl;
+  }
   for (int i = 0; i < n_workers; ++i) {
     const std::string name = "worker" + std::to_string(i);
     std::vector<std::string> argv = {(bin / "conveyor-worker").string(), "--coordinator",
@@ -343,6 +358,7 @@ int local_command(const LocalOptions& options) {
                                // several ranks may share a GPU: each takes a share of what is left
                                "--gpu-memory-fraction", std::to_string(0.9 / per_gpu)});
       if (o.int8_weights) argv.push_back("--int8-weights");
+      if (o.fp8) argv.push_back("--fp8");
     }
     const pid_t pid = spawn(argv,
                             o.verbose ? "" : (dir / (name + ".log")).string(), nullptr);

@@ -225,7 +225,7 @@ Expected<ClusterConfig> parse_cluster_config(const std::string& text, const std:
     if (!(s = check_keys(c, sch, "scheduler", {"in_flight", "max_batch_tokens", "prefill_chunk",
                                                "prefill_tokens_per_batch", "max_queue", "max_running",
                                                "max_sequences_per_batch", "shutdown_timeout_ms",
-                                               "pipeline_wait_ms", "batch_timeout_ms"})))
+                                               "pipeline_wait_ms", "batch_timeout_ms", "prefix_cache"})))
       return s;
     // 0 = auto for the limits (Scheduler's batch_limits).
     if (!(s = get_positive(c, sch, "scheduler", "in_flight", cfg.in_flight, 0)) ||
@@ -237,7 +237,8 @@ Expected<ClusterConfig> parse_cluster_config(const std::string& text, const std:
         !(s = get_positive<int64_t>(c, sch, "scheduler", "max_sequences_per_batch", cfg.max_sequences_per_batch, 0)) ||
         !(s = get_positive(c, sch, "scheduler", "shutdown_timeout_ms", cfg.shutdown_timeout_ms, 0)) ||
         !(s = get_positive(c, sch, "scheduler", "pipeline_wait_ms", cfg.pipeline_wait_ms, 0)) ||
-        !(s = get_positive(c, sch, "scheduler", "batch_timeout_ms", cfg.batch_timeout_ms, 0)))
+        !(s = get_positive(c, sch, "scheduler", "batch_timeout_ms", cfg.batch_timeout_ms, 0)) ||
+        !(s = get(c, sch, "scheduler", "prefix_cache", cfg.prefix_cache)))
       return s;
   }
   if (cfg.in_flight == 0) {

@@ -7,7 +7,8 @@
 //   pipeline:  {stages: N, replicas: R, layers: [[b, e], ...]}
 //   scheduler: {in_flight: D, max_batch_tokens: T, prefill_chunk: C, prefill_tokens_per_batch: P,
 //               max_queue: Q, max_running: S, max_sequences_per_batch: B,
-//               shutdown_timeout_ms: 30000, pipeline_wait_ms: 30000, batch_timeout_ms: 30000}
+//               shutdown_timeout_ms: 30000, pipeline_wait_ms: 30000, batch_timeout_ms: 30000,
+//               prefix_cache: true}
 //              (D, T, C, P, S, B: 0 or absent = auto, from the pipeline's backend: see
 //               scheduler.h, batch_limits)
 //   heartbeat: {interval_ms: 500, liveness_ms: 3000}
@@ -59,6 +60,9 @@ struct ClusterConfig {
   // A micro-batch that has not come back this long after it was sent is taken for lost: its
   // pipeline replays in a new epoch, as after a stage's error. 0: never.
   int batch_timeout_ms = 30000;
+  // Prefix K/V reuse across requests (scheduler.h): a prompt that starts like one computed
+  // before forks the stages' K/V of that prefix instead of computing it again.
+  bool prefix_cache = true;
   int shutdown_timeout_ms = 30000;  // SIGTERM: how long accepted requests may take to finish
   // While no pipeline can serve (its only worker drained or died, no spare): how long an
   // accepted request waits in the queue for one before it is refused (503, Retry-After).

@@ -3,7 +3,8 @@
 // updates the core produces for it.
 //
 // One request has prompts.size() * n choices; choice c is prompt c / n, sample c % n.
-// Each choice is one sequence in the pipeline. The core calls the request's sink from its
+// Each choice is one sequence in the pipeline; with beam search, each prompt runs best_of
+// beam sequences and its n choices are the best finished beams, sent once each at the end. The core calls the request's sink from its
 // own thread, in order for each choice: zero or more updates with generated tokens, the
 // last of which carries finish_reason. Text deltas are final: stop strings have been
 // applied (the text ends before the stop string; generation stops there) and no delta
@@ -21,6 +22,7 @@
 #include <vector>
 
 #include "common/sampling_params.h"
+#include "coordinator/beam_search.h"
 #include "coordinator/core_status.h"
 
 namespace conveyor {
@@ -38,9 +40,17 @@ struct CompletionRequest {
   bool stream = false;
   bool return_token_ids = false;
   bool ignore_eos = false;                 // extension: do not stop at the model's eos token
+  // Beam search (vLLM's use_beam_search): best_of beams per prompt, the best n returned as the
+  // prompt's choices, each in one update at the end (tokens, text, finish_reason).
+  bool use_beam_search = false;
+  int best_of = 1;                         // the beam width when use_beam_search
+  float length_penalty = 1.0f;             // HuggingFace's meaning (coordinator/beam_search.h)
+  EarlyStopping early_stopping = EarlyStopping::Heuristic;
   std::chrono::steady_clock::time_point arrival = std::chrono::steady_clock::now();
 
   size_t num_choices() const { return prompts.size() * size_t(n); }
+  // Sequences the request runs at once: a choice each, or best_of beams per prompt.
+  size_t num_sequences() const { return prompts.size() * size_t(use_beam_search ? best_of : n); }
 };
 
 struct TokenOut {
@@ -55,6 +65,9 @@ struct ChoiceUpdate {
   std::vector<TokenOut> tokens;             // tokens generated since the last update
   std::string text;                         // text delta (see above)
   std::optional<std::string> finish_reason; // "stop" or "length": the choice's last update
+  // With the last update: how many of its prompt's tokens were forked from the prefix cache
+  // rather than computed (usage.prompt_tokens_details.cached_tokens).
+  std::optional<int64_t> cached_prompt_tokens;
 };
 
 // How the core talks back. Called from the core's thread; must not block for long (the

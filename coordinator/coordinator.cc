@@ -116,6 +116,10 @@ void Coordinator::Impl::update_gauges() {
   metrics->set_queue_depth(int64_t(scheduler->queue_size()));
   metrics->set_queue_wait(queue_wait_name(scheduler->queue_wait()), int64_t(scheduler->queue_size()));
   metrics->set_running_sequences(scheduler->running_sequences());
+  const Scheduler::PrefixStats ps = scheduler->prefix_stats();
+  metrics->set_prefix_cache({.lookups = ps.lookups, .hits = ps.hits, .reused_tokens = ps.reused_tokens,
+                             .computed_tokens = ps.computed_tokens, .entries = ps.entries,
+                             .cached_tokens = ps.cached_tokens});
   metrics->clear_stage_gauges();
   for (const Pipeline& p : pipelines) {
     metrics->set_pipeline_admission(p.index, p.limits.max_running, scheduler->running_on(p.index), p.kv_reserved,

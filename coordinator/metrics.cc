@@ -62,6 +62,11 @@ uint64_t Metrics::coordinator_gap_count() const {
   return gap_.count();
 }
 
+void Metrics::set_prefix_cache(const PrefixCacheFigures& f) {
+  std::lock_guard lk(mu_);
+  prefix_ = f;
+}
+
 void Metrics::set_queue_wait(std::string_view reason, int64_t requests) {
   std::lock_guard lock(mu_);
   queue_wait_reason_ = std::string(reason);
@@ -257,6 +262,21 @@ std::string Metrics::render() const {
          "K/V tokens admission may reserve on a pipeline: the smallest capacity its stages report.");
   for (const auto& [p, a] : admission_)
     sample(out, "conveyor_pipeline_kv_budget_tokens", "pipeline=\"" + std::to_string(p) + "\"", double(a.kv_budget));
+  const std::pair<const char*, const char*> prefix_counters[] = {
+      {"lookups", "Prompts that looked for a cached prefix of theirs (a sequence's first prefill)."},
+      {"hits", "Prompts that found a cached prefix and forked it instead of computing it."},
+      {"reused_tokens", "Prompt tokens forked from the prefix cache rather than computed."},
+      {"computed_tokens", "Prompt tokens computed by prompts that looked in the prefix cache."}};
+  const int64_t prefix_values[] = {prefix_.lookups, prefix_.hits, prefix_.reused_tokens, prefix_.computed_tokens};
+  for (size_t i = 0; i < 4; ++i) {
+    const std::string name = std::string("conveyor_prefix_cache_") + prefix_counters[i].first + "_total";
+    family(out, name, "counter", prefix_counters[i].second);
+    sample(out, name, "", double(prefix_values[i]));
+  }
+  family(out, "conveyor_prefix_cache_entries", "gauge", "Cached prompt prefixes the pipelines' stages hold.");
+  sample(out, "conveyor_prefix_cache_entries", "", double(prefix_.entries));
+  family(out, "conveyor_prefix_cache_tokens", "gauge", "K/V tokens the cached prefixes count against the pipelines' budgets.");
+  sample(out, "conveyor_prefix_cache_tokens", "", double(prefix_.cached_tokens));
   histogram(out, "conveyor_coordinator_turnaround_seconds",
             "Seconds from a micro-batch's result arriving at the coordinator to its pipeline's next micro-batch being sent.",
             gap_);

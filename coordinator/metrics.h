@@ -30,6 +30,11 @@
 //       pipeline, what admission allows and what it has given;
 //     conveyor_coordinator_turnaround_seconds: from a micro-batch's result arriving to the
 //       pipeline's next micro-batch being sent (the coordinator's gap between steps).
+//     conveyor_prefix_cache_lookups_total, _hits_total: prompts that looked for a cached
+//       prefix (their first prefill) and those that found one; conveyor_prefix_cache_
+//       reused_tokens_total / _computed_tokens_total: their prompt tokens forked from the cache
+//       and computed (the token hit rate is reused / (reused + computed));
+//       conveyor_prefix_cache_entries, conveyor_prefix_cache_tokens: what the caches hold now.
 //     clear_stage_gauges() after a re-plan so gauges of stages that no longer exist
 //     disappear instead of freezing at their last value.
 //
@@ -95,6 +100,10 @@ class Metrics {
   void set_pipeline_admission(int pipeline, int64_t limit_sequences, int64_t running_sequences, int64_t kv_reserved_tokens,
                               int64_t kv_budget_tokens);
   void observe_coordinator_gap(double seconds);
+  struct PrefixCacheFigures {
+    int64_t lookups = 0, hits = 0, reused_tokens = 0, computed_tokens = 0, entries = 0, cached_tokens = 0;
+  };
+  void set_prefix_cache(const PrefixCacheFigures& f);
   void clear_stage_gauges();
 
   // The whole registry in the Prometheus text format (HELP and TYPE for every family).
@@ -121,6 +130,7 @@ class Metrics {
     int64_t limit = 0, running = 0, kv_reserved = 0, kv_budget = 0;
   };
   std::map<int, Admission> admission_;  // by pipeline
+  PrefixCacheFigures prefix_;
 };
 
 // Prometheus sample value: shortest round-trip decimal, "+Inf", "-Inf", "NaN".

@@ -46,9 +46,12 @@ std::pair<PrefixCache::Lru::iterator, size_t> PrefixCache::find(std::span<const 
   return {lru_.end(), 0};
 }
 
+int32_t PrefixCache::cached_length(std::span<const int32_t> tokens) const {
+  return int32_t(find(tokens, tokens.size() / size_t(granule_)).second) * granule_;
+}
+
 int32_t PrefixCache::match_length(std::span<const int32_t> prompt) const {
-  if (prompt.empty()) return 0;
-  return int32_t(find(prompt, (prompt.size() - 1) / size_t(granule_)).second) * granule_;
+  return prompt.empty() ? 0 : cached_length(prompt.first(prompt.size() - 1));
 }
 
 std::optional<PrefixCache::Hit> PrefixCache::lookup(std::span<const int32_t> prompt) {

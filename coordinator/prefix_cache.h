@@ -39,6 +39,11 @@ namespace conveyor {
 class PrefixCache {
  public:
   explicit PrefixCache(int32_t granule_tokens = 16);
+  // Its index holds iterators into its list: moved, never copied.
+  PrefixCache(PrefixCache&&) noexcept = default;
+  PrefixCache& operator=(PrefixCache&&) noexcept = default;
+  PrefixCache(const PrefixCache&) = delete;
+  PrefixCache& operator=(const PrefixCache&) = delete;
 
   struct Hit {
     uint64_t entry_seq_id = 0;  // the stages' sequence that holds the prefix
@@ -49,6 +54,8 @@ class PrefixCache {
   std::optional<Hit> lookup(std::span<const int32_t> prompt);
   // How many tokens lookup() would give, without counting a use (routing between replicas).
   int32_t match_length(std::span<const int32_t> prompt) const;
+  // The longest cached whole-granule prefix of `tokens` (all of them may count).
+  int32_t cached_length(std::span<const int32_t> tokens) const;
 
   // A sequence whose `prompt` the stages have computed: the fork to send (its first
   // `num_tokens` tokens into a new entry `entry_seq_id`), or nothing when the prompt is shorter

@@ -68,8 +68,11 @@ CoreStatus Scheduler::submit(std::shared_ptr<const CompletionRequest> req, Compl
   r->req = std::move(req);
   r->sink = std::move(sink);
   r->queued_at = Clock::now();
+  // Beam search holds up to twice its beams while a step's children are forked from their
+  // parents (the forks come before the frees), each up to the whole context.
+  const int64_t per_prompt = r->req->use_beam_search ? 2 * int64_t(r->req->best_of) : int64_t(r->req->n);
   for (const auto& pr : r->req->prompts)
-    r->kv_need += int64_t(r->req->n) * (int64_t(pr.size()) + max_tokens_of(*r->req, pr.size()));
+    r->kv_need += per_prompt * (int64_t(pr.size()) + max_tokens_of(*r->req, pr.size()));
   queue_.push_back(std::move(r));
   return {};
 }
@@ -117,8 +120,9 @@ void Scheduler::admit(const std::function<bool(const Pipeline&)>& open,
     if (!s.finished && s.pipeline >= 0 && size_t(s.pipeline) < running.size()) ++running[size_t(s.pipeline)];
   while (!queue_.empty()) {
     Request& r = *queue_.front();
-    const int64_t choices = int64_t(r.req->num_choices());
+    const int64_t choices = int64_t(r.req->num_sequences());
     Pipeline* best = nullptr;
+    int64_t best_match = 0;
     int64_t max_cap = 0;
     bool any_open = false, kv_room = false;
     for (Pipeline& p : pipelines_) {
@@ -126,10 +130,16 @@ void Scheduler::admit(const std::function<bool(const Pipeline&)>& open,
       any_open = true;
       const int64_t cap = kv_capacity(p);
       max_cap = std::max(max_cap, cap);
+      budget(p.index) = cap;
       if (p.kv_reserved + r.kv_need > cap) continue;
       kv_room = true;
       if (running[size_t(p.index)] + choices > std::max(p.limits.max_running, choices)) continue;
-      if (!best || p.kv_reserved < best->kv_reserved) best = &p;
+      // The replica holding the longest prefix of the request's prompts, then the least reserved.
+      const int64_t match = cfg_.prefix_cache ? prefix_match(p, *r.req) : 0;
+      if (!best || match > best_match || (match == best_match && p.kv_reserved < best->kv_reserved)) {
+        best = &p;
+        best_match = match;
+      }
     }
     if (max_cap > 0 && r.kv_need > max_cap && !kv_room) {
       std::unique_ptr<Request> owned = std::move(queue_.front());
@@ -148,8 +158,40 @@ void Scheduler::admit(const std::function<bool(const Pipeline&)>& open,
     Request* rp = owned.get();
     rp->pipeline = best->index;
     best->kv_reserved += rp->kv_need;
+    (void)make_room(*best, 0);  // cache entries give way to running requests
     ++best->admitted;
     const CompletionRequest& cr = *rp->req;
+    rp->cached_tokens.assign(cr.prompts.size(), 0);
+    if (cr.use_beam_search) {  // one sequence a prompt to begin with: the prompt's prefill
+      for (size_t pi = 0; pi < cr.prompts.size(); ++pi) {
+        BeamGroup& g = rp->groups.emplace_back();
+        BeamSearchOptions o;
+        o.beam_width = cr.best_of;
+        o.max_new_tokens = int(max_tokens_of(cr, cr.prompts[pi].size()));
+        o.length_penalty = cr.length_penalty;
+        o.early_stopping = cr.early_stopping;
+        if (!cr.ignore_eos && cfg_.model.eos_token_id >= 0) o.stop_ids = {int32_t(cfg_.model.eos_token_id)};
+        g.search = std::make_unique<BeamSearch>(std::move(o));
+        g.prompt = pi;
+        Sequence s;
+        s.id = next_seq_id_++;
+        s.request = rp;
+        s.choice = pi * size_t(cr.n);
+        s.pipeline = best->index;
+        s.all = cr.prompts[pi];
+        s.prompt_len = s.all.size();
+        s.group = int(pi);
+        g.live = {s.id};
+        g.alts.assign(1, {});
+        g.reported.assign(1, false);
+        g.waiting = 1;
+        rp->seq_ids.push_back(s.id);
+        seqs_.emplace(s.id, std::move(s));
+      }
+      rp->unfinished = cr.num_choices();
+      running_.emplace(rp, std::move(owned));
+      continue;
+    }
     for (size_t c = 0; c < cr.num_choices(); ++c) {
       Sequence s;
       s.id = next_seq_id_++;
@@ -177,7 +219,8 @@ std::optional<Scheduler::Formed> Scheduler::next_batch(Pipeline& p, int depth) {
     if (s.in_flight || s.fed >= s.all.size()) continue;
     (s.all.size() - s.fed == 1 ? decode : prefill).push_back(&s);
   }
-  if (decode.empty() && prefill.empty() && p.pending_frees.empty()) return std::nullopt;
+  std::vector<SeqFork>& retains = retain_forks(p.index);
+  if (decode.empty() && prefill.empty() && p.pending_frees.empty() && retains.empty()) return std::nullopt;
   const BatchLimits& lim = p.limits;
   // Spread the live sequences over the in-flight slots so every stage has work.
   const int64_t cap_seqs = std::min<int64_t>(lim.max_sequences, std::max<int64_t>(1, (active + depth - 1) / depth));
@@ -191,6 +234,8 @@ std::optional<Scheduler::Formed> Scheduler::next_batch(Pipeline& p, int depth) {
   b.epoch = p.epoch;
   b.free_seq_ids = std::move(p.pending_frees);
   p.pending_frees.clear();
+  b.forks = std::move(retains);  // new cache entries before any fork from them
+  retains.clear();
   f.record = {p.epoch, {}, Clock::now()};
   int64_t tokens = 0;
   auto add = [&](Sequence& s, int64_t n) {
@@ -204,6 +249,15 @@ std::optional<Scheduler::Formed> Scheduler::next_batch(Pipeline& p, int depth) {
     w.top_logprobs = std::max(0, r.logprobs);
     w.sample_index = s.choice % size_t(r.n);
     w.sampling = sampling_for(r);
+    if (s.group >= 0) {
+      BeamGroup& g = s.request->groups[size_t(s.group)];
+      w.top_logprobs = g.search->alternatives_needed();
+      w.sample_index = 0;
+      // The group's forks before its beams' slices; the beams they drop freed after them.
+      b.forks.insert(b.forks.end(), g.forks.begin(), g.forks.end());
+      b.free_seq_ids.insert(b.free_seq_ids.end(), g.frees.begin(), g.frees.end());
+      g.forks.clear(), g.frees.clear();
+    }
     b.token_ids.insert(b.token_ids.end(), s.all.begin() + int64_t(s.fed), s.all.begin() + int64_t(s.fed) + n);
     b.seqs.push_back(std::move(w));
     s.fed += size_t(n);
@@ -211,13 +265,31 @@ std::optional<Scheduler::Formed> Scheduler::next_batch(Pipeline& p, int depth) {
     f.record.seq_ids.push_back(s.id);
     tokens += n;
   };
-  for (Sequence* s : decode) {
-    if (int64_t(b.seqs.size()) >= cap_seqs || tokens + 1 > lim.max_tokens) break;
-    add(*s, 1);
+  // A beam group's decode steps go together (all its ready beams, or none unless the batch is
+  // empty: a group wider than the limits still runs).
+  for (size_t i = 0; i < decode.size(); ++i) {
+    Sequence* s = decode[i];
+    if (s == nullptr) continue;
+    if (s->group < 0) {
+      if (int64_t(b.seqs.size()) >= cap_seqs || tokens + 1 > lim.max_tokens) break;
+      add(*s, 1);
+      continue;
+    }
+    std::vector<Sequence*> unit;
+    for (size_t j = i; j < decode.size(); ++j)
+      if (decode[j] && decode[j]->request == s->request && decode[j]->group == s->group) unit.push_back(decode[j]);
+    const int64_t n = int64_t(unit.size());
+    const bool fits = int64_t(b.seqs.size()) + n <= std::max(cap_seqs, n) && tokens + n <= std::max(lim.max_tokens, n);
+    if (!fits && !b.seqs.empty()) continue;
+    for (Sequence* u : unit) {
+      add(*u, 1);
+      *std::find(decode.begin() + int64_t(i), decode.end(), u) = nullptr;
+    }
   }
   int64_t prompt_budget = lim.prefill_tokens;  // prompt rows left in this micro-batch
   for (Sequence* s : prefill) {
     if (int64_t(b.seqs.size()) >= cap_seqs || tokens >= lim.max_tokens || prompt_budget <= 0) break;
+    if (s->fed == 0 && !s->prefix_done) reuse_prefix(p, *s, b);
     const int64_t n = std::min<int64_t>(
         {lim.prefill_chunk, int64_t(s->all.size() - s->fed), lim.max_tokens - tokens, prompt_budget});
     add(*s, n);
@@ -264,9 +336,133 @@ Pipeline* Scheduler::on_result(const BatchResult& res) {
   for (const SeqResult& sr : res.seqs) {
     auto it = seqs_.find(sr.seq_id);
     if (it == seqs_.end() || it->second.finished) continue;
-    take_token(it->second, sr);
+    if (it->second.group >= 0) take_beam_report(it->second, sr);  // may end its request
+    else take_token(it->second, sr);
   }
   return nullptr;
+}
+
+void Scheduler::take_beam_report(Sequence& s, const SeqResult& sr) {
+  s.in_flight = false;
+  if (sr.token < 0) return;  // a prefill chunk that did not end the beam's known tokens
+  Request& r = *s.request;
+  BeamGroup& g = r.groups[size_t(s.group)];
+  if (g.done || s.beam >= g.live.size() || g.live[s.beam] != s.id || g.reported[s.beam]) return;
+  if (!s.prefix_offered) retain_prefix(s);  // it reported: its prompt's K/V is complete
+  g.alts[s.beam] = sr.top;
+  g.reported[s.beam] = true;
+  if (--g.waiting == 0) advance_group(r, g);
+}
+
+void Scheduler::advance_group(Request& r, BeamGroup& g) {
+  Expected<std::vector<BeamSearch::Continuation>> next = g.search->step(g.alts);
+  Pipeline* p = r.pipeline >= 0 ? &pipelines_[size_t(r.pipeline)] : nullptr;
+  if (!next) {
+    r.failed = true;
+    finish_request(r, next.error());
+    return;
+  }
+  // The parents' tokens before this step (a parent's first child appends to it in place).
+  std::vector<std::vector<int32_t>> before;
+  for (uint64_t id : g.live) before.push_back(seqs_.at(id).all);
+  const std::vector<uint64_t> parents = g.live;
+  auto forget = [&](uint64_t id) {  // the stages still hold it until the frees go out
+    seqs_.erase(id);
+    r.seq_ids.erase(std::remove(r.seq_ids.begin(), r.seq_ids.end(), id), r.seq_ids.end());
+  };
+  if (g.search->done()) {
+    g.done = true;
+    for (uint64_t id : parents) forget(id);
+    g.live.clear();
+    if (p) {
+      p->pending_frees.insert(p->pending_frees.end(), g.frees.begin(), g.frees.end());
+      p->pending_frees.insert(p->pending_frees.end(), parents.begin(), parents.end());
+    }
+    g.forks.clear(), g.frees.clear();
+    group_deliveries_.push_back({&r, size_t(&g - r.groups.data())});
+    return;
+  }
+  std::vector<bool> continued(parents.size(), false);
+  std::vector<uint64_t> live;
+  for (size_t k = 0; k < next->size(); ++k) {
+    const auto [parent, token] = (*next)[k];
+    const uint64_t pid = parents[parent];
+    if (!continued[parent]) {  // the first child continues as its parent's sequence
+      continued[parent] = true;
+      Sequence& s = seqs_.at(pid);
+      s.all.push_back(token);
+      s.beam = k;
+      live.push_back(pid);
+      continue;
+    }
+    const Sequence& from = seqs_.at(pid);
+    Sequence c;
+    c.id = next_seq_id_++;
+    c.request = &r;
+    c.choice = from.choice;
+    c.pipeline = from.pipeline;
+    c.all = before[parent];
+    c.all.push_back(token);
+    c.prompt_len = from.prompt_len;
+    c.group = from.group;
+    c.beam = k;
+    // A parent that was fed all its tokens hands its K/V on; one being fed again (a replay)
+    // has none yet, and the child is fed from its first token too.
+    if (from.fed == before[parent].size()) {
+      c.fed = from.fed;
+      g.forks.push_back({pid, c.id, int32_t(from.fed)});
+    }
+    r.seq_ids.push_back(c.id);
+    live.push_back(c.id);
+    seqs_.emplace(c.id, std::move(c));
+  }
+  for (size_t i = 0; i < parents.size(); ++i)
+    if (!continued[i]) {
+      g.frees.push_back(parents[i]);
+      forget(parents[i]);
+    }
+  g.live = std::move(live);
+  g.alts.assign(g.live.size(), {});
+  g.reported.assign(g.live.size(), false);
+  g.waiting = g.live.size();
+}
+
+void Scheduler::reset_groups(Request& r) {
+  for (BeamGroup& g : r.groups) {
+    g.forks.clear(), g.frees.clear();
+    g.alts.assign(g.live.size(), {});
+    g.reported.assign(g.live.size(), false);
+    g.waiting = g.live.size();
+  }
+}
+
+// The group's n best hypotheses as its choices, one update each; the last choice of the
+// request finishes it.
+void Scheduler::deliver_group(Request& r, BeamGroup& g) {
+  const CompletionRequest& cr = *r.req;
+  const auto best = g.search->best(size_t(cr.n));
+  for (size_t j = 0; j < size_t(cr.n); ++j) {
+    ChoiceUpdate u;
+    u.choice = g.prompt * size_t(cr.n) + j;
+    TextStream text(*tokenizer_, {});
+    if (j < best.size()) {
+      const BeamSearch::Hypothesis& h = best[j];
+      for (size_t t = 0; t < h.tokens.size(); ++t) {
+        u.tokens.push_back({h.tokens[t], h.logprobs[t], {}});
+        if (!(h.stopped && t + 1 == h.tokens.size())) u.text += text.push(h.tokens[t]);  // the stop token adds no text
+      }
+      u.finish_reason = h.stopped ? "stop" : "length";
+    } else {
+      u.finish_reason = "length";  // fewer hypotheses finished than asked (cannot happen with one stop id)
+    }
+    u.text += text.flush();
+    u.cached_prompt_tokens = r.cached_tokens[g.prompt];
+    r.sink.on_update(std::move(u));
+    if (--r.unfinished == 0) {
+      finish_request(r, "");  // destroys r
+      return;
+    }
+  }
 }
 
 void Scheduler::take_token(Sequence& s, SeqResult sr) {
@@ -280,6 +476,7 @@ void Scheduler::take_token(Sequence& s, SeqResult sr) {
                              j < sr.prompt_top.size() ? std::move(sr.prompt_top[j]) : std::vector<std::pair<int32_t, float>>{}});
   }
   if (sr.token < 0) return;
+  if (!s.prefix_offered) retain_prefix(s);  // it sampled: its prompt's K/V is complete on every stage
   s.all.push_back(sr.token);
   Delivery d{s.id, {sr.token, sr.logprob, std::move(sr.top)}, nullptr, false};
   const int32_t eos = int32_t(cfg_.model.eos_token_id);
@@ -296,6 +493,13 @@ void Scheduler::take_token(Sequence& s, SeqResult sr) {
 }
 
 void Scheduler::deliver() {
+  std::vector<GroupDelivery> gs = std::move(group_deliveries_);
+  group_deliveries_.clear();
+  for (const GroupDelivery& gd : gs) {
+    auto it = running_.find(gd.request);  // it may have failed meanwhile
+    if (it == running_.end() || it->second->failed) continue;
+    deliver_group(*gd.request, gd.request->groups[gd.group]);
+  }
   std::vector<Delivery> ds = std::move(deliveries_);
   deliveries_.clear();
   for (Delivery& d : ds) {
@@ -333,6 +537,7 @@ void Scheduler::finish_sequence(Sequence& s, const char* reason, ChoiceUpdate up
   update.text += s.text->flush();
   update.finish_reason = reason;
   Request& r = *s.request;
+  update.cached_prompt_tokens = r.cached_tokens[s.choice / size_t(r.req->n)];
   r.sink.on_update(std::move(update));
   if (s.pipeline >= 0) pipelines_[size_t(s.pipeline)].pending_frees.push_back(s.id);
   if (--r.unfinished == 0) finish_request(r, "");
@@ -340,6 +545,11 @@ void Scheduler::finish_sequence(Sequence& s, const char* reason, ChoiceUpdate up
 
 void Scheduler::finish_request(Request& r, const std::string& error) {
   if (r.pipeline >= 0) pipelines_[size_t(r.pipeline)].kv_reserved -= r.kv_need;
+  if (r.pipeline >= 0)  // beams dropped by a step whose frees had not gone out yet
+    for (const BeamGroup& g : r.groups) {
+      auto& frees = pipelines_[size_t(r.pipeline)].pending_frees;
+      frees.insert(frees.end(), g.frees.begin(), g.frees.end());
+    }
   for (uint64_t id : r.seq_ids) {
     auto it = seqs_.find(id);
     if (it == seqs_.end()) continue;
@@ -353,27 +563,114 @@ void Scheduler::finish_request(Request& r, const std::string& error) {
 }
 
 void Scheduler::restart(int index) {
+  // Its stages drop every sequence, cache entries included.
+  prefix_cache(index).clear();
+  retain_forks(index).clear();
   for (auto& [_, s] : seqs_)
     if (s.pipeline == index) {
       s.fed = 0;
       s.in_flight = false;
+      s.prefix_done = s.prefix_offered = false;
     }
+  for (auto& [rp, _] : running_)
+    if (rp->pipeline == index) reset_groups(*rp);
 }
 
 void Scheduler::redistribute() {
-  for (Pipeline& p : pipelines_) p.kv_reserved = 0;
+  for (Pipeline& p : pipelines_) {
+    p.kv_reserved = 0;
+    prefix_cache(p.index).clear();
+    retain_forks(p.index).clear();
+  }
   for (auto& [rp, _] : running_) {
     Pipeline& p = *std::min_element(pipelines_.begin(), pipelines_.end(),
                                     [](const Pipeline& a, const Pipeline& b) { return a.kv_reserved < b.kv_reserved; });
     rp->pipeline = p.index;
     p.kv_reserved += rp->kv_need;
+    reset_groups(*rp);
     for (uint64_t id : rp->seq_ids)
       if (auto it = seqs_.find(id); it != seqs_.end()) {
         it->second.pipeline = p.index;
         it->second.fed = 0;
         it->second.in_flight = false;
+        it->second.prefix_done = it->second.prefix_offered = false;
       }
   }
+}
+
+PrefixCache& Scheduler::prefix_cache(int pipeline) {
+  while (prefix_.size() <= size_t(pipeline)) prefix_.emplace_back(kPrefixGranuleTokens);
+  return prefix_[size_t(pipeline)];
+}
+
+std::vector<SeqFork>& Scheduler::retain_forks(int pipeline) {
+  if (retain_forks_.size() <= size_t(pipeline)) retain_forks_.resize(size_t(pipeline) + 1);
+  return retain_forks_[size_t(pipeline)];
+}
+
+int64_t& Scheduler::budget(int pipeline) {
+  if (kv_budget_.size() <= size_t(pipeline)) kv_budget_.resize(size_t(pipeline) + 1, 0);
+  return kv_budget_[size_t(pipeline)];
+}
+
+int64_t Scheduler::prefix_match(Pipeline& p, const CompletionRequest& r) {
+  if (r.echo && r.logprobs >= 0) return 0;
+  int64_t n = 0;
+  for (const auto& prompt : r.prompts) n += prefix_cache(p.index).match_length(prompt);
+  return n;
+}
+
+bool Scheduler::make_room(Pipeline& p, int64_t tokens) {
+  PrefixCache& cache = prefix_cache(p.index);
+  const int64_t over = p.kv_reserved + cache.cached_tokens() + tokens - budget(p.index);
+  if (over <= 0) return true;
+  if (over > cache.cached_tokens()) return false;
+  for (uint64_t id : cache.evict_lru(over)) p.pending_frees.push_back(id);
+  return true;
+}
+
+// A sequence's first prefill: fork the longest cached prefix of its prompt (sent ahead of its
+// slice in the same micro-batch) and compute only the rest.
+void Scheduler::reuse_prefix(Pipeline& p, Sequence& s, MicroBatch& b) {
+  s.prefix_done = true;
+  const CompletionRequest& r = *s.request->req;
+  if (!cfg_.prefix_cache || !s.prompt_lp.empty()) return;
+  const std::span<const int32_t> prompt(s.all.data(), s.prompt_len);
+  ++prefix_stats_.lookups;
+  const auto hit = prefix_cache(p.index).lookup(prompt);
+  const int64_t reused = hit ? hit->num_tokens : 0;
+  if (s.choice % size_t(r.n) == 0) s.request->cached_tokens[s.choice / size_t(r.n)] = reused;
+  prefix_stats_.reused_tokens += reused;
+  prefix_stats_.computed_tokens += int64_t(s.prompt_len) - reused;
+  if (!hit) return;
+  ++prefix_stats_.hits;
+  b.forks.push_back({hit->entry_seq_id, s.id, hit->num_tokens});
+  s.fed = size_t(hit->num_tokens);
+}
+
+// A sequence whose prompt the stages have computed offers its whole granules to the cache,
+// as a new entry forked from it on the pipeline's next micro-batch, in room that running
+// requests leave.
+void Scheduler::retain_prefix(Sequence& s) {
+  s.prefix_offered = true;
+  if (!cfg_.prefix_cache || s.pipeline < 0 || !s.prompt_lp.empty()) return;
+  Pipeline& p = pipelines_[size_t(s.pipeline)];
+  PrefixCache& cache = prefix_cache(p.index);
+  const std::span<const int32_t> prompt(s.all.data(), s.prompt_len);
+  const int64_t whole = int64_t(s.prompt_len) / cache.granule_tokens() * cache.granule_tokens();
+  if (whole == 0) return;
+  if (cache.cached_length(prompt) < whole && !make_room(p, whole)) return;
+  if (auto kept = cache.retain(prompt, next_seq_id_))
+    retain_forks(p.index).push_back({s.id, next_seq_id_++, kept->num_tokens});
+}
+
+Scheduler::PrefixStats Scheduler::prefix_stats() const {
+  PrefixStats st = prefix_stats_;
+  for (const PrefixCache& c : prefix_) {
+    st.entries += int64_t(c.entries());
+    st.cached_tokens += c.cached_tokens();
+  }
+  return st;
 }
 
 bool Scheduler::busy(int index) const {

@@ -7,6 +7,25 @@
 // sequences spread over the micro-batches in flight so every stage has work), and turns the
 // last stage's results into tokens, text (stop strings) and finished choices.
 //
+// Beam search (CompletionRequest::use_beam_search): each prompt is a beam group of up to best_of
+// sequences, driven by coordinator/beam_search.h. Its beams travel in one micro-batch where the
+// limits allow; each reports its top 2 x best_of tokens (the last stage's top log-probs), and
+// once all have reported, the group picks the next beams: the first child of a beam continues
+// as the same sequence, every other child is a new sequence forked from it (MicroBatch::forks,
+// sent with the group's next slices, the dropped beams freed in the same micro-batch after the
+// forks). A replay feeds every beam again from its first token, like any sequence. When the
+// search is done, the group's n best hypotheses go out as its choices, one update each.
+//
+// Prefix reuse (scheduler.prefix_cache, on by default; coordinator/prefix_cache.h): once a
+// sequence's prompt has been computed, its whole 16-token granules are kept on the stages as
+// a cache entry (a fork of the sequence, sent on the pipeline's next micro-batch), and a new
+// sequence whose prompt starts the same way forks the longest such prefix instead of computing
+// it. Entries use the K/V room the running requests leave: the least recently used go when a
+// request or a newer entry needs it. A pipeline that restarts forgets its entries (its stages
+// dropped them). A request goes to the replica holding the longest prefix of its prompt among
+// those it fits, before the least reserved one. Not for echo with logprobs (the prompt's
+// log-probs need its rows computed). Usage reports the reused tokens per prompt.
+//
 // Admission: a request runs once its K/V reservation (prompt + max_tokens per choice) fits
 // the pipeline's budget (the smallest K/V capacity its stages report) and the pipeline runs
 // fewer than its admission limit of sequences (BatchLimits::max_running: by default the
@@ -31,6 +50,7 @@
 #include "coordinator/cluster_config.h"
 #include "coordinator/completion.h"
 #include "coordinator/pipeline.h"
+#include "coordinator/prefix_cache.h"
 #include "coordinator/text_stream.h"
 #include "model/microbatch.h"
 #include "model/tokenizer.h"
@@ -100,6 +120,15 @@ class Scheduler {
 
   // Whether a sequence still runs on pipeline `index`.
   bool busy(int index) const;
+  // Prefix reuse, for /metrics: prompts that could use a cached prefix (their sequence's
+  // first prefill), those that did, and the prompt tokens those reused and computed; and what
+  // the pipelines' caches hold now.
+  struct PrefixStats {
+    int64_t lookups = 0, hits = 0, reused_tokens = 0, computed_tokens = 0;
+    int64_t entries = 0, cached_tokens = 0;
+  };
+  PrefixStats prefix_stats() const;
+
   // Requests accepted and not finished.
   size_t outstanding() const { return queue_.size() + running_.size(); }
   size_t queue_size() const { return queue_.size(); }
@@ -119,15 +148,30 @@ class Scheduler {
   // pipeline) before the request is failed.
   static constexpr int kMaxFailedBatches = 3;
 
+  // One prompt of a beam-search request (see the top of this file).
+  struct BeamGroup {
+    std::unique_ptr<BeamSearch> search;
+    size_t prompt = 0;              // index in the request's prompts
+    std::vector<uint64_t> live;     // the live beams' sequence ids, in search->live() order
+    std::vector<std::vector<std::pair<int32_t, float>>> alts;  // this step's reports, per live beam
+    std::vector<bool> reported;
+    size_t waiting = 0;             // live beams yet to report this step
+    std::vector<SeqFork> forks;     // go with the live beams' next slices
+    std::vector<uint64_t> frees;    // dropped beams, freed after the forks
+    bool done = false;
+  };
+
   struct Request {
     std::shared_ptr<const CompletionRequest> req;
     CompletionSink sink;
     std::vector<uint64_t> seq_ids;
+    std::vector<BeamGroup> groups;  // beam search: one per prompt
     size_t unfinished = 0;
     int64_t kv_need = 0;  // tokens reserved on its pipeline
     int pipeline = -1;
     bool failed = false;
     std::chrono::steady_clock::time_point queued_at;
+    std::vector<int64_t> cached_tokens;  // per prompt: tokens its first sequence forked from a cache entry
   };
 
   struct Sequence {
@@ -142,8 +186,12 @@ class Scheduler {
     bool finished = false;
     std::unique_ptr<TextStream> text;
     std::vector<TokenOut> prompt_lp;  // echo + logprobs: entry 0 is the first prompt token (NaN)
+    int group = -1;            // beam search: its group in request->groups, and its beam there
+    size_t beam = 0;
     bool prompt_lp_sent = false;
     int failed_batches = 0;    // micro-batches of it that a stage could not run or hand on
+    // Its prompt was looked up in the prefix cache / offered to it once computed (this epoch).
+    bool prefix_done = false, prefix_offered = false;
 
     size_t generated() const { return all.size() - prompt_len; }
   };
@@ -158,9 +206,33 @@ class Scheduler {
     bool is_stop_token = false;
   };
   void take_token(Sequence& s, SeqResult result);
+  // Beam search: a beam's report; the group's step once every live beam has reported.
+  void take_beam_report(Sequence& s, const SeqResult& result);
+  void advance_group(Request& r, BeamGroup& g);
+  // After a restart or a re-plan: a group's pending forks and frees refer to caches that are
+  // gone, and this step's reports are taken again.
+  void reset_groups(Request& r);
+  struct GroupDelivery {
+    Request* request = nullptr;
+    size_t group = 0;
+  };
+  void deliver_group(Request& r, BeamGroup& g);
   void deliver_one(Sequence& s, Delivery d);
   void finish_sequence(Sequence& s, const char* reason, ChoiceUpdate update);
   void finish_request(Request& r, const std::string& error);
+  // Prefix reuse (see the top of this file). Entries are whole granules of the GPU stage's
+  // K/V page (kernels/cuda/paged_kv.h, kPageTokens), so they share pages without copies.
+  static constexpr int32_t kPrefixGranuleTokens = 16;
+  PrefixCache& prefix_cache(int pipeline);
+  std::vector<SeqFork>& retain_forks(int pipeline);
+  int64_t& budget(int pipeline);  // the pipeline's K/V budget at the last admit (tokens)
+  // Tokens of `r`'s prompts cached on pipeline p (routing).
+  int64_t prefix_match(Pipeline& p, const CompletionRequest& r);
+  void reuse_prefix(Pipeline& p, Sequence& s, MicroBatch& b);
+  void retain_prefix(Sequence& s);
+  // Frees least recently used entries of pipeline p until `tokens` more fit its K/V budget
+  // beside its reservations and entries; false when even an empty cache leaves too little.
+  bool make_room(Pipeline& p, int64_t tokens);
 
   const ClusterConfig& cfg_;
   std::shared_ptr<const Tokenizer> tokenizer_;
@@ -174,6 +246,13 @@ class Scheduler {
   std::optional<std::chrono::steady_clock::time_point> unserviceable_since_;
   QueueWait queue_wait_ = QueueWait::None;
   std::vector<Delivery> deliveries_;  // taken by on_result, not yet delivered
+  std::vector<GroupDelivery> group_deliveries_;  // beam groups done in on_result, not yet delivered
+  // Prefix reuse, per pipeline index: the entries, the forks that make new ones (they go first
+  // in the pipeline's next micro-batch), and its K/V budget at the last admit (tokens).
+  std::vector<PrefixCache> prefix_;
+  std::vector<std::vector<SeqFork>> retain_forks_;
+  std::vector<int64_t> kv_budget_;
+  PrefixStats prefix_stats_;
 };
 
 }  // namespace conveyor

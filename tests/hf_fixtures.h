@@ -46,4 +46,39 @@ inline std::vector<std::filesystem::path> hf_fixture_dirs() {
   return out;
 }
 
+// The beam-search goldens (scripts/make_hf_beam_fixtures.py): beam_golden.json beside each HF
+// fixture (its draws run on that fixture) and tests/data/beam_golden/*.json (each names its model
+// folder, relative to the source root, in "model"; see that folder's README.md). `missing` names
+// what should exist and does not: a fixture's beam_golden.json, or any .json in
+// tests/data/beam_golden once that folder exists.
+struct BeamGoldens {
+  std::vector<std::filesystem::path> files;
+  std::vector<std::string> missing;
+};
+
+inline BeamGoldens beam_golden_files() {
+  namespace fs = std::filesystem;
+  BeamGoldens out;
+  for (const fs::path& dir : hf_fixture_dirs()) {
+    if (fs::is_regular_file(dir / "beam_golden.json"))
+      out.files.push_back(dir / "beam_golden.json");
+    else
+      out.missing.push_back((dir / "beam_golden.json").string() +
+                            ": make it with python3 scripts/make_hf_beam_fixtures.py " + dir.parent_path().string());
+  }
+  const fs::path trained = fs::path(source_dir()) / "tests" / "data" / "beam_golden";
+  std::error_code ec;
+  if (fs::is_directory(trained, ec)) {
+    std::vector<fs::path> found;
+    for (const auto& e : fs::directory_iterator(trained, ec))
+      if (e.is_regular_file() && e.path().extension() == ".json") found.push_back(e.path());
+    std::sort(found.begin(), found.end());
+    if (found.empty())
+      out.missing.push_back(trained.string() + " holds no .json: make one with python3 scripts/make_hf_beam_fixtures.py "
+                                               "--model models/brown-gpt2 --out tests/data/beam_golden/brown-gpt2.json");
+    out.files.insert(out.files.end(), found.begin(), found.end());
+  }
+  return out;
+}
+
 }  // namespace conveyor::testing

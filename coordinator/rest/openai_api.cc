@@ -132,7 +132,8 @@ const std::set<std::string>& known_fields() {
       "top_k",       "n",              "stream",            "stream_options", "logprobs",
       "echo",        "stop",           "seed",              "presence_penalty", "frequency_penalty",
       "repetition_penalty", "min_tokens", "return_token_ids", "ignore_eos", "user",
-      "best_of",     "logit_bias",     "suffix"};
+      "best_of",     "logit_bias",     "suffix",            "use_beam_search", "length_penalty",
+      "early_stopping"};
   return k;
 }
 
@@ -215,6 +216,78 @@ bool read_stop(FieldReader& r, const ApiLimits& limits, std::vector<std::string>
       return r.fail("stop", "'stop'[" + std::to_string(i) + "] must not be empty");
     out.push_back(s.get<std::string>());
   }
+  return true;
+}
+
+// `logit_bias`: an object from token ids (decimal strings) to biases in [-100, 100], at most
+// kMaxLogitBiasEntries of them; into (id, bias) pairs sorted by id.
+bool read_logit_bias(FieldReader& r, int64_t vocab, std::vector<std::pair<int32_t, float>>& out) {
+  const json* v = r.find("logit_bias");
+  if (!v) return true;
+  if (!v->is_object()) return r.wrong_type("logit_bias", "an object mapping token ids to biases", *v);
+  if (v->size() > kMaxLogitBiasEntries)
+    return r.fail("logit_bias", "'logit_bias' holds " + std::to_string(v->size()) + " entries; at most " +
+                                    std::to_string(kMaxLogitBiasEntries) + " are allowed");
+  for (const auto& [key, value] : v->items()) {
+    const std::string where = "'logit_bias'[\"" + key + "\"]";
+    const bool digits = !key.empty() && key.size() <= 10 &&
+                        std::all_of(key.begin(), key.end(), [](char c) { return c >= '0' && c <= '9'; });
+    const int64_t id = digits ? std::stoll(key) : -1;
+    if (!digits || id >= vocab)
+      return r.fail("logit_bias", where + ": the key must be a token id of this model (a decimal integer, valid: 0.." +
+                                      std::to_string(vocab - 1) + ")");
+    if (!value.is_number()) return r.fail("logit_bias", where + " must be a number, got " + describe(value));
+    const double bias = value.get<double>();
+    if (!std::isfinite(bias) || bias < -kLogitBiasMax || bias > kLogitBiasMax)
+      return r.fail("logit_bias", where + " must be between -100 and 100, got " + value.dump());
+    out.emplace_back(int32_t(id), float(bias));
+  }
+  std::sort(out.begin(), out.end());
+  for (size_t i = 1; i < out.size(); ++i)  // "7" and "007" name one token
+    if (out[i].first == out[i - 1].first)
+      return r.fail("logit_bias", "'logit_bias' names token " + std::to_string(out[i].first) + " twice");
+  return true;
+}
+
+// The beam search fields (use_beam_search is true): best_of (the width, default n), n <= best_of,
+// length_penalty, early_stopping; and the refusal of every field that would make the beams
+// differ from HuggingFace's deterministic search (docs/API.md, "Beam search").
+bool read_beam_search(FieldReader& r, CompletionRequest& req, bool logprobs_given) {
+  req.best_of = req.n;
+  if (!r.get_int("best_of", 1, kMaxBeamWidth, req.best_of)) return false;
+  if (req.n > req.best_of)
+    return r.fail("n", "'n' (" + std::to_string(req.n) + ") must not exceed best_of (" + std::to_string(req.best_of) +
+                           "), the number of beams");
+  if (const json* v = r.find("length_penalty")) {
+    if (!v->is_number()) return r.wrong_type("length_penalty", "a number", *v);
+    const double x = v->get<double>();
+    if (!std::isfinite(x) || std::fabs(x) > 100)
+      return r.fail("length_penalty", "'length_penalty' must be between -100 and 100, got " + v->dump());
+    req.length_penalty = float(x);
+  }
+  if (const json* v = r.find("early_stopping")) {
+    if (v->is_boolean()) req.early_stopping = v->get<bool>() ? EarlyStopping::Stop : EarlyStopping::Heuristic;
+    else if (v->is_string() && v->get<std::string>() == "never") req.early_stopping = EarlyStopping::Never;
+    else return r.wrong_type("early_stopping", "true, false or \"never\"", *v);
+  }
+  const SamplingParams& s = req.sampling;
+  const SamplingParams defaults;
+  auto refuse = [&](const char* field, const std::string& why) {
+    return r.fail(field, std::string("'") + field + "' cannot be used with use_beam_search: " + why);
+  };
+  constexpr const char* kScores = "beams are ranked by the model's raw log-probs, as HuggingFace's beam search does";
+  // temperature: absent means 0 here (beam search is deterministic); a given one must be 0.
+  if (r.find("temperature") && s.temperature != 0.0f) return refuse("temperature", "it needs temperature 0 (or none)");
+  req.sampling.temperature = 0.0f;
+  if (s.top_p != defaults.top_p) return refuse("top_p", "it keeps the best candidates, not a nucleus");
+  if (s.top_k != defaults.top_k) return refuse("top_k", "it keeps 2 x best_of candidates a step");
+  if (s.presence_penalty != 0.0f) return refuse("presence_penalty", kScores);
+  if (s.frequency_penalty != 0.0f) return refuse("frequency_penalty", kScores);
+  if (s.repetition_penalty != 1.0f) return refuse("repetition_penalty", kScores);
+  if (!s.logit_bias.empty()) return refuse("logit_bias", kScores);
+  if (s.min_tokens != 0) return refuse("min_tokens", "not supported");
+  if (!req.stop.empty()) return refuse("stop", "stop strings are not supported (the end-of-text token still ends a beam)");
+  if (logprobs_given) return refuse("logprobs", "not supported");
   return true;
 }
 
@@ -375,26 +448,27 @@ Expected<CompletionRequest> parse_completion_request(const nlohmann::json& body,
     r.wrong_type("user", "a string", *v);
     return done();
   }
-  if (const json* v = r.find("best_of")) {
-    if (!v->is_number_integer()) {
-      r.wrong_type("best_of", "an integer", *v);
-      return done();
+  if (!read_logit_bias(r, vocab, s.logit_bias)) return done();
+  if (!r.get_bool("use_beam_search", req.use_beam_search)) return done();
+  if (req.use_beam_search) {
+    if (!read_beam_search(r, req, logprobs >= 0)) return done();
+  } else {
+    if (const json* v = r.find("best_of")) {
+      if (!v->is_number_integer()) {
+        r.wrong_type("best_of", "an integer", *v);
+        return done();
+      }
+      if ((v->is_number_unsigned() && v->get<uint64_t>() > uint64_t(kIntMax)) || v->get<int64_t>() != req.n) {
+        r.fail("best_of", "'best_of' other than n needs use_beam_search (got best_of " + v->dump() + ", n " +
+                              std::to_string(req.n) + "); leave it out to get n independent samples");
+        return done();
+      }
     }
-    if ((v->is_number_unsigned() && v->get<uint64_t>() > uint64_t(kIntMax)) || v->get<int64_t>() != req.n) {
-      r.fail("best_of", "'best_of' other than n is not supported (got best_of " + v->dump() + ", n " +
-                            std::to_string(req.n) + "); leave it out to get n independent samples");
-      return done();
-    }
-  }
-  if (const json* v = r.find("logit_bias")) {
-    if (!v->is_object()) {
-      r.wrong_type("logit_bias", "an object", *v);
-      return done();
-    }
-    if (!v->empty()) {
-      r.fail("logit_bias", "'logit_bias' is not supported by this server");
-      return done();
-    }
+    for (const char* beam_only : {"length_penalty", "early_stopping"})
+      if (r.find(beam_only)) {
+        r.fail(beam_only, std::string("'") + beam_only + "' applies to beam search only (set use_beam_search)");
+        return done();
+      }
   }
   if (const json* v = r.find("suffix")) {
     if (!v->is_string()) {
@@ -530,9 +604,18 @@ int64_t CompletionResponseBuilder::completion_tokens() const {
   return n;
 }
 
+int64_t CompletionResponseBuilder::cached_tokens() const {
+  int64_t n = 0;
+  for (size_t i = 0; i < choices_.size(); i += size_t(request_->n)) n += choices_[i].cached_prompt_tokens;
+  return n;
+}
+
 json CompletionResponseBuilder::usage() const {
   const int64_t p = prompt_tokens(), c = completion_tokens();
-  return {{"prompt_tokens", p}, {"completion_tokens", c}, {"total_tokens", p + c}};
+  return {{"prompt_tokens", p},
+          {"completion_tokens", c},
+          {"total_tokens", p + c},
+          {"prompt_tokens_details", {{"cached_tokens", cached_tokens()}}}};
 }
 
 json CompletionResponseBuilder::envelope() const {
@@ -563,6 +646,7 @@ void CompletionResponseBuilder::append_logprobs(Choice& c, const std::vector<Tok
 
 json CompletionResponseBuilder::apply(const ChoiceUpdate& update) {
   Choice& c = choices_[update.choice];
+  if (update.cached_prompt_tokens) c.cached_prompt_tokens = *update.cached_prompt_tokens;
   const std::vector<int32_t>& prompt = request_->prompts[update.choice / size_t(request_->n)];
   const bool want_logprobs = request_->logprobs >= 0;
   json lp_delta = {{"tokens", json::array()}, {"token_logprobs", json::array()},

@@ -115,6 +115,7 @@ class CompletionResponseBuilder {
   bool all_finished() const { return finished_choices_ == choices_.size(); }
   int64_t prompt_tokens() const;      // each prompt counted once (not n times)
   int64_t completion_tokens() const;  // generated tokens over all choices
+  int64_t cached_tokens() const;      // prompt tokens reused from the prefix cache, each prompt once
   const CompletionRequest& request() const { return *request_; }
 
  private:
@@ -127,6 +128,7 @@ class CompletionResponseBuilder {
                    lp_top = nlohmann::json::array(), lp_offsets = nlohmann::json::array();
     std::optional<std::string> finish_reason;
     int64_t completion_tokens = 0;
+    int64_t cached_prompt_tokens = 0;  // of its prompt, forked from the prefix cache
   };
   // Applies `update` to its choice; returns the choice object for this delta (text, index,
   // logprobs, finish_reason, token_ids) as a chunk would carry it.

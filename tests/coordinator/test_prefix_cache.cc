@@ -50,6 +50,8 @@ TEST(PrefixCache, LeavesTheLastPromptTokenToCompute) {
   ASSERT_TRUE(hit);
   EXPECT_EQ(hit->num_tokens, 4);
   EXPECT_EQ(c.lookup(tokens(0, 9))->num_tokens, 8);
+  EXPECT_EQ(c.cached_length(tokens(0, 8)), 8);  // what it holds, without the rule
+  EXPECT_EQ(c.match_length(tokens(0, 8)), 4);
   EXPECT_FALSE(c.lookup(tokens(0, 4)));
   EXPECT_FALSE(c.lookup({}));
 }

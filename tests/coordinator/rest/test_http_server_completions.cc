@@ -89,7 +89,8 @@ TEST_F(HttpServerTest, StreamWithIncludeUsageEndsWithAUsageOnlyChunk) {
   const int prompt_tokens = int(tokenizer_->encode("The jury said").size());
   EXPECT_EQ(usage_chunk["usage"], json({{"prompt_tokens", prompt_tokens},
                                         {"completion_tokens", 8},
-                                        {"total_tokens", prompt_tokens + 8}}));
+                                        {"total_tokens", prompt_tokens + 8},
+                                        {"prompt_tokens_details", {{"cached_tokens", 0}}}}));
   EXPECT_EQ(usage_chunk["id"], json::parse(events[0])["id"]);
 
   // include_usage false is the same as leaving stream_options out.
@@ -220,7 +221,8 @@ TEST_F(HttpServerTest, BadRequestsAre400sNamingTheField) {
       {R"({"prompt": [1, 2, 4096]})", "prompt"},                     // outside the vocabulary
       {R"({"prompt": [-5]})", "prompt"},
       {R"({"prompt": "x", "frobnicate": 1})", "frobnicate"},         // unknown field
-      {R"({"prompt": "x", "logit_bias": {"1": 5}})", "logit_bias"},
+      {R"({"prompt": "x", "logit_bias": {"1": 101}})", "logit_bias"},   // beyond [-100, 100]
+      {R"({"prompt": "x", "use_beam_search": true, "top_p": 0.5})", "top_p"},  // beam search is not sampling
       {R"({"prompt": "x", "stop": ["a","b","c","d","e"]})", "stop"},
   };
   const uint64_t before = metrics_->requests_with_code(400);

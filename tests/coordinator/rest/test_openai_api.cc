@@ -391,15 +391,94 @@ TEST(SystemFingerprint, StableAndDerivedFromTheModel) {
 TEST(ParseCompletion, UnsupportedOpenAIFields) {
   ok(with(kBase, "best_of", 1));
   ok(with(with(kBase, "best_of", 2), "n", 2));
-  EXPECT_NE(refused(with(kBase, "best_of", 2), "best_of").find("not supported"), std::string::npos);
+  EXPECT_NE(refused(with(kBase, "best_of", 2), "best_of").find("use_beam_search"), std::string::npos);
   refused(with(kBase, "best_of", "2"), "best_of");
-  EXPECT_NE(refused(with(kBase, "logit_bias", {{"50256", -100}}), "logit_bias").find("not supported"),
-            std::string::npos);
-  refused(with(kBase, "logit_bias", 5), "logit_bias");
   EXPECT_NE(refused(with(kBase, "suffix", "end"), "suffix").find("not supported"), std::string::npos);
   ok(with(kBase, "suffix", ""));
   refused(with(kBase, "suffix", 1), "suffix");
   refused(with(kBase, "user", 5), "user");
+}
+
+TEST(ParseCompletion, LogitBias) {
+  // OpenAI's shape: token id strings to biases, sorted by id into the sampling parameters.
+  CompletionRequest r = ok(with(kBase, "logit_bias", {{"4095", -100}, {"13", 2.5}, {"0", 100}}));
+  const std::vector<std::pair<int32_t, float>> want = {{0, 100.f}, {13, 2.5f}, {4095, -100.f}};
+  EXPECT_EQ(r.sampling.logit_bias, want);
+  EXPECT_TRUE(ok(with(kBase, "logit_bias", json::object())).sampling.logit_bias.empty());
+  EXPECT_TRUE(ok(with(kBase, "logit_bias", nullptr)).sampling.logit_bias.empty());
+  // Wrong shapes, ids and values: 400 naming logit_bias, with what was wrong.
+  refused(with(kBase, "logit_bias", 5), "logit_bias");
+  refused(with(kBase, "logit_bias", json::array({1, 2})), "logit_bias");
+  EXPECT_NE(refused(with(kBase, "logit_bias", {{"4096", 1}}), "logit_bias").find("0..4095"), std::string::npos);
+  refused(with(kBase, "logit_bias", {{"-1", 1}}), "logit_bias");
+  refused(with(kBase, "logit_bias", {{"abc", 1}}), "logit_bias");
+  refused(with(kBase, "logit_bias", {{"", 1}}), "logit_bias");
+  refused(with(kBase, "logit_bias", {{"1.5", 1}}), "logit_bias");
+  refused(with(kBase, "logit_bias", {{"99999999999", 1}}), "logit_bias");
+  EXPECT_NE(refused(with(kBase, "logit_bias", {{"5", 100.5}}), "logit_bias").find("between -100 and 100"),
+            std::string::npos);
+  refused(with(kBase, "logit_bias", {{"5", -101}}), "logit_bias");
+  refused(with(kBase, "logit_bias", {{"5", "high"}}), "logit_bias");
+  EXPECT_NE(refused(with(kBase, "logit_bias", {{"7", 1}, {"007", 2}}), "logit_bias").find("twice"), std::string::npos);
+  json many = json::object();
+  for (int i = 0; i < 300; ++i) many[std::to_string(i)] = 1;
+  EXPECT_EQ(ok(with(kBase, "logit_bias", many)).sampling.logit_bias.size(), 300u);
+  many["300"] = 1;
+  EXPECT_NE(refused(with(kBase, "logit_bias", many), "logit_bias").find("at most 300"), std::string::npos);
+}
+
+TEST(ParseCompletion, BeamSearch) {
+  const json beam = with(with(kBase, "use_beam_search", true), "max_tokens", 8);
+  // Defaults: best_of = n, temperature 0, length_penalty 1, early_stopping false.
+  CompletionRequest r = ok(beam);
+  EXPECT_TRUE(r.use_beam_search);
+  EXPECT_EQ(r.best_of, 1);
+  EXPECT_EQ(r.sampling.temperature, 0.0f);
+  EXPECT_EQ(r.length_penalty, 1.0f);
+  EXPECT_EQ(r.early_stopping, EarlyStopping::Heuristic);
+  EXPECT_EQ(r.num_sequences(), 1u);
+  r = ok(with(with(with(with(with(beam, "best_of", 4), "n", 2), "length_penalty", -0.5), "early_stopping", "never"),
+              "temperature", 0));
+  EXPECT_EQ(r.best_of, 4);
+  EXPECT_EQ(r.n, 2);
+  EXPECT_EQ(r.num_choices(), 2u);
+  EXPECT_EQ(r.num_sequences(), 4u);
+  EXPECT_EQ(r.length_penalty, -0.5f);
+  EXPECT_EQ(r.early_stopping, EarlyStopping::Never);
+  EXPECT_EQ(ok(with(beam, "early_stopping", true)).early_stopping, EarlyStopping::Stop);
+  EXPECT_EQ(ok(with(beam, "early_stopping", false)).early_stopping, EarlyStopping::Heuristic);
+  EXPECT_EQ(ok(with(with(beam, "n", 3), "stream", true)).best_of, 3);
+  EXPECT_TRUE(ok(with(with(beam, "echo", true), "return_token_ids", true)).echo);
+  EXPECT_TRUE(ok(with(beam, "ignore_eos", true)).ignore_eos);
+  EXPECT_EQ(ok(with(beam, "best_of", 10)).best_of, 10);
+  // Widths and counts.
+  EXPECT_NE(refused(with(beam, "best_of", 11), "best_of").find("between 1 and 10"), std::string::npos);
+  refused(with(beam, "best_of", 0), "best_of");
+  refused(with(beam, "best_of", "4"), "best_of");
+  EXPECT_NE(refused(with(with(beam, "best_of", 2), "n", 3), "n").find("must not exceed best_of"), std::string::npos);
+  refused(with(beam, "use_beam_search", "yes"), "use_beam_search");
+  // The beam-only fields, without beam search.
+  refused(with(kBase, "length_penalty", 1.0), "length_penalty");
+  refused(with(kBase, "early_stopping", true), "early_stopping");
+  refused(with(with(kBase, "use_beam_search", false), "early_stopping", true), "early_stopping");
+  refused(with(beam, "early_stopping", "always"), "early_stopping");
+  refused(with(beam, "early_stopping", 1), "early_stopping");
+  refused(with(beam, "length_penalty", "long"), "length_penalty");
+  refused(with(beam, "length_penalty", 1000), "length_penalty");
+  // What would make the beams differ from HuggingFace's deterministic search.
+  EXPECT_NE(refused(with(beam, "temperature", 0.7), "temperature").find("temperature 0"), std::string::npos);
+  refused(with(beam, "top_p", 0.9), "top_p");
+  refused(with(beam, "top_k", 5), "top_k");
+  refused(with(beam, "presence_penalty", 0.5), "presence_penalty");
+  refused(with(beam, "frequency_penalty", 0.5), "frequency_penalty");
+  refused(with(beam, "repetition_penalty", 1.2), "repetition_penalty");
+  refused(with(beam, "logit_bias", {{"5", 1}}), "logit_bias");
+  refused(with(beam, "min_tokens", 2), "min_tokens");
+  refused(with(beam, "stop", "\n"), "stop");
+  refused(with(beam, "logprobs", 2), "logprobs");
+  EXPECT_NE(refused(with(beam, "logprobs", 0), "logprobs").find("use_beam_search"), std::string::npos);
+  // Defaults given explicitly are fine.
+  ok(with(with(with(beam, "top_p", 1), "top_k", 0), "presence_penalty", 0));
 }
 
 TEST(ParseCompletion, UnknownFieldIsNamed) {
@@ -478,7 +557,10 @@ TEST(CompletionResponse, NonStreamingDocument) {
       {"model", kModel},
       {"system_fingerprint", "fp_0123456789ab"},
       {"choices", {{{"text", " said it"}, {"index", 0}, {"logprobs", nullptr}, {"finish_reason", "length"}}}},
-      {"usage", {{"prompt_tokens", prompt_tokens}, {"completion_tokens", 2}, {"total_tokens", prompt_tokens + 2}}}};
+      {"usage", {{"prompt_tokens", prompt_tokens},
+                 {"completion_tokens", 2},
+                 {"total_tokens", prompt_tokens + 2},
+                 {"prompt_tokens_details", {{"cached_tokens", 0}}}}}};
   EXPECT_EQ(b.response(), expected) << b.response().dump(2);
 }
 
@@ -604,7 +686,8 @@ TEST(CompletionResponse, SseGoldenWithIncludeUsage) {
   EXPECT_EQ(b.sse_finish(),
             "data: {\"choices\":[],\"created\":1700000000,\"id\":\"cmpl-test\",\"model\":\"brown-gpt2\","
             "\"object\":\"text_completion\",\"system_fingerprint\":\"fp_0123456789ab\",\"usage\":{\"completion_tokens\":2,"
-            "\"prompt_tokens\":" + std::to_string(p) + ",\"total_tokens\":" + std::to_string(p + 2) + "}}\n\n"
+            "\"prompt_tokens\":" + std::to_string(p) + ",\"prompt_tokens_details\":{\"cached_tokens\":0},\"total_tokens\":" +
+            std::to_string(p + 2) + "}}\n\n"
             "data: [DONE]\n\n");
 }
 
