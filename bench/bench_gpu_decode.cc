@@ -13,12 +13,14 @@
 //
 //   conveyor-bench-gpu-decode [--shapes gpt2-xl,gpt3-6.7b] [--batches 1,8,32,128]
 //       [--prompts 128,1024] [--new-tokens 128] [--dtype f16|bf16] [--max-tokens 8192]
-//       [--kv-fraction 0.9] [--no-graphs] [--tp N] [--pp N] [--int8] [--fused-ar] [--csv FILE]
-//       [--modes det,fast]
+//       [--kv-fraction 0.9] [--no-graphs] [--tp N] [--pp N] [--weights dtype,int8,fp8] [--int8]
+//       [--fp8] [--fused-ar] [--csv FILE] [--modes det,fast]
 //
 // --tp N runs each stage over N GPUs (ranks share GPUs where the machine has fewer than
-// tp x pp: a correctness run only, its times mean nothing). --int8: int8 weight-only
-// matrices (quant.h). --fused-ar: tensor-parallel decode steps join the all-reduce with the
+// tp x pp: a correctness run only, its times mean nothing). --weights: the layer matrices in
+// the stage's dtype, int8 weight-only (quant.h) and/or FP8 weights and activations (fp8.h,
+// Hopper), each built in turn, the rows of int8 and fp8 showing the dtype's ms/token over
+// theirs ("x dtype"); --int8 and --fp8 are --weights int8 and --weights fp8. --fused-ar: tensor-parallel decode steps join the all-reduce with the
 // bias, residual and LayerNorm after it (GpuStageOptions::fused_all_reduce). --modes: det
 // (the default: fixed-order kernels, GpuStageOptions::deterministic) and/or fast (the fastest
 // kernels of each shape, whose sums follow the batch); both run each configuration side by
@@ -79,7 +81,8 @@ struct Args {
   double kv_fraction = 0.9;
   bool graphs = true;
   int tp = 1, pp = 1;
-  bool int8 = false, fused_ar = false;
+  bool fused_ar = false;
+  std::vector<std::string> weights = {"dtype"};  // dtype, int8, fp8
   std::string csv;
   std::vector<std::string> modes = {"det"};
 };
@@ -87,8 +90,8 @@ struct Args {
 [[noreturn]] void usage() {
   std::fprintf(stderr,
                "usage: conveyor-bench-gpu-decode [--shapes S,..] [--batches N,..] [--prompts N,..] [--new-tokens N]\n"
-               "       [--dtype f16|bf16] [--max-tokens N] [--kv-fraction F] [--no-graphs] [--tp N] [--pp N] [--int8]\n"
-               "       [--fused-ar] [--csv FILE] [--modes det,fast]\n");
+               "       [--dtype f16|bf16] [--max-tokens N] [--kv-fraction F] [--no-graphs] [--tp N] [--pp N]\n"
+               "       [--weights dtype,int8,fp8] [--int8] [--fp8] [--fused-ar] [--csv FILE] [--modes det,fast]\n");
   std::exit(2);
 }
 
@@ -110,7 +113,9 @@ Args parse(int argc, char** argv) {
     else if (k == "--no-graphs") a.graphs = false;
     else if (k == "--tp") a.tp = std::stoi(val());
     else if (k == "--pp") a.pp = std::stoi(val());
-    else if (k == "--int8") a.int8 = true;
+    else if (k == "--int8") a.weights = {"int8"};
+    else if (k == "--fp8") a.weights = {"fp8"};
+    else if (k == "--weights") a.weights = split(val());
     else if (k == "--fused-ar") a.fused_ar = true;
     else if (k == "--csv") a.csv = val();
     else if (k == "--modes") a.modes = split(val());
@@ -122,7 +127,12 @@ Args parse(int argc, char** argv) {
       std::fprintf(stderr, "conveyor-bench-gpu-decode: --modes takes det and/or fast, not '%s'\n", m.c_str());
       std::exit(2);
     }
-  if (a.modes.empty()) usage();
+  if (a.modes.empty() || a.weights.empty()) usage();
+  for (const std::string& w : a.weights)
+    if (w != "dtype" && w != "int8" && w != "fp8") {
+      std::fprintf(stderr, "conveyor-bench-gpu-decode: --weights takes dtype, int8 and/or fp8, not '%s'\n", w.c_str());
+      std::exit(2);
+    }
   return a;
 }
 
@@ -314,16 +324,25 @@ int main(int argc, char** argv) {
     }
     std::vector<std::string> table;
     char line[512];
-    std::snprintf(line, sizeof line, "%-10s %-4s %-5s %5s %6s %5s %10s %9s %9s %10s %9s %8s %10s %8s", "shape", "mode",
-                  "dtype", "batch", "prompt", "new", "ttft_ms", "ms/token", "p50_ms", "tokens/s", "floor_ms", "floor%",
-                  "total_ms", "det/fast");
+    std::snprintf(line, sizeof line, "%-10s %-4s %-5s %5s %6s %5s %10s %9s %9s %10s %9s %8s %10s %8s %8s", "shape",
+                  "mode", "dtype", "batch", "prompt", "new", "ttft_ms", "ms/token", "p50_ms", "tokens/s", "floor_ms",
+                  "floor%", "total_ms", "det/fast", "x dtype");
     table.push_back(line);
     std::mt19937 rng(1234);
     const int max_prompt = *std::max_element(args.prompts.begin(), args.prompts.end());
     const int max_batch = *std::max_element(args.batches.begin(), args.batches.end());
-    std::map<std::tuple<std::string, int, int, int>, double> det_ms;  // (shape, prompt, batch, new) -> ms/token
+    // (shape, weights, prompt, batch, new) -> det ms/token; (shape, mode, prompt, batch, new) -> the dtype's
+    std::map<std::tuple<std::string, std::string, int, int, int>, double> det_ms, dtype_ms;
     for (const std::string& shape : args.shapes) {
+     for (const std::string& weights : args.weights) {
+     const bool int8 = weights == "int8", fp8 = weights == "fp8";
+     const std::string wname = weights == "dtype" ? args.dtype : weights;
      for (const std::string& mode : args.modes) {
+      if (fp8 && mode == "det") {  // the stage refuses it: cuBLASLt's FP8 products are not row-invariant
+        std::printf("%-10s %-4s %-5s   skipped: fp8 runs only with deterministic mode off (--modes fast)\n",
+                    shape.c_str(), mode.c_str(), wname.c_str());
+        continue;
+      }
       auto cfg_or = named_model_shape(shape);
       if (!cfg_or.ok()) throw Error(cfg_or.error());
       ModelConfig cfg = *cfg_or;
@@ -336,7 +355,8 @@ int main(int argc, char** argv) {
       o.max_seqs = std::max(max_batch, 1);
       o.kv_cache_fraction = args.kv_fraction;
       o.cuda_graphs = args.graphs;
-      o.int8_weights = args.int8;
+      o.int8_weights = int8;
+      o.fp8 = fp8;
       o.fused_all_reduce = args.fused_ar;
       o.deterministic = mode == "det";
       const auto t0 = Clock::now();
@@ -352,7 +372,7 @@ int main(int argc, char** argv) {
       }
       auto stage = std::make_unique<Pipeline>(std::move(stages));
       std::printf("# %s, %s (n_positions %lld, %s weights, tp %d, pp %d%s): built in %.1f s%s\n", shape.c_str(),
-                  mode == "det" ? "deterministic" : "fast (not batch-invariant)", (long long)cfg.n_positions, args.int8 ? "int8" : args.dtype.c_str(), args.tp, args.pp,
+                  mode == "det" ? "deterministic" : "fast (not batch-invariant)", (long long)cfg.n_positions, wname.c_str(), args.tp, args.pp,
                   args.tp * args.pp > devices ? ", ranks sharing GPUs: times not meaningful" : "", ms_since(t0) / 1e3,
                   stage->memory_report().c_str());
       const double floor_ms = double(stage->decode_weight_bytes()) / bw * 1e3;
@@ -362,7 +382,7 @@ int main(int argc, char** argv) {
           const int64_t pages_per_seq = (prompt + new_tokens + cuda::kPageTokens - 1) / cuda::kPageTokens;
           if (batch * pages_per_seq * cuda::kPageTokens > stage->kv_capacity_tokens()) {
             std::snprintf(line, sizeof line, "%-10s %-4s %-5s %5d %6d %5d   skipped: the K/V cache holds %lld positions, %lld needed",
-                          shape.c_str(), mode.c_str(), args.dtype.c_str(), batch, prompt, new_tokens, (long long)stage->kv_capacity_tokens(),
+                          shape.c_str(), mode.c_str(), wname.c_str(), batch, prompt, new_tokens, (long long)stage->kv_capacity_tokens(),
                           (long long)(batch * pages_per_seq * cuda::kPageTokens));
             table.push_back(line);
             std::printf("%s\n", line);
@@ -376,19 +396,23 @@ int main(int argc, char** argv) {
             std::snprintf(floor_s, sizeof floor_s, "%.3f", floor_ms);
             std::snprintf(frac_s, sizeof frac_s, "%.1f%%", 100.0 * floor_ms / r.ms_per_token);
           }
-          const auto key = std::make_tuple(shape, prompt, batch, new_tokens);
-          char ratio_s[32] = "-";
+          const auto key = std::make_tuple(shape, weights, prompt, batch, new_tokens);
+          const auto wkey = std::make_tuple(shape, mode, prompt, batch, new_tokens);
+          char ratio_s[32] = "-", vs_dtype_s[32] = "-";
           if (mode == "det") det_ms[key] = r.ms_per_token;
           else if (auto it = det_ms.find(key); it != det_ms.end())
             std::snprintf(ratio_s, sizeof ratio_s, "%.3f", it->second / r.ms_per_token);
-          std::snprintf(line, sizeof line, "%-10s %-4s %-5s %5d %6d %5d %10.2f %9.3f %9.3f %10.1f %9s %8s %10.1f %8s",
-                        shape.c_str(), mode.c_str(), args.int8 ? "int8" : args.dtype.c_str(), batch, prompt, new_tokens,
-                        r.ttft_ms, r.ms_per_token, r.p50_ms, tps, floor_s, frac_s, r.total_ms, ratio_s);
+          if (weights == "dtype") dtype_ms[wkey] = r.ms_per_token;
+          else if (auto it = dtype_ms.find(wkey); it != dtype_ms.end())
+            std::snprintf(vs_dtype_s, sizeof vs_dtype_s, "%.3f", it->second / r.ms_per_token);
+          std::snprintf(line, sizeof line, "%-10s %-4s %-5s %5d %6d %5d %10.2f %9.3f %9.3f %10.1f %9s %8s %10.1f %8s %8s",
+                        shape.c_str(), mode.c_str(), wname.c_str(), batch, prompt, new_tokens, r.ttft_ms,
+                        r.ms_per_token, r.p50_ms, tps, floor_s, frac_s, r.total_ms, ratio_s, vs_dtype_s);
           table.push_back(line);
           std::printf("%s\n", line);
           std::fflush(stdout);
           if (csv.is_open())
-            csv << shape << "," << mode << "," << args.dtype << "," << (args.int8 ? "int8" : args.dtype) << "," << args.tp << ","
+            csv << shape << "," << mode << "," << args.dtype << "," << wname << "," << args.tp << ","
                 << args.pp << "," << batch << "," << prompt << "," << new_tokens << "," << r.ttft_ms
                 << "," << r.ms_per_token << "," << r.p50_ms << "," << tps << "," << (batch == 1 ? floor_ms : 0) << ","
                 << (batch == 1 ? floor_ms / r.ms_per_token : 0) << "," << r.total_ms << "\n";
@@ -397,6 +421,7 @@ int main(int argc, char** argv) {
       }
       if (std::getenv("CONVEYOR_BENCH_PLANS"))
         std::printf("# GEMM plans:\n%s", stage->last().lead().gemm().describe_plans().c_str());
+     }
      }
     }
     std::printf("\n");

@@ -9,9 +9,13 @@
 // weight bandwidth (N K bytes + 4 N of scales over the int8 time) and that as a share of the
 // device-to-device copy bandwidth measured in the same run (bench/gpu_bandwidth.h, reads +
 // writes: the practical HBM limit). --kernels adds one line per int8 kernel Gemm considered
-// for the shape, each timed the same way. The plans Gemm made are listed at the end.
+// for the shape, each timed the same way. --fp8 adds FP8 weights and activations
+// (Gemm::run_fp8, kernels/cuda/fp8.h; Hopper): its time (the activations' quantisation
+// included), fp16 / fp8, and its TFLOPS (2 T K N over its time; dense FP8 peak: H100 SXM ~1979).
+// --fast turns deterministic mode off (gemm.h), so fp16 runs cuBLASLt, not the fixed-order
+// tiles, and FP8 times cuBLASLt's proposals per T. The plans Gemm made are listed at the end.
 //
-//   conveyor-bench-int8-gemm [--reps 50] [--tokens 1,8,32,128,2048] [--bf16] [--kernels]
+//   conveyor-bench-int8-gemm [--reps 50] [--tokens 1,8,32,128,2048] [--bf16] [--kernels] [--fp8] [--fast]
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
@@ -28,6 +32,7 @@
 
 #include "bench/gpu_bandwidth.h"
 #include "kernels/cuda/check.h"
+#include "kernels/cuda/fp8.h"
 #include "kernels/cuda/gemm.h"
 #include "kernels/cuda/quant.h"
 #include "kernels/cuda/synthetic.h"
@@ -94,7 +99,7 @@ std::vector<int64_t> parse_list(const char* s) {
 }
 
 template <class T>
-int bench(Timer& timer, const std::vector<int64_t>& tokens, bool per_kernel) {
+int bench(Timer& timer, const std::vector<int64_t>& tokens, bool per_kernel, bool fp8, bool fast) {
   const char* type = std::is_same_v<T, __half> ? "fp16" : "bf16";
   const double copy_bw = measure_copy_bandwidth();
   int device = 0;
@@ -103,9 +108,14 @@ int bench(Timer& timer, const std::vector<int64_t>& tokens, bool per_kernel) {
   CUDA_CHECK(cudaGetDeviceProperties(&prop, device));
   std::printf("# %s, %s activations and weights vs int8 weights; device copy bandwidth %.0f GB/s; median of %d\n",
               prop.name, type, copy_bw * 1e-9, timer.reps);
-  std::printf("%7s %7s %6s %8s us %11s %5s/int8 %11s %7s\n", "K", "N", "T", type, "int8 us", type, "int8 GB/s",
+  std::printf("%7s %7s %6s %8s us %11s %5s/int8 %11s %7s", "K", "N", "T", type, "int8 us", type, "int8 GB/s",
               "%copy");
+  if (fp8) std::printf(" %11s %5s/fp8 %11s", "fp8 us", type, "fp8 TFLOPS");
+  std::printf("\n");
   Gemm gemm;
+  gemm.set_deterministic(!fast);
+  if (fp8)
+    if (Status st = gemm.fp8_supported(); !st) throw Error(st.message());
   const int64_t max_t = *std::max_element(tokens.begin(), tokens.end());
   const cudaStream_t s = timer.stream;
   for (const Shape& sh : kShapes) {
@@ -123,6 +133,12 @@ int bench(Timer& timer, const std::vector<int64_t>& tokens, bool per_kernel) {
     fill_normal<T>(bias.as<T>(), N, 0.f, 0.1f, 7, 1, s);
     fill_normal<T>(in.as<T>(), max_t * K, 0.f, 1.f, 7, 2, s);
     quantize_rows_int8<T>(q.as<int8_t>(), scales.as<float>(), w.as<T>(), N, K, s);
+    DeviceBuffer w8, scales8;
+    if (fp8) {
+      w8 = device_alloc(size_t(N * K), "bench", "FP8 weights");
+      scales8 = device_alloc(size_t(N) * 4, "bench", "FP8 scales");
+      quantize_rows_fp8<T>(w8.as<uint8_t>(), scales8.as<float>(), w.as<T>(), N, K, s);
+    }
     CUDA_CHECK(cudaStreamSynchronize(s));
     const double int8_bytes = double(N) * double(K) + 4.0 * double(N);
     for (int64_t t : tokens) {
@@ -134,8 +150,16 @@ int bench(Timer& timer, const std::vector<int64_t>& tokens, bool per_kernel) {
                             GemmAct::None, s);
       });
       const double gbps = int8_bytes / (int8_us * 1e-6) * 1e-9;
-      std::printf("%7lld %7lld %6lld %11.2f %11.2f %10.2f %11.0f %6.0f%%\n", (long long)K, (long long)N,
+      std::printf("%7lld %7lld %6lld %11.2f %11.2f %10.2f %11.0f %6.0f%%", (long long)K, (long long)N,
                   (long long)t, wide_us, int8_us, wide_us / int8_us, gbps, 100.0 * gbps * 1e9 / copy_bw);
+      if (fp8) {
+        const double fp8_us = timer.median_us([&] {
+          gemm.run_fp8<T>(out.as<T>(), in.as<T>(), w8.as<uint8_t>(), scales8.as<float>(), bias.as<T>(), t, K, N,
+                          GemmAct::None, s);
+        });
+        std::printf(" %11.2f %9.2f %11.1f", fp8_us, wide_us / fp8_us, 2.0 * double(t) * K * N / (fp8_us * 1e-6) * 1e-12);
+      }
+      std::printf("\n");
       std::fflush(stdout);
       if (per_kernel) {
         for (detail::Int8Kernel k : detail::int8_candidates(t, K, N, in.get(), q.get())) {
@@ -155,7 +179,7 @@ int bench(Timer& timer, const std::vector<int64_t>& tokens, bool per_kernel) {
 
 int run(int argc, char** argv) {
   std::vector<int64_t> tokens = {1, 8, 32, 128, 2048};
-  bool bf16 = false, per_kernel = false;
+  bool bf16 = false, per_kernel = false, fp8 = false, fast = false;
   int reps = 50;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
@@ -163,6 +187,8 @@ int run(int argc, char** argv) {
     else if (a == "--tokens" && i + 1 < argc) tokens = parse_list(argv[++i]);
     else if (a == "--bf16") bf16 = true;
     else if (a == "--kernels") per_kernel = true;
+    else if (a == "--fp8") fp8 = true;
+    else if (a == "--fast") fast = true;
     else {
       std::fprintf(stderr, "unknown option %s (see the top of bench/bench_int8_gemm.cc)\n", a.c_str());
       return 2;
@@ -179,7 +205,8 @@ int run(int argc, char** argv) {
   }
   Timer timer;
   timer.reps = reps;
-  return bf16 ? bench<__nv_bfloat16>(timer, tokens, per_kernel) : bench<__half>(timer, tokens, per_kernel);
+  return bf16 ? bench<__nv_bfloat16>(timer, tokens, per_kernel, fp8, fast)
+              : bench<__half>(timer, tokens, per_kernel, fp8, fast);
 }
 
 }  // namespace

@@ -14,7 +14,7 @@
 // temperature 0.8 and top-k 40, as conveyor-bench-cluster's requests do (--greedy: argmax).
 //
 //   conveyor-bench-stage-step [--shape L,C,H] [--vocab V] [--stage whole|first|last]
-//       [--batch B] [--prompt N] [--prefill P] [--steps N] [--int8] [--no-graphs] [--greedy]
+//       [--batch B] [--prompt N] [--prefill P] [--steps N] [--int8] [--fp8] [--no-graphs] [--greedy]
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -108,7 +108,7 @@ int main(int argc, char** argv) {
   std::string shape = "16,2048,16", stage = "whole";
   int64_t vocab = 4096;
   int batch = 64, prompt = 16, prefill = 8, steps = 50;
-  bool int8 = false, no_graphs = false;
+  bool int8 = false, fp8 = false, no_graphs = false;
   CLI::App app{"conveyor-bench-stage-step: a GPU stage worker's step time by kind of micro-batch"};
   app.add_option("--shape", shape, "L,C,H: layers, width, heads");
   app.add_option("--vocab", vocab, "vocabulary size")->check(CLI::Range(2, 1 << 20));
@@ -119,6 +119,7 @@ int main(int argc, char** argv) {
   app.add_option("--prefill", prefill, "the new sequence's chunk in a mixed step")->check(CLI::Range(1, 64));
   app.add_option("--steps", steps, "steps per kind")->check(CLI::Range(1, 10000));
   app.add_flag("--int8", int8, "int8 weight-only layer matrices");
+  app.add_flag("--fp8", fp8, "FP8 E4M3 layer matrices and activations (Hopper)");
   app.add_flag("--greedy", g_greedy, "the last stage takes the argmax (default: temperature 0.8, top-k 40)");
   app.add_flag("--no-graphs", no_graphs, "decode steps launch their kernels one by one instead of replaying a graph");
   CLI11_PARSE(app, argc, argv);
@@ -135,6 +136,7 @@ int main(int argc, char** argv) {
   cuda::GpuStageOptions o;
   o.name = "bench stage";
   o.int8_weights = int8;
+  o.fp8 = fp8;
   o.cuda_graphs = !no_graphs;
   o.kv_cache_max_bytes = int64_t(8) << 30;
   auto backend = cuda::GpuStageBackend::create(random_stage_weights(*cfg, b, e, 1), {0}, o);

@@ -20,6 +20,7 @@ Expected<Backend> parse_backend(std::string_view name) {
 
 Expected<std::unique_ptr<StageBackend>> make_stage_backend(StageWeights weights, const StageOptions& o) {
   if (o.backend == Backend::Cpu) {
+    if (o.fp8) return Status::error(o.name + ": fp8 needs the CUDA backend (FP8 tensor cores); the CPU stage is fp32");
     auto b = CpuStageBackend::create(std::move(weights), o.tensor_parallel, o.kv_cache_bytes);
     if (!b) return b.status();
     return std::unique_ptr<StageBackend>(std::move(b).value());
@@ -28,6 +29,7 @@ Expected<std::unique_ptr<StageBackend>> make_stage_backend(StageWeights weights,
   cuda::GpuStageOptions g;
   g.dtype = o.dtype;
   g.int8_weights = o.int8_weights;
+  g.fp8 = o.fp8;
   g.name = o.name;
   g.kv_cache_fraction = o.gpu_memory_fraction;
   g.kv_cache_max_bytes = o.gpu_kv_cache_max_bytes;
@@ -63,6 +65,18 @@ int64_t stage_memory_bytes(const StageOptions& o) {
 HostAllocator receive_allocator(const StageOptions& o) {
 #ifdef CONVEYOR_HAVE_CUDA
   if (o.backend == Backend::Cuda && !o.gpus.empty()) return cuda::pinned_host_allocator(o.gpus[0]);
+#else
+  (void)o;
+#endif
+  return {};
+}
+
+DeviceMemory device_memory(const StageOptions& o) {
+#ifdef CONVEYOR_HAVE_CUDA
+  if (o.backend == Backend::Cuda && !o.gpus.empty()) {
+    const int gpu = o.gpus[0];
+    return {cuda::device_memory_allocator(gpu), [gpu] { cuda::make_device_current(gpu); }};
+  }
 #else
   (void)o;
 #endif

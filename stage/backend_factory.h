@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <string_view>
@@ -30,6 +31,7 @@ struct StageOptions {
   std::vector<int> gpus = {0};         // cuda: the stage's GPUs, in rank order
   DType dtype = DType::F16;            // cuda: F16 or BF16
   bool int8_weights = false;           // cuda: layer matrices int8 weight-only (per-channel scales)
+  bool fp8 = false;                    // cuda, Hopper: layer matrices and their inputs FP8 E4M3 (not with int8)
   double gpu_memory_fraction = 0.9;    // cuda: of the memory left after the weights, for the K/V cache
   int64_t kv_cache_bytes = 512ll << 20;  // cpu: the K/V budget
   int64_t gpu_kv_cache_max_bytes = 0;    // cuda: a cap on each rank's K/V cache (0: the memory fraction alone)
@@ -50,5 +52,15 @@ int64_t stage_memory_bytes(const StageOptions& options);
 // Where the data plane should put received activations: page-locked memory for a CUDA stage
 // (its copies to the GPU then run as DMA), the heap (an empty allocator) otherwise.
 HostAllocator receive_allocator(const StageOptions& options);
+
+// The data plane's direct path: device memory on a CUDA stage's lead GPU (the worker's
+// outgoing slots and its receive buffers, when its UCX moves CUDA memory), and a call that
+// makes that GPU current on a thread (UCX's progress thread). Empty for a CPU stage or a
+// build without CUDA.
+struct DeviceMemory {
+  HostAllocator allocator;
+  std::function<void()> bind_thread;
+};
+DeviceMemory device_memory(const StageOptions& options);
 
 }  // namespace conveyor

@@ -52,6 +52,8 @@ struct Worker::Impl {
   std::unique_ptr<transport::ControlClient> control;
   std::unique_ptr<transport::UcxChannel> channel;
   std::string host = host_name();
+  // A GPU stage's device memory for the direct path (empty on a CPU stage).
+  DeviceMemory device;
 
   // Control-thread state.
   bool welcomed = false;
@@ -81,6 +83,7 @@ struct Worker::Impl {
   // that had not arrived, and sitting with one that had.
   std::atomic<int64_t> wait_input_ns{0}, idle_ready_ns{0};
   std::unique_ptr<StepTrace> trace;  // CONVEYOR_TRACE_DIR; the compute thread's alone
+  std::optional<bool> direct_to_next;  // the compute thread's: the path it last used (logged on change)
   int64_t busy_ns_at_last_heartbeat = 0;
   Clock::time_point heartbeat_window_start = Clock::now();
 
@@ -96,6 +99,21 @@ struct Worker::Impl {
   template <class Msg>
   void send(const Msg& m) { control->post(transport::encode(m)); }
 
+  // Whether this worker moves activations GPU to GPU: its UCX moves CUDA memory and it is a
+  // GPU stage. Each hop is direct when both its ends are; otherwise staged through host memory.
+  bool direct_capable() const { return channel->takes_device_memory() && channel->sends_device_memory(); }
+
+  // What register's data_plane says (shown per worker in /v1/cluster): the path its
+  // activations take, where it receives them, and whether its UCX moves CUDA memory.
+  nlohmann::json data_plane_json() const {
+    const bool cuda = opt.stage.backend == Backend::Cuda;
+    const bool direct = direct_capable();
+    return {{"path", direct ? "direct" : "staged"},
+            {"staging", cuda ? "page-locked host" : "host"},
+            {"receive", direct ? "device" : (cuda ? "page-locked host" : "host")},
+            {"ucx_cuda_memory", channel->supports_cuda_memory()}};
+  }
+
   void send_register() {
     const StageOptions& stage = opt.stage;
     const bool cuda = stage.backend == Backend::Cuda;
@@ -104,8 +122,8 @@ struct Worker::Impl {
         .backend = std::string(backend_name(stage.backend)), .tensor_parallel = stage.tensor_parallel,
         .gpus = cuda ? stage.gpus : std::vector<int>{}, .memory_bytes = stage_memory_bytes(stage),
         .kv_cache_bytes = stage.kv_cache_bytes, .int8_weights = cuda && stage.int8_weights,
-        .data_plane = {{"staging", cuda ? "page-locked host" : "host"},
-                       {"ucx_cuda_memory", channel->supports_cuda_memory()}},
+        .fp8 = cuda && stage.fp8,
+        .data_plane = data_plane_json(),
         .data_address = channel->address()};
     {
       std::lock_guard lk(stage_mu);
@@ -366,9 +384,19 @@ struct Worker::Impl {
       Clock::duration waited{};
       int slot = -1;
       size_t out_bytes = 0;
+      // The direct path: device slots when this worker and the next stage both move CUDA memory.
+      const bool direct = direct_capable() && next != transport::kNoPeer && channel->peer_takes_device_memory(next);
+      if (next != transport::kNoPeer && direct_to_next != direct) {
+        direct_to_next = direct;
+        spdlog::info("{}: activations to the next stage go {}", opt.name,
+                     direct ? "direct, GPU to GPU (device memory through UCX)"
+                            : (opt.stage.backend == Backend::Cuda ? "staged, through page-locked host memory"
+                                                                  : "staged, from host memory"));
+      }
       const ActivationSink sink = [&](size_t bytes) -> Expected<std::span<std::byte>> {
         const auto w0 = Clock::now();
-        auto got = handoff->acquire(bytes, [&](size_t n) { return ex->backend().allocate_host(n); });
+        auto got = direct ? handoff->acquire(bytes, [&](size_t n) { return device_slot(n); }, /*device=*/true)
+                          : handoff->acquire(bytes, [&](size_t n) { return ex->backend().allocate_host(n); });
         waited += Clock::now() - w0;
         if (!got) return got.status();
         slot = *got;
@@ -447,6 +475,13 @@ struct Worker::Impl {
       });
       write_trace({});
     }
+  }
+
+  // A device slot of `bytes` on this stage's GPU (the direct path); null when none is left.
+  std::shared_ptr<std::byte[]> device_slot(size_t bytes) {
+    auto* p = static_cast<std::byte*>(device.allocator.allocate(bytes));
+    if (!p) return nullptr;
+    return std::shared_ptr<std::byte[]>(p, [release = device.allocator.release](std::byte* q) { release(q); });
   }
 
   // A last stage's result, sent by the handoff's thread in order with nothing else (a
@@ -592,6 +627,10 @@ Expected<std::unique_ptr<Worker>> Worker::create(WorkerOptions options) {
     uopt.net_devices = *iface;
   }
   uopt.receive_allocator = receive_allocator(options.stage);
+  // A GPU stage takes activations into its GPU's memory when its UCX moves CUDA memory.
+  impl->device = device_memory(options.stage);
+  uopt.device_allocator = impl->device.allocator;
+  uopt.progress_thread_init = impl->device.bind_thread;
   auto ch = transport::UcxChannel::create(uopt);
   if (!ch) return Status::error("worker: cannot create the UCX data plane: " + ch.error());
   if (!options.host.empty()) impl->host = options.host;

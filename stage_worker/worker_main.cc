@@ -49,6 +49,9 @@ int main(int argc, char** argv) {
   app.add_option("--dtype", dtype, "cuda: f16 or bf16")->check(CLI::IsMember({"f16", "bf16"}));
   app.add_flag("--int8-weights", stage.int8_weights,
                "cuda: store the layer matrices as int8 with a scale per output channel (converted at load)");
+  app.add_flag("--fp8", stage.fp8,
+               "cuda, Hopper (compute capability 9.0): store the layer matrices as FP8 E4M3 with a scale per output "
+               "channel (converted at load) and quantise their inputs per token; not with --int8-weights");
   app.add_option("--gpu-memory-fraction", stage.gpu_memory_fraction,
                  "cuda: share of the GPU memory left after the weights that the K/V cache takes")
       ->check(CLI::Range(0.01, 0.99));
@@ -91,9 +94,13 @@ int main(int argc, char** argv) {
     }
     stage.gpus = gpus;
     stage.tensor_parallel = int(gpus.size());
-  } else if (!gpus.empty() || stage.int8_weights) {
-    std::cerr << "conveyor-worker: --gpus and --int8-weights need the CUDA backend (--backend cuda, or auto on a "
-                 "node with a usable GPU)\n";
+  } else if (!gpus.empty() || stage.int8_weights || stage.fp8) {
+    std::cerr << "conveyor-worker: --gpus, --int8-weights and --fp8 need the CUDA backend (--backend cuda, or auto on "
+                 "a node with a usable GPU)\n";
+    return 2;
+  }
+  if (stage.fp8 && stage.int8_weights) {
+    std::cerr << "conveyor-worker: --fp8 and --int8-weights exclude each other (choose one)\n";
     return 2;
   }
   spdlog::set_default_logger(spdlog::stderr_color_mt("worker"));

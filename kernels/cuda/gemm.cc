@@ -89,11 +89,17 @@ Gemm::Gemm() {
   CUDA_CHECK(cudaEventCreate(&ev_start_));
   CUDA_CHECK(cudaEventCreate(&ev_stop_));
   if (const char* e = std::getenv("CONVEYOR_GEMM_TUNE"); e && std::strcmp(e, "0") == 0) tuning_ = false;
-  if (const char* e = std::getenv("CONVEYOR_DETERMINISTIC"); e && std::strcmp(e, "0") == 0) deterministic_ = false;
+  deterministic_ = deterministic_by_default();
+}
+
+bool Gemm::deterministic_by_default() {
+  const char* e = std::getenv("CONVEYOR_DETERMINISTIC");
+  return !(e && std::strcmp(e, "0") == 0);
 }
 
 Gemm::~Gemm() {
   plans_.clear();
+  fp8_.reset();
   if (ev_stop_) cudaEventDestroy(ev_stop_);
   if (ev_start_) cudaEventDestroy(ev_start_);
   if (lt_) cublasLtDestroy(lt_);
@@ -117,6 +123,7 @@ std::string Gemm::describe_plans() const {
     if (p->ms >= 0) os << " " << p->ms * 1000.f << " us";
     os << "\n";
   }
+  os << describe_fp8_plans();
   return os.str();
 }
 

@@ -19,6 +19,11 @@
 // fp32 scale per row, planned the same way among our own kernels (an int8 GEMV for T <= 8 and
 // tensor-core tiles of several sizes; quant.cu).
 //
+// run_fp8 is the FP8 (E4M3) twin for Hopper (fp8.h): weights E4M3 [N, K] with one fp32 scale
+// per row, activations quantised per row at each call (a dynamic scale per token), the unscaled
+// product on cuBLASLt's FP8 tensor cores into fp32, then our epilogue kernel applies both scale
+// vectors, the bias and the activation (fp8_gemm.cc, fp8.h).
+//
 // A Gemm owns a cuBLASLt handle and a workspace and is used by one thread on one device,
 // one stream at a time (the workspace is shared by all its calls). In deterministic mode (the
 // default, below) a row's result is bitwise independent of T; with it off, the algorithm,
@@ -77,6 +82,37 @@ class Gemm {
   void run_int8(OutT* out, const T* in, const int8_t* w, const float* scales, const T* bias, int64_t T_,
                 int64_t K, int64_t N, GemmAct act, cudaStream_t stream);
 
+  // FP8 product: out[t, n] = act(sa[t] * w_scales[n] * sum_k qa[t, k] w[n, k] + bias[n]), where
+  // qa, sa are in's rows quantised to E4M3 (quantize_rows_fp8) into the FP8 workspace; w [N, K]
+  // E4M3 and w_scales [N] as quantize_rows_fp8 makes them. T is __half or __nv_bfloat16; out,
+  // in and bias (may be null) are T. Needs K % 16 == 0 and N % 16 == 0 (cuBLASLt's FP8 layout
+  // rules), 16-byte aligned in, w and out. cuBLASLt computes the unscaled sums (E4M3 x E4M3,
+  // fp32 accumulation, fp32 out, into the FP8 workspace); fp8_scale_epilogue then writes
+  // out. In deterministic mode every T of a (K, N) shape runs one cuBLASLt algorithm, the
+  // first the heuristic proposes for kFp8AnchorRows rows that runs without a split along K and
+  // accepts every T: a row's bits then depend on that row alone (its scale is its own, its sums
+  // run in one order whatever the batch, the epilogue is per element). Fast mode times the
+  // heuristic's proposals per T bucket, split-K included. Every call after a shape's first is
+  // launches only (capturable). Throws conveyor::Error naming the bad argument, or when
+  // cuBLASLt offers no FP8 algorithm for the problem. CONVEYOR_FP8_FAST_ACCUM=1 at start turns
+  // on cuBLASLt's fast FP8 accumulation (no periodic promotion to fp32: faster, less exact;
+  // still the same bits for every T, but not the default's bits).
+  template <class T>
+  void run_fp8(T* out, const T* in, const uint8_t* w, const float* w_scales, const T* bias, int64_t T_, int64_t K,
+               int64_t N, GemmAct act, cudaStream_t stream);
+  // The memory run_fp8 works in: the activations quantised (K bytes and a scale a row) and
+  // cuBLASLt's fp32 sums (4 N bytes a row). fp8_workspace_bytes(rows, K, N) holds `rows` rows
+  // of one product; calls of more rows than it holds run in blocks of rows (the same bits in
+  // deterministic mode). Without one, the Gemm allocates its own at a call outside graph
+  // capture that needs more. The caller owns the buffer.
+  void set_fp8_workspace(void* workspace, size_t bytes);
+  static size_t fp8_workspace_bytes(int64_t rows, int64_t K, int64_t N);
+  // Whether this device runs run_fp8 correctly: FP8 tensor cores (compute capability 8.9 or
+  // newer), a cuBLASLt FP8 algorithm for a small product (without a split along K in
+  // deterministic mode), and that product's checked result: an error that says why not.
+  Status fp8_supported();
+  static constexpr int64_t kFp8AnchorRows = 256;
+
   // Deterministic mode (on unless CONVEYOR_DETERMINISTIC=0 or set_deterministic(false)):
   // run() with the [N, K] layout and run_int8() take the fixed-order tiles (fixed_gemm.h),
   // whose every output element is summed in an order that depends on K alone, so a row's
@@ -85,6 +121,8 @@ class Gemm {
   // layout always takes cuBLASLt (the stage never uses it).
   void set_deterministic(bool on) { deterministic_ = on; }
   bool deterministic() const { return deterministic_; }
+  // The mode a new Gemm starts in: off only when CONVEYOR_DETERMINISTIC=0.
+  static bool deterministic_by_default();
 
   // Lets run_int8 also weigh, for T > 8, dequantising the weight into `workspace` (at least
   // N x K elements of T) and then run(): cuBLASLt's tensor cores at full rate, for 3 extra
@@ -125,6 +163,13 @@ class Gemm {
   template <class T, class W, class OutT>
   void run_fixed(OutT* out, const T* in, const W* w, const float* scales, const T* bias, int64_t T_, int64_t K,
                  int64_t N, GemmAct act, cudaStream_t stream);
+  // run_fp8's state (fp8_gemm.cc): its plans, the fixed algorithm of each shape, the workspace.
+  struct Fp8State;
+  struct Fp8StateDeleter {
+    void operator()(Fp8State* s) const;
+  };
+  Fp8State& fp8_state();
+  std::string describe_fp8_plans() const;
   void check_device() const;  // throws when the current device is not the Gemm's
   // Milliseconds per call of fn (which returns false when it failed: then -1) on `stream`: one
   // warm-up, then 2 to 10 repetitions, about a millisecond in all.
@@ -142,6 +187,7 @@ class Gemm {
   size_t dequant_bytes_ = 0;
   std::map<Key, std::unique_ptr<Plan>> plans_;
   std::map<Key, const Plan*> timed_buckets_;  // key with T = its bucket -> the bucket's timed plan
+  std::unique_ptr<Fp8State, Fp8StateDeleter> fp8_;
 };
 
 }  // namespace conveyor::cuda

@@ -44,6 +44,15 @@ Status GpuStage::allocate_runtime() {
     dequant_ = device_alloc(size_t(std::max({3 * W * C, C * W, I * C})) * e, n, "int8 dequantisation workspace");
     gemm_->set_dequant_workspace(dequant_.get(), dequant_.bytes());
   }
+  if (options_.fp8 && layer_end_ > layer_begin_) {  // every row of the largest product: E4M3 input + fp32 sums
+    fp8_act_ = device_alloc(std::max({Gemm::fp8_workspace_bytes(max_rows_, C, 3 * W),
+                                      Gemm::fp8_workspace_bytes(max_rows_, W, C),
+                                      Gemm::fp8_workspace_bytes(max_rows_, C, I),
+                                      Gemm::fp8_workspace_bytes(max_rows_, I, C)}),
+                            n, "FP8 workspace");
+    gemm_->set_fp8_workspace(fp8_act_.get(), fp8_act_.bytes());
+    if (Status s = gemm_->fp8_supported(); !s) return Status::error(n + ": " + s.message());
+  }
   for (DeviceBuffer* b : {&hidden_, &ln_, &qkv_, &attn_, &proj_, &fc_})
     CUDA_CHECK(cudaMemsetAsync(b->get(), 0, b->bytes(), stream_));
   if (holds_head()) {
@@ -117,12 +126,13 @@ std::string GpuStage::memory_report() const {
   const int64_t act = int64_t(hidden_.bytes() + ln_.bytes() + qkv_.bytes() + attn_.bytes() + proj_.bytes() + fc_.bytes() +
                               head_in_.bytes() + logits_.bytes() + raw_logits_.bytes() + staging_f32_.bytes());
   const int64_t ws = int64_t(Gemm::kWorkspaceBytes + decode_partial_.bytes() + decode_counters_.bytes() + meta_dev_.bytes() +
-                             dequant_.bytes()) +
+                             dequant_.bytes() + fp8_act_.bytes()) +
                      (sampler_ ? sampler_->device_bytes() : 0);
   os << options_.name << " on device " << device_;
   if (options_.tp_ranks > 1) os << " (tensor-parallel rank " << options_.tp_rank << " of " << options_.tp_ranks << ")";
+  const char* quantised = options_.int8_weights ? " (int8 weights)" : options_.fp8 ? " (fp8 weights and activations)" : "";
   os << ": layers [" << layer_begin_ << ", " << layer_end_ << ") " << dtype_name(options_.dtype)
-     << (options_.int8_weights ? " (int8 weights)" : "") << "; weights " << gib(weight_bytes_) << " (a decode step reads "
+     << quantised << "; weights " << gib(weight_bytes_) << " (a decode step reads "
      << gib(decode_weight_bytes_) << "), activations " << gib(act) << " for " << max_rows_ << " rows, workspaces "
      << gib(ws) << ", K/V cache " << gib(kv_ ? kv_->bytes() : 0) << " = " << (kv_ ? kv_capacity_tokens() : 0)
      << " positions";

@@ -106,6 +106,8 @@ void GpuStage::matmul(T* out, const T* in, const void* w, const float* scales, c
   const T* b = static_cast<const T*>(bias);
   if (options_.int8_weights)
     gemm_->run_int8<T, T>(out, in, static_cast<const int8_t*>(w), scales, b, num_tokens, K, N, act, stream_);
+  else if (options_.fp8)
+    gemm_->run_fp8<T>(out, in, static_cast<const uint8_t*>(w), scales, b, num_tokens, K, N, act, stream_);
   else
     gemm_->run<T, T>(out, in, static_cast<const T*>(w), b, num_tokens, K, N, WeightLayout::NK, act, stream_);
 }

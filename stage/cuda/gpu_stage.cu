@@ -37,7 +37,7 @@ Status GpuStage::validate(const ModelConfig& c, int64_t layer_begin, int64_t lay
                          " (ranks must be from 1 to the model's " + std::to_string(c.n_head) + " heads)");
   if (R > 1 && (o.all_reduce == nullptr || o.all_reduce->ranks() != R))
     return Status::error(n + ": a tensor-parallel stage needs an all-reduce over its " + std::to_string(R) + " ranks");
-  return ok_status();
+  return validate_fp8(c, o);
 }
 
 GpuStage::GpuStage(const ModelConfig& config, int64_t layer_begin, int64_t layer_end, const GpuStageOptions& options)
@@ -192,6 +192,21 @@ Status GpuStage::download_hidden(void* dst, DType dtype, int64_t num_tokens) {
     }
     CUDA_CHECK(cudaMemcpyAsync(dst, from, size_t(n) * dtype_bytes(dtype), cudaMemcpyDefault, stream_));
     CUDA_CHECK(cudaStreamSynchronize(stream_));
+    return ok_status();
+  });
+}
+
+Status GpuStage::fork_sequence(uint64_t parent, uint64_t child, int64_t num_tokens) {
+  return guard(options_.name, [&]() -> Status {
+    DeviceGuard on(device_);
+    auto it = lengths_.find(parent);
+    if (it == lengths_.end())
+      return Status::error(options_.name + ": fork: " + seq_name(parent) + " is not cached on this stage");
+    if (lengths_.count(child)) return Status::error(options_.name + ": fork: " + seq_name(child) + " exists already");
+    if (!kv_) return Status::error(options_.name + ": fork: this stage has no K/V cache");
+    if (Status s = kv_->fork(parent, child, it->second, num_tokens, stream_); !s)
+      return Status::error(options_.name + ": " + s.message());
+    lengths_[child] = int32_t(num_tokens);
     return ok_status();
   });
 }

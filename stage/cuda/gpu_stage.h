@@ -78,6 +78,12 @@ struct GpuStageOptions {
   // scale per output channel, quantised at load; activations, embeddings and the LM head
   // stay in `dtype`.
   bool int8_weights = false;
+  // FP8 (E4M3, fp8.h), compute capability 9.0: the four matrices of every layer stored as E4M3
+  // with one fp32 scale per output channel, quantised at load, and their products' activations
+  // quantised per row (per token) at every call; cuBLASLt's FP8 products apply both scales,
+  // the bias and the GeLU. LayerNorm, attention, K/V, embeddings and the LM head stay in
+  // `dtype`. Not with int8_weights.
+  bool fp8 = false;
   // Tensor parallel: this stage is rank tp_rank of tp_ranks (1 <= tp_ranks <= n_head, n_inner),
   // and all_reduce (rank tp_rank's GPU must be this stage's) joins the ranks' partial sums.
   int tp_rank = 0, tp_ranks = 1;
@@ -114,6 +120,7 @@ class GpuStage {
   const ModelConfig& config() const { return config_; }
   DType dtype() const { return options_.dtype; }
   bool int8_weights() const { return options_.int8_weights; }
+  bool fp8() const { return options_.fp8; }
   const std::string& name() const { return options_.name; }
   int64_t layer_begin() const { return layer_begin_; }
   int64_t layer_end() const { return layer_end_; }
@@ -167,9 +174,12 @@ class GpuStage {
   Status download_hidden(float* host, int64_t num_tokens) { return download_hidden(host, DType::F32, num_tokens); }
   void* hidden_device() const { return hidden_.get(); }  // [max rows, C] of dtype()
 
+  // KvCache::fork for this stage's sequences (the parent's cached length bounds num_tokens).
+  Status fork_sequence(uint64_t parent, uint64_t child, int64_t num_tokens);
   void free_sequence(uint64_t seq_id);
   void clear();
   int64_t cached_tokens(uint64_t seq_id) const;  // -1 when absent
+  const KvCache& kv_cache() const { return *kv_; }
   int64_t num_sequences() const { return int64_t(lengths_.size()); }
 
   // Memory figures.
@@ -198,8 +208,15 @@ class GpuStage {
   GpuStage(const ModelConfig& config, int64_t layer_begin, int64_t layer_end, const GpuStageOptions& options);
 
   // ---- gpu_weights.cu ----
+  // validate()'s FP8 part: not with int8, every layer matrix of this rank K, N % 16 == 0, a
+  // GPU of compute capability 8.9 or newer (the current device).
+  static Status validate_fp8(const ModelConfig& config, const GpuStageOptions& options);
   void allocate_weights();
   Status upload(const StageWeights& w);  // fails naming a tensor of the wrong size
+  // Rows [n0, n0 + num_rows) of a byte matrix (int8 or FP8, per the options) and their scales
+  // from `rows` [num_rows, K] of T.
+  template <class T> void quantize_matrix_rows(void* dst, float* scales, int64_t n0, const T* rows, int64_t num_rows,
+                                               int64_t K);
   void synthesize(uint64_t seed);
 
   // ---- gpu_buffers.cc ----
@@ -228,7 +245,7 @@ class GpuStage {
                                         int64_t decode_seqs, bool fuse_final_ln);
   template <class T> Status reduce_residual_layernorm(T* hidden, T* ln_out, T* x, const T* bias, const T* gamma,
                                                       const T* beta, int64_t num_tokens);
-  // out[T, N] = act(in[T, K] @ w^T + bias) for a layer matrix w [N, K] (scales: int8 weights).
+  // out[T, N] = act(in[T, K] @ w^T + bias) for a layer matrix w [N, K] (scales: int8 or FP8 weights).
   template <class T> void matmul(T* out, const T* in, const void* w, const float* scales, const void* bias,
                                  int64_t num_tokens, int64_t K, int64_t N, GemmAct act);
 
@@ -266,6 +283,7 @@ class GpuStage {
   DeviceBuffer hidden_, ln_, qkv_, attn_, proj_, fc_, head_in_, logits_, staging_f32_, tokens_dev_;
   DeviceBuffer raw_logits_, logprobs_dev_;  // sample(): the logits before the sampler mutates them, the chosen log-probs
   DeviceBuffer meta_dev_, decode_partial_, decode_counters_, dequant_;
+  DeviceBuffer fp8_act_;  // FP8: the products' rows quantised (with their scales) and fp32 sums
   PinnedBuffer meta_host_[2], tokens_host_, logprobs_host_;
   cudaEvent_t meta_sent_[2] = {nullptr, nullptr};
   int meta_slot_ = 0;

@@ -30,6 +30,7 @@ std::string GpuStageBackend::describe() const {
   for (size_t i = 0; i < stage_->devices().size(); ++i) d += (i ? "," : "") + std::to_string(stage_->devices()[i]);
   d += " " + std::string(dtype_name(stage_->lead().dtype()));
   if (stage_->lead().int8_weights()) d += " int8-weights";
+  if (stage_->lead().fp8()) d += " fp8";
   if (stage_->ranks() > 1) d += " tp=" + std::to_string(stage_->ranks());
   return d;
 }
@@ -95,6 +96,26 @@ std::shared_ptr<std::byte[]> GpuStageBackend::allocate_host(size_t bytes) const 
   auto* p = static_cast<std::byte*>(pinned_alloc(bytes));
   if (!p) return nullptr;
   return std::shared_ptr<std::byte[]>(p, [](std::byte* q) { pinned_free(q); });
+}
+
+HostAllocator device_memory_allocator(int device) {
+  return {[device](size_t n) -> void* {
+            void* p = nullptr;
+            if (cudaSetDevice(device) != cudaSuccess || cudaMalloc(&p, n) != cudaSuccess) {
+              cudaGetLastError();  // out of memory: the caller reports it
+              return nullptr;
+            }
+            return p;
+          },
+          [device](void* p) {
+            if (cudaSetDevice(device) == cudaSuccess) cudaFree(p);
+          }};
+}
+
+void make_device_current(int device) {
+  // cudaFree(nullptr) creates the device's primary context on this thread now, not inside
+  // UCX's first transfer.
+  if (cudaSetDevice(device) != cudaSuccess || cudaFree(nullptr) != cudaSuccess) cudaGetLastError();
 }
 
 }  // namespace conveyor::cuda

@@ -16,6 +16,7 @@
 #include <string>
 #include <vector>
 
+#include "common/host_allocator.h"
 #include "stage/cuda/tp_stage.h"
 #include "stage/stage_backend.h"
 
@@ -34,6 +35,9 @@ class GpuStageBackend final : public StageBackend {
   bool samples_in_place() const override { return true; }
   Status step(const StepInput& in, StepOutput& out) override;
   std::shared_ptr<std::byte[]> allocate_host(size_t bytes) const override;
+  Status fork_sequence(uint64_t parent, uint64_t child, int64_t num_tokens) override {
+    return stage_->fork_sequence(parent, child, num_tokens);
+  }
   void free_sequence(uint64_t seq_id) override { stage_->free_sequence(seq_id); }
   void clear() override { stage_->clear(); }
   int64_t num_sequences() const override { return stage_->num_sequences(); }
@@ -52,5 +56,14 @@ class GpuStageBackend final : public StageBackend {
 
   std::unique_ptr<TpStage> stage_;
 };
+
+// The data plane's direct path (a UCX built with CUDA moves activations GPU to GPU): device
+// memory on `device` (cudaMalloc; null when none is left) for the worker's outgoing slots and
+// its receive buffers, and a call that makes `device` current on the calling thread (UCX's
+// progress thread works in that thread's CUDA context). GpuStage::upload_hidden and
+// download_hidden copy with cudaMemcpyDefault, so device rows go in and out as device-to-device
+// copies on the stage's stream, which they synchronise.
+HostAllocator device_memory_allocator(int device);
+void make_device_current(int device);
 
 }  // namespace conveyor::cuda

@@ -4,7 +4,9 @@
 // synthetic tensor ids: a layer's tensors take ids from their own range of 64, in table order.
 #include <algorithm>
 #include <string>
+#include <tuple>
 
+#include "kernels/cuda/fp8.h"
 #include "kernels/cuda/ops.h"
 #include "kernels/cuda/quant.h"
 #include "kernels/cuda/synthetic.h"
@@ -38,7 +40,7 @@ const char* upload_name(StageTensor t) {
 }  // namespace
 
 GpuWeightLayout plan_weight_layout(const ModelConfig& c, const TpShard& shard, int64_t num_layers, bool has_embedding,
-                                bool holds_head, DType dtype, bool int8_weights) {
+                                bool holds_head, DType dtype, bool byte_matrices) {
   const int64_t e = int64_t(dtype_bytes(dtype));
   GpuWeightLayout w;
   auto take = [&](int64_t bytes) {  // the next tensor's offset; the one after starts aligned
@@ -52,10 +54,10 @@ GpuWeightLayout plan_weight_layout(const ModelConfig& c, const TpShard& shard, i
     for (const LayerTensorSpec& spec : kLayerTensors) {
       TensorRef& r = layer[size_t(spec.id)];
       r.shape = layer_tensor_shape(spec, c, &shard);
-      r.bytes = r.shape.elements() * (spec.matrix() && int8_weights ? 1 : e);
+      r.bytes = r.shape.elements() * (spec.matrix() && byte_matrices ? 1 : e);
       r.offset = take(r.bytes);
     }
-    if (int8_weights)  // after the layer's tensors: each matrix's scales, one per output row
+    if (byte_matrices)  // after the layer's tensors: each matrix's scales, one per output row
       for (const LayerTensorSpec& spec : kLayerTensors)
         if (spec.matrix()) {
           TensorRef& r = layer[size_t(spec.id)];
@@ -89,15 +91,52 @@ void GpuStage::allocate_weights() {
   const int64_t C = config_.n_embd, V = config_.vocab_size;
   const int64_t e = int64_t(dtype_bytes(options_.dtype));
   const int64_t L = layer_end_ - layer_begin_;
-  const bool int8 = options_.int8_weights;
-  GpuWeightLayout layout = plan_weight_layout(config_, shard_, L, has_embedding(), holds_head(), options_.dtype, int8);
+  const bool int8 = options_.int8_weights, fp8 = options_.fp8;
+  GpuWeightLayout layout =
+      plan_weight_layout(config_, shard_, L, has_embedding(), holds_head(), options_.dtype, int8 || fp8);
   const int64_t layer_bytes = layout.layer_bytes;
+  const char* matrices = int8 ? ", int8 matrices" : fp8 ? ", FP8 matrices" : "";
   weights_ = GpuWeights::allocate(std::move(layout), options_.name,
                                   "weights (" + std::to_string(L) + " layers, " +
-                                      std::string(dtype_name(options_.dtype)) + (int8 ? ", int8 matrices" : "") + ")");
+                                      std::string(dtype_name(options_.dtype)) + matrices + ")");
   weight_bytes_ = weights_.bytes();
   // A decode step reads every layer, and on the head's rank ln_f and the head matrix.
   decode_weight_bytes_ = layer_bytes + (holds_head() ? (V * C + 2 * C) * e : 0);
+}
+
+Status GpuStage::validate_fp8(const ModelConfig& c, const GpuStageOptions& o) {
+  if (!o.fp8) return ok_status();
+  const std::string& n = o.name;
+  if (o.int8_weights) return Status::error(n + ": fp8 and int8 weights exclude each other (choose one)");
+  // cuBLASLt's FP8 products give a row other bits at other batch sizes, even with one
+  // algorithm per shape and no split along K (tests/kernels/cuda/test_fp8.cc showed it on an
+  // H100, CUDA 13): an FP8 answer would depend on the load, which deterministic mode promises
+  // it does not. So FP8 runs only where the operator turned that promise off.
+  if (o.deterministic && Gemm::deterministic_by_default())
+    return Status::error(n + ": fp8 runs only with CONVEYOR_DETERMINISTIC=0 in the worker's environment: cuBLASLt's "
+                             "FP8 products are not row-invariant, so with fp8 an answer may depend on the batch");
+  // Every product of the layers, K x N, of this rank's shard: FP8 GEMMs need both % 16 == 0.
+  const TpShard shard = TpShard::of(c, o.tp_rank, o.tp_ranks);
+  const int64_t C = c.n_embd, W = shard.heads() * c.head_dim(), I = shard.inner();
+  for (auto [K, N, what] : {std::tuple<int64_t, int64_t, const char*>{C, 3 * W, "QKV"},
+                            {W, C, "attention projection"}, {C, I, "FC"}, {I, C, "FC2"}})
+    if (K % 16 != 0 || N % 16 != 0)
+      return Status::error(n + ": fp8 needs every layer matrix's sizes to be multiples of 16; the " + what + " is " +
+                           std::to_string(N) + " x " + std::to_string(K) +
+                           (o.tp_ranks > 1 ? " on tensor-parallel rank " + std::to_string(o.tp_rank) : ""));
+  int device = 0;
+  if (cudaError_t e = cudaGetDevice(&device); e != cudaSuccess)
+    return Status::error(n + ": no CUDA device: " + cudaGetErrorString(e));
+  if (Status s = fp8_device_check(device); !s) return Status::error(n + ": " + s.message());
+  return ok_status();
+}
+
+template <class T>
+void GpuStage::quantize_matrix_rows(void* dst, float* scales, int64_t n0, const T* rows, int64_t num_rows, int64_t K) {
+  if (options_.fp8)
+    quantize_rows_fp8<T>(static_cast<uint8_t*>(dst) + n0 * K, scales + n0, rows, num_rows, K, stream_);
+  else
+    quantize_rows_int8<T>(static_cast<int8_t*>(dst) + n0 * K, scales + n0, rows, num_rows, K, stream_);
 }
 
 Status GpuStage::upload(const StageWeights& w) {
@@ -123,13 +162,13 @@ Status GpuStage::upload(const StageWeights& w) {
       return ok_status();
     };
     // A layer matrix, [K, N] on the host -> [N, K] on the device. In dtype: chunks of K rows.
-    // Int8: chunks of output channels (host columns) through the staging buffer, transposed
-    // to dtype in the LayerNorm activation buffer (free while loading), then quantised.
+    // Int8 and FP8: chunks of output channels (host columns) through the staging buffer,
+    // transposed to dtype in the LayerNorm activation buffer (free while loading), then quantised.
     auto put_t = [&](void* dst, float* scales, const std::vector<float>& src, TensorShape shape,
                      const std::string& name) {
       const int64_t K = shape.rows, N = shape.cols;
       if (Status s = check(src, K * N, name); !s) return s;
-      if (!options_.int8_weights) {
+      if (!options_.int8_weights && !options_.fp8) {
         const int64_t rows = std::max<int64_t>(1, staging_elems / N);
         for (int64_t k0 = 0; k0 < K; k0 += rows) {
           const int64_t kc = std::min(rows, K - k0);
@@ -146,7 +185,7 @@ Status GpuStage::upload(const StageWeights& w) {
         CUDA_CHECK(cudaMemcpy2DAsync(staging, size_t(nc) * sizeof(float), src.data() + n0, size_t(N) * sizeof(float),
                                      size_t(nc) * sizeof(float), size_t(K), cudaMemcpyHostToDevice, stream_));
         convert_transpose_from_float<T>(ln_.as<T>(), staging, K, nc, K, stream_);
-        quantize_rows_int8<T>(static_cast<int8_t*>(dst) + n0 * K, scales + n0, ln_.as<T>(), nc, K, stream_);
+        quantize_matrix_rows<T>(dst, scales, n0, ln_.as<T>(), nc, K);
       }
       return ok_status();
     };
@@ -193,17 +232,17 @@ void GpuStage::synthesize(uint64_t seed) {
     using T = decltype(tag);
     auto normal = [&](void* p, int64_t n) { fill_normal<T>(static_cast<T*>(p), n, 0.f, 0.02f, seed, tensor++, stream_); };
     auto ones = [&](void* p, int64_t n) { fill_constant<T>(static_cast<T*>(p), n, 1.f, stream_); };
-    // A layer matrix [N, K]; int8: drawn in chunks of rows into the LayerNorm activation
-    // buffer (free while loading), then quantised.
+    // A layer matrix [N, K]; int8 and FP8: drawn in chunks of rows into the LayerNorm
+    // activation buffer (free while loading), then quantised.
     const int64_t tmp_elems = int64_t(ln_.bytes() / sizeof(T));
     auto matrix = [&](void* p, float* scales, int64_t N, int64_t K) {
-      if (!options_.int8_weights) return normal(p, N * K);
+      if (!options_.int8_weights && !options_.fp8) return normal(p, N * K);
       const uint64_t id = tensor++;
       const int64_t rows = std::max<int64_t>(1, tmp_elems / K);
       for (int64_t n0 = 0; n0 < N; n0 += rows) {
         const int64_t nc = std::min(rows, N - n0);
         fill_normal<T>(ln_.as<T>(), nc * K, 0.f, 0.02f, seed, (id << 20) + uint64_t(n0 / rows), stream_);
-        quantize_rows_int8<T>(static_cast<int8_t*>(p) + n0 * K, scales + n0, ln_.as<T>(), nc, K, stream_);
+        quantize_matrix_rows<T>(p, scales, n0, ln_.as<T>(), nc, K);
       }
     };
     for (int64_t l = 0; l < weights_.num_layers(); ++l) {

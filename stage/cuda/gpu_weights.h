@@ -6,12 +6,13 @@
 // On the device (e = the stage dtype's bytes):
 //   vectors   [out] of dtype (LayerNorm gains and shifts, biases)
 //   matrices  [out, in] of dtype (the "NK" layout: rows of the decode GEMV, cuBLASLt's TN), or
-//             int8 [out, in] plus one fp32 scale per output row (int8 weight-only)
+//             one byte per element [out, in] plus one fp32 scale per output row: int8
+//             (int8 weight-only, quant.h) or E4M3 (FP8, fp8.h)
 //   stage     wte [V, C] and wpe [P, C] (first stage), ln_f [C] x 2 and the LM head [V, C]
 //             (last stage, rank 0); the head is wte itself when the model ties them and the
 //             stage holds both.
 // Every tensor starts on a kWeightAlign-byte boundary, in table order: a layer's twelve
-// tensors, then (int8) its four matrices' scales, layer after layer, then the stage tensors.
+// tensors, then (int8, FP8) its four matrices' scales, layer after layer, then the stage tensors.
 #pragma once
 
 #include <array>
@@ -33,7 +34,7 @@ inline constexpr int64_t kWeightAlign = 256;  // bytes: every weight tensor star
 struct TensorRef {
   int64_t offset = -1;        // bytes from the allocation's start; -1: the stage does not hold it
   int64_t bytes = 0;          // bytes of its values (the padding to the next tensor not counted)
-  int64_t scale_offset = -1;  // int8 matrices: their fp32 scales, one per output row; else -1
+  int64_t scale_offset = -1;  // int8 or FP8 matrices: their fp32 scales, one per output row; else -1
   TensorShape shape;          // [in, out] elements of this rank's part, as on the host
   bool held() const { return offset >= 0; }
 };
@@ -49,8 +50,9 @@ struct GpuWeightLayout {
 };
 
 // The layout of `num_layers` layers of rank `shard`, with the embedding and/or the head.
+// byte_matrices: the layer matrices take one byte an element plus a scale per row (int8, FP8).
 GpuWeightLayout plan_weight_layout(const ModelConfig& config, const TpShard& shard, int64_t num_layers,
-                                bool has_embedding, bool holds_head, DType dtype, bool int8_weights);
+                                bool has_embedding, bool holds_head, DType dtype, bool byte_matrices);
 
 // One layer's tensors in the allocation (a view: the GpuWeights owns the memory).
 class GpuLayer {
@@ -59,7 +61,7 @@ class GpuLayer {
   void* at(LayerTensor t) const { return base_ + (*refs_)[size_t(t)].offset; }
   template <class T>
   const T* as(LayerTensor t) const { return static_cast<const T*>(at(t)); }
-  // An int8 matrix's per-output-row scales; null for vectors and for dtype matrices.
+  // An int8 or FP8 matrix's per-output-row scales; null for vectors and for dtype matrices.
   float* scales(LayerTensor t) const {
     const int64_t off = (*refs_)[size_t(t)].scale_offset;
     return off < 0 ? nullptr : reinterpret_cast<float*>(base_ + off);

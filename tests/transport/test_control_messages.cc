@@ -93,6 +93,9 @@ TEST(ControlMessages, OptionalFieldsRoundTripWhenAbsent) {
   r.holding.reset();
   r.gpus.clear();
   EXPECT_EQ(round_trip(r), AnyControlMsg(r));
+  r.fp8 = true;  // an FP8 worker says so; others send no "fp8" (RegisterWireJson)
+  EXPECT_EQ(encode(r).body.at("fp8"), true);
+  EXPECT_EQ(round_trip(r), AnyControlMsg(r));
   HeartbeatMsg h = sample_worker_heartbeat();
   h.figures->kv_used_tokens.reset();
   h.figures->kv_capacity_tokens.reset();

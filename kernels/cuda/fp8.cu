@@ -1,0 +1,160 @@
+// FP8 row quantisation (fp8.h) and run_fp8's epilogue (both scales, bias, activation, on
+// cuBLASLt's fp32 sums). Both are memory-bound and per row: a row's bytes depend on that row
+// alone.
+#include "kernels/cuda/fp8.h"
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+
+#include <algorithm>
+#include <string>
+#include <type_traits>
+
+#include "kernels/cuda/check.h"
+#include "kernels/cuda/dtype.cuh"
+
+namespace conveyor::cuda {
+namespace detail {
+namespace {
+
+constexpr int kFp8QuantThreads = 256;
+
+__device__ __forceinline__ uint8_t e4m3(float v) {
+  return static_cast<uint8_t>(__nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E4M3));
+}
+
+// q = e4m3(x / s); s == 0 (an all-zero row, or one too small to scale) gives 0. The same
+// operations as quantize_rows_fp8_reference (fp8.cc), in the same order.
+__device__ __forceinline__ uint8_t quantize_one(float x, float s) { return s > 0.f ? e4m3(__fdiv_rn(x, s)) : 0; }
+
+// One block per row. kVec8: K % 8 == 0 and 16-byte aligned rows (T = half or bf16): 8
+// elements per 16-byte load, 8 bytes per store.
+template <class T, bool kVec8>
+__global__ void __launch_bounds__(kFp8QuantThreads)
+    quantize_rows_fp8_kernel(uint8_t* __restrict__ q, float* __restrict__ scales, const T* __restrict__ x, int64_t K) {
+  __shared__ float scratch[32];
+  const int64_t r = blockIdx.x;
+  const T* row = x + r * K;
+  uint8_t* qrow = q + r * K;
+  float amax = 0.f;
+  if constexpr (kVec8) {
+    for (int64_t k = int64_t(threadIdx.x) * 8; k < K; k += int64_t(kFp8QuantThreads) * 8) {
+      float f[8];
+      load8<T>(row + k, f);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) amax = fmaxf(amax, fabsf(f[i]));
+    }
+  } else {
+    for (int64_t k = threadIdx.x; k < K; k += kFp8QuantThreads) amax = fmaxf(amax, fabsf(to_float(row[k])));
+  }
+  amax = block_max(amax, scratch);  // max is exact in any order
+  const float s = __fdiv_rn(amax, kFp8E4M3Max);
+  if (threadIdx.x == 0) scales[r] = s;
+  if constexpr (kVec8) {
+    for (int64_t k = int64_t(threadIdx.x) * 8; k < K; k += int64_t(kFp8QuantThreads) * 8) {
+      float f[8];
+      load8<T>(row + k, f);
+      uint2 out;
+      uint8_t* b = reinterpret_cast<uint8_t*>(&out);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) b[i] = quantize_one(f[i], s);
+      *reinterpret_cast<uint2*>(qrow + k) = out;
+    }
+  } else {
+    for (int64_t k = threadIdx.x; k < K; k += kFp8QuantThreads) qrow[k] = quantize_one(to_float(row[k]), s);
+  }
+}
+
+constexpr int kFp8EpilogueThreads = 256;
+
+__device__ __forceinline__ float scaled(float sum, float row_scale, float col_scale, float bias, int act) {
+  return activate(__fmul_rn(__fmul_rn(sum, row_scale), col_scale) + bias, act);
+}
+
+// kVec4: N % 4 == 0, sums 16-byte and out 8-byte aligned: four columns a thread (one float4
+// load, one 8-byte store); else one element a thread.
+template <class T, bool kVec4>
+__global__ void __launch_bounds__(kFp8EpilogueThreads)
+    fp8_scale_epilogue_kernel(T* __restrict__ out, const float* __restrict__ sums, const float* __restrict__ rs,
+                              const float* __restrict__ cs, const T* __restrict__ bias, int64_t rows, int64_t N,
+                              int act) {
+  constexpr int kW = kVec4 ? 4 : 1;
+  const int64_t groups = rows * (N / kW);
+  for (int64_t g = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; g < groups; g += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t i = g * kW, r = i / N, n = i % N;
+    const float row_scale = rs[r];
+    if constexpr (kVec4) {
+      const float4 s = *reinterpret_cast<const float4*>(sums + i);
+      const float in[4] = {s.x, s.y, s.z, s.w};
+      float v[4];
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+        v[j] = scaled(in[j], row_scale, cs[n + j], bias != nullptr ? to_float(bias[n + j]) : 0.f, act);
+      using P = typename Pair<T>::type;
+      const P lo = from_float2<T>(make_float2(v[0], v[1])), hi = from_float2<T>(make_float2(v[2], v[3]));
+      uint2 packed;
+      packed.x = *reinterpret_cast<const uint32_t*>(&lo);
+      packed.y = *reinterpret_cast<const uint32_t*>(&hi);
+      *reinterpret_cast<uint2*>(out + i) = packed;
+    } else {
+      out[i] = from_float<T>(scaled(sums[i], row_scale, cs[n], bias != nullptr ? to_float(bias[n]) : 0.f, act));
+    }
+  }
+}
+
+}  // namespace
+}  // namespace detail
+
+template <class T>
+void quantize_rows_fp8(uint8_t* q, float* scales, const T* x, int64_t rows, int64_t K, cudaStream_t stream) {
+  if (q == nullptr || scales == nullptr || x == nullptr)
+    throw Error("quantize_rows_fp8: null pointer (q, scales and x are required)");
+  if (rows <= 0 || K <= 0 || rows > int64_t(0x7fffffff))
+    throw Error("quantize_rows_fp8: rows must be in [1, 2^31) and K positive (rows=" + std::to_string(rows) +
+                " K=" + std::to_string(K) + ")");
+  constexpr bool kHalfType = !std::is_same_v<T, float>;
+  const bool vec = kHalfType && K % 8 == 0 && detail::aligned16(x) && reinterpret_cast<uintptr_t>(q) % 8 == 0;
+  if constexpr (kHalfType) {
+    if (vec) {
+      detail::quantize_rows_fp8_kernel<T, true>
+          <<<unsigned(rows), detail::kFp8QuantThreads, 0, stream>>>(q, scales, x, K);
+      CUDA_CHECK(cudaGetLastError());
+      return;
+    }
+  }
+  detail::quantize_rows_fp8_kernel<T, false><<<unsigned(rows), detail::kFp8QuantThreads, 0, stream>>>(q, scales, x, K);
+  CUDA_CHECK(cudaGetLastError());
+}
+
+template void quantize_rows_fp8<__half>(uint8_t*, float*, const __half*, int64_t, int64_t, cudaStream_t);
+template void quantize_rows_fp8<__nv_bfloat16>(uint8_t*, float*, const __nv_bfloat16*, int64_t, int64_t,
+                                               cudaStream_t);
+template void quantize_rows_fp8<float>(uint8_t*, float*, const float*, int64_t, int64_t, cudaStream_t);
+
+template <class T>
+void fp8_scale_epilogue(T* out, const float* sums, const float* row_scales, const float* col_scales, const T* bias,
+                        int64_t rows, int64_t N, int act, cudaStream_t stream) {
+  if (out == nullptr || sums == nullptr || row_scales == nullptr || col_scales == nullptr)
+    throw Error("fp8_scale_epilogue: null pointer (out, sums, row_scales and col_scales are required)");
+  if (rows <= 0 || N <= 0) return;
+  const bool vec = N % 4 == 0 && detail::aligned16(sums) && reinterpret_cast<uintptr_t>(out) % 8 == 0;
+  const int64_t groups = rows * (vec ? N / 4 : N);
+  const unsigned blocks = unsigned(std::min<int64_t>((groups + detail::kFp8EpilogueThreads - 1) /
+                                                         detail::kFp8EpilogueThreads,
+                                                     int64_t(1) << 16));
+  if (vec)
+    detail::fp8_scale_epilogue_kernel<T, true><<<blocks, detail::kFp8EpilogueThreads, 0, stream>>>(
+        out, sums, row_scales, col_scales, bias, rows, N, act);
+  else
+    detail::fp8_scale_epilogue_kernel<T, false><<<blocks, detail::kFp8EpilogueThreads, 0, stream>>>(
+        out, sums, row_scales, col_scales, bias, rows, N, act);
+  CUDA_CHECK(cudaGetLastError());
+}
+
+template void fp8_scale_epilogue<__half>(__half*, const float*, const float*, const float*, const __half*, int64_t,
+                                         int64_t, int, cudaStream_t);
+template void fp8_scale_epilogue<__nv_bfloat16>(__nv_bfloat16*, const float*, const float*, const float*,
+                                                const __nv_bfloat16*, int64_t, int64_t, int, cudaStream_t);
+
+}  // namespace conveyor::cuda

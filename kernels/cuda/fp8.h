@@ -1,0 +1,75 @@
+// FP8 (E4M3) quantisation for Hopper's FP8 tensor cores: a matrix [rows, K] of fp16, bf16 or
+// fp32 becomes one byte per element, E4M3 (4 exponent bits, 3 mantissa bits, largest finite
+// value 448), with one fp32 scale per row, symmetric:
+//
+//   s[r] = max_k |x[r, k]| / 448,   q[r, k] = e4m3(x[r, k] / s[r])   (nearest even, saturating)
+//
+// so x[r, k] ~ s[r] * q[r, k] (an all-zero row gets s = 0 and q = 0). One function serves both
+// operands of Gemm::run_fp8 (gemm.h):
+//   - weights [N, K] (output channels as rows): quantised once at load, a scale per channel;
+//   - activations [T, K]: quantised per row (per token) at every product, a dynamic scale per
+//     row. A row's scale and bytes depend on that row alone, never on the batch around it: no
+//     per-tensor amax over the batch (issue 17's promise that an answer depends only on its
+//     request).
+// The product then is out[t, n] = act(sa[t] * sw[n] * sum_k qa[t, k] qw[n, k] + bias[n]):
+// cuBLASLt's FP8 GEMM writes the unscaled fp32 sums (its A and B scales left at 1: Hopper's
+// cuBLASLt has no per-row scale vectors), then fp8_scale_epilogue applies both scales, the
+// bias and the activation and writes fp16/bf16.
+//
+// The GPU quantiser and the host reference perform the same IEEE fp32 operations (|x| and max
+// are exact, one correctly rounded division for s and one per element, the E4M3 conversion
+// rounds to nearest even and saturates to +-448), so they agree bit for bit.
+//
+// Floors, before any optimisation (H100 SXM: dense FP8 ~1979 TFLOPS, fp16 ~989, HBM3 3.35
+// TB/s; H200: the same tensor cores, HBM3e 4.8 TB/s). gpt3-6.7b: 32 layers of C = 4096, 6.44e9
+// matrix weights, K/V 0.52 MB a token of context (fp16):
+//   - the matrices are read once a step: 6.4 GB in FP8 (12.9 GB fp16) -> 1.9 ms (3.8 ms) on
+//     the H100, 1.3 ms (2.7 ms) on the H200;
+//   - their products cost 2 x 6.44e9 x B flops a step: B x 6.5 us at FP8 peak (B x 13 us fp16),
+//     so they are compute-bound above B ~ 300 (H100) / ~ 200 (H200), where FP8's gain over
+//     fp16 tends to 2x; below, FP8 gains by halving the bytes;
+//   - decode attention reads each sequence's K/V once a step: prompt 128 + 128 new tokens is
+//     192 positions on average, 100 MB a sequence -> at B = 512, 51 GB: 15 ms (H100), 11 ms
+//     (H200), more than the products (3.3 ms): at large B the K/V read bounds the step.
+//     TensorRT-LLM's 27,304 tokens/s (GPT-J 6B, H200) is 37.5 ms a step at B = 1024, whose
+//     fp16 K/V (137 GB at 256 tokens) does not fit beside the weights in 141 GB.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <string>
+
+#include "common/status.h"
+
+namespace conveyor::cuda {
+
+inline constexpr float kFp8E4M3Max = 448.f;
+
+// q [rows, K] (E4M3 bytes) and scales [rows] from x [rows, K] (row-major, device pointers),
+// asynchronous on `stream`, deterministic, no allocation (capturable). T is __half,
+// __nv_bfloat16 or float. Throws conveyor::Error for null pointers or rows, K <= 0.
+template <class T>
+void quantize_rows_fp8(uint8_t* q, float* scales, const T* x, int64_t rows, int64_t K, cudaStream_t stream);
+
+// out[r, n] = act(sums[r, n] * row_scales[r] * col_scales[n] + bias[n]) over [rows, N], in
+// fp32 then rounded once to T (__half or __nv_bfloat16): run_fp8's epilogue. sums is fp32
+// [rows, N] row-major; bias (length N) may be null; act is a GemmAct code (0 none, 1 tanh
+// GeLU, 2 erf GeLU). Each element depends on its own inputs alone (no reduction). Device
+// pointers, asynchronous on `stream`, no allocation (capturable). Throws conveyor::Error for
+// a null out, sums or scale vector.
+template <class T>
+void fp8_scale_epilogue(T* out, const float* sums, const float* row_scales, const float* col_scales, const T* bias,
+                        int64_t rows, int64_t N, int act, cudaStream_t stream);
+
+// The host twin of quantize_rows_fp8 (plain C++, fp8.cc): the reference.
+void quantize_rows_fp8_reference(uint8_t* q, float* scales, const float* x, int64_t rows, int64_t K);
+// One E4M3 byte as a float (exact), and a float rounded to E4M3 (nearest even, saturating).
+float fp8_e4m3_to_float(uint8_t bits);
+uint8_t float_to_fp8_e4m3(float x);
+
+// Whether `device` has FP8 tensor cores (compute capability 8.9 or newer): an error naming the
+// device, its name and its compute capability otherwise.
+Status fp8_device_check(int device);
+
+}  // namespace conveyor::cuda

@@ -1,0 +1,429 @@
+// Gemm::run_fp8 (gemm.h): FP8 E4M3 products on cuBLASLt, for Hopper.
+//
+// The problem in cuBLASLt's column-major terms (the only FP8 layout Hopper runs is "TN"):
+//   D (N x T, ld N; row-major sums [T, N], fp32) = op(A) (N x K) * B (K x T), with
+//   A = the weight, E4M3 K x N (ld K; row-major [N, K]), transposed;
+//   B = the activations quantised per row, E4M3 K x T (ld K; row-major [T, K]).
+// Hopper's cuBLASLt has no per-row scale vectors for FP8 (the "outer vector" scale mode is not
+// offered on compute capability 9.0), so A's and B's scales stay at their default, the scalar
+// 1, and D is fp32 (E4M3 x E4M3 -> fp32 is one of cuBLASLt's FP8 type combinations, and it
+// cannot overflow where fp16 would: the unscaled sums reach 448^2 K). fp8_scale_epilogue
+// (fp8.cu) then writes out[t, n] = act(D[n, t] * sa[t] * sw[n] + bias[n]) in T. The sums live
+// in the FP8 workspace beside the quantised activations:
+//   [sums: rows x N fp32][quantised rows: rows x K bytes][row scales: rows fp32]
+// each part at a 256-byte boundary, for the block of rows one cuBLASLt call covers.
+//
+// Why a row's bits do not depend on the batch (deterministic mode). A row's scale is computed
+// from that row alone, and the epilogue is per element. Its sums: every T of a (K, N) shape
+// runs the same cuBLASLt algorithm (one kernel, tile, stage count, cluster shape and swizzle),
+// taken once per shape from the heuristic's proposals for kFp8AnchorRows rows, with any split
+// along K taken off (split-K sums partial products in an order that follows the grid),
+// skipping any that some T in the probe set cannot run or whose first call fails. Within one
+// such kernel every output element is one CTA's K loop in the same order, whichever tile the
+// element lands in and however many tiles there are; the choice itself depends only on the
+// shape, the device kind and the cuBLAS version, never on what this process ran before (no
+// timing), so a spare worker picks the same. The GPU test (tests/kernels/cuda/test_fp8.cc)
+// checks this for T = 1..256 at several row offsets.
+#include <cublasLt.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <iterator>
+#include <sstream>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "kernels/cuda/fp8.h"
+#include "kernels/cuda/gemm.h"
+
+namespace conveyor::cuda {
+namespace {
+
+constexpr int kFp8Layout = 5;  // Key::layout of run_fp8's plans (gemm.cc uses 0..4)
+constexpr int kHeuristicResults = 16;
+
+template <class T>
+cudaDataType_t half_type() {
+  return std::is_same_v<T, __half> ? CUDA_R_16F : CUDA_R_16BF;
+}
+
+int alignment_of(const void* p) {
+  if (p == nullptr) return 16;
+  const auto a = reinterpret_cast<uintptr_t>(p);
+  int align = 16;
+  while (align > 1 && (a % align) != 0) align /= 2;
+  return align;
+}
+
+int64_t align_up(int64_t x, int64_t a) { return (x + a - 1) / a * a; }
+
+template <class V>
+V algo_config(const cublasLtMatmulAlgo_t& algo, cublasLtMatmulAlgoConfigAttributes_t attr) {
+  V v{};
+  size_t written = 0;
+  if (cublasLtMatmulAlgoConfigGetAttribute(&algo, attr, &v, sizeof(v), &written) != CUBLAS_STATUS_SUCCESS)
+    return V{};
+  return v;
+}
+
+bool splits_k(const cublasLtMatmulAlgo_t& algo) {
+  return algo_config<int32_t>(algo, CUBLASLT_ALGO_CONFIG_SPLITK_NUM) > 1 ||
+         algo_config<uint32_t>(algo, CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME) != CUBLASLT_REDUCTION_SCHEME_NONE;
+}
+
+std::string algo_name(const cublasLtMatmulAlgo_t& algo) {
+  std::ostringstream os;
+  os << "algo " << algo_config<int32_t>(algo, CUBLASLT_ALGO_CONFIG_ID) << " tile "
+     << algo_config<uint32_t>(algo, CUBLASLT_ALGO_CONFIG_TILE_ID) << " stages "
+     << algo_config<uint32_t>(algo, CUBLASLT_ALGO_CONFIG_STAGES_ID) << " cluster "
+     << algo_config<uint16_t>(algo, CUBLASLT_ALGO_CONFIG_CLUSTER_SHAPE_ID) << " splitK "
+     << algo_config<int32_t>(algo, CUBLASLT_ALGO_CONFIG_SPLITK_NUM);
+  return os.str();
+}
+
+// Token counts the fixed algorithm of a shape must accept (cublasLtMatmulAlgoCheck) before it
+// is chosen: every count the stage runs lies between these, and a kernel that takes 1, 17, 255
+// and 4096 rows does not refuse the ones between for the row count's sake.
+constexpr int64_t kProbeRows[] = {1, 2, 3, 8, 17, 64, 100, 255, 256, 512, 1024, 4096, 16384};
+
+bool fast_accum_from_env() {
+  const char* e = std::getenv("CONVEYOR_FP8_FAST_ACCUM");
+  return e != nullptr && std::strcmp(e, "1") == 0;
+}
+
+}  // namespace
+
+// A descriptor and the three layouts of one problem (T rows): scales left at 1, no epilogue,
+// fp32 sums (D, and C with beta = 0).
+struct Fp8Problem {
+  cublasLtMatmulDesc_t desc = nullptr;
+  cublasLtMatrixLayout_t a = nullptr, b = nullptr, d = nullptr;
+
+  Fp8Problem(int64_t T_, int64_t K, int64_t N, bool fast_accum) {
+    CUDA_CHECK(cublasLtMatmulDescCreate(&desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+    const cublasOperation_t op_a = CUBLAS_OP_T, op_b = CUBLAS_OP_N;
+    CUDA_CHECK(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSA, &op_a, sizeof(op_a)));
+    CUDA_CHECK(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSB, &op_b, sizeof(op_b)));
+    const int8_t fast = fast_accum ? 1 : 0;
+    CUDA_CHECK(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_FAST_ACCUM, &fast, sizeof(fast)));
+    CUDA_CHECK(cublasLtMatrixLayoutCreate(&a, CUDA_R_8F_E4M3, uint64_t(K), uint64_t(N), K));
+    CUDA_CHECK(cublasLtMatrixLayoutCreate(&b, CUDA_R_8F_E4M3, uint64_t(K), uint64_t(T_), K));
+    CUDA_CHECK(cublasLtMatrixLayoutCreate(&d, CUDA_R_32F, uint64_t(N), uint64_t(T_), N));
+  }
+  Fp8Problem(const Fp8Problem&) = delete;
+  Fp8Problem& operator=(const Fp8Problem&) = delete;
+  ~Fp8Problem() {
+    if (d) cublasLtMatrixLayoutDestroy(d);
+    if (b) cublasLtMatrixLayoutDestroy(b);
+    if (a) cublasLtMatrixLayoutDestroy(a);
+    if (desc) cublasLtMatmulDescDestroy(desc);
+  }
+};
+
+struct Gemm::Fp8State {
+  struct Plan {
+    std::unique_ptr<Fp8Problem> problem;
+    cublasLtMatmulAlgo_t algo{};
+    std::string choice;
+    float ms = -1.f;
+  };
+  struct Anchor {  // a shape's fixed algorithm (deterministic mode)
+    cublasLtMatmulAlgo_t algo{};
+    std::string choice;
+  };
+  void* workspace = nullptr;  // the sums, the quantised activations, their scales (above)
+  size_t workspace_bytes = 0;
+  DeviceBuffer owned;  // the Gemm's own, when the caller gave none
+  bool fast_accum = fast_accum_from_env();
+  std::map<Key, std::unique_ptr<Plan>> plans;
+  std::map<Key, Anchor> anchors;              // key with T = 0
+  std::map<Key, const Plan*> timed_buckets;  // fast mode: key with T = its bucket -> the timed plan
+};
+
+void Gemm::Fp8StateDeleter::operator()(Fp8State* s) const { delete s; }
+
+Gemm::Fp8State& Gemm::fp8_state() {
+  if (!fp8_) fp8_.reset(new Fp8State);
+  return *fp8_;
+}
+
+size_t Gemm::fp8_workspace_bytes(int64_t rows, int64_t K, int64_t N) {
+  if (rows <= 0 || K <= 0 || N <= 0) return 0;
+  return size_t(256 + align_up(rows * N * 4, 256) + align_up(rows * K, 256) + rows * 4);
+}
+
+void Gemm::set_fp8_workspace(void* workspace, size_t bytes) {
+  Fp8State& s = fp8_state();
+  s.workspace = workspace, s.workspace_bytes = bytes;
+  s.owned = DeviceBuffer();
+}
+
+std::string Gemm::describe_fp8_plans() const {
+  if (!fp8_) return "";
+  std::ostringstream os;
+  for (const auto& [k, p] : fp8_->plans) {
+    os << "NK fp8 " << (k.in_type == CUDA_R_16F ? "f16" : "bf16") << " T=" << k.T << " K=" << k.K << " N=" << k.N
+       << ": " << p->choice;
+    if (p->ms >= 0) os << " " << p->ms * 1000.f << " us";
+    os << "\n";
+  }
+  return os.str();
+}
+
+namespace {
+
+// The heuristic's proposals for `p`, alignment `align` bytes on the weight, activations and out.
+std::vector<cublasLtMatmulHeuristicResult_t> proposals(cublasLtHandle_t lt, const Fp8Problem& p, int align,
+                                                       uint64_t workspace_bytes) {
+  cublasLtMatmulPreference_t pref = nullptr;
+  CUDA_CHECK(cublasLtMatmulPreferenceCreate(&pref));
+  const uint32_t a = uint32_t(align);
+  CUDA_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &workspace_bytes,
+                                                  sizeof(workspace_bytes)));
+  for (auto attr : {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
+                    CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES})
+    CUDA_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, attr, &a, sizeof(a)));
+  std::vector<cublasLtMatmulHeuristicResult_t> r(kHeuristicResults);
+  int found = 0;
+  const cublasStatus_t st =
+      cublasLtMatmulAlgoGetHeuristic(lt, p.desc, p.a, p.b, p.d, p.d, pref, kHeuristicResults, r.data(), &found);
+  cublasLtMatmulPreferenceDestroy(pref);
+  if (st != CUBLAS_STATUS_SUCCESS) found = 0;
+  r.resize(size_t(std::max(found, 0)));
+  return r;
+}
+
+bool accepts(cublasLtHandle_t lt, const Fp8Problem& p, const cublasLtMatmulAlgo_t& algo, uint64_t workspace_bytes) {
+  cublasLtMatmulHeuristicResult_t check{};
+  return cublasLtMatmulAlgoCheck(lt, p.desc, p.a, p.b, p.d, p.d, &algo, &check) == CUBLAS_STATUS_SUCCESS &&
+         check.workspaceSize <= workspace_bytes;
+}
+
+std::string shape_text(int64_t T_, int64_t K, int64_t N) {
+  return "T=" + std::to_string(T_) + " K=" + std::to_string(K) + " N=" + std::to_string(N);
+}
+
+}  // namespace
+
+template <class T>
+void Gemm::run_fp8(T* out, const T* in, const uint8_t* w, const float* w_scales, const T* bias, int64_t T_, int64_t K,
+                   int64_t N, GemmAct act, cudaStream_t stream) {
+  static_assert(std::is_same_v<T, __half> || std::is_same_v<T, __nv_bfloat16>, "T is __half or __nv_bfloat16");
+  std::string missing;
+  for (auto [p, name] : {std::pair<const void*, const char*>{out, "out"}, {in, "in"}, {w, "w"}, {w_scales, "w_scales"}})
+    if (p == nullptr) missing += std::string(missing.empty() ? "" : ", ") + name;
+  if (!missing.empty()) throw Error("fp8 gemm: null pointer (" + missing + ")");
+  if (T_ <= 0 || K <= 0 || N <= 0 || T_ > (int64_t(1) << 30) || K > (int64_t(1) << 30) || N > (int64_t(1) << 30))
+    throw Error("fp8 gemm: T, K and N must be positive and below 2^30 (" + shape_text(T_, K, N) + ")");
+  if (K % 16 != 0 || N % 16 != 0)
+    throw Error("fp8 gemm: K and N must be multiples of 16 for cuBLASLt's FP8 products (" + shape_text(T_, K, N) + ")");
+  if (alignment_of(out) < 16 || alignment_of(w) < 16 || alignment_of(in) < 16)
+    throw Error("fp8 gemm: out, in and w must be 16-byte aligned");
+  check_device();
+  Fp8State& s = fp8_state();
+
+  // The workspace (layout at the top of this file), sized for rows_per_call rows.
+  auto rows_fitting = [&](size_t bytes) {
+    int64_t r = int64_t(bytes / size_t(K + 4 + 4 * N));
+    while (r > 0 && fp8_workspace_bytes(r, K, N) > bytes) --r;
+    return r;
+  };
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
+  const bool capturing = capture != cudaStreamCaptureStatusNone;
+  const size_t need = fp8_workspace_bytes(T_, K, N);
+  if (s.workspace == nullptr || (s.owned.get() != nullptr && s.workspace_bytes < need && !capturing)) {
+    if (capturing) throw Error("fp8 gemm: no FP8 workspace, and none can be allocated during graph capture");
+    s.owned = DeviceBuffer();
+    s.owned = device_alloc(std::max(need, size_t(4) << 20), "gemm", "FP8 workspace");
+    s.workspace = s.owned.get(), s.workspace_bytes = s.owned.bytes();
+  }
+  const int64_t rows_per_call = std::min(T_, rows_fitting(s.workspace_bytes));
+  if (rows_per_call <= 0)
+    throw Error("fp8 gemm: the FP8 workspace (" + std::to_string(s.workspace_bytes) +
+                " bytes) cannot hold a row of K=" + std::to_string(K) + " N=" + std::to_string(N) + " (" +
+                std::to_string(fp8_workspace_bytes(1, K, N)) + " bytes)");
+  auto* base = reinterpret_cast<uint8_t*>(align_up(int64_t(reinterpret_cast<uintptr_t>(s.workspace)), 256));
+  float* sums = reinterpret_cast<float*>(base);
+  uint8_t* qa = base + align_up(rows_per_call * N * 4, 256);
+  float* sa = reinterpret_cast<float*>(qa + align_up(rows_per_call * K, 256));
+
+  // The cuBLASLt problem does not depend on the bias, the activation or out (the epilogue is
+  // ours): one plan for all of them.
+  Key key{};
+  key.layout = kFp8Layout;
+  key.in_type = int(half_type<T>());
+  key.out_type = int(CUDA_R_32F);
+  key.align = alignment_of(w);
+  key.K = K, key.N = N;
+  const uint64_t ws = workspace_.bytes();
+  const float alpha = 1.f, beta = 0.f;
+  auto matmul = [&](const Fp8Problem& p, const cublasLtMatmulAlgo_t& algo) {
+    return cublasLtMatmul(lt_, p.desc, &alpha, w, p.a, qa, p.b, &beta, sums, p.d, sums, p.d, &algo, workspace_.get(),
+                          workspace_.bytes(), stream);
+  };
+
+  // One call of `algo` on this call's first rows (already quantised), outside graph capture:
+  // cuBLASLt may accept an algorithm in the heuristic and refuse it in the call. Its sums are
+  // overwritten by the real call that follows.
+  auto trial = [&](const cublasLtMatmulAlgo_t& algo) {
+    if (capturing) return true;
+    Fp8Problem p(rows_per_call, K, N, s.fast_accum);
+    return accepts(lt_, p, algo, ws) && matmul(p, algo) == CUBLAS_STATUS_SUCCESS;
+  };
+
+  // Deterministic mode: the shape's fixed algorithm (chosen once, without timing).
+  auto anchor_of = [&]() -> const Fp8State::Anchor& {
+    Key ak = key;
+    ak.T = 0;
+    if (auto it = s.anchors.find(ak); it != s.anchors.end()) return it->second;
+    Fp8Problem p(kFp8AnchorRows, K, N, s.fast_accum);
+    const auto results = proposals(lt_, p, key.align, ws);
+    for (const auto& r : results) {
+      cublasLtMatmulAlgo_t algo = r.algo;
+      if (splits_k(algo)) {  // the same kernel without the split, if cuBLASLt takes it
+        const int32_t one = 1;
+        const uint32_t none = CUBLASLT_REDUCTION_SCHEME_NONE;
+        if (cublasLtMatmulAlgoConfigSetAttribute(&algo, CUBLASLT_ALGO_CONFIG_SPLITK_NUM, &one, sizeof(one)) !=
+                CUBLAS_STATUS_SUCCESS ||
+            cublasLtMatmulAlgoConfigSetAttribute(&algo, CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME, &none, sizeof(none)) !=
+                CUBLAS_STATUS_SUCCESS ||
+            splits_k(algo))
+          continue;
+      }
+      bool all = true;
+      for (int64_t t : kProbeRows) {
+        Fp8Problem pt(t, K, N, s.fast_accum);
+        if (!accepts(lt_, pt, algo, ws)) {
+          all = false;
+          break;
+        }
+      }
+      if (!all || !trial(algo)) continue;
+      Fp8State::Anchor a{algo, algo_name(algo) + " (fixed for every T)"};
+      return s.anchors.emplace(ak, a).first->second;
+    }
+    const std::string shape = "K=" + std::to_string(K) + " N=" + std::to_string(N) +
+                              " (E4M3 x E4M3 -> fp32 sums, T=" + std::to_string(kFp8AnchorRows) + ")";
+    if (results.empty()) throw Error("fp8 gemm: cuBLASLt proposes no FP8 algorithm for " + shape);
+    throw Error("fp8 gemm: none of the " + std::to_string(results.size()) + " FP8 algorithms cuBLASLt proposes for " +
+                shape + " runs without a split along K, accepts every T from 1 to " +
+                std::to_string(kProbeRows[std::size(kProbeRows) - 1]) + " and completes a first call");
+  };
+
+  auto plan_of = [&](int64_t rows) -> const Fp8State::Plan& {
+    Key k = key;
+    k.T = rows;
+    if (auto it = s.plans.find(k); it != s.plans.end()) return *it->second;
+    auto plan = std::make_unique<Fp8State::Plan>();
+    if (deterministic_) {
+      const Fp8State::Anchor& a = anchor_of();
+      plan->problem = std::make_unique<Fp8Problem>(rows, K, N, s.fast_accum);
+      if (!accepts(lt_, *plan->problem, a.algo, ws))
+        throw Error("fp8 gemm: the fixed algorithm of K=" + std::to_string(K) + " N=" + std::to_string(N) +
+                    " refuses T=" + std::to_string(rows));
+      plan->algo = a.algo;
+      plan->choice = a.choice;
+      return *s.plans.emplace(k, std::move(plan)).first->second;
+    }
+    // Fast mode: another T of this bucket was timed: its algorithm, if cuBLASLt takes it here.
+    Key bk = bucket_of(k);
+    plan->problem = std::make_unique<Fp8Problem>(rows, K, N, s.fast_accum);
+    if (auto it = s.timed_buckets.find(bk); it != s.timed_buckets.end() &&
+                                            accepts(lt_, *plan->problem, it->second->algo, ws)) {
+      plan->algo = it->second->algo;
+      plan->choice = "as its bucket's timed plan (" + it->second->choice + ")";
+      return *s.plans.emplace(k, std::move(plan)).first->second;
+    }
+    const auto results = proposals(lt_, *plan->problem, key.align, ws);
+    if (results.empty())
+      throw Error("fp8 gemm: cuBLASLt offers no FP8 algorithm (E4M3 x E4M3 -> fp32) for " + shape_text(rows, K, N));
+    if (!tuning_ || capturing || results.size() == 1) {
+      plan->algo = results[0].algo;
+      plan->choice = algo_name(results[0].algo) + " (heuristic #0, untimed)";
+      return *s.plans.emplace(k, std::move(plan)).first->second;
+    }
+    // Timed on the caller's buffers: the activations are quantised already (below).
+    float best = -1.f;
+    size_t best_i = 0;
+    for (size_t i = 0; i < results.size() && i < size_t(kMaxCandidates); ++i) {
+      const float ms =
+          time_ms(stream, [&] { return matmul(*plan->problem, results[i].algo) == CUBLAS_STATUS_SUCCESS; });
+      if (ms >= 0 && (best < 0 || ms < best)) best = ms, best_i = i;
+    }
+    if (best < 0) throw Error("fp8 gemm: every cuBLASLt candidate failed for " + shape_text(rows, K, N));
+    plan->algo = results[best_i].algo;
+    plan->ms = best;
+    plan->choice =
+        algo_name(plan->algo) + " (#" + std::to_string(best_i) + " of " + std::to_string(results.size()) + ")";
+    const Fp8State::Plan& chosen = *s.plans.emplace(k, std::move(plan)).first->second;
+    s.timed_buckets.emplace(bk, &chosen);
+    return chosen;
+  };
+
+  for (int64_t r0 = 0; r0 < T_; r0 += rows_per_call) {
+    const int64_t rows = std::min(rows_per_call, T_ - r0);
+    quantize_rows_fp8<T>(qa, sa, in + r0 * K, rows, K, stream);
+    const Fp8State::Plan& plan = plan_of(rows);
+    CUDA_CHECK(matmul(*plan.problem, plan.algo));
+    fp8_scale_epilogue<T>(out + r0 * N, sums, sa, w_scales, bias, rows, N, int(act), stream);
+  }
+}
+
+template void Gemm::run_fp8<__half>(__half*, const __half*, const uint8_t*, const float*, const __half*, int64_t,
+                                    int64_t, int64_t, GemmAct, cudaStream_t);
+template void Gemm::run_fp8<__nv_bfloat16>(__nv_bfloat16*, const __nv_bfloat16*, const uint8_t*, const float*,
+                                           const __nv_bfloat16*, int64_t, int64_t, int64_t, GemmAct, cudaStream_t);
+
+Status Gemm::fp8_supported() {
+  if (Status st = fp8_device_check(device_); !st) return st;
+  // A small product through run_fp8 itself, checked: cuBLASLt may accept the descriptor and
+  // refuse the call, or return wrong sums; the epilogue must apply both scales.
+  // in[t, k] = t + 1 and w[n, k] = 2 quantise to 448 with scales (t + 1) / 448 and 2 / 448:
+  // out[t, n] = 2 (t + 1) K exactly, up to the scales' roundings; then with a bias of 1 and the
+  // tanh GeLU, which are the identity's +1 at these sizes.
+  constexpr int64_t T_ = 16, K = 64, N = 32;
+  try {
+    DeviceBuffer in = device_alloc(size_t(T_ * K) * sizeof(__half), "gemm", "FP8 check input");
+    DeviceBuffer wh = device_alloc(size_t(N * K) * sizeof(__half), "gemm", "FP8 check weight");
+    DeviceBuffer w8 = device_alloc(size_t(N * K), "gemm", "FP8 check weight bytes");
+    DeviceBuffer ws = device_alloc(size_t(N) * sizeof(float), "gemm", "FP8 check scales");
+    DeviceBuffer out = device_alloc(size_t(T_ * N) * sizeof(__half), "gemm", "FP8 check output");
+    DeviceBuffer bias = device_alloc(size_t(N) * sizeof(__half), "gemm", "FP8 check bias");
+    const std::vector<__half> hb(size_t(N), __float2half(1.f));
+    CUDA_CHECK(cudaMemcpy(bias.get(), hb.data(), hb.size() * sizeof(__half), cudaMemcpyHostToDevice));
+    std::vector<__half> hin(size_t(T_ * K)), hw(size_t(N * K), __float2half(2.f));
+    for (int64_t t = 0; t < T_; ++t)
+      for (int64_t k = 0; k < K; ++k) hin[size_t(t * K + k)] = __float2half(float(t + 1));
+    CUDA_CHECK(cudaMemcpy(in.get(), hin.data(), hin.size() * sizeof(__half), cudaMemcpyHostToDevice));
+    CUDA_CHECK(cudaMemcpy(wh.get(), hw.data(), hw.size() * sizeof(__half), cudaMemcpyHostToDevice));
+    quantize_rows_fp8<__half>(w8.as<uint8_t>(), ws.as<float>(), wh.as<__half>(), N, K, nullptr);
+    for (auto [with_bias, act] : {std::pair{false, GemmAct::None}, {true, GemmAct::None}, {true, GemmAct::GeluTanh}}) {
+      run_fp8<__half>(out.as<__half>(), in.as<__half>(), w8.as<uint8_t>(), ws.as<float>(),
+                      with_bias ? bias.as<__half>() : nullptr, T_, K, N, act, nullptr);
+      CUDA_CHECK(cudaDeviceSynchronize());
+      std::vector<__half> got(size_t(T_ * N));
+      CUDA_CHECK(cudaMemcpy(got.data(), out.get(), got.size() * sizeof(__half), cudaMemcpyDeviceToHost));
+      for (int64_t t = 0; t < T_; ++t)
+        for (int64_t n = 0; n < N; ++n) {
+          const float want = 2.f * float(t + 1) * float(K) + (with_bias ? 1.f : 0.f);
+          const float v = __half2float(got[size_t(t * N + n)]);
+          if (!(std::fabs(v - want) <= 1e-2f * want))
+            return Status::error("fp8: the FP8 product (cuBLASLt E4M3 -> fp32, then the scaling epilogue) is wrong on "
+                                 "device " + std::to_string(device_) + " (" + (with_bias ? "bias, " : "") +
+                                 (act == GemmAct::None ? "" : "GeLU, ") + "row " + std::to_string(t) + ": " +
+                                 std::to_string(v) + ", expected " + std::to_string(want) + ")");
+        }
+    }
+  } catch (const Error& e) {
+    return Status::error(std::string("fp8: ") + e.what());
+  }
+  return ok_status();
+}
+
+}  // namespace conveyor::cuda

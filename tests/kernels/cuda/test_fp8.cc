@@ -1,0 +1,483 @@
+// FP8 (E4M3) quantisation and products (kernels/cuda/fp8.h, Gemm::run_fp8):
+//   - on the host (no GPU needed): E4M3 encoding rounds to nearest even and saturates,
+//     decoding is exact, the reference quantiser's scales and bytes;
+//   - the GPU quantiser equals the host reference bit for bit (fp16, bf16, fp32 rows, the
+//     vector and the element-wise paths, a zero row);
+//   - the scaling epilogue (both scales, bias, activation on cuBLASLt's fp32 sums) equals the
+//     host's fp32 operations bit for bit without activation, within T's rounding with one;
+//   - run_fp8 against a double-precision product of the unquantised inputs (within FP8's
+//     error) and of the quantised ones (within fp32 accumulation and output rounding), with
+//     and without bias, each activation, fp16 and bf16, several T;
+//   - in deterministic mode a row's result is the same bits for every T = 1..256 and any place
+//     among the rows (the fixed cuBLASLt algorithm per (K, N), no split-K), at the gpt3-6.7b
+//     shapes, and when the rows run in blocks of a small workspace; a captured CUDA graph
+//     replays the same bits;
+//   - Gemm::fp8_supported's probe passes on compute capability 9.0;
+//   - fp8_workspace_bytes (host) holds the sums, the quantised rows and their scales.
+// Outputs are poisoned (NaN) before each run, so an element the product fails to write fails.
+// The GPU tests skip cleanly where no GPU is present (or, for products, where the GPU fails
+// Gemm::fp8_supported: they print why).
+#include <gtest/gtest.h>
+
+#ifndef CONVEYOR_HAVE_CUDA
+
+TEST(Fp8, NotBuilt) { GTEST_SKIP() << "built without the CUDA backend"; }
+
+#else
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <iostream>
+#include <random>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "common/status.h"
+#include "kernels/cuda/check.h"
+#include "kernels/cuda/fp8.h"
+#include "kernels/cuda/gemm.h"
+#include "tests/gpu_test_util.h"
+
+namespace conveyor {
+namespace {
+
+using cuda::GemmAct;
+using half = __half;
+using bf16 = __nv_bfloat16;
+using testing::from_bits;
+using testing::have_gpu;
+using testing::to_bits;
+
+// ---- host: E4M3 and the reference quantiser ------------------------------------------------
+
+TEST(Fp8Host, E4M3EncodingRoundsToNearestEvenAndSaturates) {
+  using cuda::float_to_fp8_e4m3;
+  EXPECT_EQ(float_to_fp8_e4m3(0.f), 0x00);
+  EXPECT_EQ(float_to_fp8_e4m3(1.f), 0x38);
+  EXPECT_EQ(float_to_fp8_e4m3(-1.f), 0xB8);
+  EXPECT_EQ(float_to_fp8_e4m3(448.f), 0x7E);
+  EXPECT_EQ(float_to_fp8_e4m3(1000.f), 0x7E);   // saturates to the largest finite value
+  EXPECT_EQ(float_to_fp8_e4m3(-1e30f), 0xFE);
+  EXPECT_EQ(float_to_fp8_e4m3(1.0625f), 0x38);  // halfway between 1 and 1.125: to the even 1
+  EXPECT_EQ(float_to_fp8_e4m3(1.1875f), 0x3A);  // halfway between 1.125 and 1.25: to the even 1.25
+  EXPECT_EQ(float_to_fp8_e4m3(std::ldexp(1.f, -9)), 0x01);  // the smallest subnormal
+  // Every code but NaN decodes exactly and encodes back to itself.
+  for (int b = 0; b < 256; ++b) {
+    const float v = cuda::fp8_e4m3_to_float(uint8_t(b));
+    if ((b & 0x7F) == 0x7F) {
+      EXPECT_TRUE(std::isnan(v)) << b;
+      continue;
+    }
+    EXPECT_EQ(float_to_fp8_e4m3(v), b) << "code " << b << " = " << v;
+  }
+  EXPECT_EQ(cuda::fp8_e4m3_to_float(0x7E), 448.f);
+  EXPECT_EQ(cuda::fp8_e4m3_to_float(0x01), std::ldexp(1.f, -9));
+}
+
+TEST(Fp8Host, ReferenceQuantiserScalesEachRowToItsLargestValue) {
+  const int64_t rows = 3, K = 5;
+  const std::vector<float> x = {1.f, -2.f, 0.5f, 0.25f, 2.f,  // amax 2: s = 2/448, +-2 -> +-448
+                                0.f, 0.f,  0.f,  0.f,   0.f,  // all zero: s = 0, q = 0
+                                -896.f, 3.f, 7.f, 1e-3f, 0.f};
+  std::vector<uint8_t> q(static_cast<size_t>(rows * K));
+  std::vector<float> s(static_cast<size_t>(rows));
+  cuda::quantize_rows_fp8_reference(q.data(), s.data(), x.data(), rows, K);
+  EXPECT_EQ(s[0], 2.f / 448.f);
+  EXPECT_EQ(q[1], 0xFE);
+  EXPECT_EQ(q[4], 0x7E);
+  EXPECT_EQ(s[1], 0.f);
+  for (int k = 0; k < K; ++k) EXPECT_EQ(q[size_t(K + k)], 0) << k;
+  EXPECT_EQ(s[2], 2.f);
+  EXPECT_EQ(q[size_t(2 * K)], 0xFE);  // -896 / 2 = -448
+  // Dequantised, every value is within half an E4M3 step (2^-4 relative) of the original, or
+  // below the smallest step of its row.
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t k = 0; k < K; ++k) {
+      const float v = x[size_t(r * K + k)], d = s[size_t(r)] * cuda::fp8_e4m3_to_float(q[size_t(r * K + k)]);
+      EXPECT_LE(std::fabs(d - v), std::max(std::fabs(v) / 16.f, s[size_t(r)] * std::ldexp(1.f, -10)))
+          << r << "," << k;
+    }
+  EXPECT_THROW(cuda::quantize_rows_fp8_reference(nullptr, s.data(), x.data(), 1, 1), Error);
+  EXPECT_THROW(cuda::quantize_rows_fp8_reference(q.data(), s.data(), x.data(), 0, 1), Error);
+}
+
+// The workspace of one product: the fp32 sums (4 N bytes a row), the E4M3 rows (K bytes) and
+// their scales (4 bytes), each part at a 256-byte boundary, plus 256 bytes for the base's own.
+TEST(Fp8Host, WorkspaceHoldsTheSumsTheRowsAndTheirScales) {
+  using cuda::Gemm;
+  EXPECT_EQ(Gemm::fp8_workspace_bytes(1, 64, 32), size_t(256 + 256 + 256 + 4));
+  EXPECT_EQ(Gemm::fp8_workspace_bytes(70, 2048, 1024), size_t(256 + 70 * 1024 * 4 + 70 * 2048 + 70 * 4));
+  // gpt3-6.7b's FC1 at 4096 rows: 256 MiB of sums, 16 MiB of rows.
+  EXPECT_EQ(Gemm::fp8_workspace_bytes(4096, 4096, 16384),
+            size_t(256) + (size_t(256) << 20) + (size_t(16) << 20) + 4096 * 4);
+  for (int64_t rows : {1, 3, 17, 255, 4096})
+    EXPECT_GE(Gemm::fp8_workspace_bytes(rows, 4096, 12288), size_t(rows) * (4096 + 4 + 4 * 12288) + 256) << rows;
+  EXPECT_LT(Gemm::fp8_workspace_bytes(69, 2048, 1024), Gemm::fp8_workspace_bytes(70, 2048, 1024));
+  EXPECT_EQ(Gemm::fp8_workspace_bytes(0, 64, 32), 0u);
+}
+
+// ---- device helpers --------------------------------------------------------------------------
+
+struct Rng {
+  uint32_t seed;
+  std::mt19937 gen;
+  Rng() : seed(std::random_device{}()), gen(seed) {}
+  std::vector<float> normal(size_t n, float stddev) {
+    std::normal_distribution<float> d(0.f, stddev);
+    std::vector<float> v(n);
+    for (auto& x : v) x = d(gen);
+    return v;
+  }
+};
+#define SEED_TRACE(rng) SCOPED_TRACE("seed " + std::to_string((rng).seed))
+
+// Host values rounded to T, as bits (for the device) and floats (for the host).
+template <class T>
+struct Rounded {
+  std::vector<uint16_t> bits;
+  std::vector<float> values;
+  explicit Rounded(const std::vector<float>& v) : bits(v.size()), values(v.size()) {
+    for (size_t i = 0; i < v.size(); ++i) bits[i] = to_bits<T>(v[i]), values[i] = from_bits<T>(bits[i]);
+  }
+};
+
+// `n` elements of E on the device, poisoned with 0xff bytes (NaN in every float type).
+template <class E>
+struct Dev {
+  cuda::DeviceBuffer buf;
+  size_t n = 0;
+  explicit Dev(size_t count) : buf(cuda::device_alloc(std::max<size_t>(count, 1) * sizeof(E), "test_fp8", "buffer")), n(count) {
+    CUDA_CHECK(cudaMemset(buf.get(), 0xff, buf.bytes()));
+  }
+  template <class H>
+  explicit Dev(const std::vector<H>& h) : Dev(h.size()) {
+    static_assert(sizeof(H) == sizeof(E));
+    CUDA_CHECK(cudaMemcpy(buf.get(), h.data(), h.size() * sizeof(E), cudaMemcpyHostToDevice));
+  }
+  E* p() const { return buf.as<E>(); }
+  template <class H>
+  std::vector<H> get() const {
+    static_assert(sizeof(H) == sizeof(E));
+    std::vector<H> v(n);
+    CUDA_CHECK(cudaMemcpy(v.data(), buf.get(), n * sizeof(E), cudaMemcpyDeviceToHost));
+    return v;
+  }
+};
+
+double act_host(double v, GemmAct act) {
+  if (act == GemmAct::GeluTanh) return 0.5 * v * (1.0 + std::tanh(0.7978845608028654 * (v + 0.044715 * v * v * v)));
+  if (act == GemmAct::GeluErf) return 0.5 * v * (1.0 + std::erf(v * 0.7071067811865476));
+  return v;
+}
+
+// act(x @ w^T + bias) in double, x [T, K], w [N, K].
+std::vector<double> product(const std::vector<double>& x, const std::vector<double>& w, const std::vector<float>* bias,
+                            int64_t T_, int64_t K, int64_t N, GemmAct act) {
+  std::vector<double> out(static_cast<size_t>(T_ * N));
+  for (int64_t t = 0; t < T_; ++t)
+    for (int64_t n = 0; n < N; ++n) {
+      double acc = 0;
+      for (int64_t k = 0; k < K; ++k) acc += x[size_t(t * K + k)] * w[size_t(n * K + k)];
+      out[size_t(t * N + n)] = act_host(acc + (bias ? double((*bias)[size_t(n)]) : 0.0), act);
+    }
+  return out;
+}
+
+// Rows quantised on the host and dequantised, in double.
+std::vector<double> dequantised(const std::vector<float>& v, int64_t rows, int64_t K) {
+  std::vector<uint8_t> q(v.size());
+  std::vector<float> s(static_cast<size_t>(rows));
+  cuda::quantize_rows_fp8_reference(q.data(), s.data(), v.data(), rows, K);
+  std::vector<double> d(v.size());
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t k = 0; k < K; ++k) d[size_t(r * K + k)] = double(s[size_t(r)]) * cuda::fp8_e4m3_to_float(q[size_t(r * K + k)]);
+  return d;
+}
+
+double worst_row_error(const std::vector<float>& out, const std::vector<double>& ref, int64_t T_, int64_t N) {
+  double worst = 0;
+  for (int64_t t = 0; t < T_; ++t) {
+    double num = 0, den = 0;
+    for (int64_t n = 0; n < N; ++n) {
+      const float o = out[size_t(t * N + n)];
+      if (!std::isfinite(o)) return INFINITY;
+      const double d = double(o) - ref[size_t(t * N + n)];
+      num += d * d, den += ref[size_t(t * N + n)] * ref[size_t(t * N + n)];
+    }
+    worst = std::max(worst, den == 0 ? std::sqrt(num) : std::sqrt(num / den));
+  }
+  return worst;
+}
+
+template <class T>
+std::vector<float> as_floats(const std::vector<uint16_t>& bits) {
+  std::vector<float> v(bits.size());
+  for (size_t i = 0; i < v.size(); ++i) v[i] = from_bits<T>(bits[i]);
+  return v;
+}
+
+// The skip for GPUs where run_fp8 does not work (below compute capability 8.9, or its probe fails).
+#define SKIP_WITHOUT_FP8(gemm)                                                               \
+  do {                                                                                       \
+    if (Status fp8_ok = (gemm).fp8_supported(); !fp8_ok) GTEST_SKIP() << fp8_ok.message(); \
+  } while (0)
+
+template <class T>
+class Fp8 : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (!have_gpu()) GTEST_SKIP() << "no CUDA device on this host";
+  }
+};
+using Types = ::testing::Types<half, bf16>;
+TYPED_TEST_SUITE(Fp8, Types);
+
+// ---- the quantiser ---------------------------------------------------------------------------
+
+template <class T>
+void check_quantiser(Rng& rng, int64_t rows, int64_t K) {
+  SCOPED_TRACE("rows " + std::to_string(rows) + " K " + std::to_string(K));
+  std::vector<float> v = rng.normal(size_t(rows * K), 3.f);
+  for (int64_t k = 0; k < K; ++k) v[size_t(K + k)] = 0.f;  // row 1: all zero
+  v[0] = 1e4f;                                              // row 0: one outlier
+  std::vector<float> values;
+  cuda::DeviceBuffer x;
+  if constexpr (std::is_same_v<T, float>) {
+    values = v;
+    x = cuda::device_alloc(v.size() * 4, "test_fp8", "x");
+    CUDA_CHECK(cudaMemcpy(x.get(), v.data(), v.size() * 4, cudaMemcpyHostToDevice));
+  } else {
+    Rounded<T> r(v);
+    values = r.values;
+    x = cuda::device_alloc(v.size() * 2, "test_fp8", "x");
+    CUDA_CHECK(cudaMemcpy(x.get(), r.bits.data(), v.size() * 2, cudaMemcpyHostToDevice));
+  }
+  Dev<uint8_t> q(static_cast<size_t>(rows * K));
+  Dev<float> s(static_cast<size_t>(rows));
+  cuda::quantize_rows_fp8<T>(q.p(), s.p(), x.as<T>(), rows, K, nullptr);
+  CUDA_CHECK(cudaDeviceSynchronize());
+  std::vector<uint8_t> q_ref(static_cast<size_t>(rows * K));
+  std::vector<float> s_ref(static_cast<size_t>(rows));
+  cuda::quantize_rows_fp8_reference(q_ref.data(), s_ref.data(), values.data(), rows, K);
+  const auto q_got = q.template get<uint8_t>();
+  const auto s_got = s.template get<float>();
+  for (int64_t r = 0; r < rows; ++r) ASSERT_EQ(std::memcmp(&s_got[size_t(r)], &s_ref[size_t(r)], 4), 0) << "scale " << r;
+  for (size_t i = 0; i < q_ref.size(); ++i)
+    ASSERT_EQ(q_got[i], q_ref[i]) << "row " << i / size_t(K) << " k " << i % size_t(K) << " of "
+                                  << values[i];
+}
+
+TYPED_TEST(Fp8, QuantiserEqualsTheHostReference) {
+  Rng rng;
+  SEED_TRACE(rng);
+  for (auto [rows, K] : {std::pair<int64_t, int64_t>{5, 4096}, {3, 100}, {7, 16384}, {2, 8}})
+    check_quantiser<TypeParam>(rng, rows, K);
+  if (std::is_same_v<TypeParam, half>) check_quantiser<float>(rng, 4, 1000);
+}
+
+// ---- the epilogue ----------------------------------------------------------------------------
+
+// fp8_scale_epilogue against the host: without activation the same fp32 operations ((sum x
+// row scale) x column scale + bias, each rounded), then one rounding to T: the same bits; with
+// a GeLU within a few units of T's last place (tanhf/erff may differ by an ulp). Both the
+// 4-wide path (N % 4 == 0) and the element-wise one (N odd, or out not 8-byte aligned).
+template <class T>
+void check_epilogue(Rng& rng, int64_t rows, int64_t N, int64_t out_offset, bool with_bias, GemmAct act) {
+  SCOPED_TRACE("rows " + std::to_string(rows) + " N " + std::to_string(N) + " offset " + std::to_string(out_offset) +
+               (with_bias ? " bias" : "") + " act " + std::to_string(int(act)));
+  const std::vector<float> sums = rng.normal(size_t(rows * N), 3000.f);
+  std::vector<float> rs = rng.normal(size_t(rows), 0.01f), cs = rng.normal(size_t(N), 0.03f);
+  rs[0] = 0.f;  // an all-zero input row
+  Rounded<T> b(rng.normal(size_t(N), 0.5f));
+  Dev<float> dsums(sums), drs(rs), dcs(cs);
+  Dev<uint16_t> db(b.bits), out(static_cast<size_t>(rows * N + out_offset));
+  cuda::fp8_scale_epilogue<T>(reinterpret_cast<T*>(out.p()) + out_offset, dsums.p(), drs.p(), dcs.p(),
+                              with_bias ? reinterpret_cast<const T*>(db.p()) : nullptr, rows, N, int(act), nullptr);
+  CUDA_CHECK(cudaDeviceSynchronize());
+  const auto got = out.template get<uint16_t>();
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t n = 0; n < N; ++n) {
+      const size_t i = size_t(r * N + n);
+      volatile float scaled = sums[i] * rs[size_t(r)];
+      scaled = scaled * cs[size_t(n)];
+      const float pre = scaled + (with_bias ? b.values[size_t(n)] : 0.f);
+      const uint16_t g = got[i + size_t(out_offset)];
+      if (act == GemmAct::None) {
+        ASSERT_EQ(g, to_bits<T>(pre)) << "row " << r << " col " << n;
+      } else {
+        const double want = act_host(double(pre), act), v = from_bits<T>(g);
+        ASSERT_LE(std::fabs(v - want), 1e-2 * std::fabs(want) + 1e-3) << "row " << r << " col " << n;
+      }
+    }
+}
+
+TYPED_TEST(Fp8, EpilogueAppliesBothScalesBiasAndActivation) {
+  Rng rng;
+  SEED_TRACE(rng);
+  for (GemmAct act : {GemmAct::None, GemmAct::GeluTanh, GemmAct::GeluErf})
+    for (bool with_bias : {false, true}) {
+      check_epilogue<TypeParam>(rng, 37, 96, 0, with_bias, act);  // 4-wide
+      check_epilogue<TypeParam>(rng, 5, 33, 0, with_bias, act);   // element-wise: N odd
+      check_epilogue<TypeParam>(rng, 6, 48, 1, with_bias, act);   // element-wise: out misaligned
+    }
+  Dev<float> x(4);
+  EXPECT_THROW(cuda::fp8_scale_epilogue<TypeParam>(nullptr, x.p(), x.p(), x.p(), nullptr, 1, 4, 0, nullptr), Error);
+  EXPECT_THROW(cuda::fp8_scale_epilogue<TypeParam>(reinterpret_cast<TypeParam*>(x.p()), x.p(), nullptr, x.p(), nullptr,
+                                                   1, 4, 0, nullptr),
+               Error);
+}
+
+// ---- the product -----------------------------------------------------------------------------
+
+TYPED_TEST(Fp8, ProductMatchesTheReferenceWithinFp8Error) {
+  using T = TypeParam;
+  cuda::Gemm gemm;
+  SKIP_WITHOUT_FP8(gemm);
+  Rng rng;
+  SEED_TRACE(rng);
+  for (auto [K, N] : {std::pair<int64_t, int64_t>{1024, 768}, {64, 48}, {4096, 256}}) {
+    const int64_t Tmax = 300;
+    Rounded<T> x(rng.normal(size_t(Tmax * K), 1.f)), w(rng.normal(size_t(N * K), 0.05f)), b(rng.normal(size_t(N), 0.5f));
+    Dev<uint16_t> dx(x.bits), dw16(w.bits), db(b.bits);
+    Dev<uint8_t> w8(static_cast<size_t>(N * K));
+    Dev<float> ws(static_cast<size_t>(N));
+    cuda::quantize_rows_fp8<T>(w8.p(), ws.p(), reinterpret_cast<const T*>(dw16.p()), N, K, nullptr);
+    std::vector<double> xd(x.values.begin(), x.values.end()), wd(w.values.begin(), w.values.end());
+    const std::vector<double> wq = dequantised(w.values, N, K);
+    for (int64_t T_ : {int64_t(1), int64_t(7), int64_t(64), Tmax}) {
+      const std::vector<double> xq = dequantised(std::vector<float>(x.values.begin(), x.values.begin() + T_ * K), T_, K);
+      const std::vector<double> xs(xd.begin(), xd.begin() + T_ * K);
+      // The sums, once: bias and activation are applied per case below.
+      const std::vector<double> sums_q = product(xq, wq, nullptr, T_, K, N, GemmAct::None);
+      const std::vector<double> sums = product(xs, wd, nullptr, T_, K, N, GemmAct::None);
+      auto finish = [&](const std::vector<double>& raw, bool with_bias, GemmAct act) {
+        std::vector<double> r(raw.size());
+        for (size_t i = 0; i < r.size(); ++i)
+          r[i] = act_host(raw[i] + (with_bias ? double(b.values[i % size_t(N)]) : 0.0), act);
+        return r;
+      };
+      for (bool with_bias : {false, true})
+        for (GemmAct act : {GemmAct::None, GemmAct::GeluTanh, GemmAct::GeluErf}) {
+          SCOPED_TRACE("K " + std::to_string(K) + " N " + std::to_string(N) + " T " + std::to_string(T_) +
+                       (with_bias ? " bias" : "") + " act " + std::to_string(int(act)));
+          Dev<uint16_t> out(static_cast<size_t>(T_ * N));
+          gemm.run_fp8<T>(reinterpret_cast<T*>(out.p()), reinterpret_cast<const T*>(dx.p()), w8.p(), ws.p(),
+                          with_bias ? reinterpret_cast<const T*>(db.p()) : nullptr, T_, K, N, act, nullptr);
+          CUDA_CHECK(cudaDeviceSynchronize());
+          const std::vector<float> got = as_floats<T>(out.template get<uint16_t>());
+          // Against the quantised operands: only accumulation and the output's rounding.
+          const double e_q = worst_row_error(got, finish(sums_q, with_bias, act), T_, N);
+          EXPECT_LT(e_q, (std::is_same_v<T, half> ? 4e-3 : 1.2e-2));
+          // Against the unquantised operands: FP8's own error (3 mantissa bits per operand).
+          const double e = worst_row_error(got, finish(sums, with_bias, act), T_, N);
+          EXPECT_LT(e, 0.08);
+          if (T_ == Tmax && with_bias && act == GemmAct::GeluTanh)
+            std::cout << "[fp8] K " << K << " N " << N << " T " << T_ << ": worst row error " << e
+                      << " vs the unquantised product, " << e_q << " vs the quantised one\n";
+        }
+    }
+  }
+  std::cout << gemm.describe_plans();
+}
+
+// A workspace smaller than the call: the rows run in blocks, with the same bits.
+TYPED_TEST(Fp8, RowBlocksGiveTheSameBits) {
+  using T = TypeParam;
+  cuda::Gemm whole, blocks;
+  SKIP_WITHOUT_FP8(whole);
+  Rng rng;
+  SEED_TRACE(rng);
+  const int64_t T_ = 300, K = 2048, N = 1024;
+  Rounded<T> x(rng.normal(static_cast<size_t>(T_ * K), 1.f)), w(rng.normal(static_cast<size_t>(N * K), 0.03f));
+  Dev<uint16_t> dx(x.bits), dw16(w.bits), a(static_cast<size_t>(T_ * N)), b(static_cast<size_t>(T_ * N));
+  Dev<uint8_t> w8(static_cast<size_t>(N * K));
+  Dev<float> ws(static_cast<size_t>(N));
+  cuda::quantize_rows_fp8<T>(w8.p(), ws.p(), reinterpret_cast<const T*>(dw16.p()), N, K, nullptr);
+  Dev<uint8_t> small(cuda::Gemm::fp8_workspace_bytes(70, K, N));  // 70 rows a block
+  blocks.set_fp8_workspace(small.p(), small.n);
+  for (cuda::Gemm* g : {&whole, &blocks})
+    g->run_fp8<T>(reinterpret_cast<T*>((g == &whole ? a : b).p()), reinterpret_cast<const T*>(dx.p()), w8.p(), ws.p(),
+                  nullptr, T_, K, N, GemmAct::None, nullptr);
+  CUDA_CHECK(cudaDeviceSynchronize());
+  EXPECT_EQ(a.template get<uint16_t>(), b.template get<uint16_t>());
+  EXPECT_NE(blocks.describe_plans().find("T=70 "), std::string::npos) << blocks.describe_plans();
+}
+
+TYPED_TEST(Fp8, GraphReplayGivesTheEagerBits) {
+  using T = TypeParam;
+  cuda::Gemm gemm;
+  SKIP_WITHOUT_FP8(gemm);
+  Rng rng;
+  SEED_TRACE(rng);
+  const int64_t T_ = 64, K = 1024, N = 3072;
+  Rounded<T> x(rng.normal(size_t(T_ * K), 1.f)), w(rng.normal(size_t(N * K), 0.03f)), b(rng.normal(size_t(N), 0.5f));
+  Dev<uint16_t> dx(x.bits), dw16(w.bits), db(b.bits), eager(size_t(T_ * N)), replay(static_cast<size_t>(T_ * N));
+  Dev<uint8_t> w8(static_cast<size_t>(N * K));
+  Dev<float> ws(static_cast<size_t>(N));
+  cudaStream_t stream = nullptr;
+  CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  cuda::quantize_rows_fp8<T>(w8.p(), ws.p(), reinterpret_cast<const T*>(dw16.p()), N, K, stream);
+  auto run = [&](Dev<uint16_t>& out) {
+    gemm.run_fp8<T>(reinterpret_cast<T*>(out.p()), reinterpret_cast<const T*>(dx.p()), w8.p(), ws.p(),
+                    reinterpret_cast<const T*>(db.p()), T_, K, N, GemmAct::GeluTanh, stream);
+  };
+  run(eager);  // plans the shape outside capture
+  CUDA_CHECK(cudaStreamSynchronize(stream));
+  cudaGraph_t graph = nullptr;
+  CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+  run(replay);
+  CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+  cudaGraphExec_t exec = nullptr;
+  CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+  for (int i = 0; i < 3; ++i) CUDA_CHECK(cudaGraphLaunch(exec, stream));
+  CUDA_CHECK(cudaStreamSynchronize(stream));
+  EXPECT_EQ(eager.template get<uint16_t>(), replay.template get<uint16_t>());
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  cudaStreamDestroy(stream);
+}
+
+TYPED_TEST(Fp8, ChecksItsArguments) {
+  using T = TypeParam;
+  cuda::Gemm gemm;
+  Dev<uint16_t> x(64 * 64), out(64 * 64);
+  Dev<uint8_t> w(64 * 64);
+  Dev<float> s(64);
+  T* o = reinterpret_cast<T*>(out.p());
+  const T* in = reinterpret_cast<const T*>(x.p());
+  EXPECT_THROW(gemm.run_fp8<T>(o, in, nullptr, s.p(), nullptr, 4, 64, 64, GemmAct::None, nullptr), Error);
+  EXPECT_THROW(gemm.run_fp8<T>(o, in, w.p(), nullptr, nullptr, 4, 64, 64, GemmAct::None, nullptr), Error);
+  EXPECT_THROW(gemm.run_fp8<T>(o, in, w.p(), s.p(), nullptr, 4, 72, 64, GemmAct::None, nullptr), Error);  // K % 16
+  EXPECT_THROW(gemm.run_fp8<T>(o, in, w.p(), s.p(), nullptr, 4, 64, 40, GemmAct::None, nullptr), Error);  // N % 16
+  EXPECT_THROW(gemm.run_fp8<T>(o, in, w.p(), s.p(), nullptr, 0, 64, 64, GemmAct::None, nullptr), Error);
+  EXPECT_THROW(gemm.run_fp8<T>(o + 1, in, w.p(), s.p(), nullptr, 4, 64, 64, GemmAct::None, nullptr), Error);
+  EXPECT_THROW(cuda::quantize_rows_fp8<T>(nullptr, s.p(), in, 1, 64, nullptr), Error);
+}
+
+TEST(Fp8Device, HopperRunsFp8Products) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device on this host";
+  cudaDeviceProp p{};
+  ASSERT_EQ(cudaGetDeviceProperties(&p, 0), cudaSuccess);
+  cuda::Gemm gemm;
+  const Status s = gemm.fp8_supported();
+  std::cout << "[fp8] " << p.name << " (" << p.major << "." << p.minor << "): "
+            << (s ? std::string("FP8 products (cuBLASLt E4M3 -> fp32, scaling epilogue)") : s.message()) << "\n";
+  if (p.major == 9) {
+    EXPECT_TRUE(s.ok()) << s.message();
+  }
+  if (p.major * 10 + p.minor < 89) {
+    EXPECT_FALSE(s.ok());
+    EXPECT_NE(s.message().find("compute capability"), std::string::npos) << s.message();
+  }
+}
+
+}  // namespace
+}  // namespace conveyor
+
+#endif
