@@ -28,6 +28,7 @@ TEST(GpuBeamSearch, NotBuilt) { GTEST_SKIP() << "built without the CUDA backend"
 #include "tests/coordinator/inproc_pipeline.h"
 #include "tests/gpu_test_util.h"
 #include "tests/hf_fixtures.h"
+#include "tests/stage/cuda/gpu_inproc.h"
 #include "tests/test_util.h"
 
 namespace conveyor {
@@ -40,19 +41,7 @@ using testing::InprocPipeline;
 
 std::string demo() { return testing::source_dir() + "/models/brown-gpt2"; }
 
-testing::BackendMaker gpu(DType dtype) {
-  return [dtype](StageWeights w, int64_t kv_bytes) -> std::unique_ptr<StageBackend> {
-    cuda::GpuStageOptions o;
-    o.dtype = dtype;
-    o.name = "stage " + std::to_string(w.layer_begin);
-    o.max_tokens = 512;
-    o.kv_cache_max_bytes = kv_bytes;
-    auto b = cuda::GpuStageBackend::create(w, {0}, o);
-    EXPECT_TRUE(b) << b.error();
-    if (!b) return nullptr;
-    return std::move(b).value();
-  };
-}
+testing::BackendMaker gpu(DType dtype) { return testing::gpu_backend(dtype); }
 
 std::shared_ptr<CompletionRequest> beam_request(const std::vector<int32_t>& prompt, int best_of, int n, int max_tokens,
                                                 float lp, EarlyStopping early) {
