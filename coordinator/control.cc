@@ -68,7 +68,7 @@ void Coordinator::Impl::on_register(const std::string& peer, RegisterMsg m) {
   w.kv_cache_bytes = m.kv_cache_bytes;
   w.holding = std::move(m.holding);
   w.data_plane = std::move(m.data_plane);
-  w.int8_weights = m.int8_weights;
+  w.int8_weights = m.int8_weights || m.fp8;  // FP8 matrices take one byte an element too
   w.data_address = std::move(m.data_address);
   const int64_t pid = w.pid;
   workers[peer] = std::move(w);

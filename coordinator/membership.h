@@ -46,7 +46,7 @@ struct WorkerInfo {
   std::vector<int> gpus;
   int64_t memory_bytes = 0;    // what its stage may use: a GPU's memory, or the host's
   int64_t kv_cache_bytes = 0;  // the K/V budget it was started with
-  bool int8_weights = false;   // a GPU worker that keeps its layers' matrices as int8
+  bool int8_weights = false;   // a GPU worker that keeps its layers' matrices in one byte an element (int8 or FP8)
   nlohmann::json data_plane;   // how its activations travel (staging memory, UCX CUDA support)
   std::vector<std::byte> data_address;
 
