@@ -74,18 +74,24 @@ Message recv_message(Channel& ch) {
 }
 
 // The peer process: echo "ping" messages, count "bulk" ones and acknowledge "last".
+// The peer's side of start_peer: registers its channel's address with the parent's control
+// server and connects to the address the parent assigns back.
+PeerId register_with_parent(const std::string& endpoint, UcxChannel& ch) {
+  ControlClientOptions co;
+  co.identity = "bench-peer";
+  auto control = check(ControlClient::connect(endpoint, co), "control connect");
+  check(control->send(ControlMessage::make("register", nullptr, ch.address()), 10s), "register");
+  auto assign = check(control->recv(20s), "assign");
+  if (!assign) die("no assign");
+  return check(ch.connect(assign->blob, "bench"), "connect");
+}
+
 int run_peer(const std::string& endpoint, const std::string& transports) {
   UcxChannelOptions options;
   options.name = "bench-peer";
   options.transports = transports;
   auto ch = check(UcxChannel::create(options), "create channel");
-  ControlClientOptions co;
-  co.identity = "bench-peer";
-  auto control = check(ControlClient::connect(endpoint, co), "control connect");
-  check(control->send(ControlMessage::make("register", nullptr, ch->address()), 10s), "register");
-  auto assign = check(control->recv(20s), "assign");
-  if (!assign) die("no assign");
-  const PeerId parent = check(ch->connect(assign->blob, "bench"), "connect");
+  const PeerId parent = register_with_parent(endpoint, *ch);
   for (;;) {
     Message m = recv_message(*ch);
     const auto kind = as_string_view(m.header);
@@ -273,13 +279,7 @@ int run_handoff_peer(const std::string& endpoint, const Args& args) {
   const bool direct = args.path == "direct";
   GpuEnd end(direct, args.max_bytes, args.device);
   auto ch = check(UcxChannel::create(gpu_channel_options("bench-peer", args, direct)), "create channel");
-  ControlClientOptions co;
-  co.identity = "bench-peer";
-  auto control = check(ControlClient::connect(endpoint, co), "control connect");
-  check(control->send(ControlMessage::make("register", nullptr, ch->address()), 10s), "register");
-  auto assign = check(control->recv(20s), "assign");
-  if (!assign) die("no assign");
-  const PeerId parent = check(ch->connect(assign->blob, "bench"), "connect");
+  const PeerId parent = register_with_parent(endpoint, *ch);
   for (;;) {
     Message m = recv_message(*ch);
     const auto kind = as_string_view(m.header);
