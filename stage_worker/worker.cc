@@ -84,6 +84,15 @@ struct Worker::Impl {
   std::atomic<int64_t> wait_input_ns{0}, idle_ready_ns{0};
   std::unique_ptr<StepTrace> trace;  // CONVEYOR_TRACE_DIR; the compute thread's alone
   std::optional<bool> direct_to_next;  // the compute thread's: the path it last used (logged on change)
+  // Micro-batches smaller than this go staged even where the direct path is open. On one H100
+  // a direct handoff took about 300 us whatever its size (UCX's rendezvous over TCP loopback
+  // and its CUDA-event polling), a staged one 200-330 us up to 256 KiB and 436 us at 1 MiB,
+  // where direct took 332 (docs/PERFORMANCE.md, "Activations GPU to GPU").
+  // CONVEYOR_DIRECT_MIN_BYTES overrides it (0: every micro-batch direct).
+  const size_t direct_min_bytes = [] {
+    const char* e = std::getenv("CONVEYOR_DIRECT_MIN_BYTES");
+    return e && *e ? size_t(std::strtoull(e, nullptr, 10)) : size_t(1) << 20;
+  }();
   int64_t busy_ns_at_last_heartbeat = 0;
   Clock::time_point heartbeat_window_start = Clock::now();
 
@@ -389,13 +398,15 @@ struct Worker::Impl {
       if (next != transport::kNoPeer && direct_to_next != direct) {
         direct_to_next = direct;
         spdlog::info("{}: activations to the next stage go {}", opt.name,
-                     direct ? "direct, GPU to GPU (device memory through UCX)"
+                     direct ? "direct, GPU to GPU (device memory through UCX), micro-batches of " +
+                                  std::to_string(direct_min_bytes) + " bytes or more; staged below"
                             : (opt.stage.backend == Backend::Cuda ? "staged, through page-locked host memory"
                                                                   : "staged, from host memory"));
       }
       const ActivationSink sink = [&](size_t bytes) -> Expected<std::span<std::byte>> {
         const auto w0 = Clock::now();
-        auto got = direct ? handoff->acquire(bytes, [&](size_t n) { return device_slot(n); }, /*device=*/true)
+        auto got = direct && bytes >= direct_min_bytes
+                       ? handoff->acquire(bytes, [&](size_t n) { return device_slot(n); }, /*device=*/true)
                           : handoff->acquire(bytes, [&](size_t n) { return ex->backend().allocate_host(n); });
         waited += Clock::now() - w0;
         if (!got) return got.status();
