@@ -40,6 +40,7 @@
 
 #include "kernels/cuda/fp8.h"
 #include "kernels/cuda/gemm.h"
+#include "kernels/cuda/lt_descriptors.h"
 
 namespace conveyor::cuda {
 namespace {
@@ -100,10 +101,7 @@ bool fast_accum_from_env() {
 
 // A descriptor and the three layouts of one problem (T rows): scales left at 1, no epilogue,
 // fp32 sums (D, and C with beta = 0).
-struct Fp8Problem {
-  cublasLtMatmulDesc_t desc = nullptr;
-  cublasLtMatrixLayout_t a = nullptr, b = nullptr, d = nullptr;
-
+struct Fp8Problem : LtDescriptors {
   Fp8Problem(int64_t T_, int64_t K, int64_t N, bool fast_accum) {
     CUDA_CHECK(cublasLtMatmulDescCreate(&desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
     const cublasOperation_t op_a = CUBLAS_OP_T, op_b = CUBLAS_OP_N;
@@ -114,14 +112,6 @@ struct Fp8Problem {
     CUDA_CHECK(cublasLtMatrixLayoutCreate(&a, CUDA_R_8F_E4M3, uint64_t(K), uint64_t(N), K));
     CUDA_CHECK(cublasLtMatrixLayoutCreate(&b, CUDA_R_8F_E4M3, uint64_t(K), uint64_t(T_), K));
     CUDA_CHECK(cublasLtMatrixLayoutCreate(&d, CUDA_R_32F, uint64_t(N), uint64_t(T_), N));
-  }
-  Fp8Problem(const Fp8Problem&) = delete;
-  Fp8Problem& operator=(const Fp8Problem&) = delete;
-  ~Fp8Problem() {
-    if (d) cublasLtMatrixLayoutDestroy(d);
-    if (b) cublasLtMatrixLayoutDestroy(b);
-    if (a) cublasLtMatrixLayoutDestroy(a);
-    if (desc) cublasLtMatmulDescDestroy(desc);
   }
 };
 

@@ -13,6 +13,7 @@
 
 #include "kernels/cuda/fixed_gemm.h"
 #include "kernels/cuda/gemv.h"
+#include "kernels/cuda/lt_descriptors.h"
 #include "kernels/cuda/ops.h"
 #include "kernels/cuda/quant.h"
 
@@ -61,25 +62,13 @@ int alignment_of(const void* p) {
 
 }  // namespace
 
-struct Gemm::Plan {
+struct Gemm::Plan : LtDescriptors {  // the cuBLASLt descriptors when cuBLASLt runs it
   bool use_gemv = false;
   int kernel = -1;             // int8 plans: the detail::Int8Kernel; fixed-order: the FixedTile
   bool bias_epilogue = false;  // cuBLASLt adds the bias (no activation)
   cublasLtMatmulAlgo_t algo{};
-  cublasLtMatmulDesc_t desc = nullptr;
-  cublasLtMatrixLayout_t a = nullptr, b = nullptr, d = nullptr;
   float ms = -1.f;  // measured time of the choice; -1: untimed
   std::string choice;
-
-  Plan() = default;
-  Plan(const Plan&) = delete;
-  Plan& operator=(const Plan&) = delete;
-  ~Plan() {
-    if (d) cublasLtMatrixLayoutDestroy(d);
-    if (b) cublasLtMatrixLayoutDestroy(b);
-    if (a) cublasLtMatrixLayoutDestroy(a);
-    if (desc) cublasLtMatmulDescDestroy(desc);
-  }
 };
 
 Gemm::Gemm() {
