@@ -135,7 +135,7 @@ void Scheduler::admit(const std::function<bool(const Pipeline&)>& open,
       kv_room = true;
       if (running[size_t(p.index)] + choices > std::max(p.limits.max_running, choices)) continue;
       // The replica holding the longest prefix of the request's prompts, then the least reserved.
-      const int64_t match = cfg_.prefix_cache ? prefix_match(p, *r.req) : 0;
+      const int64_t match = cfg_.prefix_cache && pipelines_.size() > 1 ? prefix_match(p, *r.req) : 0;
       if (!best || match > best_match || (match == best_match && p.kv_reserved < best->kv_reserved)) {
         best = &p;
         best_match = match;
@@ -173,37 +173,22 @@ void Scheduler::admit(const std::function<bool(const Pipeline&)>& open,
         if (!cr.ignore_eos && cfg_.model.eos_token_id >= 0) o.stop_ids = {int32_t(cfg_.model.eos_token_id)};
         g.search = std::make_unique<BeamSearch>(std::move(o));
         g.prompt = pi;
-        Sequence s;
-        s.id = next_seq_id_++;
-        s.request = rp;
-        s.choice = pi * size_t(cr.n);
-        s.pipeline = best->index;
-        s.all = cr.prompts[pi];
-        s.prompt_len = s.all.size();
+        Sequence& s = add_sequence(*rp, pi * size_t(cr.n), best->index, cr.prompts[pi], cr.prompts[pi].size());
         s.group = int(pi);
         g.live = {s.id};
         g.alts.assign(1, {});
         g.reported.assign(1, false);
         g.waiting = 1;
-        rp->seq_ids.push_back(s.id);
-        seqs_.emplace(s.id, std::move(s));
       }
       rp->unfinished = cr.num_choices();
       running_.emplace(rp, std::move(owned));
       continue;
     }
     for (size_t c = 0; c < cr.num_choices(); ++c) {
-      Sequence s;
-      s.id = next_seq_id_++;
-      s.request = rp;
-      s.choice = c;
-      s.pipeline = best->index;
-      s.all = cr.prompts[c / size_t(cr.n)];
-      s.prompt_len = s.all.size();
+      const std::vector<int32_t>& prompt = cr.prompts[c / size_t(cr.n)];
+      Sequence& s = add_sequence(*rp, c, best->index, prompt, prompt.size());
       s.text = std::make_unique<TextStream>(*tokenizer_, cr.stop);
       if (cr.echo && cr.logprobs >= 0) s.prompt_lp.push_back({s.all[0], std::numeric_limits<float>::quiet_NaN(), {}});
-      rp->seq_ids.push_back(s.id);
-      seqs_.emplace(s.id, std::move(s));
     }
     rp->unfinished = cr.num_choices();
     running_.emplace(rp, std::move(owned));
@@ -395,15 +380,10 @@ void Scheduler::advance_group(Request& r, BeamGroup& g) {
       live.push_back(pid);
       continue;
     }
-    const Sequence& from = seqs_.at(pid);
-    Sequence c;
-    c.id = next_seq_id_++;
-    c.request = &r;
-    c.choice = from.choice;
-    c.pipeline = from.pipeline;
-    c.all = before[parent];
-    c.all.push_back(token);
-    c.prompt_len = from.prompt_len;
+    const Sequence& from = seqs_.at(pid);  // element references survive the insertion
+    std::vector<int32_t> tokens = before[parent];
+    tokens.push_back(token);
+    Sequence& c = add_sequence(r, from.choice, from.pipeline, std::move(tokens), from.prompt_len);
     c.group = from.group;
     c.beam = k;
     // A parent that was fed all its tokens hands its K/V on; one being fed again (a replay)
@@ -412,9 +392,7 @@ void Scheduler::advance_group(Request& r, BeamGroup& g) {
       c.fed = from.fed;
       g.forks.push_back({pid, c.id, int32_t(from.fed)});
     }
-    r.seq_ids.push_back(c.id);
     live.push_back(c.id);
-    seqs_.emplace(c.id, std::move(c));
   }
   for (size_t i = 0; i < parents.size(); ++i)
     if (!continued[i]) {
@@ -596,6 +574,19 @@ void Scheduler::redistribute() {
         it->second.prefix_done = it->second.prefix_offered = false;
       }
   }
+}
+
+Scheduler::Sequence& Scheduler::add_sequence(Request& r, size_t choice, int pipeline, std::vector<int32_t> tokens,
+                                             size_t prompt_len) {
+  Sequence s;
+  s.id = next_seq_id_++;
+  s.request = &r;
+  s.choice = choice;
+  s.pipeline = pipeline;
+  s.all = std::move(tokens);
+  s.prompt_len = prompt_len;
+  r.seq_ids.push_back(s.id);
+  return seqs_.emplace(s.id, std::move(s)).first->second;
 }
 
 PrefixCache& Scheduler::prefix_cache(int pipeline) {

@@ -197,6 +197,8 @@ class Scheduler {
   };
 
   int64_t max_tokens_of(const CompletionRequest& r, size_t prompt_len) const;
+  // A new sequence of `r` (its id the next one), recorded in seqs_ and r.seq_ids.
+  Sequence& add_sequence(Request& r, size_t choice, int pipeline, std::vector<int32_t> tokens, size_t prompt_len);
   SamplingParams sampling_for(const CompletionRequest& r) const;
   // A token taken by on_result, for deliver().
   struct Delivery {

@@ -83,7 +83,9 @@ struct Worker::Impl {
   // that had not arrived, and sitting with one that had.
   std::atomic<int64_t> wait_input_ns{0}, idle_ready_ns{0};
   std::unique_ptr<StepTrace> trace;  // CONVEYOR_TRACE_DIR; the compute thread's alone
-  std::optional<bool> direct_to_next;  // the compute thread's: the path it last used (logged on change)
+  // The compute thread's: whether the hop to the next stage is open to the direct path
+  // (logged on change; micro-batches under direct_min_bytes still go staged).
+  std::optional<bool> direct_to_next;
   // Micro-batches smaller than this go staged even where the direct path is open. On one H100
   // a direct handoff took about 300 us whatever its size (UCX's rendezvous over TCP loopback
   // and its CUDA-event polling), a staged one 200-330 us up to 256 KiB and 436 us at 1 MiB,

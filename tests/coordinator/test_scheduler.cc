@@ -143,5 +143,56 @@ TEST(Scheduler, AMicroBatchHoldsAtMostMaxBatchTokensRows) {
   EXPECT_EQ(b->batch.seqs.size(), 3u);
 }
 
+// Prefix reuse between replicas: a request goes to the pipeline that holds a prefix of its
+// prompt even when another is less reserved, and its first slice forks that prefix.
+TEST(Scheduler, ARequestGoesToTheReplicaHoldingItsPrefix) {
+  const BatchLimits limits{.max_sequences = 64, .max_tokens = 256, .prefill_chunk = 64, .prefill_tokens = 64,
+                           .max_running = 64};
+  Harness h(limits);
+  h.pipelines.resize(2);
+  h.pipelines[1].index = 1;
+  h.pipelines[1].limits = limits;
+  h.submit(40, 8);  // prompt 1..40
+  h.admit(10000);
+  ASSERT_EQ(h.scheduler->running_on(0), 1);  // both empty: the first
+  // Its prompt computed on pipeline 0: the result of its prefill makes 32 tokens an entry.
+  auto b = h.scheduler->next_batch(h.pipelines[0], 1);
+  ASSERT_TRUE(b.has_value());
+  ASSERT_EQ(b->batch.seqs.size(), 1u);
+  ASSERT_TRUE(b->batch.seqs[0].sample);
+  const uint64_t first = b->batch.seqs[0].slice.seq_id;
+  BatchResult r;
+  r.batch_id = b->batch.batch_id, r.pipeline = 0, r.epoch = b->batch.epoch;
+  SeqResult token;
+  token.seq_id = first, token.token = 7;
+  r.seqs.push_back(token);
+  Scheduler::sent(h.pipelines[0], std::move(*b));
+  EXPECT_EQ(h.scheduler->on_result(r), nullptr);
+  h.scheduler->deliver();
+  EXPECT_EQ(h.scheduler->prefix_stats().entries, 1);
+  // Pipeline 0 is the more reserved now (the first still runs), yet the same prompt goes there.
+  h.submit(40, 8);
+  h.admit(10000);
+  EXPECT_EQ(h.scheduler->running_on(0), 2);
+  EXPECT_EQ(h.scheduler->running_on(1), 0);
+  auto next = h.scheduler->next_batch(h.pipelines[0], 1);
+  ASSERT_TRUE(next.has_value());
+  ASSERT_EQ(next->batch.forks.size(), 2u);  // the entry from the first, then the second from it
+  EXPECT_EQ(next->batch.forks[0].parent, first);
+  EXPECT_EQ(next->batch.forks[1].parent, next->batch.forks[0].child);
+  EXPECT_EQ(next->batch.forks[1].num_tokens, 32);
+  // With the cache off the second request would have gone to the empty pipeline.
+  Harness off(limits);
+  off.cfg.prefix_cache = false;
+  off.pipelines.resize(2);
+  off.pipelines[1].index = 1;
+  off.pipelines[1].limits = limits;
+  off.submit(40, 8);
+  off.admit(10000);
+  off.submit(40, 8);
+  off.admit(10000);
+  EXPECT_EQ(off.scheduler->running_on(1), 1);
+}
+
 }  // namespace
 }  // namespace conveyor
