@@ -336,11 +336,6 @@ int local_command(const LocalOptions& options) {
   const long cores = std::max(1L, ::sysconf(_SC_NPROCESSORS_ONLN));
   if (!std::getenv("CONVEYOR_CPU_THREADS"))
     ::setenv("CONVEYOR_CPU_THREADS", std::to_string(std::max(1L, cores / (o.stages * o.replicas))).c_str(), 1);
-  if (o.fp8) {  // FP8 products are not row-invariant: the workers must run with deterministic mode off
-    ::setenv("CONVEYOR_DETERMINISTIC", "0", 1);
-    std::cout << "conveyor local: --fp8: the workers run with CONVEYOR_DETERMINISTIC=0 (cuBLASLt's FP8 products "
-                 "are not row-invariant, so an answer may depend on the batch)" << std::endl;
-  }
   for (int i = 0; i < n_workers; ++i) {
     const std::string name = "worker" + std::to_string(i);
     std::vector<std::string> argv = {(bin / "conveyor-worker").string(), "--coordinator",

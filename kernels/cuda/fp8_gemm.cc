@@ -53,39 +53,7 @@ cudaDataType_t half_type() {
   return std::is_same_v<T, __half> ? CUDA_R_16F : CUDA_R_16BF;
 }
 
-int alignment_of(const void* p) {
-  if (p == nullptr) return 16;
-  const auto a = reinterpret_cast<uintptr_t>(p);
-  int align = 16;
-  while (align > 1 && (a % align) != 0) align /= 2;
-  return align;
-}
-
 int64_t align_up(int64_t x, int64_t a) { return (x + a - 1) / a * a; }
-
-template <class V>
-V algo_config(const cublasLtMatmulAlgo_t& algo, cublasLtMatmulAlgoConfigAttributes_t attr) {
-  V v{};
-  size_t written = 0;
-  if (cublasLtMatmulAlgoConfigGetAttribute(&algo, attr, &v, sizeof(v), &written) != CUBLAS_STATUS_SUCCESS)
-    return V{};
-  return v;
-}
-
-bool splits_k(const cublasLtMatmulAlgo_t& algo) {
-  return algo_config<int32_t>(algo, CUBLASLT_ALGO_CONFIG_SPLITK_NUM) > 1 ||
-         algo_config<uint32_t>(algo, CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME) != CUBLASLT_REDUCTION_SCHEME_NONE;
-}
-
-std::string algo_name(const cublasLtMatmulAlgo_t& algo) {
-  std::ostringstream os;
-  os << "algo " << algo_config<int32_t>(algo, CUBLASLT_ALGO_CONFIG_ID) << " tile "
-     << algo_config<uint32_t>(algo, CUBLASLT_ALGO_CONFIG_TILE_ID) << " stages "
-     << algo_config<uint32_t>(algo, CUBLASLT_ALGO_CONFIG_STAGES_ID) << " cluster "
-     << algo_config<uint16_t>(algo, CUBLASLT_ALGO_CONFIG_CLUSTER_SHAPE_ID) << " splitK "
-     << algo_config<int32_t>(algo, CUBLASLT_ALGO_CONFIG_SPLITK_NUM);
-  return os.str();
-}
 
 // Token counts the fixed algorithm of a shape must accept (cublasLtMatmulAlgoCheck) before it
 // is chosen: every count the stage runs lies between these, and a kernel that takes 1, 17, 255
@@ -167,33 +135,6 @@ std::string Gemm::describe_fp8_plans() const {
 
 namespace {
 
-// The heuristic's proposals for `p`, alignment `align` bytes on the weight, activations and out.
-std::vector<cublasLtMatmulHeuristicResult_t> proposals(cublasLtHandle_t lt, const Fp8Problem& p, int align,
-                                                       uint64_t workspace_bytes) {
-  cublasLtMatmulPreference_t pref = nullptr;
-  CUDA_CHECK(cublasLtMatmulPreferenceCreate(&pref));
-  const uint32_t a = uint32_t(align);
-  CUDA_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &workspace_bytes,
-                                                  sizeof(workspace_bytes)));
-  for (auto attr : {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
-                    CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES})
-    CUDA_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, attr, &a, sizeof(a)));
-  std::vector<cublasLtMatmulHeuristicResult_t> r(kHeuristicResults);
-  int found = 0;
-  const cublasStatus_t st =
-      cublasLtMatmulAlgoGetHeuristic(lt, p.desc, p.a, p.b, p.d, p.d, pref, kHeuristicResults, r.data(), &found);
-  cublasLtMatmulPreferenceDestroy(pref);
-  if (st != CUBLAS_STATUS_SUCCESS) found = 0;
-  r.resize(size_t(std::max(found, 0)));
-  return r;
-}
-
-bool accepts(cublasLtHandle_t lt, const Fp8Problem& p, const cublasLtMatmulAlgo_t& algo, uint64_t workspace_bytes) {
-  cublasLtMatmulHeuristicResult_t check{};
-  return cublasLtMatmulAlgoCheck(lt, p.desc, p.a, p.b, p.d, p.d, &algo, &check) == CUBLAS_STATUS_SUCCESS &&
-         check.workspaceSize <= workspace_bytes;
-}
-
 std::string shape_text(int64_t T_, int64_t K, int64_t N) {
   return "T=" + std::to_string(T_) + " K=" + std::to_string(K) + " N=" + std::to_string(N);
 }
@@ -212,7 +153,7 @@ void Gemm::run_fp8(T* out, const T* in, const uint8_t* w, const float* w_scales,
     throw Error("fp8 gemm: T, K and N must be positive and below 2^30 (" + shape_text(T_, K, N) + ")");
   if (K % 16 != 0 || N % 16 != 0)
     throw Error("fp8 gemm: K and N must be multiples of 16 for cuBLASLt's FP8 products (" + shape_text(T_, K, N) + ")");
-  if (alignment_of(out) < 16 || alignment_of(w) < 16 || alignment_of(in) < 16)
+  if (lt_alignment(out) < 16 || lt_alignment(w) < 16 || lt_alignment(in) < 16)
     throw Error("fp8 gemm: out, in and w must be 16-byte aligned");
   check_device();
   Fp8State& s = fp8_state();
@@ -249,7 +190,7 @@ void Gemm::run_fp8(T* out, const T* in, const uint8_t* w, const float* w_scales,
   key.layout = kFp8Layout;
   key.in_type = int(half_type<T>());
   key.out_type = int(CUDA_R_32F);
-  key.align = alignment_of(w);
+  key.align = lt_alignment(w);
   key.K = K, key.N = N;
   const uint64_t ws = workspace_.bytes();
   const float alpha = 1.f, beta = 0.f;
@@ -264,7 +205,7 @@ void Gemm::run_fp8(T* out, const T* in, const uint8_t* w, const float* w_scales,
   auto trial = [&](const cublasLtMatmulAlgo_t& algo) {
     if (capturing) return true;
     Fp8Problem p(rows_per_call, K, N, s.fast_accum);
-    return accepts(lt_, p, algo, ws) && matmul(p, algo) == CUBLAS_STATUS_SUCCESS;
+    return lt_accepts(lt_, p, algo, ws) && matmul(p, algo) == CUBLAS_STATUS_SUCCESS;
   };
 
   // Deterministic mode: the shape's fixed algorithm (chosen once, without timing).
@@ -273,29 +214,21 @@ void Gemm::run_fp8(T* out, const T* in, const uint8_t* w, const float* w_scales,
     ak.T = 0;
     if (auto it = s.anchors.find(ak); it != s.anchors.end()) return it->second;
     Fp8Problem p(kFp8AnchorRows, K, N, s.fast_accum);
-    const auto results = proposals(lt_, p, key.align, ws);
+    const auto results = lt_proposals(lt_, p, key.align, ws, kHeuristicResults);
     for (const auto& r : results) {
       cublasLtMatmulAlgo_t algo = r.algo;
-      if (splits_k(algo)) {  // the same kernel without the split, if cuBLASLt takes it
-        const int32_t one = 1;
-        const uint32_t none = CUBLASLT_REDUCTION_SCHEME_NONE;
-        if (cublasLtMatmulAlgoConfigSetAttribute(&algo, CUBLASLT_ALGO_CONFIG_SPLITK_NUM, &one, sizeof(one)) !=
-                CUBLAS_STATUS_SUCCESS ||
-            cublasLtMatmulAlgoConfigSetAttribute(&algo, CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME, &none, sizeof(none)) !=
-                CUBLAS_STATUS_SUCCESS ||
-            splits_k(algo))
-          continue;
-      }
+      // The same kernel without the split, if cuBLASLt takes it.
+      if (lt_splits_k(algo) && !lt_unsplit(algo)) continue;
       bool all = true;
       for (int64_t t : kProbeRows) {
         Fp8Problem pt(t, K, N, s.fast_accum);
-        if (!accepts(lt_, pt, algo, ws)) {
+        if (!lt_accepts(lt_, pt, algo, ws)) {
           all = false;
           break;
         }
       }
       if (!all || !trial(algo)) continue;
-      Fp8State::Anchor a{algo, algo_name(algo) + " (fixed for every T)"};
+      Fp8State::Anchor a{algo, lt_algo_name(algo) + " (fixed for every T)"};
       return s.anchors.emplace(ak, a).first->second;
     }
     const std::string shape = "K=" + std::to_string(K) + " N=" + std::to_string(N) +
@@ -314,7 +247,7 @@ void Gemm::run_fp8(T* out, const T* in, const uint8_t* w, const float* w_scales,
     if (deterministic_) {
       const Fp8State::Anchor& a = anchor_of();
       plan->problem = std::make_unique<Fp8Problem>(rows, K, N, s.fast_accum);
-      if (!accepts(lt_, *plan->problem, a.algo, ws))
+      if (!lt_accepts(lt_, *plan->problem, a.algo, ws))
         throw Error("fp8 gemm: the fixed algorithm of K=" + std::to_string(K) + " N=" + std::to_string(N) +
                     " refuses T=" + std::to_string(rows));
       plan->algo = a.algo;
@@ -325,17 +258,17 @@ void Gemm::run_fp8(T* out, const T* in, const uint8_t* w, const float* w_scales,
     Key bk = bucket_of(k);
     plan->problem = std::make_unique<Fp8Problem>(rows, K, N, s.fast_accum);
     if (auto it = s.timed_buckets.find(bk); it != s.timed_buckets.end() &&
-                                            accepts(lt_, *plan->problem, it->second->algo, ws)) {
+                                            lt_accepts(lt_, *plan->problem, it->second->algo, ws)) {
       plan->algo = it->second->algo;
       plan->choice = "as its bucket's timed plan (" + it->second->choice + ")";
       return *s.plans.emplace(k, std::move(plan)).first->second;
     }
-    const auto results = proposals(lt_, *plan->problem, key.align, ws);
+    const auto results = lt_proposals(lt_, *plan->problem, key.align, ws, kHeuristicResults);
     if (results.empty())
       throw Error("fp8 gemm: cuBLASLt offers no FP8 algorithm (E4M3 x E4M3 -> fp32) for " + shape_text(rows, K, N));
     if (!tuning_ || capturing || results.size() == 1) {
       plan->algo = results[0].algo;
-      plan->choice = algo_name(results[0].algo) + " (heuristic #0, untimed)";
+      plan->choice = lt_algo_name(results[0].algo) + " (heuristic #0, untimed)";
       return *s.plans.emplace(k, std::move(plan)).first->second;
     }
     // Timed on the caller's buffers: the activations are quantised already (below).
@@ -350,7 +283,7 @@ void Gemm::run_fp8(T* out, const T* in, const uint8_t* w, const float* w_scales,
     plan->algo = results[best_i].algo;
     plan->ms = best;
     plan->choice =
-        algo_name(plan->algo) + " (#" + std::to_string(best_i) + " of " + std::to_string(results.size()) + ")";
+        lt_algo_name(plan->algo) + " (#" + std::to_string(best_i) + " of " + std::to_string(results.size()) + ")";
     const Fp8State::Plan& chosen = *s.plans.emplace(k, std::move(plan)).first->second;
     s.timed_buckets.emplace(bk, &chosen);
     return chosen;

@@ -52,14 +52,6 @@ const char* layout_name(int layout) {
   }
 }
 
-int alignment_of(const void* p) {
-  if (p == nullptr) return 16;
-  const auto a = reinterpret_cast<uintptr_t>(p);
-  int align = 16;
-  while (align > 1 && (a % align) != 0) align /= 2;
-  return align;
-}
-
 }  // namespace
 
 struct Gemm::Plan : LtDescriptors {  // the cuBLASLt descriptors when cuBLASLt runs it
@@ -78,6 +70,7 @@ Gemm::Gemm() {
   CUDA_CHECK(cudaEventCreate(&ev_start_));
   CUDA_CHECK(cudaEventCreate(&ev_stop_));
   if (const char* e = std::getenv("CONVEYOR_GEMM_TUNE"); e && std::strcmp(e, "0") == 0) tuning_ = false;
+  if (const char* e = std::getenv("CONVEYOR_GEMM_ORDER"); e && std::strcmp(e, "fixed") == 0) sequential_ = false;
   deterministic_ = deterministic_by_default();
 }
 
@@ -89,6 +82,7 @@ bool Gemm::deterministic_by_default() {
 Gemm::~Gemm() {
   plans_.clear();
   fp8_.reset();
+  seq_.reset();
   if (ev_stop_) cudaEventDestroy(ev_stop_);
   if (ev_start_) cudaEventDestroy(ev_start_);
   if (lt_) cublasLtDestroy(lt_);
@@ -112,6 +106,7 @@ std::string Gemm::describe_plans() const {
     if (p->ms >= 0) os << " " << p->ms * 1000.f << " us";
     os << "\n";
   }
+  os << describe_seq_plans();
   os << describe_fp8_plans();
   return os.str();
 }
@@ -295,7 +290,8 @@ void Gemm::run(OutT* out, const T* in, const T* w, const T* bias, int64_t T_, in
   }
   check_device();
   if (deterministic_ && layout == WeightLayout::NK) {
-    run_fixed<T, T, OutT>(out, in, w, nullptr, bias, T_, K, N, act, stream);
+    if (!sequential_ || !run_sequential<T, OutT>(out, in, w, bias, T_, K, N, act, stream))
+      run_fixed<T, T, OutT>(out, in, w, nullptr, bias, T_, K, N, act, stream);
     return;
   }
 
@@ -305,7 +301,7 @@ void Gemm::run(OutT* out, const T* in, const T* w, const T* bias, int64_t T_, in
   key.out_type = int(cuda_type<OutT>());
   key.has_bias = bias != nullptr;
   key.act = int(act);
-  key.align = std::min({alignment_of(out), alignment_of(in), alignment_of(w), alignment_of(bias)});
+  key.align = std::min({lt_alignment(out), lt_alignment(in), lt_alignment(w), lt_alignment(bias)});
   key.T = T_, key.K = K, key.N = N;
   const Plan& plan = plan_for(key, out, in, w, bias, stream);
 
@@ -396,7 +392,7 @@ void Gemm::run_fixed(OutT* out, const T* in, const W* w, const float* scales, co
   key.out_type = int(cuda_type<OutT>());
   key.has_bias = bias != nullptr;
   key.act = int(act);
-  key.align = std::min(alignment_of(in), alignment_of(w));
+  key.align = std::min(lt_alignment(in), lt_alignment(w));
   key.T = T_, key.K = K, key.N = N;
   // Split products write their chains into the (otherwise cuBLASLt's) workspace, so rows go
   // in blocks that fit it; rows are independent, so the blocks change no bits.
@@ -437,7 +433,7 @@ void Gemm::run_int8(OutT* out, const T* in, const int8_t* w, const float* scales
   key.out_type = int(cuda_type<OutT>());
   key.has_bias = bias != nullptr;
   key.act = int(act);
-  key.align = std::min(alignment_of(in), alignment_of(w));  // what the kernels' choice depends on
+  key.align = std::min(lt_alignment(in), lt_alignment(w));  // what the kernels' choice depends on
   key.T = T_, key.K = K, key.N = N;
   T* dequant = static_cast<T*>(dequant_);
   const bool can_dequant = dequant && T_ > detail::kGemvMaxTokens && size_t(N * K) * sizeof(T) <= dequant_bytes_;

@@ -113,13 +113,20 @@ class Gemm {
   Status fp8_supported();
   static constexpr int64_t kFp8AnchorRows = 256;
 
-  // Deterministic mode (on unless CONVEYOR_DETERMINISTIC=0 or set_deterministic(false)):
-  // run() with the [N, K] layout and run_int8() take the fixed-order tiles (fixed_gemm.h),
-  // whose every output element is summed in an order that depends on K alone, so a row's
-  // result is the same bits whatever T, its place among the rows, or the tile Gemm picks. Off:
-  // the fastest of cuBLASLt, the GEMV and the int8 kernels, whose order follows T. The [K, N]
-  // layout always takes cuBLASLt (the stage never uses it).
+  // Deterministic mode (on unless CONVEYOR_DETERMINISTIC=0 or set_deterministic(false)): a
+  // row's result is the same bits whatever T, its place among the rows, or the kernel Gemm
+  // picks. run() with the [N, K] layout takes the sequential order (gemm_sequential.cc: K in
+  // increasing 16-element tensor-core steps from zero, as cuBLASLt's kernels without a split
+  // along K sum; those kernels and the sequential GEMV, each admitted by its bits on a probe,
+  // timed per T bucket) for every shape where a canonical unsplit cuBLASLt algorithm exists,
+  // else the fixed-order tiles (fixed_gemm.h: chains that depend on K alone); run_int8()
+  // takes the fixed-order tiles. set_sequential_order(false), or CONVEYOR_GEMM_ORDER=fixed
+  // at start, keeps every shape on the tiles. Off: the fastest of cuBLASLt, the GEMV and the
+  // int8 kernels, whose order follows T. The [K, N] layout always takes cuBLASLt (the stage
+  // never uses it). A shape's route is settled at its first call, which must come outside
+  // graph capture (GpuStage plans every shape eagerly before it captures).
   void set_deterministic(bool on) { deterministic_ = on; }
+  void set_sequential_order(bool on) { sequential_ = on; }
   bool deterministic() const { return deterministic_; }
   // The mode a new Gemm starts in: off only when CONVEYOR_DETERMINISTIC=0.
   static bool deterministic_by_default();
@@ -163,6 +170,22 @@ class Gemm {
   template <class T, class W, class OutT>
   void run_fixed(OutT* out, const T* in, const W* w, const float* scales, const T* bias, int64_t T_, int64_t K,
                  int64_t N, GemmAct act, cudaStream_t stream);
+  // The sequential-order products (gemm_sequential.cc): false when the shape keeps the
+  // fixed-order tiles. SeqFamily: a shape's settled route and admitted algorithms; SeqPlan: a
+  // T's choice; SeqState: both maps.
+  template <class T, class OutT>
+  bool run_sequential(OutT* out, const T* in, const T* w, const T* bias, int64_t T_, int64_t K, int64_t N,
+                      GemmAct act, cudaStream_t stream);
+  struct SeqFamily;
+  struct SeqPlan;
+  struct SeqState;
+  struct SeqStateDeleter {
+    void operator()(SeqState* s) const;
+  };
+  template <class T, class OutT>
+  SeqFamily& seq_family(const Key& family, const T* w, const T* bias, cudaStream_t stream);
+  int seq_admit(SeqFamily& f, const cublasLtMatmulAlgo_t& algo, const void* w, const void* bias, cudaStream_t stream);
+  std::string describe_seq_plans() const;
   // run_fp8's state (fp8_gemm.cc): its plans, the fixed algorithm of each shape, the workspace.
   struct Fp8State;
   struct Fp8StateDeleter {
@@ -183,11 +206,13 @@ class Gemm {
   cudaEvent_t ev_start_ = nullptr, ev_stop_ = nullptr;
   bool tuning_ = true;
   bool deterministic_ = true;
+  bool sequential_ = true;
   void* dequant_ = nullptr;
   size_t dequant_bytes_ = 0;
   std::map<Key, std::unique_ptr<Plan>> plans_;
   std::map<Key, const Plan*> timed_buckets_;  // key with T = its bucket -> the bucket's timed plan
   std::unique_ptr<Fp8State, Fp8StateDeleter> fp8_;
+  std::unique_ptr<SeqState, SeqStateDeleter> seq_;
 };
 
 }  // namespace conveyor::cuda

@@ -23,4 +23,15 @@ template <class T, class OutT>
 void gemv_nk(OutT* out, const T* in, const T* w, const T* bias, int64_t T_, int64_t K, int64_t N,
              GemmAct act, cudaStream_t stream);
 
+// The sequential-order GEMV (gemv_seq.cu): out[t, n] summed over K in increasing 16-element
+// steps from zero on the tensor cores, as cuBLASLt's kernels without a split along K sum it,
+// then rounded once to OutT. A bias alone is added to the fp32 sum before the rounding (as
+// cuBLASLt's bias epilogue); with an activation the rounded product takes add_bias_gelu's
+// arithmetic (as Gemm's cuBLASLt path does); neither with fp32 out. T <= kGemvMaxTokens, K % 8 == 0, in and w
+// 16-byte aligned (gemv_seq_supported).
+bool gemv_seq_supported(int64_t T_, int64_t K, int64_t N, const void* in, const void* w);
+template <class T, class OutT>
+void gemv_seq(OutT* out, const T* in, const T* w, const T* bias, int64_t T_, int64_t K, int64_t N, GemmAct act,
+              cudaStream_t stream);
+
 }  // namespace conveyor::cuda::detail

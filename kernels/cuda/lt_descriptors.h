@@ -1,8 +1,14 @@
 // A cuBLASLt matmul descriptor and the layouts of its A, B and D, owned together: what a
-// planned product keeps (Gemm's plans, the FP8 problems) and destroys in reverse order.
+// planned product keeps (Gemm's plans, the FP8 problems) and destroys in reverse order. Also
+// the reading of an algorithm's configuration the fixed-order plans share.
 #pragma once
 
 #include <cublasLt.h>
+
+#include <cstdint>
+#include <sstream>
+#include <string>
+#include <vector>
 
 namespace conveyor::cuda {
 
@@ -20,5 +26,83 @@ struct LtDescriptors {
     if (desc) cublasLtMatmulDescDestroy(desc);
   }
 };
+
+// The largest power of two up to 16 that divides the address (16 for null): the alignment a
+// product's operands promise cuBLASLt, and part of every plan's key.
+inline int lt_alignment(const void* p) {
+  if (p == nullptr) return 16;
+  const auto a = reinterpret_cast<uintptr_t>(p);
+  int align = 16;
+  while (align > 1 && (a % align) != 0) align /= 2;
+  return align;
+}
+
+// The heuristic's proposals (at most `count`) for `p`, with `align` bytes of alignment on every
+// operand and `workspace_bytes` of workspace; empty when it has none.
+inline std::vector<cublasLtMatmulHeuristicResult_t> lt_proposals(cublasLtHandle_t lt, const LtDescriptors& p,
+                                                                 int align, uint64_t workspace_bytes, int count) {
+  std::vector<cublasLtMatmulHeuristicResult_t> r;
+  cublasLtMatmulPreference_t pref = nullptr;
+  if (cublasLtMatmulPreferenceCreate(&pref) != CUBLAS_STATUS_SUCCESS) return r;
+  const uint32_t a = uint32_t(align);
+  bool ok = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &workspace_bytes,
+                                                 sizeof(workspace_bytes)) == CUBLAS_STATUS_SUCCESS;
+  for (auto attr : {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
+                    CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES})
+    ok = ok && cublasLtMatmulPreferenceSetAttribute(pref, attr, &a, sizeof(a)) == CUBLAS_STATUS_SUCCESS;
+  int found = 0;
+  r.resize(size_t(count));
+  if (!ok || cublasLtMatmulAlgoGetHeuristic(lt, p.desc, p.a, p.b, p.d, p.d, pref, count, r.data(), &found) !=
+                 CUBLAS_STATUS_SUCCESS)
+    found = 0;
+  cublasLtMatmulPreferenceDestroy(pref);
+  r.resize(size_t(found > 0 ? found : 0));
+  return r;
+}
+
+// Whether cuBLASLt runs `algo` for `p` within `workspace_bytes` (cublasLtMatmulAlgoCheck).
+inline bool lt_accepts(cublasLtHandle_t lt, const LtDescriptors& p, const cublasLtMatmulAlgo_t& algo,
+                       uint64_t workspace_bytes) {
+  cublasLtMatmulHeuristicResult_t check{};
+  return cublasLtMatmulAlgoCheck(lt, p.desc, p.a, p.b, p.d, p.d, &algo, &check) == CUBLAS_STATUS_SUCCESS &&
+         check.workspaceSize <= workspace_bytes;
+}
+
+// One attribute of an algorithm's configuration (V{} when cuBLASLt does not say).
+template <class V>
+V lt_algo_config(const cublasLtMatmulAlgo_t& algo, cublasLtMatmulAlgoConfigAttributes_t attr) {
+  V v{};
+  size_t written = 0;
+  if (cublasLtMatmulAlgoConfigGetAttribute(&algo, attr, &v, sizeof(v), &written) != CUBLAS_STATUS_SUCCESS) return V{};
+  return v;
+}
+
+// Whether the algorithm splits the K sum over blocks (partial sums added in a grid-shaped order).
+inline bool lt_splits_k(const cublasLtMatmulAlgo_t& algo) {
+  return lt_algo_config<int32_t>(algo, CUBLASLT_ALGO_CONFIG_SPLITK_NUM) > 1 ||
+         lt_algo_config<uint32_t>(algo, CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME) != CUBLASLT_REDUCTION_SCHEME_NONE;
+}
+
+// The same algorithm without a split along K; false when cuBLASLt refuses the change.
+inline bool lt_unsplit(cublasLtMatmulAlgo_t& algo) {
+  const int32_t one = 1;
+  const uint32_t none = CUBLASLT_REDUCTION_SCHEME_NONE;
+  return cublasLtMatmulAlgoConfigSetAttribute(&algo, CUBLASLT_ALGO_CONFIG_SPLITK_NUM, &one, sizeof(one)) ==
+             CUBLAS_STATUS_SUCCESS &&
+         cublasLtMatmulAlgoConfigSetAttribute(&algo, CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME, &none, sizeof(none)) ==
+             CUBLAS_STATUS_SUCCESS &&
+         !lt_splits_k(algo);
+}
+
+// "algo 66 tile 20 stages 8 cluster 2 splitK 1": for plan descriptions.
+inline std::string lt_algo_name(const cublasLtMatmulAlgo_t& algo) {
+  std::ostringstream os;
+  os << "algo " << lt_algo_config<int32_t>(algo, CUBLASLT_ALGO_CONFIG_ID) << " tile "
+     << lt_algo_config<uint32_t>(algo, CUBLASLT_ALGO_CONFIG_TILE_ID) << " stages "
+     << lt_algo_config<uint32_t>(algo, CUBLASLT_ALGO_CONFIG_STAGES_ID) << " cluster "
+     << lt_algo_config<uint16_t>(algo, CUBLASLT_ALGO_CONFIG_CLUSTER_SHAPE_ID) << " splitK "
+     << lt_algo_config<int32_t>(algo, CUBLASLT_ALGO_CONFIG_SPLITK_NUM);
+  return os.str();
+}
 
 }  // namespace conveyor::cuda

@@ -18,6 +18,8 @@ TEST(CudaDeterminism, NotBuilt) { GTEST_SKIP() << "built without the CUDA backen
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <numeric>
 #include <vector>
@@ -97,9 +99,10 @@ void check_fixed_rows(Rng& rng, int64_t K, int64_t N) {
       }
     }
   }
-  // Gemm, which times and picks tiles per T bucket.
+  // Gemm on the tiles (the sequential order off), which times and picks tiles per T bucket.
   cuda::Gemm gemm;
   ASSERT_TRUE(gemm.deterministic());
+  gemm.set_sequential_order(false);
   for (int64_t T_ : {1, 3, 8, 9, 64, 200, 256}) {
     Dev<OutT> out(T_ * N);
     if constexpr (kInt8)
@@ -124,6 +127,61 @@ TYPED_TEST(CudaOps, FixedOrderProductRowsIgnoreTheBatch) {
     check_fixed_rows<T, T, float>(rng, K, N);
     check_fixed_rows<T, int8_t, T>(rng, K, N);
   }
+}
+
+// Gemm's sequential order (gemm_sequential.cc): a row's bits whatever T and wherever it sits
+// among the rows, for cuBLASLt's unsplit kernels and the sequential GEMV alike, with a bias
+// (cuBLASLt's epilogue), a bias and GeLU (add_bias_gelu after), and fp32 out (an LM head).
+template <class T, class OutT>
+void check_sequential_rows(Rng& rng, int64_t K, int64_t N, bool with_bias, cuda::GemmAct act) {
+  const int64_t Tmax = 1024;
+  SCOPED_TRACE("K=" + std::to_string(K) + " N=" + std::to_string(N) + (with_bias ? " bias" : "") +
+               (act != cuda::GemmAct::None ? " gelu" : "") + (std::is_same_v<OutT, float> ? " fp32 out" : ""));
+  Dev<T> x(rng.normal(size_t(Tmax * K)));
+  Dev<T> bias(rng.normal(size_t(N), 0.1f));
+  Dev<T> w(rng.normal(size_t(N * K), 1.f / std::sqrt(float(K))));
+  const T* b = with_bias ? bias.p() : nullptr;
+  const size_t row_bytes = size_t(N) * sizeof(OutT);
+  cuda::Gemm gemm;
+  ASSERT_TRUE(gemm.deterministic());
+  Dev<OutT> ref_out(Tmax * N);
+  gemm.run<T, OutT>(ref_out.p(), x.p(), w.p(), b, Tmax, K, N, cuda::WeightLayout::NK, act, nullptr);
+  CUDA_CHECK(cudaDeviceSynchronize());
+  const auto ref = bytes_of(ref_out.p(), size_t(Tmax) * row_bytes);
+  for (int64_t T_ : {1, 2, 3, 5, 8, 9, 16, 17, 64, 100, 255, 256, 257, 512, 1000}) {
+    for (int64_t first : {int64_t(0), int64_t(7), Tmax - T_}) {
+      Dev<OutT> out(T_ * N);
+      gemm.run<T, OutT>(out.p(), x.p() + first * K, w.p(), b, T_, K, N, cuda::WeightLayout::NK, act, nullptr);
+      CUDA_CHECK(cudaDeviceSynchronize());
+      const auto got = bytes_of(out.p(), size_t(T_) * row_bytes);
+      for (int64_t r = 0; r < T_; ++r)
+        ASSERT_TRUE(same_row(got, r, ref, first + r, row_bytes))
+            << "T=" << T_ << " row " << r << " (x row " << first + r << ")\n" << gemm.describe_plans();
+    }
+  }
+  const std::string plans = gemm.describe_plans();
+  // On Hopper every one of these shapes has a canonical unsplit algorithm (measured).
+  int device = 0, major = 0;
+  CUDA_CHECK(cudaGetDevice(&device));
+  CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+  if (major == 9) {
+    EXPECT_NE(plans.find("canonical"), std::string::npos) << plans;
+  }
+  std::printf("%s", plans.substr(0, plans.find('\n') + 1).c_str());
+}
+
+TYPED_TEST(CudaOps, SequentialOrderProductRowsIgnoreTheBatch) {
+  using T = TypeParam;
+  Rng rng;
+  SEED_TRACE(rng);
+  // gpt2-xl's projection and FC2 (narrow), gpt3-6.7b's QKV (wide), a small odd shape, an LM head.
+  check_sequential_rows<T, T>(rng, 1600, 1600, true, cuda::GemmAct::None);
+  check_sequential_rows<T, T>(rng, 6400, 1600, true, cuda::GemmAct::None);
+  check_sequential_rows<T, T>(rng, 4096, 12288, true, cuda::GemmAct::None);
+  check_sequential_rows<T, T>(rng, 1600, 6400, true, cuda::GemmAct::GeluTanh);
+  check_sequential_rows<T, T>(rng, 1600, 6400, false, cuda::GemmAct::GeluErf);
+  check_sequential_rows<T, T>(rng, 256, 200, false, cuda::GemmAct::None);
+  check_sequential_rows<T, float>(rng, 1600, 50257, false, cuda::GemmAct::None);
 }
 
 TYPED_TEST(CudaOps, FixedOrderProductChecksItsArguments) {

@@ -31,6 +31,7 @@ TEST(GpuDeterminism, NotBuilt) { GTEST_SKIP() << "built without the CUDA backend
 #include <vector>
 
 #include "kernels/cuda/attention.h"
+#include "kernels/cuda/gemm.h"
 #include "model/weights.h"
 #include "stage/cuda/gpu_stage.h"
 #include "stage/cuda/tp_stage.h"
@@ -46,6 +47,7 @@ struct Mode {
   bool int8;
   int tp;
   const char* name;
+  bool fp8 = false;  // E4M3 layer matrices and activations (Hopper)
 };
 
 ModelConfig det_config() {
@@ -89,6 +91,7 @@ class Pipe {
     GpuStageOptions o;
     o.dtype = mode.dtype;
     o.int8_weights = mode.int8;
+    o.fp8 = mode.fp8;
     o.name = "det-stage";
     o.max_tokens = 2048;
     o.max_seqs = 256;
@@ -179,6 +182,10 @@ class GpuDeterminism : public ::testing::TestWithParam<Mode> {
  protected:
   void SetUp() override {
     if (!testing::have_gpu()) GTEST_SKIP() << "no GPU";
+    if (GetParam().fp8) {
+      cuda::Gemm gemm;
+      if (Status s = gemm.fp8_supported(); !s) GTEST_SKIP() << s.message();
+    }
     rng_.seed(20261125);
     prompt_ = random_tokens(rng_, kPrompt, cfg_.vocab_size);
   }
@@ -364,7 +371,10 @@ INSTANTIATE_TEST_SUITE_P(Modes, GpuDeterminism,
                                            Mode{DType::F16, true, 1, "fp16_int8"},
                                            Mode{DType::BF16, true, 1, "bf16_int8"}, Mode{DType::F16, false, 2, "fp16_tp2"},
                                            Mode{DType::BF16, false, 2, "bf16_tp2"},
-                                           Mode{DType::F16, true, 2, "fp16_int8_tp2"}),
+                                           Mode{DType::F16, true, 2, "fp16_int8_tp2"},
+                                           Mode{DType::F16, false, 1, "fp16_fp8", true},
+                                           Mode{DType::BF16, false, 1, "bf16_fp8", true},
+                                           Mode{DType::F16, false, 2, "fp16_fp8_tp2", true}),
                          [](const ::testing::TestParamInfo<Mode>& i) { return std::string(i.param.name); });
 
 }  // namespace

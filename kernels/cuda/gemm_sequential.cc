@@ -1,0 +1,374 @@
+// Gemm's deterministic products in the sequential order (gemm.h, "Deterministic mode").
+//
+// The order: every output element is acc = 0, then acc += W[n, k0:k0+16] . in[t, k0:k0+16]
+// for k0 = 0, 16, 32, ... in increasing order on the tensor cores (one 16-deep MMA a step,
+// fp32), then the epilogue. cuBLASLt's kernels without a split along K sum in that order
+// whatever their tile; the sequential GEMV (gemv_seq.cu) does too, with mma.sync. Neither
+// is taken on faith: what decides is bits.
+//
+// A family (types, bias, activation, alignment, K, N) is settled once, at its first call
+// outside graph capture, from the shape alone (no timing, so a spare worker settles the same):
+//   - its canonical algorithm: the first the heuristic proposes for kSeqAnchorRows rows that
+//     runs without a split along K, takes 1, kSeqProbeRows and kSeqAnchorRows rows, and gives
+//     row 0 the same bits alone as among kSeqProbeRows rows of a fixed random input (the
+//     probe, synthetic.h);
+//   - the sequential GEMV (gemv.h) joins when its kSeqProbeRows rows of the probe equal the
+//     canonical's bit for bit.
+// Without a canonical algorithm the family keeps the fixed-order tiles (fixed_gemm.h) for
+// every T. Each T bucket then times, on the caller's own buffers, the canonical algorithm,
+// the heuristic's unsplit proposals for that T that give the probe the canonical's bits
+// (members), and the GEMV for T <= 8: any of them gives a row the same bits, so the timing
+// picks speed, never an order. conveyor-bench-gemm-order measured the premise (unsplit
+// algorithms keep a row's bits for T up to 4,096) on every product of gpt2-xl, gpt3-6.7b
+// and GPT-3 175B shards; docs/PERFORMANCE.md has the table.
+//
+// Admission is by the probe's rows alone (no check at the planned T: a second check there,
+// synchronising mid-step, hung the tensor-parallel suite whose two ranks share one GPU while
+// the other rank's all-reduce waited). That unsplit kernels keep a row's bits at every T is
+// the measured premise above; the bitwise suites hold every plan to it.
+//
+// Epilogues as the fast path: a bias alone is cuBLASLt's bias epilogue; an activation (with
+// or without a bias) is add_bias_gelu after the product.
+#include <cublasLt.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <algorithm>
+#include <array>
+#include <cstring>
+#include <memory>
+#include <sstream>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "kernels/cuda/gemm.h"
+#include "kernels/cuda/gemv.h"
+#include "kernels/cuda/lt_descriptors.h"
+#include "kernels/cuda/ops.h"
+#include "kernels/cuda/synthetic.h"
+
+namespace conveyor::cuda {
+namespace {
+
+constexpr int kSeqLayout = 6;  // Key::layout of these plans (gemm.cc uses 0..4, fp8_gemm.cc 5)
+constexpr int64_t kSeqAnchorRows = 256;
+constexpr int64_t kSeqProbeRows = 8;
+constexpr int kSeqProposals = 32;
+
+template <class T>
+cudaDataType_t seq_type() {
+  if constexpr (std::is_same_v<T, __half>) return CUDA_R_16F;
+  else if constexpr (std::is_same_v<T, __nv_bfloat16>) return CUDA_R_16BF;
+  else return CUDA_R_32F;
+}
+
+size_t type_bytes(int t) { return t == CUDA_R_32F ? 4 : 2; }
+
+using ConfigKey = std::array<int64_t, 8>;
+ConfigKey config_key(const cublasLtMatmulAlgo_t& a) {
+  return {lt_algo_config<int32_t>(a, CUBLASLT_ALGO_CONFIG_ID), lt_algo_config<uint32_t>(a, CUBLASLT_ALGO_CONFIG_TILE_ID),
+          lt_algo_config<uint32_t>(a, CUBLASLT_ALGO_CONFIG_STAGES_ID),
+          lt_algo_config<uint32_t>(a, CUBLASLT_ALGO_CONFIG_CTA_SWIZZLING),
+          lt_algo_config<uint32_t>(a, CUBLASLT_ALGO_CONFIG_CUSTOM_OPTION),
+          lt_algo_config<uint16_t>(a, CUBLASLT_ALGO_CONFIG_INNER_SHAPE_ID),
+          lt_algo_config<uint16_t>(a, CUBLASLT_ALGO_CONFIG_CLUSTER_SHAPE_ID),
+          lt_algo_config<int32_t>(a, CUBLASLT_ALGO_CONFIG_SPLITK_NUM)};
+}
+
+}  // namespace
+
+// out (col-major N x T) = W^T (W: col-major K x N, i.e. [N, K] row-major)
+// * in (col-major K x T), fp32 compute; the bias epilogue when `bias_epilogue`.
+struct SeqProblem : LtDescriptors {
+  bool bias_epilogue = false;
+  SeqProblem(int in_type, int out_type, int64_t T_, int64_t K, int64_t N, bool with_bias_epilogue)
+      : bias_epilogue(with_bias_epilogue) {
+    CUDA_CHECK(cublasLtMatmulDescCreate(&desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+    const cublasOperation_t op_a = CUBLAS_OP_T, op_b = CUBLAS_OP_N;
+    CUDA_CHECK(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSA, &op_a, sizeof(op_a)));
+    CUDA_CHECK(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSB, &op_b, sizeof(op_b)));
+    if (bias_epilogue) {
+      const cublasLtEpilogue_t epi = CUBLASLT_EPILOGUE_BIAS;
+      CUDA_CHECK(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_EPILOGUE, &epi, sizeof(epi)));
+    }
+    CUDA_CHECK(cublasLtMatrixLayoutCreate(&a, cudaDataType_t(in_type), uint64_t(K), uint64_t(N), K));
+    CUDA_CHECK(cublasLtMatrixLayoutCreate(&b, cudaDataType_t(in_type), uint64_t(K), uint64_t(T_), K));
+    CUDA_CHECK(cublasLtMatrixLayoutCreate(&d, cudaDataType_t(out_type), uint64_t(N), uint64_t(T_), N));
+  }
+};
+
+// SeqPlan::member of the sequential GEMV (cuBLASLt's members are 0, 1, ...).
+constexpr int kGemv = -1;
+
+struct Gemm::SeqFamily {
+  bool usable = false;
+  std::string why;     // why not, when the fixed-order tiles keep it
+  bool gemv = false;   // the sequential GEMV has the canonical's bits
+  std::vector<cublasLtMatmulAlgo_t> members;  // members[0]: the canonical algorithm
+  std::vector<ConfigKey> member_keys, rejected_keys;
+  std::unique_ptr<SeqProblem> probe;  // kSeqProbeRows rows
+  size_t row_bytes = 0;               // of a row of the output
+  DeviceBuffer probe_in, probe_ref, probe_out;
+};
+
+struct Gemm::SeqPlan {
+  std::unique_ptr<SeqProblem> problem;  // T rows
+  int member = 0;                       // index into the family's members, or kGemv
+  float ms = -1.f;
+  std::string choice;
+};
+
+struct Gemm::SeqState {
+  std::map<Key, SeqFamily> families;  // key with T = 0
+  std::map<Key, std::unique_ptr<SeqPlan>> plans;
+  std::map<Key, const SeqPlan*> timed_buckets;  // key with T = its bucket
+};
+
+void Gemm::SeqStateDeleter::operator()(SeqState* s) const { delete s; }
+
+namespace {
+
+// Whether `rows` rows (row_bytes each) of a and b, rows a_pitch and b_pitch bytes apart, are
+// the same bits; synchronises.
+bool same_rows(const void* a, size_t a_pitch, const void* b, size_t b_pitch, int64_t rows, size_t row_bytes,
+               cudaStream_t stream) {
+  const size_t n = size_t(rows) * row_bytes;
+  std::vector<unsigned char> ha(n), hb(n);
+  CUDA_CHECK(cudaMemcpy2DAsync(ha.data(), row_bytes, a, a_pitch, row_bytes, size_t(rows), cudaMemcpyDeviceToHost,
+                               stream));
+  CUDA_CHECK(cudaMemcpy2DAsync(hb.data(), row_bytes, b, b_pitch, row_bytes, size_t(rows), cudaMemcpyDeviceToHost,
+                               stream));
+  CUDA_CHECK(cudaStreamSynchronize(stream));
+  return std::memcmp(ha.data(), hb.data(), n) == 0;
+}
+
+}  // namespace
+
+std::string Gemm::describe_seq_plans() const {
+  if (!seq_) return "";
+  std::ostringstream os;
+  for (const auto& [k, f] : seq_->families) {
+    os << "NK sequential-order family K=" << k.K << " N=" << k.N << (k.has_bias ? " bias" : "") << (k.act ? " gelu" : "")
+       << ": ";
+    if (!f.usable) os << "fixed-order tiles (" << f.why << ")";
+    else
+      os << "canonical " << lt_algo_name(f.members[0]) << ", " << f.members.size() << " members, " << f.rejected_keys.size() << " rejected, GEMV "
+         << (f.gemv ? "joins" : "has other bits");
+    os << "\n";
+  }
+  for (const auto& [k, p] : seq_->plans) {
+    os << "NK sequential-order T=" << k.T << " K=" << k.K << " N=" << k.N << (k.has_bias ? " bias" : "")
+       << (k.act ? " gelu" : "") << ": " << p->choice;
+    if (p->ms >= 0) os << " " << p->ms * 1000.f << " us";
+    os << "\n";
+  }
+  return os.str();
+}
+
+// The family's one-time settlement (top of this file); `w` and `bias` are the caller's.
+template <class T, class OutT>
+Gemm::SeqFamily& Gemm::seq_family(const Key& fk, const T* w, const T* bias, cudaStream_t stream) {
+  if (!seq_) seq_.reset(new SeqState);
+  if (auto it = seq_->families.find(fk); it != seq_->families.end()) return it->second;
+  SeqFamily& f = seq_->families[fk];
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
+  if (capture != cudaStreamCaptureStatusNone) {
+    f.why = "first seen during graph capture";
+    return f;
+  }
+  const int64_t K = fk.K, N = fk.N, P = kSeqProbeRows;
+  const bool bias_epi = fk.has_bias && fk.act == int(GemmAct::None);
+  const size_t ob = type_bytes(fk.out_type);
+  f.row_bytes = size_t(N) * ob;
+  const size_t pitch = f.row_bytes;
+  const uint64_t ws = workspace_.bytes();
+  SeqProblem anchor(fk.in_type, fk.out_type, kSeqAnchorRows, K, N, bias_epi);
+  SeqProblem one(fk.in_type, fk.out_type, 1, K, N, bias_epi);
+  f.probe = std::make_unique<SeqProblem>(fk.in_type, fk.out_type, P, K, N, bias_epi);
+  f.probe_in = device_alloc(size_t(P * K) * sizeof(T), "gemm", "sequential-order probe input");
+  f.probe_ref = device_alloc(size_t(P) * pitch, "gemm", "sequential-order probe output");
+  f.probe_out = device_alloc(size_t(P) * pitch, "gemm", "sequential-order probe output");
+  fill_normal<T>(f.probe_in.as<T>(), P * K, 0.f, 1.f, 0x5e9u, uint64_t(K), stream);
+
+  const float alpha = 1.f, beta = 0.f;
+  auto matmul = [&](const SeqProblem& p, const cublasLtMatmulAlgo_t& algo, void* out) {
+    if (p.bias_epilogue)
+      CUDA_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof(bias)));
+    return cublasLtMatmul(lt_, p.desc, &alpha, w, p.a, f.probe_in.get(), p.b, &beta, out, p.d, out, p.d, &algo,
+                          workspace_.get(), ws, stream) == CUBLAS_STATUS_SUCCESS;
+  };
+  const auto proposals = lt_proposals(lt_, anchor, fk.align, ws, kSeqProposals);
+  for (const auto& r : proposals) {
+    cublasLtMatmulAlgo_t algo = r.algo;
+    if (lt_splits_k(algo) && !lt_unsplit(algo)) continue;
+    if (!lt_accepts(lt_, anchor, algo, ws) || !lt_accepts(lt_, *f.probe, algo, ws) || !lt_accepts(lt_, one, algo, ws))
+      continue;
+    if (!matmul(*f.probe, algo, f.probe_ref.get()) || !matmul(one, algo, f.probe_out.get())) continue;
+    if (!same_rows(f.probe_ref.get(), pitch, f.probe_out.get(), pitch, 1, f.row_bytes, stream)) continue;
+    f.members.push_back(algo);
+    f.member_keys.push_back(config_key(algo));
+    break;
+  }
+  if (f.members.empty()) {
+    f.why = "none of cuBLASLt's " + std::to_string(proposals.size()) +
+            " proposals runs unsplit with a row's bits the same alone and among " + std::to_string(P);
+    f.probe_in = DeviceBuffer(), f.probe_ref = DeviceBuffer(), f.probe_out = DeviceBuffer();
+    return f;
+  }
+  // The GEMV: its probe rows against the canonical's, with the activation the real calls take.
+  if (detail::gemv_seq_supported(P, K, N, f.probe_in.get(), w)) {
+    if constexpr (!std::is_same_v<OutT, float>) {
+      if (fk.act != int(GemmAct::None))
+        add_bias_gelu<T>(f.probe_ref.as<T>(), bias, P, N,
+                         fk.act == int(GemmAct::GeluTanh) ? Activation::GeluNew : Activation::Gelu, stream);
+    }
+    detail::gemv_seq<T, OutT>(f.probe_out.as<OutT>(), f.probe_in.as<T>(), w, bias, P, K, N, GemmAct(fk.act), stream);
+    f.gemv = same_rows(f.probe_ref.get(), pitch, f.probe_out.get(), pitch, P, f.row_bytes, stream);
+    // The reference again without the activation: members are held to cuBLASLt's own output.
+    if (fk.act != int(GemmAct::None) && !matmul(*f.probe, f.members[0], f.probe_ref.get()))
+      throw Error("gemm: the canonical sequential-order algorithm failed its second probe call");
+  }
+  f.usable = true;
+  return f;
+}
+
+// Index of `algo` among the family's members, admitting it when its probe rows have the
+// canonical's bits; -1 when they do not (or cuBLASLt refuses it for the probe).
+int Gemm::seq_admit(SeqFamily& f, const cublasLtMatmulAlgo_t& algo, const void* w, const void* bias,
+                    cudaStream_t stream) {
+  const ConfigKey key = config_key(algo);
+  for (size_t i = 0; i < f.member_keys.size(); ++i)
+    if (f.member_keys[i] == key) return int(i);
+  for (const ConfigKey& r : f.rejected_keys)
+    if (r == key) return -1;
+  const uint64_t ws = workspace_.bytes();
+  const float alpha = 1.f, beta = 0.f;
+  bool same = false;
+  if (lt_accepts(lt_, *f.probe, algo, ws)) {
+    if (f.probe->bias_epilogue)
+      CUDA_CHECK(cublasLtMatmulDescSetAttribute(f.probe->desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof(bias)));
+    if (cublasLtMatmul(lt_, f.probe->desc, &alpha, w, f.probe->a, f.probe_in.get(), f.probe->b, &beta,
+                       f.probe_out.get(), f.probe->d, f.probe_out.get(), f.probe->d, &algo, workspace_.get(), ws,
+                       stream) == CUBLAS_STATUS_SUCCESS) {
+      same = same_rows(f.probe_ref.get(), f.row_bytes, f.probe_out.get(), f.row_bytes, kSeqProbeRows, f.row_bytes, stream);
+    }
+  }
+  if (!same) {
+    f.rejected_keys.push_back(key);
+    return -1;
+  }
+  f.members.push_back(algo);
+  f.member_keys.push_back(key);
+  return int(f.members.size()) - 1;
+}
+
+template <class T, class OutT>
+bool Gemm::run_sequential(OutT* out, const T* in, const T* w, const T* bias, int64_t T_, int64_t K, int64_t N,
+                          GemmAct act, cudaStream_t stream) {
+  Key key{};
+  key.layout = kSeqLayout;
+  key.in_type = int(seq_type<T>());
+  key.out_type = int(seq_type<OutT>());
+  key.has_bias = bias != nullptr;
+  key.act = int(act);
+  key.align = std::min({lt_alignment(out), lt_alignment(in), lt_alignment(w), lt_alignment(bias)});
+  key.K = K, key.N = N;
+  SeqFamily& f = seq_family<T, OutT>(key, w, bias, stream);
+  if (!f.usable) return false;
+  key.T = T_;
+  const uint64_t ws = workspace_.bytes();
+  const bool gemv_ok = f.gemv && detail::gemv_seq_supported(T_, K, N, in, w);
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
+  const bool capturing = capture != cudaStreamCaptureStatusNone;
+  const float alpha = 1.f, beta = 0.f;
+  auto launch = [&](const SeqPlan& p) {
+    if (p.member == kGemv) {
+      detail::gemv_seq<T, OutT>(out, in, w, bias, T_, K, N, act, stream);
+      return true;
+    }
+    if (p.problem->bias_epilogue)
+      CUDA_CHECK(cublasLtMatmulDescSetAttribute(p.problem->desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof(bias)));
+    if (cublasLtMatmul(lt_, p.problem->desc, &alpha, w, p.problem->a, in, p.problem->b, &beta, out, p.problem->d, out,
+                       p.problem->d, &f.members[size_t(p.member)], workspace_.get(), ws, stream) != CUBLAS_STATUS_SUCCESS)
+      return false;
+    if constexpr (!std::is_same_v<OutT, float>) {
+      if (act != GemmAct::None)
+        add_bias_gelu<T>(out, bias, T_, N, act == GemmAct::GeluTanh ? Activation::GeluNew : Activation::Gelu, stream);
+    }
+    return true;
+  };
+
+  auto it = seq_->plans.find(key);
+  if (it == seq_->plans.end()) {
+    auto plan = std::make_unique<SeqPlan>();
+    const bool bias_epi = key.has_bias && act == GemmAct::None;
+    plan->problem = std::make_unique<SeqProblem>(key.in_type, key.out_type, T_, K, N, bias_epi);
+    const bool timed = tuning_ && !capturing;
+    // Another T of this bucket was timed: its choice, if it runs this T.
+    if (auto b = seq_->timed_buckets.find(bucket_of(key)); b != seq_->timed_buckets.end()) {
+      const int m = b->second->member;
+      if ((m == kGemv && gemv_ok) || (m >= 0 && lt_accepts(lt_, *plan->problem, f.members[size_t(m)], ws))) {
+        plan->member = m;
+        plan->choice = "as its bucket's timed plan (" + b->second->choice + ")";
+      }
+    }
+    if (plan->choice.empty()) {
+      std::vector<int> candidates;  // member indices, kGemv
+      if (gemv_ok) candidates.push_back(kGemv);
+      if (lt_accepts(lt_, *plan->problem, f.members[0], ws)) candidates.push_back(0);
+      if (timed) {
+        for (const auto& r : lt_proposals(lt_, *plan->problem, key.align, ws, kSeqProposals)) {
+          cublasLtMatmulAlgo_t algo = r.algo;
+          if (lt_splits_k(algo) && !lt_unsplit(algo)) continue;
+          if (!lt_accepts(lt_, *plan->problem, algo, ws)) continue;
+          const int m = seq_admit(f, algo, w, bias, stream);
+          if (m >= 0 && std::find(candidates.begin(), candidates.end(), m) == candidates.end()) candidates.push_back(m);
+        }
+      }
+      if (candidates.empty())
+        throw Error("gemm: no sequential-order plan runs T=" + std::to_string(T_) + " K=" + std::to_string(K) +
+                    " N=" + std::to_string(N) + " (the canonical algorithm refuses it)");
+      auto name = [&](int m) {
+        return m == kGemv ? std::string("sequential GEMV") : lt_algo_name(f.members[size_t(m)]) + (m == 0 ? " (canonical)" : "");
+      };
+      SeqPlan trial;
+      trial.problem = std::move(plan->problem);
+      if (!timed || candidates.size() == 1) {
+        plan->member = candidates[0];
+        plan->choice = name(candidates[0]) + " (untimed)";
+      } else {
+        float best = -1.f;
+        for (int m : candidates) {
+          trial.member = m;
+          const float ms = time_ms(stream, [&] { return launch(trial); });
+          if (ms >= 0 && (best < 0 || ms < best)) best = ms, plan->member = m;
+        }
+        if (best < 0) throw Error("gemm: every sequential-order candidate failed for T=" + std::to_string(T_));
+        plan->ms = best;
+        plan->choice = name(plan->member) + " of " + std::to_string(candidates.size());
+      }
+      plan->problem = std::move(trial.problem);
+    }
+    const bool timed_plan = plan->ms >= 0;
+    it = seq_->plans.emplace(key, std::move(plan)).first;
+    if (timed_plan) seq_->timed_buckets.emplace(bucket_of(key), it->second.get());
+  }
+  if (!launch(*it->second))
+    throw Error("gemm: cuBLASLt failed a planned sequential-order product T=" + std::to_string(T_) +
+                " K=" + std::to_string(K) + " N=" + std::to_string(N));
+  return true;
+}
+
+#define CONVEYOR_SEQ(T, OutT)                                                                                       \
+  template bool Gemm::run_sequential<T, OutT>(OutT*, const T*, const T*, const T*, int64_t, int64_t, int64_t, GemmAct, \
+                                              cudaStream_t);
+CONVEYOR_SEQ(__half, __half)
+CONVEYOR_SEQ(__half, float)
+CONVEYOR_SEQ(__nv_bfloat16, __nv_bfloat16)
+CONVEYOR_SEQ(__nv_bfloat16, float)
+#undef CONVEYOR_SEQ
+
+}  // namespace conveyor::cuda
