@@ -22,8 +22,11 @@
 // such kernel every output element is one CTA's K loop in the same order, whichever tile the
 // element lands in and however many tiles there are; the choice itself depends only on the
 // shape, the device kind and the cuBLAS version, never on what this process ran before (no
-// timing), so a spare worker picks the same. The GPU test (tests/kernels/cuda/test_fp8.cc)
-// checks this for T = 1..256 at several row offsets.
+// timing), so a spare worker picks the same: the anchor. Each T bucket then times the
+// anchor and the unsplit proposals for that T whose sums equal the anchor's bit for bit on
+// the call's own rows (every unsplit FP8 algorithm gave the same bits on the H100:
+// conveyor-bench-gemm-order), so the timing picks speed, never an order. The GPU test
+// (tests/kernels/cuda/test_fp8.cc) checks every row for T = 1..299 at three row offsets.
 #include <cublasLt.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -101,6 +104,7 @@ struct Gemm::Fp8State {
   std::map<Key, std::unique_ptr<Plan>> plans;
   std::map<Key, Anchor> anchors;              // key with T = 0
   std::map<Key, const Plan*> timed_buckets;  // fast mode: key with T = its bucket -> the timed plan
+  std::map<Key, const Plan*> det_buckets;    // deterministic mode: the same, among the anchor's class
 };
 
 void Gemm::Fp8StateDeleter::operator()(Fp8State* s) const { delete s; }
@@ -252,7 +256,44 @@ void Gemm::run_fp8(T* out, const T* in, const uint8_t* w, const float* w_scales,
                     " refuses T=" + std::to_string(rows));
       plan->algo = a.algo;
       plan->choice = a.choice;
-      return *s.plans.emplace(k, std::move(plan)).first->second;
+      // Another T of this bucket was timed: its algorithm, if cuBLASLt takes it here (it gave
+      // the anchor's bits there; unsplit FP8 algorithms are one class, docs/PERFORMANCE.md).
+      Key bk = bucket_of(k);
+      if (auto it = s.det_buckets.find(bk); it != s.det_buckets.end() &&
+                                            lt_accepts(lt_, *plan->problem, it->second->algo, ws)) {
+        plan->algo = it->second->algo;
+        plan->choice = "as its bucket's timed plan (" + it->second->choice + ")";
+        return *s.plans.emplace(k, std::move(plan)).first->second;
+      }
+      if (!tuning_ || capturing) return *s.plans.emplace(k, std::move(plan)).first->second;
+      // Timed among the unsplit proposals for this T that give this call's rows the anchor's
+      // sums bit for bit (the sums of every row, on the caller's own quantised rows).
+      const size_t sum_bytes = size_t(rows * N) * sizeof(float);
+      std::vector<unsigned char> want(sum_bytes), got(sum_bytes);
+      CUDA_CHECK(matmul(*plan->problem, a.algo));
+      CUDA_CHECK(cudaMemcpyAsync(want.data(), sums, sum_bytes, cudaMemcpyDeviceToHost, stream));
+      CUDA_CHECK(cudaStreamSynchronize(stream));
+      std::vector<cublasLtMatmulAlgo_t> held{a.algo};
+      for (const auto& r : lt_proposals(lt_, *plan->problem, key.align, ws, kHeuristicResults)) {
+        cublasLtMatmulAlgo_t algo = r.algo;
+        if (held.size() >= size_t(kMaxCandidates)) break;
+        if ((lt_splits_k(algo) && !lt_unsplit(algo)) || !lt_accepts(lt_, *plan->problem, algo, ws)) continue;
+        if (matmul(*plan->problem, algo) != CUBLAS_STATUS_SUCCESS) continue;
+        CUDA_CHECK(cudaMemcpyAsync(got.data(), sums, sum_bytes, cudaMemcpyDeviceToHost, stream));
+        CUDA_CHECK(cudaStreamSynchronize(stream));
+        if (std::memcmp(got.data(), want.data(), sum_bytes) == 0) held.push_back(algo);
+      }
+      float best = -1.f;
+      for (const cublasLtMatmulAlgo_t& algo : held) {
+        const float ms = time_ms(stream, [&] { return matmul(*plan->problem, algo) == CUBLAS_STATUS_SUCCESS; });
+        if (ms >= 0 && (best < 0 || ms < best)) best = ms, plan->algo = algo;
+      }
+      plan->ms = best;
+      plan->choice = lt_algo_name(plan->algo) + " (timed among " + std::to_string(held.size()) +
+                     " with the anchor's bits; anchor " + lt_algo_name(a.algo) + ")";
+      const Fp8State::Plan& chosen = *s.plans.emplace(k, std::move(plan)).first->second;
+      s.det_buckets.emplace(bk, &chosen);
+      return chosen;
     }
     // Fast mode: another T of this bucket was timed: its algorithm, if cuBLASLt takes it here.
     Key bk = bucket_of(k);

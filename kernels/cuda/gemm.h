@@ -88,10 +88,12 @@ class Gemm {
   // in and bias (may be null) are T. Needs K % 16 == 0 and N % 16 == 0 (cuBLASLt's FP8 layout
   // rules), 16-byte aligned in, w and out. cuBLASLt computes the unscaled sums (E4M3 x E4M3,
   // fp32 accumulation, fp32 out, into the FP8 workspace); fp8_scale_epilogue then writes
-  // out. In deterministic mode every T of a (K, N) shape runs one cuBLASLt algorithm, the
-  // first the heuristic proposes for kFp8AnchorRows rows that runs without a split along K and
-  // accepts every T: a row's bits then depend on that row alone (its scale is its own, its sums
-  // run in one order whatever the batch, the epilogue is per element). Fast mode times the
+  // out. In deterministic mode every T of a (K, N) shape sums in the order of one anchor
+  // algorithm, the first the heuristic proposes for kFp8AnchorRows rows that runs without a
+  // split along K and accepts every T; each T bucket times the anchor and the unsplit
+  // proposals whose sums equal its bit for bit on the call's rows: a row's bits then depend on
+  // that row alone (its scale is its own, its sums run in one order whatever the batch, the
+  // epilogue is per element). Fast mode times the
   // heuristic's proposals per T bucket, split-K included. Every call after a shape's first is
   // launches only (capturable). Throws conveyor::Error naming the bad argument, or when
   // cuBLASLt offers no FP8 algorithm for the problem. CONVEYOR_FP8_FAST_ACCUM=1 at start turns
