@@ -49,13 +49,18 @@ TEST(ServingTrace, QueuePastTheAdmissionLimitIsVisibleAndTracesMatchTheBatches) 
   std::atomic<bool> done{false};
   int64_t most_queued = 0, most_running = 0;
   double most_queued_metric = 0;  // conveyor_queue_waiting_requests{reason="running_limit"}
-  std::string wait_seen;
+  // Every reason /v1/cluster gave while requests waited. A snapshot may catch a request
+  // between its arrival and the scheduler's next turn ("none" with a queue): the test used to
+  // keep the reason of the largest queue only, and failed when that snapshot was such a one
+  // (a fresh clone's CI, 2026-11-25). The queue lasts the whole load, so "running_limit" must
+  // be among the reasons.
+  std::set<std::string> waits_seen;
   std::thread watcher([&] {
     while (!done) {
       const json i = cluster.info();
-      if (i.is_object() && i["queue"].get<int64_t>() > most_queued) {
-        most_queued = i["queue"].get<int64_t>();
-        wait_seen = i["queue_wait"].get<std::string>();
+      if (i.is_object() && i["queue"].get<int64_t>() > 0) {
+        most_queued = std::max(most_queued, i["queue"].get<int64_t>());
+        waits_seen.insert(i["queue_wait"].get<std::string>());
       }
       // The gauges follow within the control loop's turn (20 ms).
       if (auto m = cluster.get("/metrics"); m && m->status == 200) {
@@ -74,7 +79,8 @@ TEST(ServingTrace, QueuePastTheAdmissionLimitIsVisibleAndTracesMatchTheBatches) 
   watcher.join();
   for (const auto& f : failures) ADD_FAILURE() << f;
   EXPECT_GT(most_queued, 0) << "no request was ever seen waiting";
-  EXPECT_EQ(wait_seen, "running_limit");
+  EXPECT_EQ(waits_seen.count("running_limit"), 1u) << "reasons seen with a queue: " << json(waits_seen).dump();
+  for (const std::string& w : waits_seen) EXPECT_TRUE(w == "running_limit" || w == "none") << w;
   EXPECT_LE(most_running, 3);
   EXPECT_GT(most_queued_metric, 0) << "/metrics never showed the queue waiting for the running limit";
 
@@ -138,7 +144,9 @@ TEST(ServingTrace, QueuePastTheAdmissionLimitIsVisibleAndTracesMatchTheBatches) 
         EXPECT_GE(j[k].get<double>(), 0) << k << " in " << j.dump();
       compute += j["compute"].get<double>();
       stages_seen.insert(j["stage"].get<int>());
-      if (j["stage"] == 0) EXPECT_EQ(j["sample"].get<double>(), 0) << j.dump();
+      if (j["stage"] == 0) {
+        EXPECT_EQ(j["sample"].get<double>(), 0) << j.dump();
+      }
     }
     EXPECT_GT(compute, 0);
   }
