@@ -129,16 +129,12 @@ void Gemm::SeqStateDeleter::operator()(SeqState* s) const { delete s; }
 
 namespace {
 
-// Whether `rows` rows (row_bytes each) of a and b, rows a_pitch and b_pitch bytes apart, are
-// the same bits; synchronises.
-bool same_rows(const void* a, size_t a_pitch, const void* b, size_t b_pitch, int64_t rows, size_t row_bytes,
-               cudaStream_t stream) {
+// Whether `rows` rows (row_bytes each, contiguous) of a and b are the same bits; synchronises.
+bool same_rows(const void* a, const void* b, int64_t rows, size_t row_bytes, cudaStream_t stream) {
   const size_t n = size_t(rows) * row_bytes;
   std::vector<unsigned char> ha(n), hb(n);
-  CUDA_CHECK(cudaMemcpy2DAsync(ha.data(), row_bytes, a, a_pitch, row_bytes, size_t(rows), cudaMemcpyDeviceToHost,
-                               stream));
-  CUDA_CHECK(cudaMemcpy2DAsync(hb.data(), row_bytes, b, b_pitch, row_bytes, size_t(rows), cudaMemcpyDeviceToHost,
-                               stream));
+  CUDA_CHECK(cudaMemcpyAsync(ha.data(), a, n, cudaMemcpyDeviceToHost, stream));
+  CUDA_CHECK(cudaMemcpyAsync(hb.data(), b, n, cudaMemcpyDeviceToHost, stream));
   CUDA_CHECK(cudaStreamSynchronize(stream));
   return std::memcmp(ha.data(), hb.data(), n) == 0;
 }
@@ -182,14 +178,13 @@ Gemm::SeqFamily& Gemm::seq_family(const Key& fk, const T* w, const T* bias, cuda
   const bool bias_epi = fk.has_bias && fk.act == int(GemmAct::None);
   const size_t ob = type_bytes(fk.out_type);
   f.row_bytes = size_t(N) * ob;
-  const size_t pitch = f.row_bytes;
   const uint64_t ws = workspace_.bytes();
   SeqProblem anchor(fk.in_type, fk.out_type, kSeqAnchorRows, K, N, bias_epi);
   SeqProblem one(fk.in_type, fk.out_type, 1, K, N, bias_epi);
   f.probe = std::make_unique<SeqProblem>(fk.in_type, fk.out_type, P, K, N, bias_epi);
   f.probe_in = device_alloc(size_t(P * K) * sizeof(T), "gemm", "sequential-order probe input");
-  f.probe_ref = device_alloc(size_t(P) * pitch, "gemm", "sequential-order probe output");
-  f.probe_out = device_alloc(size_t(P) * pitch, "gemm", "sequential-order probe output");
+  f.probe_ref = device_alloc(size_t(P) * f.row_bytes, "gemm", "sequential-order probe output");
+  f.probe_out = device_alloc(size_t(P) * f.row_bytes, "gemm", "sequential-order probe output");
   fill_normal<T>(f.probe_in.as<T>(), P * K, 0.f, 1.f, 0x5e9u, uint64_t(K), stream);
 
   const float alpha = 1.f, beta = 0.f;
@@ -206,7 +201,7 @@ Gemm::SeqFamily& Gemm::seq_family(const Key& fk, const T* w, const T* bias, cuda
     if (!lt_accepts(lt_, anchor, algo, ws) || !lt_accepts(lt_, *f.probe, algo, ws) || !lt_accepts(lt_, one, algo, ws))
       continue;
     if (!matmul(*f.probe, algo, f.probe_ref.get()) || !matmul(one, algo, f.probe_out.get())) continue;
-    if (!same_rows(f.probe_ref.get(), pitch, f.probe_out.get(), pitch, 1, f.row_bytes, stream)) continue;
+    if (!same_rows(f.probe_ref.get(), f.probe_out.get(), 1, f.row_bytes, stream)) continue;
     f.members.push_back(algo);
     f.member_keys.push_back(config_key(algo));
     break;
@@ -225,7 +220,7 @@ Gemm::SeqFamily& Gemm::seq_family(const Key& fk, const T* w, const T* bias, cuda
                          fk.act == int(GemmAct::GeluTanh) ? Activation::GeluNew : Activation::Gelu, stream);
     }
     detail::gemv_seq<T, OutT>(f.probe_out.as<OutT>(), f.probe_in.as<T>(), w, bias, P, K, N, GemmAct(fk.act), stream);
-    f.gemv = same_rows(f.probe_ref.get(), pitch, f.probe_out.get(), pitch, P, f.row_bytes, stream);
+    f.gemv = same_rows(f.probe_ref.get(), f.probe_out.get(), P, f.row_bytes, stream);
     // The reference again without the activation: members are held to cuBLASLt's own output.
     if (fk.act != int(GemmAct::None) && !matmul(*f.probe, f.members[0], f.probe_ref.get()))
       throw Error("gemm: the canonical sequential-order algorithm failed its second probe call");
@@ -252,7 +247,7 @@ int Gemm::seq_admit(SeqFamily& f, const cublasLtMatmulAlgo_t& algo, const void* 
     if (cublasLtMatmul(lt_, f.probe->desc, &alpha, w, f.probe->a, f.probe_in.get(), f.probe->b, &beta,
                        f.probe_out.get(), f.probe->d, f.probe_out.get(), f.probe->d, &algo, workspace_.get(), ws,
                        stream) == CUBLAS_STATUS_SUCCESS) {
-      same = same_rows(f.probe_ref.get(), f.row_bytes, f.probe_out.get(), f.row_bytes, kSeqProbeRows, f.row_bytes, stream);
+      same = same_rows(f.probe_ref.get(), f.probe_out.get(), kSeqProbeRows, f.row_bytes, stream);
     }
   }
   if (!same) {
