@@ -193,6 +193,7 @@ void Coordinator::Impl::replay_lost_batches() {
     spdlog::warn("coordinator: pipeline {}: micro-batch {} has not come back {} ms after it was sent; replaying the "
                  "pipeline",
                  p.index, id, cfg.batch_timeout_ms);
+    if (metrics) metrics->count_batch_timeout_replay();
     p.down_reason = "replaying after micro-batch " + std::to_string(id) + " was lost";
     restart_pipeline(p);  // clears p.batches
     send_assignments(p);

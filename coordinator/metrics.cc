@@ -62,6 +62,16 @@ uint64_t Metrics::coordinator_gap_count() const {
   return gap_.count();
 }
 
+void Metrics::count_batch_timeout_replay() {
+  std::lock_guard lock(mu_);
+  ++batch_timeout_replays_;
+}
+
+uint64_t Metrics::batch_timeout_replays() const {
+  std::lock_guard lock(mu_);
+  return batch_timeout_replays_;
+}
+
 void Metrics::set_prefix_cache(const PrefixCacheFigures& f) {
   std::lock_guard lk(mu_);
   prefix_ = f;
@@ -280,6 +290,9 @@ std::string Metrics::render() const {
   histogram(out, "conveyor_coordinator_turnaround_seconds",
             "Seconds from a micro-batch's result arriving at the coordinator to its pipeline's next micro-batch being sent.",
             gap_);
+  family(out, "conveyor_batch_timeout_replays_total", "counter",
+         "Pipelines replayed because a micro-batch had not come back scheduler.batch_timeout_ms after it was sent.");
+  sample(out, "conveyor_batch_timeout_replays_total", "", double(batch_timeout_replays_));
 
   family(out, "conveyor_stage_busy_fraction", "gauge",
          "Fraction of recent wall time a pipeline stage spent computing.");

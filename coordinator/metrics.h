@@ -30,6 +30,9 @@
 //       pipeline, what admission allows and what it has given;
 //     conveyor_coordinator_turnaround_seconds: from a micro-batch's result arriving to the
 //       pipeline's next micro-batch being sent (the coordinator's gap between steps).
+//     conveyor_batch_timeout_replays_total: pipelines replayed because a micro-batch had not
+//       come back scheduler.batch_timeout_ms after it was sent (no result, no error); should
+//       stay 0 without faults (issue 28).
 //     conveyor_prefix_cache_lookups_total, _hits_total: prompts that looked for a cached
 //       prefix (their first prefill) and those that found one; conveyor_prefix_cache_
 //       reused_tokens_total / _computed_tokens_total: their prompt tokens forked from the cache
@@ -100,6 +103,8 @@ class Metrics {
   void set_pipeline_admission(int pipeline, int64_t limit_sequences, int64_t running_sequences, int64_t kv_reserved_tokens,
                               int64_t kv_budget_tokens);
   void observe_coordinator_gap(double seconds);
+  // A pipeline replayed because a micro-batch of it was taken for lost (batch_timeout_ms).
+  void count_batch_timeout_replay();
   struct PrefixCacheFigures {
     int64_t lookups = 0, hits = 0, reused_tokens = 0, computed_tokens = 0, entries = 0, cached_tokens = 0;
   };
@@ -114,12 +119,14 @@ class Metrics {
   uint64_t time_to_first_token_count() const;
   uint64_t inter_token_latency_count() const;
   uint64_t coordinator_gap_count() const;
+  uint64_t batch_timeout_replays() const;
 
  private:
   mutable std::mutex mu_;
   std::map<int, uint64_t> requests_by_code_;
   Histogram ttft_, itl_, gap_;
   uint64_t prompt_tokens_ = 0, generated_tokens_ = 0;
+  uint64_t batch_timeout_replays_ = 0;
   int64_t queue_depth_ = 0, running_sequences_ = 0;
   std::map<std::tuple<int, int, std::string>, double> stage_busy_;  // (pipeline, stage, worker)
   std::map<std::tuple<int, int, std::string>, double> stage_idle_ready_;  // (pipeline, stage, worker)

@@ -175,6 +175,10 @@ TEST(ServingTrace, ALostMicroBatchIsReplayed) {
   });
   EXPECT_NE(Cluster::read(cluster.dir / "coordinator.log").find("has not come back"), std::string::npos)
       << "the stop did not lose a micro-batch: the test did not test anything";
+  // /metrics counts the replay (a fault-free cluster keeps conveyor_batch_timeout_replays_total at 0).
+  auto m = cluster.get("/metrics");
+  ASSERT_TRUE(m && m->status == 200);
+  EXPECT_GE(metric(m->body, "conveyor_batch_timeout_replays_total"), 1) << m->body;
 }
 
 }  // namespace

@@ -193,6 +193,20 @@ TEST(Metrics, TokenCountersAndGauges) {
   EXPECT_TRUE(has_line(text, "conveyor_kv_cache_capacity_tokens{pipeline=\"0\",stage=\"1\"} 65536"));
 }
 
+// Replays after a micro-batch was taken for lost (scheduler.batch_timeout_ms, issue 28): a
+// counter present at 0 from the start, so that any rise shows.
+TEST(Metrics, BatchTimeoutReplaysAreCounted) {
+  Metrics m;
+  EXPECT_TRUE(has_line(m.render(), "# TYPE conveyor_batch_timeout_replays_total counter"));
+  EXPECT_TRUE(has_line(m.render(), "conveyor_batch_timeout_replays_total 0"));
+  m.count_batch_timeout_replay();
+  m.count_batch_timeout_replay();
+  const std::string text = m.render();
+  expect_valid_exposition(text);
+  EXPECT_TRUE(has_line(text, "conveyor_batch_timeout_replays_total 2"));
+  EXPECT_EQ(m.batch_timeout_replays(), 2u);
+}
+
 TEST(Metrics, StageMovingToAnotherWorkerReplacesItsSeriesAndClearDropsAll) {
   Metrics m;
   m.set_stage_busy_fraction(0, 0, "a", 0.5);
