@@ -25,6 +25,7 @@
 #include <cstring>
 #include <functional>
 #include <map>
+#include <memory>
 #include <sstream>
 #include <tuple>
 #include <string>
@@ -40,6 +41,7 @@
 #include "kernels/cuda/fp8.h"
 #include "kernels/cuda/gemm.h"
 #include "kernels/cuda/gemv.h"
+#include "kernels/cuda/lt_descriptors.h"
 #include "kernels/cuda/synthetic.h"
 
 namespace {
@@ -103,25 +105,17 @@ struct Config {
   }
 };
 
-template <class V>
-V get_attr(const cublasLtMatmulAlgo_t& a, cublasLtMatmulAlgoConfigAttributes_t attr) {
-  V v{};
-  size_t written = 0;
-  CUDA_CHECK(cublasLtMatmulAlgoConfigGetAttribute(&a, attr, &v, sizeof v, &written));
-  return v;
-}
-
 Config config_of(const cublasLtMatmulAlgo_t& a) {
   Config c;
-  c.id = get_attr<int32_t>(a, CUBLASLT_ALGO_CONFIG_ID);
-  c.tile = get_attr<uint32_t>(a, CUBLASLT_ALGO_CONFIG_TILE_ID);
-  c.splitk = get_attr<int32_t>(a, CUBLASLT_ALGO_CONFIG_SPLITK_NUM);
-  c.reduction = get_attr<uint32_t>(a, CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME);
-  c.swizzle = get_attr<uint32_t>(a, CUBLASLT_ALGO_CONFIG_CTA_SWIZZLING);
-  c.custom = get_attr<uint32_t>(a, CUBLASLT_ALGO_CONFIG_CUSTOM_OPTION);
-  c.stages = get_attr<uint32_t>(a, CUBLASLT_ALGO_CONFIG_STAGES_ID);
-  c.inner = get_attr<uint16_t>(a, CUBLASLT_ALGO_CONFIG_INNER_SHAPE_ID);
-  c.cluster = get_attr<uint16_t>(a, CUBLASLT_ALGO_CONFIG_CLUSTER_SHAPE_ID);
+  c.id = lt_algo_config<int32_t>(a, CUBLASLT_ALGO_CONFIG_ID);
+  c.tile = lt_algo_config<uint32_t>(a, CUBLASLT_ALGO_CONFIG_TILE_ID);
+  c.splitk = lt_algo_config<int32_t>(a, CUBLASLT_ALGO_CONFIG_SPLITK_NUM);
+  c.reduction = lt_algo_config<uint32_t>(a, CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME);
+  c.swizzle = lt_algo_config<uint32_t>(a, CUBLASLT_ALGO_CONFIG_CTA_SWIZZLING);
+  c.custom = lt_algo_config<uint32_t>(a, CUBLASLT_ALGO_CONFIG_CUSTOM_OPTION);
+  c.stages = lt_algo_config<uint32_t>(a, CUBLASLT_ALGO_CONFIG_STAGES_ID);
+  c.inner = lt_algo_config<uint16_t>(a, CUBLASLT_ALGO_CONFIG_INNER_SHAPE_ID);
+  c.cluster = lt_algo_config<uint16_t>(a, CUBLASLT_ALGO_CONFIG_CLUSTER_SHAPE_ID);
   return c;
 }
 
@@ -138,65 +132,42 @@ struct Problem {
 
 class Probe {
  public:
-  Probe(cublasLtHandle_t lt, const Problem& pr, const Shape& s, int64_t t_max, cudaStream_t stream)
-      : lt_(lt), pr_(pr), s_(s), t_max_(t_max), stream_(stream) {
-    CUDA_CHECK(cublasLtMatmulDescCreate(&desc_, CUBLAS_COMPUTE_32F, CUDA_R_32F));
-    const cublasOperation_t ta = CUBLAS_OP_T, tb = CUBLAS_OP_N;
-    CUDA_CHECK(cublasLtMatmulDescSetAttribute(desc_, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof ta));
-    CUDA_CHECK(cublasLtMatmulDescSetAttribute(desc_, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof tb));
-    CUDA_CHECK(cublasLtMatrixLayoutCreate(&a_, pr.ab, uint64_t(s.K), uint64_t(s.N), s.K));
+  Probe(cublasLtHandle_t lt, const Problem& pr, const Shape& s, cudaStream_t stream)
+      : lt_(lt), pr_(pr), s_(s), stream_(stream) {
     workspace_ = device_alloc(Gemm::kWorkspaceBytes, "bench", "workspace");
     CUDA_CHECK(cudaEventCreate(&e0_));
     CUDA_CHECK(cudaEventCreate(&e1_));
   }
   ~Probe() {
-    for (auto& [t, l] : layouts_) {
-      cublasLtMatrixLayoutDestroy(l.first);
-      cublasLtMatrixLayoutDestroy(l.second);
-    }
-    cublasLtMatrixLayoutDestroy(a_);
-    cublasLtMatmulDescDestroy(desc_);
     cudaEventDestroy(e0_);
     cudaEventDestroy(e1_);
   }
 
-  std::pair<cublasLtMatrixLayout_t, cublasLtMatrixLayout_t> layouts(int64_t T) {
-    auto it = layouts_.find(T);
-    if (it != layouts_.end()) return it->second;
-    cublasLtMatrixLayout_t b = nullptr, d = nullptr;
-    CUDA_CHECK(cublasLtMatrixLayoutCreate(&b, pr_.ab, uint64_t(s_.K), uint64_t(T), s_.K));
-    CUDA_CHECK(cublasLtMatrixLayoutCreate(&d, pr_.out, uint64_t(s_.N), uint64_t(T), s_.N));
-    return layouts_[T] = {b, d};
+  // The product of T rows, described as Gemm describes its [N, K] products.
+  const LtDescriptors& problem(int64_t T) {
+    auto& p = problems_[T];
+    if (!p) {
+      p = std::make_unique<LtDescriptors>();
+      lt_describe(*p, pr_.ab, pr_.out, T, s_.K, s_.N, true, false);
+    }
+    return *p;
   }
 
-  // The heuristic's proposals for T rows.
+  // The heuristic's proposals for T rows (operands 256-byte aligned, as cudaMalloc gives them).
   std::vector<cublasLtMatmulAlgo_t> heuristic(int64_t T, int count) {
-    auto [b, d] = layouts(T);
-    cublasLtMatmulPreference_t pref = nullptr;
-    CUDA_CHECK(cublasLtMatmulPreferenceCreate(&pref));
-    const uint64_t ws = workspace_.bytes();
-    CUDA_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof ws));
-    std::vector<cublasLtMatmulHeuristicResult_t> r(static_cast<size_t>(count));
-    int found = 0;
-    if (cublasLtMatmulAlgoGetHeuristic(lt_, desc_, a_, b, d, d, pref, count, r.data(), &found) != CUBLAS_STATUS_SUCCESS)
-      found = 0;
-    cublasLtMatmulPreferenceDestroy(pref);
     std::vector<cublasLtMatmulAlgo_t> out;
-    for (int i = 0; i < found; ++i) out.push_back(r[size_t(i)].algo);
+    for (const auto& r : lt_proposals(lt_, problem(T), 256, workspace_.bytes(), count)) out.push_back(r.algo);
     return out;
   }
 
   bool accepts(const cublasLtMatmulAlgo_t& algo, int64_t T) {
-    auto [b, d] = layouts(T);
-    cublasLtMatmulHeuristicResult_t check{};
-    return cublasLtMatmulAlgoCheck(lt_, desc_, a_, b, d, d, &algo, &check) == CUBLAS_STATUS_SUCCESS &&
-           check.workspaceSize <= workspace_.bytes();
+    return lt_accepts(lt_, problem(T), algo, workspace_.bytes());
   }
 
   bool run(const cublasLtMatmulAlgo_t& algo, void* out, const void* in, const void* w, int64_t T) {
-    auto [b, d] = layouts(T);
+    const LtDescriptors& p = problem(T);
     const float alpha = 1.f, beta = 0.f;
-    return cublasLtMatmul(lt_, desc_, &alpha, w, a_, in, b, &beta, out, d, out, d, &algo, workspace_.get(),
+    return cublasLtMatmul(lt_, p.desc, &alpha, w, p.a, in, p.b, &beta, out, p.d, out, p.d, &algo, workspace_.get(),
                           workspace_.bytes(), stream_) == CUBLAS_STATUS_SUCCESS;
   }
 
@@ -223,11 +194,8 @@ class Probe {
   cublasLtHandle_t lt_;
   Problem pr_;
   Shape s_;
-  int64_t t_max_;
   cudaStream_t stream_;
-  cublasLtMatmulDesc_t desc_ = nullptr;
-  cublasLtMatrixLayout_t a_ = nullptr;
-  std::map<int64_t, std::pair<cublasLtMatrixLayout_t, cublasLtMatrixLayout_t>> layouts_;
+  std::map<int64_t, std::unique_ptr<LtDescriptors>> problems_;  // T -> its descriptors
   DeviceBuffer workspace_;
   cudaEvent_t e0_ = nullptr, e1_ = nullptr;
 };
@@ -307,7 +275,7 @@ int run(int argc, char** argv) {
       return hash_bytes(row.data(), row_bytes);
     };
 
-    Probe probe(lt, pr, s, t_max, stream);
+    Probe probe(lt, pr, s, stream);
     // Every configuration the heuristic proposes, and each one without its split along K.
     std::map<Config, Candidate> found;
     for (int64_t T : heuristic_ts) {
@@ -331,7 +299,6 @@ int run(int argc, char** argv) {
 
     for (auto& [c, cand] : found) {
       // Reference: the largest T it accepts; then each T's rows 0, T/2, T-1 against it.
-      std::map<int64_t, std::vector<uint64_t>> ref;  // unused beyond t_ref
       for (auto it = ts.rbegin(); it != ts.rend(); ++it)
         if (probe.accepts(cand.algo, *it)) { cand.t_ref = *it; break; }
       if (cand.t_ref == 0) { cand.invariant = false; continue; }
@@ -395,9 +362,9 @@ int run(int argc, char** argv) {
     }
 
     // The sequential-order GEMV (fp16/bf16, T <= 8): its times, and the class whose bits it has.
-    std::map<int64_t, double> seq_us[1];
-    std::string seq_match[1];
-    for (int v = 0; v < 1 && pr.ab != CUDA_R_8F_E4M3; ++v) {
+    std::map<int64_t, double> seq_us;
+    std::string seq_match;
+    if (pr.ab != CUDA_R_8F_E4M3) {
       for (int64_t T : ts) {
         if (T > detail::kGemvMaxTokens) continue;
         auto call = [&](int rep) {
@@ -428,10 +395,10 @@ int run(int argc, char** argv) {
           }
           if (same) matches.push_back(int(k));
         }
-        seq_match[v] += " T=" + std::to_string(T) + ":";
-        if (matches.empty()) seq_match[v] += "none";
-        for (int k : matches) seq_match[v] += " class " + std::to_string(k);
-        seq_us[v][T] = probe.time_us(call);
+        seq_match += " T=" + std::to_string(T) + ":";
+        if (matches.empty()) seq_match += "none";
+        for (int k : matches) seq_match += " class " + std::to_string(k);
+        seq_us[T] = probe.time_us(call);
       }
     }
 
@@ -457,7 +424,7 @@ int run(int argc, char** argv) {
     if (!fast_us.empty()) print_row("Gemm fast plan", fast_us);
     if (!det_us.empty()) print_row("Gemm deterministic (sequential order)", det_us);
     if (!fixed_us.empty()) print_row("Gemm deterministic (fixed-order tiles)", fixed_us);
-    if (!seq_us[0].empty()) print_row("sequential-order GEMV", seq_us[0]);
+    if (!seq_us.empty()) print_row("sequential-order GEMV", seq_us);
     int best_cls = -1;
     double best_worst = 0;
     for (size_t k = 0; k < members.size(); ++k) {
@@ -487,7 +454,7 @@ int run(int argc, char** argv) {
     } else {
       std::printf(" (--verbose lists them)\n");
     }
-    if (!seq_match[0].empty()) std::printf("sequential-order GEMV has the bits of:%s\n", seq_match[0].c_str());
+    if (!seq_match.empty()) std::printf("sequential-order GEMV has the bits of:%s\n", seq_match.c_str());
     std::printf("best class for %s: %d, worst ratio to the fastest over T in {1,16,64,256,1024,4096}: %.2f\n",
                 s.name.c_str(), best_cls, best_worst);
     std::fflush(stdout);

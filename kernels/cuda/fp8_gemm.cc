@@ -51,11 +51,6 @@ namespace {
 constexpr int kFp8Layout = 5;  // Key::layout of run_fp8's plans (gemm.cc uses 0..4)
 constexpr int kHeuristicResults = 16;
 
-template <class T>
-cudaDataType_t half_type() {
-  return std::is_same_v<T, __half> ? CUDA_R_16F : CUDA_R_16BF;
-}
-
 int64_t align_up(int64_t x, int64_t a) { return (x + a - 1) / a * a; }
 
 // Token counts the fixed algorithm of a shape must accept (cublasLtMatmulAlgoCheck) before it
@@ -74,15 +69,9 @@ bool fast_accum_from_env() {
 // fp32 sums (D, and C with beta = 0).
 struct Fp8Problem : LtDescriptors {
   Fp8Problem(int64_t T_, int64_t K, int64_t N, bool fast_accum) {
-    CUDA_CHECK(cublasLtMatmulDescCreate(&desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
-    const cublasOperation_t op_a = CUBLAS_OP_T, op_b = CUBLAS_OP_N;
-    CUDA_CHECK(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSA, &op_a, sizeof(op_a)));
-    CUDA_CHECK(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSB, &op_b, sizeof(op_b)));
+    lt_describe(*this, CUDA_R_8F_E4M3, CUDA_R_32F, T_, K, N, true, false);
     const int8_t fast = fast_accum ? 1 : 0;
     CUDA_CHECK(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_FAST_ACCUM, &fast, sizeof(fast)));
-    CUDA_CHECK(cublasLtMatrixLayoutCreate(&a, CUDA_R_8F_E4M3, uint64_t(K), uint64_t(N), K));
-    CUDA_CHECK(cublasLtMatrixLayoutCreate(&b, CUDA_R_8F_E4M3, uint64_t(K), uint64_t(T_), K));
-    CUDA_CHECK(cublasLtMatrixLayoutCreate(&d, CUDA_R_32F, uint64_t(N), uint64_t(T_), N));
   }
 };
 
@@ -192,7 +181,7 @@ void Gemm::run_fp8(T* out, const T* in, const uint8_t* w, const float* w_scales,
   // ours): one plan for all of them.
   Key key{};
   key.layout = kFp8Layout;
-  key.in_type = int(half_type<T>());
+  key.in_type = int(lt_data_type<T>());
   key.out_type = int(CUDA_R_32F);
   key.align = lt_alignment(w);
   key.K = K, key.N = N;

@@ -20,13 +20,6 @@
 namespace conveyor::cuda {
 namespace {
 
-template <class T>
-cudaDataType_t cuda_type() {
-  if constexpr (std::is_same_v<T, __half>) return CUDA_R_16F;
-  else if constexpr (std::is_same_v<T, __nv_bfloat16>) return CUDA_R_16BF;
-  else return CUDA_R_32F;
-}
-
 const char* type_name(int t) {
   switch (t) {
     case CUDA_R_16F: return "f16";
@@ -130,49 +123,22 @@ Gemm::Plan& Gemm::plan_for(const Key& key, const void* out, const void* in, cons
   const bool nk = key.layout == int(WeightLayout::NK);
   plan->bias_epilogue = key.has_bias && key.act == int(GemmAct::None);
 
-  // out (col-major N x T) = op(W) (N x K) * in (col-major K x T).
-  CUDA_CHECK(cublasLtMatmulDescCreate(&plan->desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
-  const cublasOperation_t op_a = nk ? CUBLAS_OP_T : CUBLAS_OP_N, op_b = CUBLAS_OP_N;
-  CUDA_CHECK(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_TRANSA, &op_a, sizeof(op_a)));
-  CUDA_CHECK(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_TRANSB, &op_b, sizeof(op_b)));
-  if (plan->bias_epilogue) {
-    const cublasLtEpilogue_t epi = CUBLASLT_EPILOGUE_BIAS;
-    CUDA_CHECK(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_EPILOGUE, &epi, sizeof(epi)));
+  lt_describe(*plan, in_type, out_type, key.T, key.K, key.N, nk, plan->bias_epilogue);
+  if (plan->bias_epilogue)
     CUDA_CHECK(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof(bias)));
-  }
-  if (nk)
-    CUDA_CHECK(cublasLtMatrixLayoutCreate(&plan->a, in_type, uint64_t(key.K), uint64_t(key.N), key.K));
-  else
-    CUDA_CHECK(cublasLtMatrixLayoutCreate(&plan->a, in_type, uint64_t(key.N), uint64_t(key.K), key.N));
-  CUDA_CHECK(cublasLtMatrixLayoutCreate(&plan->b, in_type, uint64_t(key.K), uint64_t(key.T), key.K));
-  CUDA_CHECK(cublasLtMatrixLayoutCreate(&plan->d, out_type, uint64_t(key.N), uint64_t(key.T), key.N));
 
   // Another T of this bucket was timed: its algorithm, if cuBLASLt takes it for this T.
   if (auto it = timed_buckets_.find(bucket_of(key)); it != timed_buckets_.end() && !it->second->use_gemv) {
-    cublasLtMatmulHeuristicResult_t check{};
-    if (cublasLtMatmulAlgoCheck(lt_, plan->desc, plan->a, plan->b, plan->d, plan->d, &it->second->algo, &check) ==
-            CUBLAS_STATUS_SUCCESS &&
-        check.workspaceSize <= workspace_.bytes()) {
+    if (lt_accepts(lt_, *plan, it->second->algo, workspace_.bytes())) {
       plan->algo = it->second->algo;
       plan->choice = "as its bucket's timed plan (" + it->second->choice + ")";
       return *plans_.emplace(key, std::move(plan)).first->second;
     }
   }
 
-  cublasLtMatmulPreference_t pref = nullptr;
-  CUDA_CHECK(cublasLtMatmulPreferenceCreate(&pref));
-  const uint64_t ws = workspace_.bytes();
-  const uint32_t align = uint32_t(key.align);
-  CUDA_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws)));
-  for (auto attr : {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
-                    CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES})
-    CUDA_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, attr, &align, sizeof(align)));
-  cublasLtMatmulHeuristicResult_t results[kMaxCandidates];
-  int found = 0;
-  const cublasStatus_t hs = cublasLtMatmulAlgoGetHeuristic(lt_, plan->desc, plan->a, plan->b, plan->d,
-                                                           plan->d, pref, kMaxCandidates, results, &found);
-  cublasLtMatmulPreferenceDestroy(pref);
-  if (hs != CUBLAS_STATUS_SUCCESS) found = 0;
+  const std::vector<cublasLtMatmulHeuristicResult_t> results =
+      lt_proposals(lt_, *plan, key.align, workspace_.bytes(), kMaxCandidates);
+  const int found = int(results.size());
 
   const bool gemv_ok = nk && detail::gemv_nk_supported(key.T, key.K, key.N, in, w);
   if (found == 0 && !gemv_ok)
@@ -297,8 +263,8 @@ void Gemm::run(OutT* out, const T* in, const T* w, const T* bias, int64_t T_, in
 
   Key key{};
   key.layout = int(layout);
-  key.in_type = int(cuda_type<T>());
-  key.out_type = int(cuda_type<OutT>());
+  key.in_type = int(lt_data_type<T>());
+  key.out_type = int(lt_data_type<OutT>());
   key.has_bias = bias != nullptr;
   key.act = int(act);
   key.align = std::min({lt_alignment(out), lt_alignment(in), lt_alignment(w), lt_alignment(bias)});
@@ -388,8 +354,8 @@ void Gemm::run_fixed(OutT* out, const T* in, const W* w, const float* scales, co
                      int64_t N, GemmAct act, cudaStream_t stream) {
   Key key{};
   key.layout = std::is_same_v<W, int8_t> ? kFixedInt8Layout : kFixedLayout;
-  key.in_type = int(cuda_type<T>());
-  key.out_type = int(cuda_type<OutT>());
+  key.in_type = int(lt_data_type<T>());
+  key.out_type = int(lt_data_type<OutT>());
   key.has_bias = bias != nullptr;
   key.act = int(act);
   key.align = std::min(lt_alignment(in), lt_alignment(w));
@@ -429,8 +395,8 @@ void Gemm::run_int8(OutT* out, const T* in, const int8_t* w, const float* scales
 
   Key key{};
   key.layout = kInt8Layout;
-  key.in_type = int(cuda_type<T>());
-  key.out_type = int(cuda_type<OutT>());
+  key.in_type = int(lt_data_type<T>());
+  key.out_type = int(lt_data_type<OutT>());
   key.has_bias = bias != nullptr;
   key.act = int(act);
   key.align = std::min(lt_alignment(in), lt_alignment(w));  // what the kernels' choice depends on

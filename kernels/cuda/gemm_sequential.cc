@@ -56,13 +56,6 @@ constexpr int64_t kSeqAnchorRows = 256;
 constexpr int64_t kSeqProbeRows = 8;
 constexpr int kSeqProposals = 32;
 
-template <class T>
-cudaDataType_t seq_type() {
-  if constexpr (std::is_same_v<T, __half>) return CUDA_R_16F;
-  else if constexpr (std::is_same_v<T, __nv_bfloat16>) return CUDA_R_16BF;
-  else return CUDA_R_32F;
-}
-
 size_t type_bytes(int t) { return t == CUDA_R_32F ? 4 : 2; }
 
 using ConfigKey = std::array<int64_t, 8>;
@@ -84,19 +77,23 @@ struct SeqProblem : LtDescriptors {
   bool bias_epilogue = false;
   SeqProblem(int in_type, int out_type, int64_t T_, int64_t K, int64_t N, bool with_bias_epilogue)
       : bias_epilogue(with_bias_epilogue) {
-    CUDA_CHECK(cublasLtMatmulDescCreate(&desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
-    const cublasOperation_t op_a = CUBLAS_OP_T, op_b = CUBLAS_OP_N;
-    CUDA_CHECK(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSA, &op_a, sizeof(op_a)));
-    CUDA_CHECK(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSB, &op_b, sizeof(op_b)));
-    if (bias_epilogue) {
-      const cublasLtEpilogue_t epi = CUBLASLT_EPILOGUE_BIAS;
-      CUDA_CHECK(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_EPILOGUE, &epi, sizeof(epi)));
-    }
-    CUDA_CHECK(cublasLtMatrixLayoutCreate(&a, cudaDataType_t(in_type), uint64_t(K), uint64_t(N), K));
-    CUDA_CHECK(cublasLtMatrixLayoutCreate(&b, cudaDataType_t(in_type), uint64_t(K), uint64_t(T_), K));
-    CUDA_CHECK(cublasLtMatrixLayoutCreate(&d, cudaDataType_t(out_type), uint64_t(N), uint64_t(T_), N));
+    lt_describe(*this, cudaDataType_t(in_type), cudaDataType_t(out_type), T_, K, N, true, bias_epilogue);
   }
 };
+
+namespace {
+
+// One product of `p` with `algo` on `stream`: out = in W^T (+ bias, by the epilogue).
+bool seq_matmul(cublasLtHandle_t lt, const SeqProblem& p, const cublasLtMatmulAlgo_t& algo, const void* w,
+                const void* bias, const void* in, void* out, const DeviceBuffer& workspace, cudaStream_t stream) {
+  if (p.bias_epilogue)
+    CUDA_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof(bias)));
+  const float alpha = 1.f, beta = 0.f;
+  return cublasLtMatmul(lt, p.desc, &alpha, w, p.a, in, p.b, &beta, out, p.d, out, p.d, &algo, workspace.get(),
+                        workspace.bytes(), stream) == CUBLAS_STATUS_SUCCESS;
+}
+
+}  // namespace
 
 // SeqPlan::member of the sequential GEMV (cuBLASLt's members are 0, 1, ...).
 constexpr int kGemv = -1;
@@ -187,12 +184,8 @@ Gemm::SeqFamily& Gemm::seq_family(const Key& fk, const T* w, const T* bias, cuda
   f.probe_out = device_alloc(size_t(P) * f.row_bytes, "gemm", "sequential-order probe output");
   fill_normal<T>(f.probe_in.as<T>(), P * K, 0.f, 1.f, 0x5e9u, uint64_t(K), stream);
 
-  const float alpha = 1.f, beta = 0.f;
   auto matmul = [&](const SeqProblem& p, const cublasLtMatmulAlgo_t& algo, void* out) {
-    if (p.bias_epilogue)
-      CUDA_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof(bias)));
-    return cublasLtMatmul(lt_, p.desc, &alpha, w, p.a, f.probe_in.get(), p.b, &beta, out, p.d, out, p.d, &algo,
-                          workspace_.get(), ws, stream) == CUBLAS_STATUS_SUCCESS;
+    return seq_matmul(lt_, p, algo, w, bias, f.probe_in.get(), out, workspace_, stream);
   };
   const auto proposals = lt_proposals(lt_, anchor, fk.align, ws, kSeqProposals);
   for (const auto& r : proposals) {
@@ -238,18 +231,9 @@ int Gemm::seq_admit(SeqFamily& f, const cublasLtMatmulAlgo_t& algo, const void* 
     if (f.member_keys[i] == key) return int(i);
   for (const ConfigKey& r : f.rejected_keys)
     if (r == key) return -1;
-  const uint64_t ws = workspace_.bytes();
-  const float alpha = 1.f, beta = 0.f;
-  bool same = false;
-  if (lt_accepts(lt_, *f.probe, algo, ws)) {
-    if (f.probe->bias_epilogue)
-      CUDA_CHECK(cublasLtMatmulDescSetAttribute(f.probe->desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof(bias)));
-    if (cublasLtMatmul(lt_, f.probe->desc, &alpha, w, f.probe->a, f.probe_in.get(), f.probe->b, &beta,
-                       f.probe_out.get(), f.probe->d, f.probe_out.get(), f.probe->d, &algo, workspace_.get(), ws,
-                       stream) == CUBLAS_STATUS_SUCCESS) {
-      same = same_rows(f.probe_ref.get(), f.probe_out.get(), kSeqProbeRows, f.row_bytes, stream);
-    }
-  }
+  const bool same = lt_accepts(lt_, *f.probe, algo, workspace_.bytes()) &&
+                    seq_matmul(lt_, *f.probe, algo, w, bias, f.probe_in.get(), f.probe_out.get(), workspace_, stream) &&
+                    same_rows(f.probe_ref.get(), f.probe_out.get(), kSeqProbeRows, f.row_bytes, stream);
   if (!same) {
     f.rejected_keys.push_back(key);
     return -1;
@@ -264,8 +248,8 @@ bool Gemm::run_sequential(OutT* out, const T* in, const T* w, const T* bias, int
                           GemmAct act, cudaStream_t stream) {
   Key key{};
   key.layout = kSeqLayout;
-  key.in_type = int(seq_type<T>());
-  key.out_type = int(seq_type<OutT>());
+  key.in_type = int(lt_data_type<T>());
+  key.out_type = int(lt_data_type<OutT>());
   key.has_bias = bias != nullptr;
   key.act = int(act);
   key.align = std::min({lt_alignment(out), lt_alignment(in), lt_alignment(w), lt_alignment(bias)});
@@ -278,17 +262,12 @@ bool Gemm::run_sequential(OutT* out, const T* in, const T* w, const T* bias, int
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
   CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
   const bool capturing = capture != cudaStreamCaptureStatusNone;
-  const float alpha = 1.f, beta = 0.f;
   auto launch = [&](const SeqPlan& p) {
     if (p.member == kGemv) {
       detail::gemv_seq<T, OutT>(out, in, w, bias, T_, K, N, act, stream);
       return true;
     }
-    if (p.problem->bias_epilogue)
-      CUDA_CHECK(cublasLtMatmulDescSetAttribute(p.problem->desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof(bias)));
-    if (cublasLtMatmul(lt_, p.problem->desc, &alpha, w, p.problem->a, in, p.problem->b, &beta, out, p.problem->d, out,
-                       p.problem->d, &f.members[size_t(p.member)], workspace_.get(), ws, stream) != CUBLAS_STATUS_SUCCESS)
-      return false;
+    if (!seq_matmul(lt_, *p.problem, f.members[size_t(p.member)], w, bias, in, out, workspace_, stream)) return false;
     if constexpr (!std::is_same_v<OutT, float>) {
       if (act != GemmAct::None)
         add_bias_gelu<T>(out, bias, T_, N, act == GemmAct::GeluTanh ? Activation::GeluNew : Activation::Gelu, stream);

@@ -12,8 +12,8 @@
 // MMA's m16 x n8). The warp streams its 16 weight rows through kStages shared-memory stages
 // of kChunk K-elements (cp.async, 16 bytes a lane; the first stages are asked for before the
 // kernel waits on the one before it, since weights never change) and reads them with
-// ldmatrix; the token fragments come straight from global memory (a few KiB, cached), one
-// chunk ahead. No split along K, so the order above holds; the bandwidth comes from N / 16
+// ldmatrix; the token fragments come straight from global memory through L2 (a few KiB),
+// one chunk ahead. No split along K, so the order above holds; the bandwidth comes from N / 16
 // warps with kStages x 4 KiB each in flight.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>

@@ -1,14 +1,20 @@
 // A cuBLASLt matmul descriptor and the layouts of its A, B and D, owned together: what a
-// planned product keeps (Gemm's plans, the FP8 problems) and destroys in reverse order. Also
-// the reading of an algorithm's configuration the fixed-order plans share.
+// planned product keeps (Gemm's plans, the sequential-order and FP8 problems) and destroys in
+// reverse order; the one way they are described; and the heuristic, the algorithm check and
+// the reading of an algorithm's configuration that the three planners share.
 #pragma once
 
 #include <cublasLt.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
 
 #include <cstdint>
 #include <sstream>
 #include <string>
+#include <type_traits>
 #include <vector>
+
+#include "kernels/cuda/check.h"
 
 namespace conveyor::cuda {
 
@@ -26,6 +32,36 @@ struct LtDescriptors {
     if (desc) cublasLtMatmulDescDestroy(desc);
   }
 };
+
+// cuBLASLt's type of T: __half, __nv_bfloat16 or float.
+template <class T>
+cudaDataType_t lt_data_type() {
+  static_assert(std::is_same_v<T, __half> || std::is_same_v<T, __nv_bfloat16> || std::is_same_v<T, float>);
+  if constexpr (std::is_same_v<T, __half>) return CUDA_R_16F;
+  else if constexpr (std::is_same_v<T, __nv_bfloat16>) return CUDA_R_16BF;
+  else return CUDA_R_32F;
+}
+
+// Describes into p: out (col-major N x T, i.e. [T, N] row-major) = op(W) * in (col-major K x T),
+// fp32 compute, W [N, K] row-major (`weights_nk`, transposed) or [K, N]; with cuBLASLt's bias
+// epilogue when asked (its pointer is the caller's to set).
+inline void lt_describe(LtDescriptors& p, cudaDataType_t in_type, cudaDataType_t out_type, int64_t T_, int64_t K,
+                        int64_t N, bool weights_nk, bool bias_epilogue) {
+  CUDA_CHECK(cublasLtMatmulDescCreate(&p.desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+  const cublasOperation_t op_a = weights_nk ? CUBLAS_OP_T : CUBLAS_OP_N, op_b = CUBLAS_OP_N;
+  CUDA_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSA, &op_a, sizeof(op_a)));
+  CUDA_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSB, &op_b, sizeof(op_b)));
+  if (bias_epilogue) {
+    const cublasLtEpilogue_t epi = CUBLASLT_EPILOGUE_BIAS;
+    CUDA_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_EPILOGUE, &epi, sizeof(epi)));
+  }
+  if (weights_nk)
+    CUDA_CHECK(cublasLtMatrixLayoutCreate(&p.a, in_type, uint64_t(K), uint64_t(N), K));
+  else
+    CUDA_CHECK(cublasLtMatrixLayoutCreate(&p.a, in_type, uint64_t(N), uint64_t(K), N));
+  CUDA_CHECK(cublasLtMatrixLayoutCreate(&p.b, in_type, uint64_t(K), uint64_t(T_), K));
+  CUDA_CHECK(cublasLtMatrixLayoutCreate(&p.d, out_type, uint64_t(N), uint64_t(T_), N));
+}
 
 // The largest power of two up to 16 that divides the address (16 for null): the alignment a
 // product's operands promise cuBLASLt, and part of every plan's key.
