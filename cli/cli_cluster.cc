@@ -338,9 +338,12 @@ int local_command(const LocalOptions& options) {
     ::setenv("CONVEYOR_CPU_THREADS", std::to_string(std::max(1L, cores / (o.stages * o.replicas))).c_str(), 1);
   for (int i = 0; i < n_workers; ++i) {
     const std::string name = "worker" + std::to_string(i);
+    // --host 127.0.0.1: the worker's data plane stays on loopback (`lo`), as the
+    // coordinator's does (control.host 127.0.0.1); left to UCX it may pick any interface,
+    // a container bridge that comes and goes included (issue 28: the cluster hung).
     std::vector<std::string> argv = {(bin / "conveyor-worker").string(), "--coordinator",
-                                     "127.0.0.1:" + std::to_string(control_port), "--name", name, "--join-token", token,
-                                     "--backend", o.backend};
+                                     "127.0.0.1:" + std::to_string(control_port), "--host", "127.0.0.1", "--name", name,
+                                     "--join-token", token, "--backend", o.backend};
     // auto: 256 MiB for a CPU worker; a CUDA worker sizes its cache from the GPU's memory.
     if (o.kv_cache_mb != "auto") argv.insert(argv.end(), {"--kv-cache-mb", o.kv_cache_mb});
     else if (o.backend != "cuda") argv.insert(argv.end(), {"--kv-cache-mb", "256"});

@@ -172,8 +172,10 @@ Expected<ClusterConfig> parse_cluster_config(const std::string& text, const std:
     if (cfg.http_port > 65535) return c.at(h["port"], "'http.port' must be at most 65535");
   }
   if (const YAML::Node ctl = root["control"]) {
-    if (!(s = check_keys(c, ctl, "control", {"host", "port", "join_token", "curve_secret_key"}))) return s;
+    if (!(s = check_keys(c, ctl, "control", {"host", "port", "join_token", "curve_secret_key", "data_interface"})))
+      return s;
     if (!(s = get(c, ctl, "control", "host", cfg.control_host)) ||
+        !(s = get(c, ctl, "control", "data_interface", cfg.data_interface)) ||
         !(s = get_positive(c, ctl, "control", "port", cfg.control_port, 0)) ||
         !(s = get(c, ctl, "control", "join_token", cfg.join_token)) ||
         !(s = get(c, ctl, "control", "curve_secret_key", cfg.curve_secret_key)))

@@ -3,7 +3,8 @@
 //
 //   model:     {path: DIR, name: NAME}   (a relative DIR is relative to the cluster file)
 //   http:      {host: 127.0.0.1, port: 8000, api_key: KEY, threads: 2}
-//   control:   {host: 127.0.0.1, port: 5555, join_token: TOKEN, curve_secret_key: Z85}
+//   control:   {host: 127.0.0.1, port: 5555, join_token: TOKEN, curve_secret_key: Z85,
+//               data_interface: IF}   (IF: absent = host's interface, see data_interface below)
 //   pipeline:  {stages: N, replicas: R, layers: [[b, e], ...]}
 //   scheduler: {in_flight: D, max_batch_tokens: T, prefill_chunk: C, prefill_tokens_per_batch: P,
 //               max_queue: Q, max_running: S, max_sequences_per_batch: B,
@@ -40,6 +41,10 @@ struct ClusterConfig {
 
   std::string control_host = "127.0.0.1";
   int control_port = 5555;
+  // The data plane's interface (transport/net_interface.h, choose_data_interface): empty
+  // follows control_host (its interface; `lo` for 127.0.0.1; every one for 0.0.0.0); "any",
+  // or names in UCX_NET_DEVICES's syntax, override that. UCX_NET_DEVICES overrides both.
+  std::string data_interface;
   std::string join_token;
   std::string curve_secret_key;
 

@@ -273,10 +273,14 @@ Expected<std::unique_ptr<Coordinator>> Coordinator::start(ClusterConfig config,
   if (!server) return Status::error("coordinator: cannot bind the control plane on " + endpoint + ": " + server.error());
   transport::UcxChannelOptions uopt;
   uopt.name = "coordinator";
-  // The data plane on control.host's interface (none chosen for a wildcard or loopback host).
-  auto iface = transport::data_plane_interface(config.control_host);
-  if (!iface) return Status::error("coordinator: control.host " + config.control_host + ": " + iface.error());
-  uopt.net_devices = *iface;
+  // The data plane on control.host's interface (`lo` for 127.0.0.1; every one for 0.0.0.0),
+  // unless control.data_interface or UCX_NET_DEVICES says otherwise.
+  auto iface = transport::choose_data_interface(config.control_host, config.data_interface);
+  if (!iface)
+    return Status::error("coordinator: the data plane's interface (control.host " + config.control_host + "): " +
+                         iface.error());
+  uopt.net_devices = iface->net_devices;
+  spdlog::info("coordinator: data plane on {} ({})", iface->shown, iface->source);
   auto ch = transport::UcxChannel::create(uopt);
   if (!ch) return Status::error("coordinator: cannot create the UCX data plane: " + ch.error());
   impl->cfg = std::move(config);
@@ -414,6 +418,9 @@ void Coordinator::stop() {
   // need not wait any longer.
   for (auto& [name, w] : m.workers)
     if (w.alive()) m.send_control(name, transport::GoodbyeMsg{"the coordinator is stopping"});
+  // Both loops are joined: this thread is the control socket's now. What they posted last
+  // goes out first, then the goodbyes.
+  (void)m.control->flush_posted();  // failures are logged there
   m.scheduler->fail_all("the coordinator is shutting down");
 }
 

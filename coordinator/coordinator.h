@@ -2,9 +2,10 @@
 // scheduler that keeps every pipeline full (the data plane).
 //
 // Threads:
-//  - control: the ZeroMQ ROUTER. Admits workers that present the join token, assigns
-//    stages (idle workers beyond the plan are spares), tracks load progress, readiness and
-//    heartbeats; a worker silent for the liveness window is dead.
+//  - control: the ZeroMQ ROUTER, which it alone touches (the other threads' messages to
+//    workers are posted to it: transport/control_plane.h). Admits workers that present the
+//    join token, assigns stages (idle workers beyond the plan are spares), tracks load
+//    progress, readiness and heartbeats; a worker silent for the liveness window is dead.
 //  - engine: the scheduler loop. Continuous batching: each micro-batch mixes decode steps
 //    (one token per sequence) and prefill chunks (at most prefill_chunk tokens of a
 //    prompt), up to max_batch_tokens; up to in_flight micro-batches per pipeline travel the

@@ -34,6 +34,9 @@ struct Coordinator::Impl {
   ClusterConfig cfg;
   std::shared_ptr<const Tokenizer> tokenizer;
   Metrics* metrics = nullptr;
+  // The control socket belongs to the control thread (transport/control_plane.h): only
+  // control_loop() calls its recv(), and stop() its flush_posted() once that thread has been
+  // joined. Every other use is send_control(), which posts.
   std::unique_ptr<transport::ControlServer> control;
   std::unique_ptr<transport::UcxChannel> channel;
 
@@ -116,10 +119,13 @@ struct Coordinator::Impl {
   void release_leavers();
 };
 
+// Any thread (the control loop, the engine, REST handlers): the message is posted to the
+// control thread, which sends it from its recv() (woken at once) or, once it has stopped,
+// from stop(). Everything goes through the one queue, so messages to a worker keep their
+// order; a failure is logged by the control plane with the message's type and peer.
 template <class Msg>
 void Coordinator::Impl::send_control(const std::string& peer, const Msg& m) {
-  if (Status s = control->send(peer, transport::encode(m)); !s)
-    spdlog::warn("coordinator: cannot send '{}' to {}: {}", transport::control_kind_name(Msg::kind), peer, s.message());
+  control->post(peer, transport::encode(m));
 }
 
 }  // namespace conveyor

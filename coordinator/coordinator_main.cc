@@ -1,8 +1,9 @@
 // conveyor-coordinator: the coordinator daemon (REST API + control plane + scheduler).
 //   conveyor-coordinator --config cluster.yaml [--http-host H] [--http-port P]
-//                        [--control-host H] [--control-port P] [--join-token-from-env] [--check]
-// The flags override the cluster file's http.host/port and control.host/port (a launcher
-// such as scripts/slurm/conveyor.sbatch knows the node's address, the file does not);
+//                        [--control-host H] [--control-port P] [--data-interface IF]
+//                        [--join-token-from-env] [--check]
+// The flags override the cluster file's http.host/port and control.host/port/data_interface (a
+// launcher such as scripts/slurm/conveyor.sbatch knows the node's address, the file does not);
 // --check prints the settings the daemon would run with as JSON and exits.
 // Prints "conveyor-coordinator: listening on http://HOST:PORT (control tcp://HOST:PORT)"
 // once both sockets are bound, so a launcher can find ports chosen with 0.
@@ -30,7 +31,7 @@ void on_signal(int) { g_stop = true; }
 
 int main(int argc, char** argv) {
   std::string config_path;
-  std::optional<std::string> http_host, control_host;
+  std::optional<std::string> http_host, control_host, data_interface;
   std::optional<int> http_port, control_port;
   bool token_from_env = false, check = false;
   CLI::App app{"conveyor-coordinator: the Conveyor coordinator daemon"};
@@ -41,6 +42,10 @@ int main(int argc, char** argv) {
                  "address the control plane binds, and whose interface the data plane uses (overrides control.host)");
   app.add_option("--control-port", control_port, "control port (overrides control.port; 0: a free one)")
       ->check(CLI::Range(0, 65535));
+  app.add_option("--data-interface", data_interface,
+                 "the data plane's network interface(s), UCX_NET_DEVICES syntax, or 'any' (overrides "
+                 "control.data_interface; default: the interface holding the control host's address, lo for "
+                 "127.0.0.1, every one for 0.0.0.0; UCX_NET_DEVICES in the environment wins)");
   app.add_flag("--join-token-from-env", token_from_env,
                "take the join token from $CONVEYOR_JOIN_TOKEN even when the file names one (a launcher's token)");
   app.add_flag("--check", check, "print the settings the daemon would run with (JSON, no secrets) and exit");
@@ -58,10 +63,15 @@ int main(int argc, char** argv) {
       std::cerr << "conveyor-coordinator: " << flag << " needs an address (0.0.0.0 binds every interface)\n";
       return 2;
     }
+  if (data_interface && data_interface->empty()) {
+    std::cerr << "conveyor-coordinator: --data-interface needs an interface name, or 'any'\n";
+    return 2;
+  }
   if (http_host) cfg->http_host = *http_host;
   if (http_port) cfg->http_port = *http_port;
   if (control_host) cfg->control_host = *control_host;
   if (control_port) cfg->control_port = *control_port;
+  if (data_interface) cfg->data_interface = *data_interface;
   if (token_from_env) {
     const char* t = std::getenv("CONVEYOR_JOIN_TOKEN");
     if (!t || !*t) {
@@ -71,8 +81,8 @@ int main(int argc, char** argv) {
     cfg->join_token = t;
   }
   if (check) {
-    // The data plane follows control.host: say which interface that is, or why it is none.
-    auto iface = conveyor::transport::data_plane_interface(cfg->control_host);
+    // The data plane's interface, as Coordinator::start chooses it, and what chose it.
+    auto iface = conveyor::transport::choose_data_interface(cfg->control_host, cfg->data_interface);
     if (!iface) {
       std::cerr << "conveyor-coordinator: control host " << cfg->control_host << ": " << iface.error() << "\n";
       return 2;
@@ -85,7 +95,8 @@ int main(int argc, char** argv) {
          {{"host", cfg->control_host},
           {"port", cfg->control_port},
           {"join_token_from", token_from_env ? "environment" : "file or environment"},
-          {"data_interface", iface->empty() ? "any" : *iface}}},
+          {"data_interface", iface->shown},
+          {"data_interface_from", iface->source}}},
         {"pipeline", {{"stages", cfg->stages}, {"replicas", cfg->replicas}}},
         {"heartbeat", {{"interval_ms", cfg->heartbeat_interval_ms}, {"liveness_ms", cfg->liveness_ms}}}};
     std::cout << out.dump(2) << std::endl;

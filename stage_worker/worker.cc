@@ -634,11 +634,15 @@ Expected<std::unique_ptr<Worker>> Worker::create(WorkerOptions options) {
   if (!client) return Status::error("worker: cannot set up the control connection to " + endpoint + ": " + client.error());
   transport::UcxChannelOptions uopt;
   uopt.name = options.name;
-  if (!options.host.empty()) {  // --host: the data plane on that address's interface alone
-    auto iface = transport::data_plane_interface(options.host);
-    if (!iface) return Status::error("worker: --host " + options.host + ": " + iface.error());
-    uopt.net_devices = *iface;
-  }
+  // --host: the data plane on that address's interface alone (`lo` for 127.0.0.1), unless
+  // --data-interface or UCX_NET_DEVICES says otherwise; neither: every interface.
+  auto iface = transport::choose_data_interface(options.host, options.data_interface);
+  if (!iface)
+    return Status::error("worker: the data plane's interface" +
+                         (options.host.empty() ? std::string() : " (--host " + options.host + ")") + ": " +
+                         iface.error());
+  uopt.net_devices = iface->net_devices;
+  spdlog::info("{}: data plane on {} ({})", options.name, iface->shown, iface->source);
   uopt.receive_allocator = receive_allocator(options.stage);
   // A GPU stage takes activations into its GPU's memory when its UCX moves CUDA memory.
   impl->device = device_memory(options.stage);

@@ -34,9 +34,12 @@ struct WorkerOptions {
   std::string coordinator;             // control endpoint, "host:port" or "tcp://host:port"
   std::string name;                    // unique in the cluster; default host-pid
   // This node's address on the cluster network (IPv4 or a name): advertised in `register`
-  // and the only interface the data plane publishes and uses. Empty: the host name, and
-  // every interface.
+  // and the only interface the data plane publishes and uses (`lo` for 127.0.0.1, as
+  // `conveyor local` gives). Empty: the host name, and every interface.
   std::string host;
+  // The data plane's interface(s) instead (transport/net_interface.h): "any", or names in
+  // UCX_NET_DEVICES's syntax. Empty: as `host` says. UCX_NET_DEVICES overrides both.
+  std::string data_interface;
   std::string join_token;              // must match the coordinator's
   std::string curve_server_key;        // the coordinator's CURVE public key, when it uses CURVE
   // What the stage runs on (stage/backend_factory.h): the backend, its threads or GPUs, the

@@ -28,6 +28,10 @@ int main(int argc, char** argv) {
   app.add_option("--host", opt.host,
                  "this node's address on the cluster network (IPv4 or a name): advertised to the coordinator and the "
                  "only interface the data plane uses (default: the host name, every interface)");
+  app.add_option("--data-interface", opt.data_interface,
+                 "the data plane's network interface(s), UCX_NET_DEVICES syntax, or 'any' (default: the interface "
+                 "holding --host's address, lo for 127.0.0.1; every one without --host; UCX_NET_DEVICES in the "
+                 "environment wins)");
   app.add_option("--join-token", opt.join_token, "the cluster's join token (default: $CONVEYOR_JOIN_TOKEN)");
   app.add_option("--curve-server-key", opt.curve_server_key, "the coordinator's CURVE public key (Z85)");
   CLI::Option* kv_opt =

@@ -4,12 +4,14 @@
 #include <sys/eventfd.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cerrno>
 #include <cstring>
 #include <deque>
 #include <filesystem>
 #include <iterator>
 #include <mutex>
+#include <thread>
 #include <utility>
 #include <vector>
 #include <zmq.hpp>
@@ -42,14 +44,16 @@ using Clock = std::chrono::steady_clock;
 using std::chrono::milliseconds;
 
 // What both socket kinds share: a context, the socket, an eventfd that post() uses to wake
-// the socket thread, and the queue of posted messages.
+// the socket thread, the queue of posted messages, and which thread is inside a call that
+// touches the socket (the ownership rule of control_plane.h, enforced by SocketUse).
 struct Socket {
   zmq::context_t context{1};  // declared first: outlives the socket
   zmq::socket_t socket;
   int wake_fd = -1;
   std::mutex mu;  // guards outbox
   std::deque<std::pair<std::string, ControlMessage>> outbox;
-  std::size_t dropped = 0;
+  std::size_t dropped = 0;  // the socket thread's
+  std::atomic<std::thread::id> user{};  // the thread inside recv/send/flush_posted; none: id()
 
   Socket() = default;
   ~Socket() {
@@ -78,14 +82,18 @@ struct Socket {
       std::lock_guard lock(mu);
       outbox.emplace_back(std::move(peer), std::move(m));
     }
+    // EAGAIN: the counter is full, so a wake-up is pending anyway.
     const std::uint64_t one = 1;
-    [[maybe_unused]] ssize_t n = ::write(wake_fd, &one, sizeof(one));
+    if (::write(wake_fd, &one, sizeof(one)) < 0 && errno != EAGAIN)
+      spdlog::error("control plane: write to the wake-up eventfd failed: {} (a posted message waits for the "
+                    "socket thread's next poll)",
+                    std::strerror(errno));
   }
 
   std::deque<std::pair<std::string, ControlMessage>> take_posted() {
     std::uint64_t drained;
-    while (::read(wake_fd, &drained, sizeof(drained)) > 0) {
-    }
+    if (::read(wake_fd, &drained, sizeof(drained)) < 0 && errno != EAGAIN)
+      spdlog::error("control plane: read of the wake-up eventfd failed: {}", std::strerror(errno));
     std::lock_guard lock(mu);
     return std::exchange(outbox, {});
   }
@@ -116,6 +124,37 @@ struct Socket {
     if (!r) frames.clear();
     return ok_status();
   }
+};
+
+// One call's hold on a Socket: the first thread in owns the socket until it leaves; a call
+// nested on the same thread (recv -> flush_posted -> send) passes; a second thread is
+// refused before it touches the socket.
+class SocketUse {
+ public:
+  SocketUse(Socket& s, const char* call) : s_(s), call_(call) {
+    std::thread::id none;
+    if (s_.user.compare_exchange_strong(none, std::this_thread::get_id(), std::memory_order_acquire))
+      held_ = true;
+    else
+      nested_ = none == std::this_thread::get_id();
+  }
+  ~SocketUse() {
+    if (held_) s_.user.store(std::thread::id(), std::memory_order_release);
+  }
+  SocketUse(const SocketUse&) = delete;
+  SocketUse& operator=(const SocketUse&) = delete;
+
+  bool ok() const { return held_ || nested_; }
+  Status refusal(const std::string& who) const {
+    return Status::error(who + ": " + call_ +
+                         " called while another thread is inside a call on this ZeroMQ socket; a socket "
+                         "belongs to one thread (its socket thread): other threads must post()");
+  }
+
+ private:
+  Socket& s_;
+  const char* call_;
+  bool held_ = false, nested_ = false;
 };
 
 // Frames [json] or [json][blob] -> message. Errors name what was wrong.
@@ -216,10 +255,12 @@ int ControlServer::port() const { return impl_->port; }
 std::size_t ControlServer::dropped_malformed() const { return impl_->s.dropped; }
 
 Expected<std::optional<PeerMessage>> ControlServer::recv(std::chrono::milliseconds timeout) {
+  SocketUse use(impl_->s, "recv()");
+  if (!use.ok()) return use.refusal("control server");
   const auto deadline = Clock::now() + timeout;
   std::vector<zmq::message_t> frames;
   for (;;) {
-    if (Status st = flush_posted(); !st.ok()) spdlog::warn("control server: {}", st.message());
+    (void)flush_posted();  // failures are logged there
     if (Status st = impl_->s.try_recv(frames); !st.ok()) return st;
     if (!frames.empty()) {
       std::string peer = frames[0].to_string();
@@ -236,6 +277,8 @@ Expected<std::optional<PeerMessage>> ControlServer::recv(std::chrono::millisecon
 }
 
 Status ControlServer::send(const std::string& peer, const ControlMessage& message) {
+  SocketUse use(impl_->s, "send()");
+  if (!use.ok()) return use.refusal("control server");
   return send_frames(impl_->s.socket, &peer, message, "peer '" + peer + "'");
 }
 
@@ -244,10 +287,14 @@ void ControlServer::post(std::string peer, ControlMessage message) {
 }
 
 Status ControlServer::flush_posted() {
+  SocketUse use(impl_->s, "flush_posted()");
+  if (!use.ok()) return use.refusal("control server");
   Status first;
   for (auto& [peer, m] : impl_->s.take_posted()) {
     Status st = send(peer, m);
-    if (!st.ok() && first.ok()) first = st;
+    if (st.ok()) continue;
+    spdlog::warn("control server: posted '{}' not sent: {}", m.type(), st.message());
+    if (first.ok()) first = st;
   }
   return first;
 }
@@ -302,6 +349,8 @@ const std::string& ControlClient::identity() const { return impl_->identity; }
 std::size_t ControlClient::dropped_malformed() const { return impl_->s.dropped; }
 
 Status ControlClient::send(const ControlMessage& message, std::chrono::milliseconds timeout) {
+  SocketUse use(impl_->s, "send()");
+  if (!use.ok()) return use.refusal("control client '" + impl_->identity + "'");
   // IMMEDIATE: the socket is writable only with a live connection; wait for one.
   zmq::pollitem_t item = {impl_->s.socket.handle(), 0, ZMQ_POLLOUT, 0};
   CONVEYOR_ZMQ_CHECK(zmq::poll(&item, 1, timeout));
@@ -312,10 +361,12 @@ Status ControlClient::send(const ControlMessage& message, std::chrono::milliseco
 }
 
 Expected<std::optional<ControlMessage>> ControlClient::recv(std::chrono::milliseconds timeout) {
+  SocketUse use(impl_->s, "recv()");
+  if (!use.ok()) return use.refusal("control client '" + impl_->identity + "'");
   const auto deadline = Clock::now() + timeout;
   std::vector<zmq::message_t> frames;
   for (;;) {
-    if (Status st = flush_posted(); !st.ok()) spdlog::warn("control client: {}", st.message());
+    (void)flush_posted();  // failures are logged there
     if (Status st = impl_->s.try_recv(frames); !st.ok()) return st;
     if (!frames.empty()) {
       auto m = decode(frames.data(), frames.size());
@@ -333,10 +384,14 @@ Expected<std::optional<ControlMessage>> ControlClient::recv(std::chrono::millise
 void ControlClient::post(ControlMessage message) { impl_->s.post({}, std::move(message)); }
 
 Status ControlClient::flush_posted() {
+  SocketUse use(impl_->s, "flush_posted()");
+  if (!use.ok()) return use.refusal("control client '" + impl_->identity + "'");
   Status first;
   for (auto& [unused, m] : impl_->s.take_posted()) {
     Status st = send_frames(impl_->s.socket, nullptr, m, "the coordinator");
-    if (!st.ok() && first.ok()) first = st;
+    if (st.ok()) continue;
+    spdlog::warn("control client '{}': posted '{}' not sent: {}", impl_->identity, m.type(), st.message());
+    if (first.ok()) first = st;
   }
   return first;
 }

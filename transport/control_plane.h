@@ -2,11 +2,19 @@
 // worker's ControlClient (a DEALER whose routing id is the worker's name). Messages are
 // ControlMessage (control_message.h): JSON with a "type", plus an optional binary frame.
 //
-// Threading: a ZeroMQ socket belongs to one thread. Each server or client is driven by one
-// thread (its "socket thread"), which calls recv() and send(). Other threads hand messages
-// to it with post(), the one thread-safe method: post() queues the message and wakes the
-// socket thread, whose next (or current, blocked) recv() sends it. A socket thread that
-// does not call recv() calls flush_posted().
+// Threading (the ownership rule): a ZeroMQ socket is not thread-safe, so each server or
+// client is driven by one thread, its "socket thread", the only one that calls recv(),
+// send() and flush_posted(). Every other thread hands messages to it with post(), the one
+// thread-safe method: post() queues the message and wakes the socket thread through an
+// eventfd in its poll, so a socket thread blocked in recv() sends it at once (not at the end
+// of its timeout). A socket thread that does not call recv() calls flush_posted(). Posted
+// messages leave in the order they were posted; a thread that posts everything (the
+// coordinator does) keeps its messages to one peer in order. The socket thread may change
+// (a daemon hands the socket on after joining its loop: the join is the memory barrier
+// ZeroMQ asks for), but never while a call is under way: recv(), send() or flush_posted()
+// entered by a second thread while another is inside one of them touches nothing and
+// fails, naming the rule (libzmq would otherwise corrupt the socket's state and abort later,
+// far from the cause: issue 28).
 //
 // Socket options chosen for a cluster daemon:
 //  - linger 0: closing never blocks on undelivered messages;
@@ -87,18 +95,19 @@ class ControlServer {
   const std::string& endpoint() const;
   int port() const;
 
-  // The next well-formed message, or std::nullopt when none arrives within `timeout`.
-  // Malformed messages (not JSON, no "type", too many frames) are dropped with a warning
-  // and counted in dropped_malformed(). Sends posted messages while it waits.
+  // Socket thread: the next well-formed message, or std::nullopt when none arrives within
+  // `timeout`. Malformed messages (not JSON, no "type", too many frames) are dropped with a
+  // warning and counted in dropped_malformed(). Sends posted messages while it waits.
   Expected<std::optional<PeerMessage>> recv(std::chrono::milliseconds timeout);
-  // Sends to the client whose routing id is `peer`. Fails at once when that peer is not
-  // connected, or when its queue is full (it stopped reading).
+  // Socket thread: sends to the client whose routing id is `peer`. Fails at once when that
+  // peer is not connected, or when its queue is full (it stopped reading). Goes out ahead of
+  // messages posted earlier and not yet flushed.
   Status send(const std::string& peer, const ControlMessage& message);
 
   // Thread-safe: queue a message for the socket thread (errors are logged there).
   void post(std::string peer, ControlMessage message);
-  // Socket thread: send what other threads posted. The first failure is returned; the
-  // other messages are still sent.
+  // Socket thread: send what was posted, in order. Each failure is logged (with the
+  // message's type and peer) and the first is returned; the other messages are still sent.
   Status flush_posted();
 
   std::size_t dropped_malformed() const;
@@ -121,14 +130,16 @@ class ControlClient {
 
   const std::string& identity() const;
 
-  // Sends, waiting up to `timeout` for a live connection to the server.
+  // Socket thread: sends, waiting up to `timeout` for a live connection to the server.
   Status send(const ControlMessage& message, std::chrono::milliseconds timeout);
-  // The next well-formed message from the server, or std::nullopt after `timeout`.
+  // Socket thread: the next well-formed message from the server, or std::nullopt after
+  // `timeout`. Sends posted messages while it waits.
   Expected<std::optional<ControlMessage>> recv(std::chrono::milliseconds timeout);
 
   // Thread-safe: queue a message for the socket thread.
   void post(ControlMessage message);
-  // Socket thread: send what other threads posted (without waiting for a connection).
+  // Socket thread: send what was posted, in order (without waiting for a connection). Each
+  // failure is logged and the first is returned.
   Status flush_posted();
 
   std::size_t dropped_malformed() const;

@@ -1,7 +1,11 @@
-// Which network interface of this host carries a given address: how a daemon told its
-// address on the cluster network (`conveyor-worker --host`, the coordinator's control.host)
-// keeps its data plane on that interface alone, so that no peer is offered a loopback or
-// private address it cannot reach.
+// Which network interface a daemon's data plane (UCX) uses. A daemon that knows its address
+// on the cluster network (`conveyor-worker --host`, the coordinator's control.host, both
+// 127.0.0.1 under `conveyor local`) keeps its data plane on the interface holding that
+// address, so that no peer is offered an address it cannot reach and no stray interface (a
+// container bridge that comes and goes) is ever picked: loopback `lo` for a loopback
+// address, "eth0" for an address on eth0. Only a wildcard address (0.0.0.0) leaves the
+// choice to UCX (every interface). The operator's UCX_NET_DEVICES, or a daemon's explicit
+// `--data-interface`, wins over the address.
 #pragma once
 
 #include <string>
@@ -21,9 +25,31 @@ Expected<std::string> interface_with_address(const std::string& host);
 // True when `host` resolves to a loopback address (127.0.0.0/8).
 bool is_loopback_host(const std::string& host);
 
-// The interface a daemon at `host` keeps its data plane on (UcxChannelOptions::net_devices):
-// "" for a wildcard or a loopback host (every interface, UCX's choice: one machine), else
+// The name of this host's loopback interface ("lo"): the first one up with IFF_LOOPBACK.
+Expected<std::string> loopback_interface();
+
+// The interface a daemon at `host` keeps its data plane on: "" for a wildcard host (every
+// interface, UCX's choice); the loopback interface ("lo") for any loopback address
+// (127.0.0.0/8 is all on it, though only 127.0.0.1 is listed); else
 // interface_with_address(host).
 Expected<std::string> data_plane_interface(const std::string& host);
+
+// What a daemon's data plane uses, and why; printed by --check and logged at start-up.
+struct DataInterface {
+  // For UcxChannelOptions::net_devices: "lo", "eth0", "mlx5_0:1,ib0" (UCX_NET_DEVICES's
+  // syntax); "" to leave it to UCX (every interface) or to the environment's UCX_NET_DEVICES.
+  std::string net_devices;
+  // What is used: net_devices, UCX_NET_DEVICES's value when that is set, else "any".
+  std::string shown;
+  // Why: "UCX_NET_DEVICES", "--data-interface", "address 127.0.0.1", "wildcard address
+  // 0.0.0.0", "no address given".
+  std::string source;
+};
+
+// The choice, in this order: the environment's UCX_NET_DEVICES when set (UcxChannel leaves
+// it alone); then `requested` when not empty (a daemon's --data-interface: "any" for every
+// interface, else UCX_NET_DEVICES's syntax, each plain interface name checked to exist);
+// then data_plane_interface(host). Errors name the address or interface and why.
+Expected<DataInterface> choose_data_interface(const std::string& host, const std::string& requested = "");
 
 }  // namespace conveyor::transport

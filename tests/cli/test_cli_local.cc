@@ -1,5 +1,7 @@
 // `conveyor local` when a daemon cannot start: the launcher prints the daemon's own reason
-// (not only where its log is) and exits non-zero at once, instead of waiting.
+// (not only where its log is) and exits non-zero at once, instead of waiting. And where its
+// daemons' data plane runs: on loopback (`lo`) alone, never on an interface UCX would pick
+// by itself (issue 28: a bridge that came and went hung the cluster).
 // Real processes on loopback; each test is bounded in time and stops what it started.
 #include <chrono>
 #include <filesystem>
@@ -10,6 +12,7 @@
 #include <vector>
 
 #include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
 
 #include "tests/process_util.h"
 #include "tests/test_util.h"
@@ -123,6 +126,61 @@ TEST(ConveyorLocal, ModelNoWorkerCanLoadPrintsTheLoadError) {
   EXPECT_NE(o.err.find("worker0 failed to load its layers: "), std::string::npos) << o.err;
   EXPECT_NE(o.err.find("worker1 failed to load its layers: "), std::string::npos) << o.err;
   EXPECT_NE(o.err.find("no worker could load the model"), std::string::npos) << o.err;
+}
+
+// A cluster as `conveyor local` starts it: the coordinator (control.host 127.0.0.1) and every
+// worker (--host 127.0.0.1) say their data plane is on lo, and the cluster serves.
+TEST(ConveyorLocal, DaemonsKeepTheDataPlaneOnLoopback) {
+  TempDir dir("loopback");
+  if (std::getenv("UCX_NET_DEVICES")) GTEST_SKIP() << "UCX_NET_DEVICES is set: it wins over the address";
+  const fs::path logs = dir.path / "logs";
+  ChildProcess local({bin("conveyor"), "local", "--port", "0", "--backend", "cpu", "--log-dir", logs.string(), "--model",
+                      source("models/brown-gpt2"), "--stages", "2"},
+                     (dir.path / "stderr").string());
+  const std::string ready = local.read_line_matching("ready at", std::chrono::seconds(120));
+  ASSERT_NE(ready, "") << "conveyor local did not become ready; stderr:\n" << read_file(dir.path / "stderr");
+  const std::string coordinator = read_file(logs / "coordinator.log");
+  EXPECT_NE(coordinator.find("coordinator: data plane on lo (address 127.0.0.1)"), std::string::npos) << coordinator;
+  for (const char* worker : {"worker0", "worker1"}) {
+    const std::string log = read_file(logs / (std::string(worker) + ".log"));
+    EXPECT_NE(log.find(std::string(worker) + ": data plane on lo (address 127.0.0.1)"), std::string::npos)
+        << worker << ":\n"
+        << log;
+  }
+  local.stop(std::chrono::seconds(15));
+}
+
+// The coordinator's --check on the cluster file `conveyor local` writes says the interface
+// its data plane will use, and what chose it; --data-interface and UCX_NET_DEVICES win.
+TEST(ConveyorLocal, CoordinatorCheckReportsTheLoopbackInterface) {
+  TempDir dir("check");
+  std::ofstream(dir.path / "cluster.yaml") << "model: {path: \"" << source("models/brown-gpt2") << "\"}\n"
+                                           << "http: {host: 127.0.0.1, port: 0}\n"
+                                           << "control: {host: 127.0.0.1, port: 0, join_token: \"t\"}\n"
+                                           << "pipeline: {stages: 2}\n";
+  // `env` in front: a clean UCX_NET_DEVICES, or the one a case sets.
+  auto check = [&](const std::vector<std::string>& env, const std::vector<std::string>& flags) {
+    std::vector<std::string> argv = {"/usr/bin/env", "-u", "UCX_NET_DEVICES"};
+    argv.insert(argv.end(), env.begin(), env.end());
+    argv.insert(argv.end(), {bin("conveyor-coordinator"), "--config", (dir.path / "cluster.yaml").string(), "--check"});
+    argv.insert(argv.end(), flags.begin(), flags.end());
+    ChildProcess p(argv, (dir.path / "check.err").string());
+    std::string out;
+    for (std::string line; !(line = p.read_line_matching("", std::chrono::seconds(20))).empty();) out += line + "\n";
+    EXPECT_EQ(p.wait_exit(std::chrono::seconds(10)), 0) << read_file(dir.path / "check.err");
+    const nlohmann::json j = nlohmann::json::parse(out, nullptr, false);
+    EXPECT_FALSE(j.is_discarded()) << out << read_file(dir.path / "check.err");
+    return j.is_discarded() ? nlohmann::json() : j["control"];
+  };
+  nlohmann::json c = check({}, {});
+  EXPECT_EQ(c["data_interface"], "lo") << c;
+  EXPECT_EQ(c["data_interface_from"], "address 127.0.0.1") << c;
+  c = check({}, {"--data-interface", "any"});
+  EXPECT_EQ(c["data_interface"], "any") << c;
+  EXPECT_EQ(c["data_interface_from"], "--data-interface") << c;
+  c = check({"UCX_NET_DEVICES=lo"}, {"--data-interface", "any"});
+  EXPECT_EQ(c["data_interface"], "lo") << c;
+  EXPECT_EQ(c["data_interface_from"], "UCX_NET_DEVICES") << c;
 }
 
 }  // namespace

@@ -96,6 +96,10 @@ struct Cluster {
     // and a worker's default (--backend auto) would take a GPU where the machine has one.
     if (std::find(extra_args.begin(), extra_args.end(), "--backend") == extra_args.end())
       argv.insert(argv.end(), {"--backend", "cpu"});
+    // Loopback, as `conveyor local` starts its workers: the data plane stays on `lo` (no
+    // bridge another test makes meanwhile is ever offered to a peer).
+    if (std::find(extra_args.begin(), extra_args.end(), "--host") == extra_args.end())
+      argv.insert(argv.end(), {"--host", "127.0.0.1"});
     argv.insert(argv.end(), extra_args.begin(), extra_args.end());
     workers.push_back(std::make_unique<ChildProcess>(argv, (dir / (name + ".log")).string()));
     return *workers.back();

@@ -78,6 +78,23 @@ TEST(ClusterConfig, PipelineWait) {
   EXPECT_NE(error_of("scheduler: {pipeline_wait_ms: soon}\n").find("pipeline_wait_ms"), std::string::npos);
 }
 
+// control.data_interface: absent, the data plane follows control.host (empty here); set,
+// the daemon takes it as given (transport/net_interface.h checks the names at start).
+TEST(ClusterConfig, DataInterface) {
+  auto parse = [](const std::string& control) {
+    return parse_cluster_config("model: {path: \"" + model_dir() + "\"}\ncontrol: " + control + "\n", "c.yaml");
+  };
+  auto dflt = parse("{join_token: t}");
+  ASSERT_TRUE(dflt) << dflt.error();
+  EXPECT_EQ(dflt->data_interface, "");
+  auto set = parse("{join_token: t, host: 0.0.0.0, data_interface: lo}");
+  ASSERT_TRUE(set) << set.error();
+  EXPECT_EQ(set->data_interface, "lo");
+  auto wrong = parse("{join_token: t, data_interface: [lo]}");
+  ASSERT_FALSE(wrong);
+  EXPECT_NE(wrong.error().find("data_interface"), std::string::npos) << wrong.error();
+}
+
 ModelConfig shape(int64_t layers, int64_t C, int64_t V) {
   ModelConfig c;
   c.n_layer = layers, c.n_embd = C, c.n_head = 4, c.n_inner = 4 * C, c.n_positions = 256, c.vocab_size = V;

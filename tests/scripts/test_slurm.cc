@@ -872,13 +872,26 @@ TEST(SlurmScript, CheckShowsWhatTheCoordinatorWouldRunWith) {
     EXPECT_EQ(cfg["control"]["port"], 5566) << r.text;
     EXPECT_EQ(cfg["http"]["api_key_set"], true) << r.text;
     EXPECT_EQ(cfg["control"]["join_token_from"], "environment") << r.text;
+    // A wildcard bind address: UCX's choice of interface (the workers pass their own --host).
     EXPECT_EQ(cfg["control"]["data_interface"], "any") << r.text;
+    EXPECT_EQ(cfg["control"]["data_interface_from"], "wildcard address 0.0.0.0") << r.text;
     EXPECT_EQ(cfg["model"]["name"], "demo") << r.text;
     EXPECT_EQ(fs::path(cfg["model"]["path"].get<std::string>()).lexically_normal(), (s.dir / "model").lexically_normal())
         << r.text;
     EXPECT_EQ(cfg["pipeline"]["stages"], 3) << r.text;
   }
 
+  // A loopback bind address keeps the data plane on lo, the interface holding it.
+  {
+    const Output r = s.run("CONVEYOR_JOIN_TOKEN=env-token CONVEYOR_BIN=" + quoted(bin_dir()) + " CONVEYOR_BIND_HOST=127.0.0.1",
+                           "--check block.yaml", /*with_stderr=*/false);
+    ASSERT_EQ(r.rc, 0) << r.text;
+    const json cfg = json::parse(r.text, nullptr, false);
+    ASSERT_FALSE(cfg.is_discarded()) << r.text;
+    EXPECT_EQ(cfg["control"]["host"], "127.0.0.1") << r.text;
+    EXPECT_EQ(cfg["control"]["data_interface"], "lo") << r.text;
+    EXPECT_EQ(cfg["control"]["data_interface_from"], "address 127.0.0.1") << r.text;
+  }
   // An address this host does not hold is refused, naming it and the host's interfaces.
   Output r = s.run("CONVEYOR_BIN=" + quoted(bin_dir()) + " CONVEYOR_BIND_HOST=192.0.2.254", "--check block.yaml");
   EXPECT_NE(r.rc, 0);

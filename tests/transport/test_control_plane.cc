@@ -5,6 +5,7 @@
 #include <chrono>
 #include <string>
 #include <thread>
+#include <vector>
 #include <zmq.hpp>
 
 #include "transport/control_plane.h"
@@ -14,6 +15,7 @@ namespace {
 
 using namespace std::chrono_literals;
 using nlohmann::json;
+using Clock = std::chrono::steady_clock;
 
 std::unique_ptr<ControlServer> make_server(ControlServerOptions options = {}) {
   auto server = ControlServer::bind("tcp://127.0.0.1:0", std::move(options));
@@ -268,6 +270,150 @@ TEST(ControlPlane, PostFromOtherThreadsWakesTheSocketThread) {
   ASSERT_TRUE(r.ok());
   if (!server->flush_posted().ok()) ADD_FAILURE();
   EXPECT_EQ(client_recv(*client).type(), "drain");
+}
+
+// The ownership rule (control_plane.h): while the socket thread is inside recv(), another
+// thread's send(), recv() or flush_posted() touches nothing and fails, naming the rule; the
+// socket thread goes on undisturbed, and the socket may change threads once nobody is inside.
+TEST(ControlPlane, SecondThreadIsRefusedWhileTheSocketThreadIsInside) {
+  auto server = make_server();
+  auto client = make_client(*server, "w");
+  ASSERT_TRUE(server && client);
+  ASSERT_TRUE(client->send(ControlMessage::make("register"), 5s).ok());
+  EXPECT_EQ(server_recv(*server).peer, "w");
+
+  std::atomic<int> inside{0};  // 1: in the server's recv; 2: in the client's
+  std::thread socket_thread([&] {
+    inside = 1;
+    auto r = server->recv(1000ms);  // nothing arrives
+    EXPECT_TRUE(r.ok()) << r.error();
+    inside = 2;
+    auto c = client->recv(1000ms);
+    EXPECT_TRUE(c.ok()) << c.error();
+  });
+  while (inside != 1) std::this_thread::sleep_for(1ms);
+  std::this_thread::sleep_for(100ms);  // the socket thread is in the server's recv now
+  Status s = server->send("w", ControlMessage::make("assign"));
+  ASSERT_FALSE(s.ok()) << "a second thread's send() went through while the socket thread was in recv()";
+  EXPECT_NE(s.message().find("other threads must post()"), std::string::npos) << s.message();
+  EXPECT_FALSE(server->flush_posted().ok());
+  auto r = server->recv(0ms);
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.error().find("socket thread"), std::string::npos) << r.error();
+  // And the client the same way, once the socket thread waits in its recv.
+  while (inside != 2) std::this_thread::sleep_for(1ms);
+  std::this_thread::sleep_for(100ms);
+  s = client->send(ControlMessage::make("heartbeat"), 100ms);
+  EXPECT_FALSE(s.ok()) << "a second thread's client send() went through while the socket thread was in recv()";
+  socket_thread.join();
+
+  // Nobody inside: this thread may take the sockets over; nothing was sent meanwhile.
+  ASSERT_TRUE(server->send("w", ControlMessage::make("drain")).ok());
+  EXPECT_EQ(client_recv(*client).type(), "drain");
+}
+
+// Several threads post while the socket threads of both ends receive (the coordinator's
+// shape: REST handlers and the engine post, the control thread receives, and the workers
+// talk meanwhile): everything arrives, each thread's messages in order.
+TEST(ControlPlane, PostsFromManyThreadsWhileTheOwnersReceive) {
+  auto server = make_server();
+  auto client = make_client(*server, "w");
+  ASSERT_TRUE(server && client);
+  ASSERT_TRUE(client->send(ControlMessage::make("register"), 5s).ok());
+  EXPECT_EQ(server_recv(*server).peer, "w");
+
+  constexpr int kPosters = 4, kPerPoster = 500, kPings = 500;
+  std::atomic<bool> stop{false};
+  std::atomic<int> pings_in{0};
+  std::string server_error;
+  // The server's socket thread: receives the client's pings (and sends posted messages).
+  std::thread server_thread([&] {
+    int next = 0;
+    while (!stop) {
+      auto r = server->recv(20ms);
+      if (!r.ok()) {
+        server_error = r.error();
+        return;
+      }
+      if (!r->has_value()) continue;
+      if ((**r).message.body["n"] != next) {
+        server_error = "ping " + (**r).message.body["n"].dump() + " arrived when " + std::to_string(next) + " was due";
+        return;
+      }
+      ++next;
+      ++pings_in;
+    }
+  });
+  // The client's socket thread: receives the posted messages, and posts its own pings
+  // (post() from the socket thread itself: they leave at its next recv).
+  std::vector<int> next(kPosters, 0);
+  int received = 0;
+  std::string client_error;
+  std::thread client_thread([&] {
+    int pings_out = 0;
+    const auto deadline = Clock::now() + 20s;
+    while (received < kPosters * kPerPoster && Clock::now() < deadline) {
+      if (pings_out < kPings) client->post(ControlMessage::make("heartbeat", {{"n", pings_out++}}));
+      auto r = client->recv(20ms);
+      if (!r.ok()) {
+        client_error = r.error();
+        return;
+      }
+      if (!r->has_value()) continue;
+      const int t = (**r).body["thread"], n = (**r).body["n"];
+      if (n != next[size_t(t)]) {
+        client_error = "thread " + std::to_string(t) + "'s message " + std::to_string(n) + " arrived when " +
+                       std::to_string(next[size_t(t)]) + " was due";
+        return;
+      }
+      ++next[size_t(t)];
+      ++received;
+    }
+    while (pings_out < kPings) client->post(ControlMessage::make("heartbeat", {{"n", pings_out++}}));
+    (void)client->flush_posted();
+  });
+  std::vector<std::thread> posters;
+  for (int t = 0; t < kPosters; ++t)
+    posters.emplace_back([&, t] {
+      for (int i = 0; i < kPerPoster; ++i) {
+        server->post("w", ControlMessage::make("assign", {{"thread", t}, {"n", i}}));
+        if (i % 10 == 0) std::this_thread::sleep_for(1ms);  // stay within the queues' high-water marks
+      }
+    });
+  for (auto& p : posters) p.join();
+  client_thread.join();
+  const auto deadline = Clock::now() + 10s;
+  while (pings_in < kPings && Clock::now() < deadline && server_error.empty()) std::this_thread::sleep_for(5ms);
+  stop = true;
+  server_thread.join();
+  EXPECT_EQ(client_error, "");
+  EXPECT_EQ(server_error, "");
+  EXPECT_EQ(received, kPosters * kPerPoster);
+  EXPECT_EQ(pings_in, kPings);
+}
+
+// A post wakes a socket thread blocked in recv(): the message leaves at once, not when the
+// recv's timeout ends.
+TEST(ControlPlane, PostIsSentWithoutWaitingForTheRecvTimeout) {
+  auto server = make_server();
+  auto client = make_client(*server, "w");
+  ASSERT_TRUE(server && client);
+  ASSERT_TRUE(client->send(ControlMessage::make("register"), 5s).ok());
+  EXPECT_EQ(server_recv(*server).peer, "w");
+  std::atomic<bool> inside{false};
+  std::thread socket_thread([&] {
+    inside = true;
+    (void)server->recv(5s);
+  });
+  while (!inside) std::this_thread::sleep_for(1ms);
+  std::this_thread::sleep_for(100ms);
+  const auto t0 = Clock::now();
+  server->post("w", ControlMessage::make("drain"));
+  EXPECT_EQ(client_recv(*client, 4s).type(), "drain");
+  EXPECT_LT(Clock::now() - t0, 2s) << "the posted message waited for the socket thread's recv timeout";
+  // Release the socket thread (it returns at its timeout: a message from the client ends it sooner).
+  ASSERT_TRUE(client->send(ControlMessage::make("heartbeat"), 5s).ok());
+  socket_thread.join();
 }
 
 TEST(ControlPlane, MalformedMessagesAreDropped) {

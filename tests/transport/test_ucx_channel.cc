@@ -443,6 +443,41 @@ TEST_P(UcxChannelTest, DisconnectedPeerRefusesSends) {
   EXPECT_EQ(as_string_view(recv_one(*b).header), "back");
 }
 
+// The data plane pinned to loopback, as every daemon of `conveyor local` is (net_devices
+// "lo", from its address 127.0.0.1): UCX still connects (TCP over lo; its shared-memory
+// transports are not used with peer-failure detection anyway) and moves every size, and
+// the endpoint says lo.
+TEST_P(UcxChannelTest, LoopbackDeviceAloneCarriesEverySize) {
+  if (std::getenv("UCX_NET_DEVICES")) GTEST_SKIP() << "UCX_NET_DEVICES is set: it wins over net_devices";
+  UcxChannelOptions on_lo;
+  on_lo.net_devices = "lo";
+  auto a = make_channel(transports(), "a", on_lo);
+  auto b = make_channel(transports(), "b", on_lo);
+  ASSERT_TRUE(a && b);
+  auto to_b = a->connect(b->address(), "b");
+  ASSERT_TRUE(to_b.ok()) << to_b.error();
+  auto to_a = b->connect(a->address(), "a");
+  ASSERT_TRUE(to_a.ok()) << to_a.error();
+  std::vector<unsigned char> buf(8 * MiB);
+  int i = 0;
+  for (std::size_t n : {std::size_t{0}, 1 * KiB, 64 * KiB, 8 * MiB}) {
+    fill_pattern(buf.data(), n, seed_of(1, i));
+    ASSERT_TRUE(a->send(*to_b, as_bytes("there"), {buf.data(), n}, 10s).ok()) << n << " bytes";
+    Message m = recv_one(*b);
+    ASSERT_EQ(m.payload.size(), n);
+    EXPECT_EQ(check_pattern(m.payload.data(), n, seed_of(1, i)), -1) << n << " bytes";
+    ASSERT_TRUE(b->send(*to_a, as_bytes("back"), {m.payload.data(), n}, 10s).ok()) << n << " bytes";
+    Message back = recv_one(*a);
+    ASSERT_EQ(back.payload.size(), n);
+    EXPECT_EQ(check_pattern(back.payload.data(), n, seed_of(1, i)), -1) << n << " bytes";
+    ++i;
+  }
+  auto info = a->transport_info(*to_b);
+  ASSERT_TRUE(info.ok()) << info.error();
+  EXPECT_NE(info->find("/lo"), std::string::npos) << *info;
+  EXPECT_EQ(info->find("eth"), std::string::npos) << "an interface other than lo: " << *info;
+}
+
 // ------------------------------------------------------------------ across processes
 
 // A child process running UcxPeerProcess.DISABLED_Run in `role`. It registers over the
