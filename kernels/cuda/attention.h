@@ -18,12 +18,17 @@ namespace conveyor::cuda {
 //   - appends row s's K and V (from qkv) to the cache at position kv_lens[s] - 1,
 //   - attends q over positions [0, kv_lens[s]); kv_lens[s] <= 0 marks a padding row (skipped,
 //     out not written).
-// Fixed order (attention_decode.cu): the positions are cut into pieces of kDecodePiece, each
-// summed by a fixed set of lane groups and merged in piece order, so a row's result depends on
-// its own kv_len, q and K/V alone; attention_context_fixed_paged computes the same bits for a
-// prompt's rows. num_splits blocks share a (row, head)'s pieces (flash-decoding, so a small
-// batch still fills the GPU) without changing the result; a row of several pieces keeps each
-// piece's state in the workspace and the last block merges them.
+// A fixed order, one of two chosen by head_dim alone, so a row's result depends on its own
+// kv_len, q and K/V and attention_context_fixed_paged computes the same bits for a prompt's
+// rows:
+//   - the tile order (attention_tiles.cu), for head_dim a multiple of 16 up to 128: tensor
+//     cores, pieces of kTilePiece (64) positions merged in piece order; a small batch spreads
+//     a row's pieces over warps by itself (num_splits is not used), the workspace allowing;
+//   - the CUDA-core order (attention_decode.cu) otherwise: pieces of kDecodePiece, each summed
+//     by a fixed set of lane groups and merged in piece order; num_splits blocks share a
+//     (row, head)'s pieces (flash-decoding, so a small batch still fills the GPU).
+// Neither changes a result with the number of blocks or warps; a row whose pieces were
+// spread keeps each piece's state in the workspace and the last to finish merges them.
 constexpr int kDecodePiece = 256;
 struct DecodeWorkspace {
   float* partial = nullptr;     // decode_partial_floats(rows, n_head, head_dim, max_kv_len) floats
@@ -56,15 +61,18 @@ struct SeqArrays {
   int64_t num_seqs = 0;
 };
 
-// The flash kernel (tensor cores; attention_context.cu): fast, and a row's result does not
-// depend on the chunking, but its order is not the decode kernel's, so a sequence rebuilt
-// through it after a failover may continue differently. Deterministic mode takes the twin.
+// Fast mode's context attention. Where the tile order exists it is the tile order (the
+// twin below, which is also the faster); otherwise the flash kernel (wmma tensor cores,
+// attention_context.cu): a row's result does not depend on the chunking, but its order is
+// not the decode kernel's, so a sequence rebuilt through it after a failover may continue
+// differently. Deterministic mode takes the twin.
 template <class T>
 void attention_context_paged(T* out, const T* qkv, const KvLayerView& kv, const SeqArrays& seqs,
                              int64_t max_q_len, int64_t n_head, int64_t head_dim, cudaStream_t stream);
 
-// The same attention in attention_decode_paged's order (CUDA cores): every query row gets
-// bitwise what decode would give it at that position.
+// The same attention in attention_decode_paged's order (the tile order where head_dim has
+// it, else the CUDA-core order): every query row gets bitwise what decode would give it at
+// that position, however the prompt was chunked.
 template <class T>
 void attention_context_fixed_paged(T* out, const T* qkv, const KvLayerView& kv, const SeqArrays& seqs,
                                    int64_t max_q_len, int64_t n_head, int64_t head_dim, cudaStream_t stream);

@@ -31,6 +31,7 @@
 
 #include "kernels/cuda/attention.h"
 #include "kernels/cuda/attention_kv.cuh"
+#include "kernels/cuda/attention_tiles.h"
 #include "kernels/cuda/check.h"
 #include "kernels/cuda/dtype.cuh"
 #include "kernels/cuda/launch.cuh"
@@ -487,6 +488,18 @@ void attention_decode_paged(T* out, const T* qkv, const KvLayerView& view, const
                             int64_t num_rows, int64_t n_head, int64_t head_dim, int num_splits,
                             const DecodeWorkspace& ws, cudaStream_t stream) {
   if (num_rows <= 0) return;
+  if (!tile_order_head_dim(head_dim))
+    return attention_decode_cores<T>(out, qkv, view, kv_lens, num_rows, n_head, head_dim, num_splits, ws, stream);
+  if (!aligned16(qkv) || !aligned16(out) || !aligned16(view.k) || !aligned16(view.v))
+    throw Error("attention_decode_paged: the tile order needs 16-byte aligned qkv, out and cache");
+  attention_decode_tiles<T>(out, qkv, view, kv_lens, num_rows, n_head, head_dim, ws, stream);
+}
+
+template <class T>
+void attention_decode_cores(T* out, const T* qkv, const KvLayerView& view, const int32_t* kv_lens, int64_t num_rows,
+                            int64_t n_head, int64_t head_dim, int num_splits, const DecodeWorkspace& ws,
+                            cudaStream_t stream) {
+  if (num_rows <= 0) return;
   if (num_rows > 65535) throw Error("attention_decode_paged: more than 65535 rows in one launch");
   if (num_splits < 1 || num_splits > kMaxSplits) throw Error("attention_decode_paged: bad num_splits");
   if (ws.max_kv_len > kPiece &&
@@ -513,6 +526,16 @@ void attention_decode_paged(T* out, const T* qkv, const KvLayerView& view, const
 template <class T>
 void attention_context_fixed_paged(T* out, const T* qkv, const KvLayerView& view, const SeqArrays& seqs,
                                    int64_t max_q_len, int64_t n_head, int64_t head_dim, cudaStream_t stream) {
+  if (!tile_order_head_dim(head_dim))
+    return attention_context_cores<T>(out, qkv, view, seqs, max_q_len, n_head, head_dim, stream);
+  if (!aligned16(qkv) || !aligned16(out) || !aligned16(view.k) || !aligned16(view.v))
+    throw Error("attention_context_fixed_paged: the tile order needs 16-byte aligned qkv, out and cache");
+  attention_context_tiles<T>(out, qkv, view, seqs, max_q_len, n_head, head_dim, stream);
+}
+
+template <class T>
+void attention_context_cores(T* out, const T* qkv, const KvLayerView& view, const SeqArrays& seqs, int64_t max_q_len,
+                             int64_t n_head, int64_t head_dim, cudaStream_t stream) {
   const int64_t C = n_head * head_dim;
   const bool vec = head_dim % kVec == 0 && aligned16(qkv) && aligned16(out) && aligned16(view.k) &&
                    aligned16(view.v);
@@ -528,6 +551,14 @@ template void attention_decode_paged<half>(half*, const half*, const KvLayerView
                                            int64_t, int64_t, int, const DecodeWorkspace&, cudaStream_t);
 template void attention_decode_paged<bf16>(bf16*, const bf16*, const KvLayerView&, const int32_t*, int64_t,
                                            int64_t, int64_t, int, const DecodeWorkspace&, cudaStream_t);
+template void attention_decode_cores<half>(half*, const half*, const KvLayerView&, const int32_t*, int64_t,
+                                           int64_t, int64_t, int, const DecodeWorkspace&, cudaStream_t);
+template void attention_decode_cores<bf16>(bf16*, const bf16*, const KvLayerView&, const int32_t*, int64_t,
+                                           int64_t, int64_t, int, const DecodeWorkspace&, cudaStream_t);
+template void attention_context_cores<half>(half*, const half*, const KvLayerView&, const SeqArrays&, int64_t,
+                                            int64_t, int64_t, cudaStream_t);
+template void attention_context_cores<bf16>(bf16*, const bf16*, const KvLayerView&, const SeqArrays&, int64_t,
+                                            int64_t, int64_t, cudaStream_t);
 template void attention_context_fixed_paged<half>(half*, const half*, const KvLayerView&, const SeqArrays&, int64_t,
                                                   int64_t, int64_t, cudaStream_t);
 template void attention_context_fixed_paged<bf16>(bf16*, const bf16*, const KvLayerView&, const SeqArrays&, int64_t,

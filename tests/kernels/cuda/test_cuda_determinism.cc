@@ -26,6 +26,7 @@ TEST(CudaDeterminism, NotBuilt) { GTEST_SKIP() << "built without the CUDA backen
 
 #include "common/dtype.h"
 #include "kernels/cuda/attention.h"
+#include "kernels/cuda/attention_tiles.h"
 #include "kernels/cuda/check.h"
 #include "kernels/cuda/fixed_gemm.h"
 #include "kernels/cuda/gemm.h"
@@ -226,8 +227,8 @@ TYPED_TEST(CudaOps, DecodeAttentionEqualsContextRowBitForBit) {
   using T = TypeParam;
   Rng rng;
   SEED_TRACE(rng);
-  const int L = 2 * cuda::kDecodePiece + 88;  // three pieces
-  for (int D : {64, 128, 40}) {             // 40: the scalar (not 16-byte) path
+  const int L = 2 * cuda::kDecodePiece + 88;  // three pieces of the CUDA-core order, ten of the tile order
+  for (int D : {64, 128, 16, 40}) {         // 40: the CUDA-core order's scalar (not 16-byte) path
     SCOPED_TRACE("head_dim " + std::to_string(D));
     const int H = 3, C = H * D;
     const DType dt = std::is_same_v<T, half> ? DType::F16 : DType::BF16;
@@ -261,7 +262,8 @@ TYPED_TEST(CudaOps, DecodeAttentionEqualsContextRowBitForBit) {
     CUDA_CHECK(cudaDeviceSynchronize());
     const size_t row_bytes = size_t(C) * sizeof(T);
     const auto ref = bytes_of(one.p(), size_t(L) * row_bytes);
-    for (const std::vector<int>& chunks : {std::vector<int>{1, 255, 256, L - 512}, std::vector<int>{37, 300, L - 337}}) {
+    for (const std::vector<int>& chunks : {std::vector<int>{1, 255, 256, L - 512}, std::vector<int>{37, 300, L - 337},
+                                            std::vector<int>{64, 1, 63, 130, L - 258}}) {
       Dev<T> out(int64_t(L) * C);
       int begin = 0;
       for (int c : chunks) {
@@ -280,6 +282,7 @@ TYPED_TEST(CudaOps, DecodeAttentionEqualsContextRowBitForBit) {
     std::vector<int32_t> at(static_cast<size_t>(R));
     for (int r = 0; r < R; ++r) at[size_t(r)] = int32_t(rng.gen() % uint32_t(L));
     at[0] = 0, at[1] = cuda::kDecodePiece - 1, at[2] = cuda::kDecodePiece, at[3] = L - 1;
+    at[4] = cuda::kTilePiece - 1, at[5] = cuda::kTilePiece, at[6] = 3 * cuda::kTilePiece + 1;
     std::vector<float> step(static_cast<size_t>(R) * 3 * C);
     for (int r = 0; r < R; ++r)
       std::copy_n(qkv.begin() + int64_t(at[size_t(r)]) * 3 * C, 3 * C, step.begin() + int64_t(r) * 3 * C);
@@ -287,18 +290,26 @@ TYPED_TEST(CudaOps, DecodeAttentionEqualsContextRowBitForBit) {
     std::vector<int32_t> lens(static_cast<size_t>(R));
     for (int r = 0; r < R; ++r) lens[size_t(r)] = at[size_t(r)] + 1;
     DevInts dlens(lens);
-    Dev<float> partial(cuda::decode_partial_floats(R, H, D, L));
+    Dev<float> partial(std::max(cuda::decode_partial_floats(R, H, D, L), cuda::tile_partial_floats(R, H, D, L)));
     cuda::DeviceBuffer counters = cuda::device_alloc(size_t(R * H) * 4, "test", "counters");
     CUDA_CHECK(cudaMemset(counters.get(), 0, counters.bytes()));
     const cuda::DecodeWorkspace ws{partial.p(), counters.as<int32_t>(), partial.n, R * H, L};
+    // The tile order spreads a row over warps by itself (the workspace allowing): once with
+    // the workspace, once without (one warp per row merging as it goes).
+    const bool tiles = cuda::tile_order_head_dim(D);
+    if (tiles) {
+      EXPECT_GT(cuda::tile_decode_splits(R, H, D, ws), 1);
+    }
     for (int splits : {1, 2, 3, 16}) {
+      const cuda::DecodeWorkspace w = tiles && splits == 1 ? cuda::DecodeWorkspace{} : ws;
       Dev<T> out(int64_t(R) * C);
-      cuda::attention_decode_paged<T>(out.p(), dstep.p(), view, dlens.p(), R, H, D, splits, ws, nullptr);
+      cuda::attention_decode_paged<T>(out.p(), dstep.p(), view, dlens.p(), R, H, D, splits, w, nullptr);
       CUDA_CHECK(cudaDeviceSynchronize());
       const auto got = bytes_of(out.p(), size_t(R) * row_bytes);
       for (int r = 0; r < R; ++r)
         ASSERT_TRUE(same_row(got, r, ref, at[size_t(r)], row_bytes))
-            << "decode at position " << at[size_t(r)] << " with " << splits << " blocks per row";
+            << "decode at position " << at[size_t(r)] << " with " << splits << " blocks per row"
+            << (w.partial ? "" : ", no workspace");
     }
   }
 }

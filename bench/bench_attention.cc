@@ -1,0 +1,194 @@
+// Attention over the paged K/V cache, order by order: the tile order (tensor cores, taken
+// for head sizes it covers, both modes' decode and deterministic mode's prefill), the
+// CUDA-core order it replaced, and the flash kernel (fast mode's prefill, not in decode's
+// order). fp16, the head shape of --shape; each launch reads its own layer's K/V (enough
+// layers that the set is far above L2), captured in a CUDA graph and replayed (median).
+//
+//   conveyor-bench-attention [--shape gpt3-6.7b|gpt2-xl|L,C,H] [--only decode|prefill]
+//
+// Decode: batch x context, every row at that context; the floor is the K/V bytes over the
+// device-to-device copy rate measured in the same run (as conveyor-bench-gpu-kernels).
+// Prefill: sequences x prompt, causal; TFLOPS counts 4 x head_dim flops per (query row,
+// position it sees, head).
+#include <algorithm>
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#ifdef CONVEYOR_HAVE_CUDA
+#include <cuda_runtime.h>
+
+#include "bench/gpu_bandwidth.h"
+#include "bench/graph_timer.h"
+#include "common/model_config.h"
+#include "kernels/cuda/attention.h"
+#include "kernels/cuda/attention_tiles.h"
+#include "kernels/cuda/check.h"
+#include "kernels/cuda/ops.h"
+#include "kernels/cuda/synthetic.h"
+#include "stage/cuda/kv_cache.h"
+
+namespace {
+
+using namespace conveyor;
+using namespace conveyor::cuda;
+using T = half;
+
+// `seqs` sequences of `len` positions in each of `layers` layers of a fresh cache (random
+// K/V), with their block tables and lengths on the device.
+struct Setup {
+  std::unique_ptr<KvCache> kv;
+  DeviceBuffer tables, lens;
+  int32_t max_pages = 0;
+  int layers = 0;
+  Setup(int64_t seqs, int64_t len, int64_t H, int64_t D, int64_t budget_bytes, cudaStream_t stream) {
+    const int64_t per_layer = seqs * len * H * D * 2 * int64_t(sizeof(T));
+    layers = int(std::clamp<int64_t>((int64_t(512) << 20) / std::max<int64_t>(per_layer, 1), 1, 32));
+    while (layers > 1 && per_layer * layers > budget_bytes) --layers;
+    max_pages = int32_t((len + kPageTokens - 1) / kPageTokens);
+    auto made = KvCache::create("bench", layers, H, D, DType::F16, seqs * max_pages);
+    if (!made) throw Error(made.error());
+    kv = std::move(*made);
+    std::vector<int32_t> t(static_cast<size_t>(seqs * max_pages)), l(static_cast<size_t>(seqs), static_cast<int32_t>(len));
+    for (int64_t s = 0; s < seqs; ++s) {
+      if (Status st = kv->reserve(uint64_t(s), len); !st) throw Error(st.message());
+      const auto& p = kv->pages(uint64_t(s));
+      std::copy(p.begin(), p.end(), t.begin() + s * max_pages);
+    }
+    fill_normal<T>(static_cast<T*>(kv->layer(0, nullptr, 0).k), kv->bytes() / int64_t(sizeof(T)), 0.f, 1.f, 11, 1,
+                   stream);
+    tables = device_alloc(t.size() * 4, "bench", "block tables");
+    lens = device_alloc(l.size() * 4, "bench", "lengths");
+    CUDA_CHECK(cudaMemcpy(tables.get(), t.data(), t.size() * 4, cudaMemcpyHostToDevice));
+    CUDA_CHECK(cudaMemcpy(lens.get(), l.data(), l.size() * 4, cudaMemcpyHostToDevice));
+  }
+  KvLayerView layer(int l) const { return kv->layer(l, tables.as<int32_t>(), max_pages); }
+};
+
+DeviceBuffer random(int64_t elems, cudaStream_t stream) {
+  DeviceBuffer b = device_alloc(size_t(elems) * sizeof(T), "bench", "activations");
+  fill_normal<T>(b.as<T>(), elems, 0.f, 1.f, 5, uint64_t(elems), stream);
+  return b;
+}
+
+void decode_table(const ModelConfig& c, double bw, int sms, cudaStream_t stream) {
+  const int64_t H = c.n_head, D = c.head_dim(), C = H * D;
+  GraphTimer timer{stream};
+  std::printf("\n## decode: %ld heads x %ld, fp16 K/V\n", H, D);
+  std::printf("%6s %8s %10s %10s %9s %8s %8s %8s\n", "batch", "context", "tiles us", "cores us", "floor us", "tiles%",
+              "cores%", "cores/t");
+  for (int64_t batch : {1, 16, 64, 256, 512})
+    for (int64_t ctx : {128, 256, 1024, 4096}) {
+      const int64_t kv_bytes = batch * ctx * C * 2 * int64_t(sizeof(T));
+      if (kv_bytes > (int64_t(24) << 30)) continue;
+      Setup st(batch, ctx, H, D, int64_t(40) << 30, stream);
+      DeviceBuffer qkv = random(batch * 3 * C, stream), out = random(batch * C, stream);
+      const int64_t floats = std::max(decode_partial_floats(batch, H, D, ctx), tile_partial_floats(batch, H, D, ctx));
+      DeviceBuffer partial = device_alloc(size_t(floats) * 4, "bench", "partial");
+      DeviceBuffer counters = device_alloc(size_t(batch * H) * 4, "bench", "counters");
+      CUDA_CHECK(cudaMemset(counters.get(), 0, counters.bytes()));
+      const DecodeWorkspace ws{partial.as<float>(), counters.as<int32_t>(), int64_t(partial.bytes() / 4), batch * H, ctx};
+      const int splits = decode_splits_for(batch, H, ctx, sms);
+      const double tiles = timer.time(st.layers, [&](int l) {
+        attention_decode_tiles<T>(out.as<T>(), qkv.as<T>(), st.layer(l), st.lens.as<int32_t>(), batch, H, D, ws, stream);
+      });
+      const double cores = timer.time(st.layers, [&](int l) {
+        attention_decode_cores<T>(out.as<T>(), qkv.as<T>(), st.layer(l), st.lens.as<int32_t>(), batch, H, D, splits, ws,
+                                  stream);
+      });
+      const double floor_us = double(kv_bytes) / bw * 1e6;
+      std::printf("%6ld %8ld %10.2f %10.2f %9.2f %7.0f%% %7.0f%% %8.2f\n", batch, ctx, tiles, cores, floor_us,
+                  100 * floor_us / tiles, 100 * floor_us / cores, cores / tiles);
+    }
+}
+
+void prefill_table(const ModelConfig& c, cudaStream_t stream) {
+  const int64_t H = c.n_head, D = c.head_dim(), C = H * D;
+  GraphTimer timer{stream};
+  std::printf("\n## prefill: %ld heads x %ld, fp16, causal, whole prompts\n", H, D);
+  std::printf("%5s %7s %11s %11s %11s %8s %8s %8s %9s %9s\n", "seqs", "prompt", "tiles ms", "cores ms", "flash ms",
+              "tiles TF", "cores TF", "flash TF", "cores/t", "flash/t");
+  const std::vector<std::pair<int64_t, int64_t>> shapes = {{256, 128}, {64, 128}, {8, 512}, {4, 1024}, {1, 4096}, {1, 128}};
+  for (const auto& [seqs, len] : shapes) {
+    Setup st(seqs, len, H, D, int64_t(16) << 30, stream);
+    DeviceBuffer qkv = random(seqs * len * 3 * C, stream), out = random(seqs * len * C, stream);
+    std::vector<int32_t> qb(static_cast<size_t>(seqs)), ql(static_cast<size_t>(seqs), static_cast<int32_t>(len));
+    for (int64_t s = 0; s < seqs; ++s) qb[size_t(s)] = int32_t(s * len);
+    DeviceBuffer dqb = device_alloc(qb.size() * 4, "bench", "q begins"), dql = device_alloc(ql.size() * 4, "bench", "q lens");
+    CUDA_CHECK(cudaMemcpy(dqb.get(), qb.data(), qb.size() * 4, cudaMemcpyHostToDevice));
+    CUDA_CHECK(cudaMemcpy(dql.get(), ql.data(), ql.size() * 4, cudaMemcpyHostToDevice));
+    const SeqArrays seq{dqb.as<int32_t>(), dql.as<int32_t>(), st.lens.as<int32_t>(), seqs};
+    auto time = [&](auto&& f) { return timer.time(st.layers, [&](int l) { f(st.layer(l)); }) * 1e-3; };
+    const double tiles = time([&](const KvLayerView& v) {
+      attention_context_tiles<T>(out.as<T>(), qkv.as<T>(), v, seq, len, H, D, stream);
+    });
+    const double cores = time([&](const KvLayerView& v) {
+      attention_context_cores<T>(out.as<T>(), qkv.as<T>(), v, seq, len, H, D, stream);
+    });
+    const double flash = time([&](const KvLayerView& v) {
+      attention_context_paged<T>(out.as<T>(), qkv.as<T>(), v, seq, len, H, D, stream);
+    });
+    const double flops = 4.0 * double(D) * double(H) * double(seqs) * double(len) * double(len + 1) / 2;
+    auto tf = [&](double ms) { return flops / (ms * 1e-3) * 1e-12; };
+    std::printf("%5ld %7ld %11.3f %11.3f %11.3f %8.1f %8.1f %8.1f %9.2f %9.2f\n", seqs, len, tiles, cores, flash,
+                tf(tiles), tf(cores), tf(flash), cores / tiles, flash / tiles);
+  }
+}
+
+int run(int argc, char** argv) {
+  std::string shape = "gpt3-6.7b", only;
+  for (int i = 1; i < argc; ++i) {
+    const std::string k = argv[i];
+    if (i + 1 >= argc) {
+      std::fprintf(stderr, "%s needs a value\n", k.c_str());
+      return 2;
+    }
+    if (k == "--shape") shape = argv[++i];
+    else if (k == "--only") only = argv[++i];
+    else {
+      std::fprintf(stderr, "unknown option %s\n", k.c_str());
+      return 2;
+    }
+  }
+  if (!only.empty() && only != "decode" && only != "prefill") {
+    std::fprintf(stderr, "--only takes decode or prefill, not '%s'\n", only.c_str());
+    return 2;
+  }
+  auto named = named_model_shape(shape);
+  if (!named) {
+    std::fprintf(stderr, "%s\n", named.error().c_str());
+    return 2;
+  }
+  if (!tile_order_head_dim(named->head_dim())) {
+    std::fprintf(stderr, "head_dim %ld has no tile-order kernel\n", named->head_dim());
+    return 2;
+  }
+  cudaStream_t stream;
+  CUDA_CHECK(cudaStreamCreate(&stream));
+  cudaDeviceProp prop{};
+  CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
+  const double bw = measure_copy_bandwidth();
+  std::printf("# %s, %s; copy bandwidth %.0f GB/s (read + write)\n", prop.name, shape.c_str(), bw * 1e-9);
+  if (only.empty() || only == "decode") decode_table(*named, bw, prop.multiProcessorCount, stream);
+  if (only.empty() || only == "prefill") prefill_table(*named, stream);
+  CUDA_CHECK(cudaStreamDestroy(stream));
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  try {
+    return run(argc, argv);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "error: %s\n", e.what());
+    return 1;
+  }
+}
+
+#else
+int main() {
+  std::fprintf(stderr, "conveyor-bench-attention: built without the CUDA backend\n");
+  return 1;
+}
+#endif
