@@ -37,7 +37,7 @@ Expected<ModelConfig> parse_model_config(const std::string& text, const std::str
   json j;
   try {
     j = json::parse(text);
-  } catch (const json::parse_error& e) {
+  } catch (const json::exception& e) {  // parse_error, and out_of_range for a number like 1e999
     return bad(source, std::string("not valid JSON: ") + e.what());
   }
   if (!j.is_object()) return bad(source, "top level must be a JSON object");

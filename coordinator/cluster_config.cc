@@ -24,6 +24,11 @@ Status check_keys(const Ctx& c, const YAML::Node& map, const std::string& sectio
                   const std::set<std::string>& known) {
   if (!map.IsMap()) return c.at(map, "'" + section + "' must be a mapping");
   for (const auto& kv : map) {
+    // A complex key ("? [a, b]" or "? {a: 1}") has no string form: as<string> would throw.
+    if (!kv.first.IsScalar())
+      return c.at(kv.first, "a key in " + (section.empty() ? std::string("the top level") : "'" + section + "'") +
+                                " is a " + (kv.first.IsSequence() ? "list" : kv.first.IsMap() ? "mapping" : "null") +
+                                ", not a name");
     const std::string key = kv.first.as<std::string>();
     if (!known.count(key)) {
       std::string list;

@@ -15,7 +15,10 @@
 
 #include <nlohmann/json.hpp>
 
+#include "common/json_limits.h"
+
 #if defined(__x86_64__)
+#include <cpuid.h>
 #include <immintrin.h>
 #endif
 
@@ -151,6 +154,55 @@ std::string shape_string(std::span<const int64_t> shape) {
   return s + "]";
 }
 
+Expected<std::vector<TensorInfo>> parse_safetensors(std::span<const std::byte> file, const std::string& path) {
+  const uint64_t file_bytes = file.size();
+  if (file_bytes < 8)
+    return file_error(path, "file is " + std::to_string(file_bytes) +
+                                " bytes, shorter than the 8-byte header length of a safetensors file");
+  uint64_t header_bytes = 0;  // little-endian u64
+  for (int i = 7; i >= 0; --i) header_bytes = (header_bytes << 8) | std::to_integer<uint64_t>(file[i]);
+  if (header_bytes > kMaxHeaderBytes)
+    return file_error(path, "header length " + std::to_string(header_bytes) +
+                                " bytes is absurd (limit 100 MB); not a safetensors file?");
+  if (header_bytes > file_bytes - 8)
+    return file_error(path, "header length " + std::to_string(header_bytes) + " bytes runs past the end of the file (" +
+                                std::to_string(file_bytes) + " bytes)");
+  const char* header_text = reinterpret_cast<const char*>(file.data() + 8);
+  // Before parsing: ordered_json's parser copies nested values (json_limits.h), and copies
+  // and dump()s recurse once per level.
+  if (json_text_deeper_than(std::string_view(header_text, header_bytes), kMaxJsonDepth))
+    return file_error(path, "header nests deeper than " + std::to_string(kMaxJsonDepth) + " levels");
+  const ordered_json header = ordered_json::parse(header_text, header_text + header_bytes, nullptr,
+                                                  /*allow_exceptions=*/false);
+  if (header.is_discarded()) return file_error(path, "header is not valid JSON");
+  if (!header.is_object()) return file_error(path, "header is not a JSON object");
+
+  const uint64_t data_start = 8 + header_bytes;
+  const uint64_t data_bytes = file_bytes - data_start;
+  std::vector<TensorInfo> tensors;
+  tensors.reserve(header.size());
+  for (const auto& [name, entry] : header.items()) {
+    if (name == "__metadata__") continue;  // free-form string map; not ours to interpret
+    TensorInfo info;
+    if (Status s = parse_entry(path, name, entry, data_start, data_bytes, info); !s) return s;
+    tensors.push_back(std::move(info));
+  }
+
+  // No two tensors may share a byte: sort the non-empty ones by offset, compare neighbours.
+  std::vector<const TensorInfo*> by_offset;
+  for (const auto& t : tensors)
+    if (t.size_bytes > 0) by_offset.push_back(&t);
+  std::sort(by_offset.begin(), by_offset.end(),
+            [](const TensorInfo* a, const TensorInfo* b) { return a->offset < b->offset; });
+  for (size_t i = 1; i < by_offset.size(); ++i) {
+    const TensorInfo& prev = *by_offset[i - 1];
+    const TensorInfo& cur = *by_offset[i];
+    if (cur.offset < prev.offset + prev.size_bytes)
+      return tensor_error(path, cur.name, "data overlaps tensor \"" + prev.name + "\"");
+  }
+  return tensors;
+}
+
 // ---------------------------------------------------------------------------------------
 // SafetensorsFile
 
@@ -173,43 +225,10 @@ Expected<SafetensorsFile> SafetensorsFile::open(const std::string& path) {
   f.map_ = static_cast<std::byte*>(map);
   f.map_bytes_ = file_bytes;
 
-  uint64_t header_bytes = 0;  // little-endian u64
-  for (int i = 7; i >= 0; --i) header_bytes = (header_bytes << 8) | uint64_t(f.map_[i]);
-  if (header_bytes > kMaxHeaderBytes)
-    return file_error(path, "header length " + std::to_string(header_bytes) +
-                                " bytes is absurd (limit 100 MB); not a safetensors file?");
-  if (header_bytes > file_bytes - 8)
-    return file_error(path, "header length " + std::to_string(header_bytes) + " bytes runs past the end of the file (" +
-                                std::to_string(file_bytes) + " bytes)");
-  const char* header_text = reinterpret_cast<const char*>(f.map_ + 8);
-  const ordered_json header = ordered_json::parse(header_text, header_text + header_bytes, nullptr,
-                                                  /*allow_exceptions=*/false);
-  if (header.is_discarded()) return file_error(path, "header is not valid JSON");
-  if (!header.is_object()) return file_error(path, "header is not a JSON object");
-
-  const uint64_t data_start = 8 + header_bytes;
-  const uint64_t data_bytes = file_bytes - data_start;
-  f.tensors_.reserve(header.size());
-  for (const auto& [name, entry] : header.items()) {
-    if (name == "__metadata__") continue;  // free-form string map; not ours to interpret
-    TensorInfo info;
-    if (Status s = parse_entry(path, name, entry, data_start, data_bytes, info); !s) return s;
-    f.index_.emplace(name, f.tensors_.size());
-    f.tensors_.push_back(std::move(info));
-  }
-
-  // No two tensors may share a byte: sort the non-empty ones by offset, compare neighbours.
-  std::vector<const TensorInfo*> by_offset;
-  for (const auto& t : f.tensors_)
-    if (t.size_bytes > 0) by_offset.push_back(&t);
-  std::sort(by_offset.begin(), by_offset.end(),
-            [](const TensorInfo* a, const TensorInfo* b) { return a->offset < b->offset; });
-  for (size_t i = 1; i < by_offset.size(); ++i) {
-    const TensorInfo& prev = *by_offset[i - 1];
-    const TensorInfo& cur = *by_offset[i];
-    if (cur.offset < prev.offset + prev.size_bytes)
-      return tensor_error(path, cur.name, "data overlaps tensor \"" + prev.name + "\"");
-  }
+  auto tensors = parse_safetensors(std::span<const std::byte>(f.map_, f.map_bytes_), path);
+  if (!tensors) return tensors.status();
+  f.tensors_ = std::move(tensors).value();
+  for (size_t i = 0; i < f.tensors_.size(); ++i) f.index_.emplace(f.tensors_[i].name, i);
   return f;
 }
 
@@ -300,7 +319,11 @@ Status convert_to_f32(DType src_dtype, const std::byte* src, size_t num_elements
     }
     case DType::F16: {
 #if defined(__x86_64__)
-      static const bool have_f16c = __builtin_cpu_supports("avx") && __builtin_cpu_supports("f16c");
+      // F16C from CPUID leaf 1 (ECX bit 29): clang before 16 knows no "f16c" feature string.
+      static const bool have_f16c = [] {
+        unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+        return __builtin_cpu_supports("avx") && __get_cpuid(1, &eax, &ebx, &ecx, &edx) && (ecx & bit_F16C) != 0;
+      }();
       if (have_f16c) {
         f16_to_f32_f16c(src, num_elements, dst);
         return ok_status();

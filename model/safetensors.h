@@ -37,6 +37,11 @@ struct TensorInfo {
 // "[768, 2304]": for error messages.
 std::string shape_string(std::span<const int64_t> shape);
 
+// Validates a whole safetensors file held in memory (`file`: all of its bytes) and returns
+// its tensors in header order, as SafetensorsFile::open does after mapping; `path` only names
+// the file in errors. Never reads outside `file`: every offset is checked against its size.
+Expected<std::vector<TensorInfo>> parse_safetensors(std::span<const std::byte> file, const std::string& path);
+
 // A validated, read-only, memory-mapped safetensors file. Move-only; the mapping lives as
 // long as the object (spans from data() dangle after it is destroyed or moved from).
 class SafetensorsFile {

@@ -6,6 +6,8 @@
 #include <tuple>
 #include <utility>
 
+#include "common/json_limits.h"
+
 namespace conveyor::transport {
 
 using json = nlohmann::json;
@@ -393,6 +395,9 @@ Expected<AnyControlMsg> decode_control(const ControlMessage& m) {
   const std::string type = m.type();
   const auto kind = control_kind_from_name(type);
   if (!kind) return Status::error("unknown control message type '" + type + "'");
+  // Before anything copies the body (data_plane is kept): a deeper one overflows the stack.
+  if (json_deeper_than(m.body, kMaxJsonDepth))
+    return Status::error(type + ": the message nests deeper than " + std::to_string(kMaxJsonDepth) + " levels");
   try {
     FieldReader r(*kind, m.body);
     AnyControlMsg msg = decode_fields(r, m.blob);

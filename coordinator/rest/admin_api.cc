@@ -1,5 +1,7 @@
 #include "coordinator/rest/admin_api.h"
 
+#include "common/json_limits.h"
+
 namespace conveyor {
 
 using json = nlohmann::json;
@@ -10,6 +12,8 @@ Expected<PlanRequest> parse_plan_body(const json& body, ApiError* error) {
     return Status::error(msg);
   };
   if (!body.is_object()) return bad("the plan must be a JSON object with stages, replicas and/or layers", "");
+  if (json_deeper_than(body, kMaxJsonDepth))  // before range.dump() below recurses through it
+    return bad("the plan nests deeper than " + std::to_string(kMaxJsonDepth) + " levels", "");
   for (const auto& [key, _] : body.items())
     if (key != "stages" && key != "replicas" && key != "layers")
       return bad("unknown field '" + key + "' (a plan has stages, replicas and layers)", key);

@@ -369,7 +369,7 @@ void Session::route(std::string_view path) {
     json body;
     try {
       body = req_.body().empty() ? json::object() : json::parse(req_.body());
-    } catch (const json::parse_error& e) {
+    } catch (const json::exception& e) {  // parse_error, and out_of_range for a number like 1e999
       return send_error(api_error(400, std::string("the request body is not valid JSON: ") + e.what()));
     }
     ApiError error;

@@ -7,6 +7,8 @@
 #include <random>
 #include <set>
 
+#include "common/json_limits.h"
+
 namespace conveyor {
 
 using nlohmann::json;
@@ -345,6 +347,10 @@ Expected<CompletionRequest> parse_completion_request(const nlohmann::json& body,
                                                      ResponseOptions* options) {
   if (!body.is_object())
     return failed(api_error(400, "the request body must be a JSON object, got " + describe(body)), error);
+  // Before any value is dump()ed into a message: that recurses once per level.
+  if (json_deeper_than(body, kMaxJsonDepth))
+    return failed(api_error(400, "the request body nests deeper than " + std::to_string(kMaxJsonDepth) + " levels"),
+                  error);
   FieldReader r(body);
   auto done = [&]() { return failed(*r.error(), error); };
 
@@ -533,7 +539,7 @@ Expected<CompletionRequest> parse_completion_body(std::string_view body, const T
   json parsed;
   try {
     parsed = json::parse(body.begin(), body.end());
-  } catch (const json::parse_error& e) {
+  } catch (const json::exception& e) {  // parse_error, and out_of_range for a number like 1e999
     return failed(api_error(400, std::string("the request body is not valid JSON: ") + e.what()), error);
   }
   return parse_completion_request(parsed, tokenizer, config, limits, served_model, error, options);

@@ -196,5 +196,17 @@ TEST(NamedModelShape, Triples) {
   }
 }
 
+
+// Found by fuzz/fuzz_model_config (issue 28): a number too large for a double makes nlohmann
+// throw out_of_range (not parse_error), which escaped parse_model_config and so
+// load_model_config: a bad config.json threw out of the daemons' start instead of naming the file.
+TEST(ModelConfig, NumberOverflowIsAnErrorNotAThrow) {
+  Expected<ModelConfig> c = ModelConfig{};
+  ASSERT_NO_THROW(c = parse_model_config(R"({"n_layer": 1e999})", "test/config.json"));
+  ASSERT_FALSE(c.ok());
+  EXPECT_NE(c.error().find("test/config.json"), std::string::npos) << c.error();
+  EXPECT_NE(c.error().find("not valid JSON"), std::string::npos) << c.error();
+}
+
 }  // namespace
 }  // namespace conveyor

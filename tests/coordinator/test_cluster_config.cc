@@ -137,5 +137,18 @@ TEST(ClusterConfig, ExplicitSplitsAreChecked) {
   EXPECT_FALSE(check_layer_split(L{{0, 2}, {3, 6}}, 2, 6));
 }
 
+
+// Found by fuzz/fuzz_cluster_config (issue 28): a complex key ("? key") made check_keys'
+// as<std::string>() throw YAML::BadConversion out of parse_cluster_config, killing the
+// coordinator at start instead of naming the line.
+TEST(ClusterConfig, ComplexKeysAreRefusedNotThrown) {
+  const std::string crash = "model:\n  p path: brown-gpt2\ncontrol:\n  join_token: \"secret\"\npipeline:\n?  stag: 3\n";
+  auto cfg = parse_cluster_config(crash, "c.yaml");
+  ASSERT_FALSE(cfg);
+  EXPECT_NE(cfg.error().find("c.yaml:"), std::string::npos) << cfg.error();
+  EXPECT_NE(error_of("pipeline:\n  ? [stages]\n  : 2\n").find("is a list, not a name"), std::string::npos);
+  EXPECT_NE(error_of("? {model: 1}\n: 2\n").find("is a mapping, not a name"), std::string::npos);
+}
+
 }  // namespace
 }  // namespace conveyor

@@ -299,5 +299,36 @@ TEST_F(SafetensorsTest, CheckpointBadIndexAndEmptyDirectory) {
   EXPECT_NE(none.error().find("no_such_dir"), std::string::npos) << none.error();
 }
 
+
+// Found by fuzzing (issue 28): a header whose "shape" nested 100,000 arrays parsed, then
+// overflowed the stack when the error message dump()ed the shape. Refused before that now,
+// through open() and through parse_safetensors on the same bytes.
+TEST_F(SafetensorsTest, DeeplyNestedHeaderIsRefused) {
+  const int depth = 100000;
+  const std::string h = R"({"w": {"dtype": "F32", "shape": )" + std::string(depth, '[') + std::string(depth, ']') +
+                        R"(, "data_offsets": [0, 4]}})";
+  const std::string path = write_raw("deep.safetensors", h, 4);
+  expect_open_error(path, {"nests deeper than 64 levels"});
+  std::ifstream in(path, std::ios::binary);
+  const std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  auto parsed = parse_safetensors(std::as_bytes(std::span(bytes.data(), bytes.size())), "deep");
+  ASSERT_FALSE(parsed.ok());
+  EXPECT_NE(parsed.error().find("nests deeper"), std::string::npos) << parsed.error();
+}
+
+// parse_safetensors reads only the bytes it is given: a valid file cut anywhere is refused.
+TEST_F(SafetensorsTest, ParseFromMemoryRefusesEveryTruncation) {
+  const std::string path = (dir_ / "t.safetensors").string();
+  ASSERT_TRUE(write_safetensors(path, {make_tensor("w", {3}, std::vector<float>{1, 2, 3}, DType::F32)}).ok());
+  std::ifstream in(path, std::ios::binary);
+  const std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const auto all = std::as_bytes(std::span(bytes.data(), bytes.size()));
+  auto whole = parse_safetensors(all, "t");
+  ASSERT_TRUE(whole.ok()) << whole.error();
+  ASSERT_EQ(whole->size(), 1u);
+  EXPECT_EQ((*whole)[0].size_bytes, 12u);
+  for (size_t n = 0; n < bytes.size(); ++n) EXPECT_FALSE(parse_safetensors(all.first(n), "t").ok()) << n;
+}
+
 }  // namespace
 }  // namespace conveyor

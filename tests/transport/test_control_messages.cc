@@ -284,5 +284,25 @@ TEST(ControlMessages, MalformedFieldsNeverThrow) {
   }
 }
 
+
+// Found by fuzz/fuzz_control (issue 28): a register whose data_plane nested 100,000 arrays
+// parsed (nlohmann's parser is iterative) but overflowed the stack when decode copied it, so
+// one message from any peer that reached the control port could kill the coordinator. A
+// body deeper than kMaxJsonDepth is now refused before anything copies it.
+TEST(ControlMessages, DeeplyNestedBodyIsRefusedNotCopied) {
+  const int depth = 100000;
+  const std::string text = R"({"type":"register","name":"w","host":"h","pid":1,"token":"t","backend":"cpu",)"
+                           R"("tensor_parallel":1,"gpus":[],"memory_bytes":1,"kv_cache_bytes":1,)"
+                           R"("int8_weights":false,"data_plane":{"a":)" +
+                           std::string(depth, '[') + std::string(depth, ']') + "}}";
+  ControlMessage m;
+  m.body = json::parse(text);
+  EXPECT_EQ(decode_error(m), "register: the message nests deeper than 64 levels");
+  // As deep as a real message gets, and a little more, is fine.
+  RegisterMsg reg;
+  reg.data_plane = {{"a", {{"b", json::array({json::array({1})})}}}};
+  EXPECT_TRUE(decode_control(encode(reg)).ok());
+}
+
 }  // namespace
 }  // namespace conveyor::transport

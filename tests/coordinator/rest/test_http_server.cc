@@ -194,6 +194,10 @@ TEST_F(HttpServerTest, HealthModelsMetricsAndCluster) {
   EXPECT_EQ(plan.status, 200);
   EXPECT_EQ(plan.body_json()["accepted_stages"], 2);
   EXPECT_EQ(call(port(), http::verb::post, "/v1/cluster/plan", "{oops").status, 400);
+  // Found by fuzzing (issue 28): a number too large for a double throws out_of_range, not
+  // parse_error; it was answered 500 (internal error) instead of 400.
+  EXPECT_EQ(call(port(), http::verb::post, "/v1/cluster/plan", R"({"stages": 1e999})").status, 400);
+  EXPECT_EQ(call(port(), http::verb::post, "/v1/completions", R"({"prompt": "a", "temperature": 1e999})").status, 400);
   // The REST layer checks the body's form and names the field; the core is not called.
   Reply unknown = call(port(), http::verb::post, "/v1/cluster/plan", R"({"stages": 2, "pipelines": 1})");
   EXPECT_EQ(unknown.status, 400);

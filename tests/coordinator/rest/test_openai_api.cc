@@ -731,5 +731,41 @@ TEST(CompletionResponse, SseEchoAndUsageWhenTheCoreEndsEarly) {
   }
 }
 
+
+// Found by fuzzing (issue 28): nlohmann parses any depth iteratively, but dump() and copies
+// recurse, so a 4 MB body of nested arrays could overflow the stack once a value was printed
+// into an error. Bodies deeper than kMaxJsonDepth are refused first, with a 400.
+TEST(OpenAiApi, DeeplyNestedBodyIsRefused) {
+  const int depth = 100000;
+  const std::string deep = std::string(depth, '[') + std::string(depth, ']');
+  for (const std::string& body : {R"({"prompt": "a", "logit_bias": {"1": )" + deep + "}}",
+                                  R"({"prompt": [1, )" + deep + "]}", R"({"prompt": "a", "stop": )" + deep + "}"}) {
+    ApiError error;
+    auto r = parse_completion_body(body, tok(), cfg(), ApiLimits{}, kModel, &error);
+    ASSERT_FALSE(r.ok());
+    EXPECT_EQ(error.http_status, 400);
+    EXPECT_NE(error.message.find("nests deeper than 64 levels"), std::string::npos) << error.message;
+  }
+  // Ordinary nesting (a batch of token prompts in the body) is three levels.
+  EXPECT_TRUE(parse(json{{"prompt", json::array({json::array({1, 2}), json::array({3})})}}).request.ok());
+}
+
+
+// Found by fuzz/fuzz_completion (issue 28): a number too large for a double ("1e999") makes
+// nlohmann throw out_of_range, not parse_error, which parse_completion_body did not catch;
+// the server answered 500 instead of 400. The crashing input, as the fuzzer saved it:
+TEST(OpenAiApi, NumberOverflowIsA400) {
+  const std::string crash("\t\t\t\t\t\t\t\t\t\t\t\t\t\t\t\t\t\t912594050682423.8e8880005330877021\x03\x00"
+                          "88888888{PPPPPX", 69);
+  for (const std::string& body : {crash, std::string(R"({"prompt": "a", "temperature": 1e999})")}) {
+    ApiError error;
+    Expected<CompletionRequest> r = CompletionRequest{};
+    ASSERT_NO_THROW(r = parse_completion_body(body, tok(), cfg(), ApiLimits{}, kModel, &error));
+    ASSERT_FALSE(r.ok());
+    EXPECT_EQ(error.http_status, 400);
+    EXPECT_NE(error.message.find("not valid JSON"), std::string::npos) << error.message;
+  }
+}
+
 }  // namespace
 }  // namespace conveyor
