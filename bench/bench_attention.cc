@@ -1,7 +1,7 @@
 // Attention over the paged K/V cache, order by order: the tile order (tensor cores, taken
-// for head sizes it covers, both modes' decode and deterministic mode's prefill), the
-// CUDA-core order it replaced, and the flash kernel (fast mode's prefill, not in decode's
-// order). fp16, the head shape of --shape; each launch reads its own layer's K/V (enough
+// for head sizes it covers, both modes' decode and prefill), the CUDA-core order it
+// replaced, the flash kernel (fast mode's prefill before, not in decode's order), and the
+// tile order over an FP8 (E4M3) K/V cache. fp16, the head shape of --shape; each launch reads its own layer's K/V (enough
 // layers that the set is far above L2), captured in a CUDA graph and replayed (median).
 //
 //   conveyor-bench-attention [--shape gpt3-6.7b|gpt2-xl|L,C,H] [--only decode|prefill]
@@ -41,12 +41,12 @@ struct Setup {
   DeviceBuffer tables, lens;
   int32_t max_pages = 0;
   int layers = 0;
-  Setup(int64_t seqs, int64_t len, int64_t H, int64_t D, int64_t budget_bytes, cudaStream_t stream) {
-    const int64_t per_layer = seqs * len * H * D * 2 * int64_t(sizeof(T));
+  Setup(int64_t seqs, int64_t len, int64_t H, int64_t D, int64_t budget_bytes, cudaStream_t stream, bool fp8 = false) {
+    const int64_t per_layer = seqs * len * H * D * 2 * (fp8 ? 1 : int64_t(sizeof(T)));
     layers = int(std::clamp<int64_t>((int64_t(512) << 20) / std::max<int64_t>(per_layer, 1), 1, 32));
     while (layers > 1 && per_layer * layers > budget_bytes) --layers;
     max_pages = int32_t((len + kPageTokens - 1) / kPageTokens);
-    auto made = KvCache::create("bench", layers, H, D, DType::F16, seqs * max_pages);
+    auto made = KvCache::create("bench", layers, H, D, DType::F16, seqs * max_pages, fp8);
     if (!made) throw Error(made.error());
     kv = std::move(*made);
     std::vector<int32_t> t(static_cast<size_t>(seqs * max_pages)), l(static_cast<size_t>(seqs), static_cast<int32_t>(len));
@@ -55,8 +55,11 @@ struct Setup {
       const auto& p = kv->pages(uint64_t(s));
       std::copy(p.begin(), p.end(), t.begin() + s * max_pages);
     }
-    fill_normal<T>(static_cast<T*>(kv->layer(0, nullptr, 0).k), kv->bytes() / int64_t(sizeof(T)), 0.f, 1.f, 11, 1,
-                   stream);
+    if (fp8)  // every byte 0x38: E4M3 1.0, and scales of 4.4e-5
+      CUDA_CHECK(cudaMemsetAsync(kv->layer(0, nullptr, 0).k, 0x38, size_t(kv->bytes()), stream));
+    else
+      fill_normal<T>(static_cast<T*>(kv->layer(0, nullptr, 0).k), kv->bytes() / int64_t(sizeof(T)), 0.f, 1.f, 11, 1,
+                     stream);
     tables = device_alloc(t.size() * 4, "bench", "block tables");
     lens = device_alloc(l.size() * 4, "bench", "lengths");
     CUDA_CHECK(cudaMemcpy(tables.get(), t.data(), t.size() * 4, cudaMemcpyHostToDevice));
@@ -75,8 +78,8 @@ void decode_table(const ModelConfig& c, double bw, int sms, cudaStream_t stream)
   const int64_t H = c.n_head, D = c.head_dim(), C = H * D;
   GraphTimer timer{stream};
   std::printf("\n## decode: %ld heads x %ld, fp16 K/V\n", H, D);
-  std::printf("%6s %8s %10s %10s %9s %8s %8s %8s\n", "batch", "context", "tiles us", "cores us", "floor us", "tiles%",
-              "cores%", "cores/t");
+  std::printf("%6s %8s %10s %10s %9s %8s %8s %8s %9s %9s %7s\n", "batch", "context", "tiles us", "cores us", "floor us",
+              "tiles%", "cores%", "cores/t", "fp8 us", "fp8 flr%", "t/fp8");
   for (int64_t batch : {1, 16, 64, 256, 512})
     for (int64_t ctx : {128, 256, 1024, 4096}) {
       const int64_t kv_bytes = batch * ctx * C * 2 * int64_t(sizeof(T));
@@ -96,9 +99,16 @@ void decode_table(const ModelConfig& c, double bw, int sms, cudaStream_t stream)
         attention_decode_cores<T>(out.as<T>(), qkv.as<T>(), st.layer(l), st.lens.as<int32_t>(), batch, H, D, splits, ws,
                                   stream);
       });
+      // FP8 K/V: bytes and a 4-byte scale per (position, head) of K and of V.
+      Setup f8(batch, ctx, H, D, int64_t(40) << 30, stream, /*fp8=*/true);
+      const double fp8 = timer.time(f8.layers, [&](int l) {
+        attention_decode_tiles<T>(out.as<T>(), qkv.as<T>(), f8.layer(l), f8.lens.as<int32_t>(), batch, H, D, ws, stream);
+      });
       const double floor_us = double(kv_bytes) / bw * 1e6;
-      std::printf("%6ld %8ld %10.2f %10.2f %9.2f %7.0f%% %7.0f%% %8.2f\n", batch, ctx, tiles, cores, floor_us,
-                  100 * floor_us / tiles, 100 * floor_us / cores, cores / tiles);
+      const double fp8_floor_us = double(batch * ctx * H * 2 * (D + 4)) / bw * 1e6;
+      std::printf("%6ld %8ld %10.2f %10.2f %9.2f %7.0f%% %7.0f%% %8.2f %9.2f %8.0f%% %7.2f\n", batch, ctx, tiles, cores,
+                  floor_us, 100 * floor_us / tiles, 100 * floor_us / cores, cores / tiles, fp8,
+                  100 * fp8_floor_us / fp8, tiles / fp8);
     }
 }
 
@@ -106,8 +116,8 @@ void prefill_table(const ModelConfig& c, cudaStream_t stream) {
   const int64_t H = c.n_head, D = c.head_dim(), C = H * D;
   GraphTimer timer{stream};
   std::printf("\n## prefill: %ld heads x %ld, fp16, causal, whole prompts\n", H, D);
-  std::printf("%5s %7s %11s %11s %11s %8s %8s %8s %9s %9s\n", "seqs", "prompt", "tiles ms", "cores ms", "flash ms",
-              "tiles TF", "cores TF", "flash TF", "cores/t", "flash/t");
+  std::printf("%5s %7s %11s %11s %11s %8s %8s %8s %9s %9s %9s %7s\n", "seqs", "prompt", "tiles ms", "cores ms",
+              "flash ms", "tiles TF", "cores TF", "flash TF", "cores/t", "flash/t", "fp8 ms", "fp8/t");
   const std::vector<std::pair<int64_t, int64_t>> shapes = {{256, 128}, {64, 128}, {8, 512}, {4, 1024}, {1, 4096}, {1, 128}};
   for (const auto& [seqs, len] : shapes) {
     Setup st(seqs, len, H, D, int64_t(16) << 30, stream);
@@ -128,10 +138,15 @@ void prefill_table(const ModelConfig& c, cudaStream_t stream) {
     const double flash = time([&](const KvLayerView& v) {
       attention_context_paged<T>(out.as<T>(), qkv.as<T>(), v, seq, len, H, D, stream);
     });
+    Setup f8(seqs, len, H, D, int64_t(16) << 30, stream, /*fp8=*/true);
+    const SeqArrays seq8{dqb.as<int32_t>(), dql.as<int32_t>(), f8.lens.as<int32_t>(), seqs};
+    const double fp8 = timer.time(f8.layers, [&](int l) {
+      attention_context_tiles<T>(out.as<T>(), qkv.as<T>(), f8.layer(l), seq8, len, H, D, stream);
+    }) * 1e-3;
     const double flops = 4.0 * double(D) * double(H) * double(seqs) * double(len) * double(len + 1) / 2;
     auto tf = [&](double ms) { return flops / (ms * 1e-3) * 1e-12; };
-    std::printf("%5ld %7ld %11.3f %11.3f %11.3f %8.1f %8.1f %8.1f %9.2f %9.2f\n", seqs, len, tiles, cores, flash,
-                tf(tiles), tf(cores), tf(flash), cores / tiles, flash / tiles);
+    std::printf("%5ld %7ld %11.3f %11.3f %11.3f %8.1f %8.1f %8.1f %9.2f %9.2f %9.3f %7.2f\n", seqs, len, tiles, cores,
+                flash, tf(tiles), tf(cores), tf(flash), cores / tiles, flash / tiles, fp8, fp8 / tiles);
   }
 }
 

@@ -235,7 +235,7 @@ void attention_context_paged(T* out, const T* qkv, const KvLayerView& view, cons
                              int64_t max_q_len, int64_t n_head, int64_t head_dim, cudaStream_t stream) {
   // The tile order is 3-5x faster than this kernel on the H100 (conveyor-bench-attention), and
   // in decode's order: fast mode takes it too where it exists.
-  if (tile_order_head_dim(head_dim))
+  if (tile_order_head_dim(head_dim) || view.fp8())  // (FP8 K/V: the tile order or a clear error)
     return attention_context_fixed_paged<T>(out, qkv, view, seqs, max_q_len, n_head, head_dim, stream);
   const int64_t C = n_head * head_dim;
   const bool vec = head_dim % kVec == 0 && aligned16(qkv) && aligned16(view.k) && aligned16(view.v);

@@ -488,6 +488,9 @@ void attention_decode_paged(T* out, const T* qkv, const KvLayerView& view, const
                             int64_t num_rows, int64_t n_head, int64_t head_dim, int num_splits,
                             const DecodeWorkspace& ws, cudaStream_t stream) {
   if (num_rows <= 0) return;
+  if (view.fp8() && !tile_order_head_dim(head_dim))
+    throw Error("attention_decode_paged: an FP8 K/V cache needs head_dim a multiple of 16 up to 128, not " +
+                std::to_string(head_dim));
   if (!tile_order_head_dim(head_dim))
     return attention_decode_cores<T>(out, qkv, view, kv_lens, num_rows, n_head, head_dim, num_splits, ws, stream);
   if (!aligned16(qkv) || !aligned16(out) || !aligned16(view.k) || !aligned16(view.v))
@@ -500,6 +503,7 @@ void attention_decode_cores(T* out, const T* qkv, const KvLayerView& view, const
                             int64_t n_head, int64_t head_dim, int num_splits, const DecodeWorkspace& ws,
                             cudaStream_t stream) {
   if (num_rows <= 0) return;
+  if (view.fp8()) throw Error("attention_decode_cores: the CUDA-core order does not read FP8 K/V");
   if (num_rows > 65535) throw Error("attention_decode_paged: more than 65535 rows in one launch");
   if (num_splits < 1 || num_splits > kMaxSplits) throw Error("attention_decode_paged: bad num_splits");
   if (ws.max_kv_len > kPiece &&
@@ -526,6 +530,9 @@ void attention_decode_cores(T* out, const T* qkv, const KvLayerView& view, const
 template <class T>
 void attention_context_fixed_paged(T* out, const T* qkv, const KvLayerView& view, const SeqArrays& seqs,
                                    int64_t max_q_len, int64_t n_head, int64_t head_dim, cudaStream_t stream) {
+  if (view.fp8() && !tile_order_head_dim(head_dim))
+    throw Error("attention_context_fixed_paged: an FP8 K/V cache needs head_dim a multiple of 16 up to 128, not " +
+                std::to_string(head_dim));
   if (!tile_order_head_dim(head_dim))
     return attention_context_cores<T>(out, qkv, view, seqs, max_q_len, n_head, head_dim, stream);
   if (!aligned16(qkv) || !aligned16(out) || !aligned16(view.k) || !aligned16(view.v))
@@ -536,6 +543,7 @@ void attention_context_fixed_paged(T* out, const T* qkv, const KvLayerView& view
 template <class T>
 void attention_context_cores(T* out, const T* qkv, const KvLayerView& view, const SeqArrays& seqs, int64_t max_q_len,
                              int64_t n_head, int64_t head_dim, cudaStream_t stream) {
+  if (view.fp8()) throw Error("attention_context_cores: the CUDA-core order does not read FP8 K/V");
   const int64_t C = n_head * head_dim;
   const bool vec = head_dim % kVec == 0 && aligned16(qkv) && aligned16(out) && aligned16(view.k) &&
                    aligned16(view.v);

@@ -13,6 +13,7 @@
 
 #include "kernels/cuda/check.h"
 #include "kernels/cuda/dtype.cuh"
+#include "kernels/cuda/fp8.cuh"
 
 namespace conveyor::cuda {
 namespace detail {
@@ -20,13 +21,6 @@ namespace {
 
 constexpr int kFp8QuantThreads = 256;
 
-__device__ __forceinline__ uint8_t e4m3(float v) {
-  return static_cast<uint8_t>(__nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E4M3));
-}
-
-// q = e4m3(x / s); s == 0 (an all-zero row, or one too small to scale) gives 0. The same
-// operations as quantize_rows_fp8_reference (fp8.cc), in the same order.
-__device__ __forceinline__ uint8_t quantize_one(float x, float s) { return s > 0.f ? e4m3(__fdiv_rn(x, s)) : 0; }
 
 // One block per row. kVec8: K % 8 == 0 and 16-byte aligned rows (T = half or bf16): 8
 // elements per 16-byte load, 8 bytes per store.
@@ -49,7 +43,7 @@ __global__ void __launch_bounds__(kFp8QuantThreads)
     for (int64_t k = threadIdx.x; k < K; k += kFp8QuantThreads) amax = fmaxf(amax, fabsf(to_float(row[k])));
   }
   amax = block_max(amax, scratch);  // max is exact in any order
-  const float s = __fdiv_rn(amax, kFp8E4M3Max);
+  const float s = fp8_scale(amax);
   if (threadIdx.x == 0) scales[r] = s;
   if constexpr (kVec8) {
     for (int64_t k = int64_t(threadIdx.x) * 8; k < K; k += int64_t(kFp8QuantThreads) * 8) {

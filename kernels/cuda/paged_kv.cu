@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "kernels/cuda/dtype.cuh"
+#include "kernels/cuda/fp8.cuh"
 #include "kernels/cuda/launch.cuh"
 
 namespace conveyor::cuda {
@@ -38,6 +39,34 @@ __global__ void kv_append_kernel(T* __restrict__ kc, T* __restrict__ vc, int64_t
   }
 }
 
+// FP8 K/V: one block per token, one warp per (head, K or V): the head's head_dim values,
+// their scale and their bytes (fp8.cuh).
+template <class T>
+__global__ void kv_append_fp8_kernel(uint8_t* __restrict__ kc, uint8_t* __restrict__ vc, float* __restrict__ ks,
+                                     float* __restrict__ vs, int64_t page_stride, int64_t scale_page_stride,
+                                     const int32_t* __restrict__ tables, int max_pages, const T* __restrict__ qkv,
+                                     int64_t qkv_stride, const int32_t* __restrict__ token_rows,
+                                     const int32_t* __restrict__ token_pos, int n_head, int D) {
+  grid_dependents_launch();
+  grid_dependency_wait();
+  const int64_t r = blockIdx.x;
+  const int row = token_rows[r], t = token_pos[r];
+  if (row < 0 || t < 0) return;  // padding token
+  const int C = n_head * D;
+  const int64_t page = tables[int64_t(row) * max_pages + t / kPageTokens];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
+  for (int unit = warp; unit < 2 * n_head; unit += warps) {
+    const int which = unit / n_head, h = unit % n_head;
+    const T* src = qkv + r * qkv_stride + C + int64_t(which) * C + int64_t(h) * D;
+    float amax = 0.f;
+    for (int d = lane; d < D; d += 32) amax = fmaxf(amax, fabsf(to_float(src[d])));
+    const float s = kv_fp8_scale(warp_max(amax));  // max is exact in any order
+    uint8_t* dst = (which == 0 ? kc : vc) + page * page_stride + (int64_t(h) * kPageTokens + t % kPageTokens) * D;
+    for (int d = lane; d < D; d += 32) dst[d] = quantize_one(to_float(src[d]), s);
+    if (lane == 0) (which == 0 ? ks : vs)[page * scale_page_stride + h * kPageTokens + t % kPageTokens] = s;
+  }
+}
+
 // Grid (blocks, n_layer): each block copies a strided share of one layer's page, 16 bytes a thread.
 __global__ void kv_copy_page_kernel(char* __restrict__ pool, int64_t layer_bytes, int64_t page_bytes, int32_t src,
                                     int32_t dst) {
@@ -68,6 +97,14 @@ void kv_cache_append(const KvLayerView& kv, const T* qkv, int64_t qkv_stride, co
                      const int32_t* token_pos, int64_t num_tokens, int64_t n_head, int64_t head_dim,
                      cudaStream_t stream) {
   if (num_tokens <= 0) return;
+  if (kv.fp8()) {
+    const int threads = int(std::min<int64_t>(256, 2 * n_head * 32));
+    LAUNCH_PDL("kv_append_fp8_kernel", kv_append_fp8_kernel<T>, dim3(unsigned(num_tokens)), dim3(threads), 0, stream,
+               static_cast<uint8_t*>(kv.k), static_cast<uint8_t*>(kv.v), kv.k_scale, kv.v_scale, kv.page_stride,
+               kv.scale_page_stride, kv.block_tables, kv.max_pages, qkv, qkv_stride, token_rows, token_pos,
+               int(n_head), int(head_dim));
+    return;
+  }
   const bool vec = head_dim % kVec == 0 && qkv_stride % kVec == 0 && aligned16(qkv) && aligned16(kv.k) &&
                    aligned16(kv.v);
   const int64_t work = vec ? 2 * n_head * head_dim / kVec : 2 * n_head * head_dim;

@@ -20,12 +20,24 @@ constexpr int kPageTokens = 16;
 // One layer of the paged cache as kernels see it. Position t of block-table row s, head h,
 // element d lives at  k (or v) + page * page_stride + (h * kPageTokens + t % kPageTokens) * head_dim + d,
 // with page = block_tables[s * max_pages + t / kPageTokens].
+//
+// FP8 K/V (E4M3, k_scale set): k and v hold bytes in the layout above, and each (position,
+// head) of K and of V has an fp32 scale, at k_scale (v_scale) + page * scale_page_stride +
+// h * kPageTokens + t % kPageTokens. Quantisation is per (token, head): s is the power of two
+// at or above amax / 448 over the head's head_dim values, bytes e4m3(x / s)
+// (kernels/cuda/fp8.cuh: kv_fp8_scale), so a token's bytes depend on that token alone. The
+// attention kernels read the dequantised values q * s (exact in the stage's dtype); only
+// the tile order reads FP8 K/V.
 struct KvLayerView {
   void* k = nullptr;
   void* v = nullptr;
   int64_t page_stride = 0;                // elements from one page to the next
   const int32_t* block_tables = nullptr;  // device, [rows, max_pages]
   int32_t max_pages = 0;
+  float* k_scale = nullptr;               // FP8 K/V only (null: K/V in the stage's dtype)
+  float* v_scale = nullptr;
+  int64_t scale_page_stride = 0;          // floats from one page's scales to the next (>= n_head * kPageTokens)
+  bool fp8() const { return k_scale != nullptr; }
 };
 
 // Writes the K and V of new tokens into the cache: token r (row r of qkv, [q | k | v] of

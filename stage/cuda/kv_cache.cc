@@ -6,33 +6,41 @@
 
 namespace conveyor::cuda {
 
-int64_t KvCache::page_bytes(int64_t n_layer, int64_t n_head, int64_t head_dim, DType dtype) {
-  return n_layer * 2 * n_head * kPageTokens * head_dim * int64_t(dtype_bytes(dtype));
+// One page of one layer: K and V (2 * n_head * kPageTokens * head_dim elements), then for FP8
+// their scales (2 * n_head * kPageTokens floats), so a page copy carries its scales.
+static int64_t layer_page_bytes(int64_t n_head, int64_t head_dim, DType dtype, bool fp8) {
+  const int64_t elems = 2 * n_head * kPageTokens * head_dim;
+  return fp8 ? elems + 2 * n_head * kPageTokens * int64_t(sizeof(float)) : elems * int64_t(dtype_bytes(dtype));
+}
+
+int64_t KvCache::page_bytes(int64_t n_layer, int64_t n_head, int64_t head_dim, DType dtype, bool fp8) {
+  return n_layer * layer_page_bytes(n_head, head_dim, dtype, fp8);
 }
 
 // Faults come back unprefixed: device_alloc's message names the owner already.
 Expected<std::unique_ptr<KvCache>> KvCache::create(const std::string& owner, int64_t n_layer, int64_t n_head,
-                                                   int64_t head_dim, DType dtype, int64_t num_pages) {
+                                                   int64_t head_dim, DType dtype, int64_t num_pages, bool fp8) {
   if (n_layer <= 0 || n_head <= 0 || head_dim <= 0 || num_pages <= 0)
     return Status::error(owner + ": KV cache needs positive sizes (layers " + std::to_string(n_layer) + ", pages " +
                          std::to_string(num_pages) + ")");
   if (num_pages > (int64_t(1) << 31) - 1) return Status::error(owner + ": KV cache page count overflows int32");
   return guard("", [&]() -> Expected<std::unique_ptr<KvCache>> {
-    return std::make_unique<KvCache>(owner, n_layer, n_head, head_dim, dtype, num_pages);
+    return std::make_unique<KvCache>(owner, n_layer, n_head, head_dim, dtype, num_pages, fp8);
   });
 }
 
 KvCache::KvCache(const std::string& owner, int64_t n_layer, int64_t n_head, int64_t head_dim, DType dtype,
-                 int64_t num_pages)
+                 int64_t num_pages, bool fp8)
     : n_layer_(n_layer),
       n_head_(n_head),
       head_dim_(head_dim),
-      elem_bytes_(int64_t(dtype_bytes(dtype))),
+      elem_bytes_(fp8 ? 1 : int64_t(dtype_bytes(dtype))),
       num_pages_(num_pages),
-      page_stride_bytes_(2 * n_head * kPageTokens * head_dim * int64_t(dtype_bytes(dtype))) {
-  pool_ = device_alloc(size_t(num_pages * page_bytes(n_layer, n_head, head_dim, dtype)), owner,
-                       "KV cache (" + std::to_string(num_pages) + " pages of " + std::to_string(kPageTokens) +
-                           " positions)");
+      fp8_(fp8),
+      page_stride_bytes_(layer_page_bytes(n_head, head_dim, dtype, fp8)) {
+  pool_ = device_alloc(size_t(num_pages * page_bytes(n_layer, n_head, head_dim, dtype, fp8)), owner,
+                       std::string(fp8 ? "FP8 " : "") + "KV cache (" + std::to_string(num_pages) + " pages of " +
+                           std::to_string(kPageTokens) + " positions)");
   clear();
 }
 
@@ -138,14 +146,18 @@ int64_t KvCache::capacity_tokens(uint64_t seq_id) const {
 }
 
 KvLayerView KvCache::layer(int64_t layer, const int32_t* block_tables, int32_t max_pages) const {
-  const int64_t page_stride = 2 * n_head_ * kPageTokens * head_dim_;  // elements
-  char* base = pool_.as<char>() + layer * num_pages_ * page_stride * elem_bytes_;
+  char* base = pool_.as<char>() + layer * num_pages_ * page_stride_bytes_;
   KvLayerView v;
   v.k = base;
   v.v = base + n_head_ * kPageTokens * head_dim_ * elem_bytes_;
-  v.page_stride = page_stride;
+  v.page_stride = page_stride_bytes_ / elem_bytes_;  // elements
   v.block_tables = block_tables;
   v.max_pages = max_pages;
+  if (fp8_) {
+    v.k_scale = reinterpret_cast<float*>(base + 2 * n_head_ * kPageTokens * head_dim_);
+    v.v_scale = v.k_scale + n_head_ * kPageTokens;
+    v.scale_page_stride = page_stride_bytes_ / int64_t(sizeof(float));
+  }
   return v;
 }
 

@@ -29,18 +29,21 @@ namespace conveyor::cuda {
 
 class KvCache {
  public:
-  // Bytes one page takes across all layers (K and V).
-  static int64_t page_bytes(int64_t n_layer, int64_t n_head, int64_t head_dim, DType dtype);
+  // Bytes one page takes across all layers (K and V; with fp8, E4M3 bytes and a scale per
+  // position and head, paged_kv.h).
+  static int64_t page_bytes(int64_t n_layer, int64_t n_head, int64_t head_dim, DType dtype, bool fp8 = false);
 
   // Allocates num_pages pages. Fails on sizes that are not positive, a page count beyond
   // int32, or out of memory (the message names `owner`, the bytes asked and the bytes free).
+  // fp8: the K/V in E4M3 with their scales (paged_kv.h) instead of `dtype`, the stage's dtype.
   static Expected<std::unique_ptr<KvCache>> create(const std::string& owner, int64_t n_layer, int64_t n_head,
-                                                   int64_t head_dim, DType dtype, int64_t num_pages);
+                                                   int64_t head_dim, DType dtype, int64_t num_pages,
+                                                   bool fp8 = false);
   // What create() does for sizes it has checked: every size positive, num_pages < 2^31. Out of
   // memory throws (device_alloc). Kept public for the kernel tests, which build a cache of
   // known-good sizes directly; stage code uses create().
   KvCache(const std::string& owner, int64_t n_layer, int64_t n_head, int64_t head_dim, DType dtype,
-          int64_t num_pages);
+          int64_t num_pages, bool fp8 = false);
 
   // Makes sure seq_id owns pages for positions [0, num_tokens). Fails, changing nothing,
   // when the pool has too few free pages.
@@ -71,6 +74,7 @@ class KvCache {
 
  private:
   int64_t n_layer_, n_head_, head_dim_, elem_bytes_, num_pages_;
+  bool fp8_ = false;
   DeviceBuffer pool_;
   // Copies page src to dst in every layer (K and V).
   void copy_page(int32_t src, int32_t dst, cudaStream_t stream);

@@ -64,6 +64,46 @@ std::vector<uint16_t> page_bytes_of(const cuda::KvCache& cache, int64_t layer, i
 // Forks share full pages by reference count and copy a partial last page (in every layer);
 // a page is free again when its last holder releases it; a write into a shared page copies
 // it first; bad forks change nothing.
+// FP8 K/V: a page of a layer is its E4M3 bytes then their scales, so the views point inside
+// the page and a fork's page copy carries the scales along.
+TEST(CudaKvCache, Fp8PagesHoldBytesThenScales) {
+  REQUIRE_GPU();
+  const int64_t layers = 2, heads = 3, D = 64, pages_total = 4;
+  const int64_t bytes_per_layer_page = 2 * heads * cuda::kPageTokens * D + 2 * heads * cuda::kPageTokens * 4;
+  EXPECT_EQ(cuda::KvCache::page_bytes(layers, heads, D, DType::F16, /*fp8=*/true), layers * bytes_per_layer_page);
+  EXPECT_EQ(cuda::KvCache::page_bytes(layers, heads, D, DType::F16), layers * 2 * heads * cuda::kPageTokens * D * 2);
+  auto made = cuda::KvCache::create("test", layers, heads, D, DType::F16, pages_total, /*fp8=*/true);
+  ASSERT_TRUE(made.ok()) << made.error();
+  cuda::KvCache& cache = **made;
+  EXPECT_EQ(cache.bytes(), pages_total * layers * bytes_per_layer_page);
+  const cuda::KvLayerView v0 = cache.layer(0, nullptr, 0), v1 = cache.layer(1, nullptr, 0);
+  ASSERT_TRUE(v0.fp8());
+  auto* base = static_cast<char*>(v0.k);
+  EXPECT_EQ(static_cast<char*>(v0.v) - base, heads * cuda::kPageTokens * D);
+  EXPECT_EQ(reinterpret_cast<char*>(v0.k_scale) - base, 2 * heads * cuda::kPageTokens * D);
+  EXPECT_EQ(v0.v_scale - v0.k_scale, heads * cuda::kPageTokens);
+  EXPECT_EQ(v0.page_stride, bytes_per_layer_page);
+  EXPECT_EQ(v0.scale_page_stride * 4, bytes_per_layer_page);
+  EXPECT_EQ(static_cast<char*>(v1.k) - base, pages_total * bytes_per_layer_page);
+
+  // Known contents, then a fork of a partial page: the copy holds the bytes and the scales.
+  std::vector<uint8_t> fill(static_cast<size_t>(cache.bytes()));
+  for (size_t i = 0; i < fill.size(); ++i) fill[i] = uint8_t(i * 13 + 5);
+  CUDA_CHECK(cudaMemcpy(base, fill.data(), fill.size(), cudaMemcpyHostToDevice));
+  ASSERT_TRUE(cache.reserve(1, 5).ok());
+  ASSERT_TRUE(cache.fork(1, 2, 5, 5, nullptr).ok());
+  CUDA_CHECK(cudaDeviceSynchronize());
+  const int32_t from = cache.pages(1)[0], to = cache.pages(2)[0];
+  ASSERT_NE(from, to);
+  for (int64_t l = 0; l < layers; ++l) {
+    std::vector<uint8_t> a(static_cast<size_t>(bytes_per_layer_page)), b(a.size());
+    const char* layer = base + l * pages_total * bytes_per_layer_page;
+    CUDA_CHECK(cudaMemcpy(a.data(), layer + from * bytes_per_layer_page, a.size(), cudaMemcpyDeviceToHost));
+    CUDA_CHECK(cudaMemcpy(b.data(), layer + to * bytes_per_layer_page, b.size(), cudaMemcpyDeviceToHost));
+    EXPECT_EQ(a, b) << "layer " << l;
+  }
+}
+
 TEST(CudaKvCache, ForkSharesFullPagesAndCopiesThePartialOne) {
   REQUIRE_GPU();
   const int64_t layers = 2, heads = 2, D = 64, pages_total = 8;

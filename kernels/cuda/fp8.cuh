@@ -1,0 +1,72 @@
+// Internal: the device side of FP8 E4M3 quantisation, one definition for every kernel that
+// quantises (fp8.cu: activations and weights by row; paged_kv.cu and attention_tiles.cu: the
+// K/V cache by (token, head)). A vector x of fp32 values gets the scale s = amax / 448
+// (__fdiv_rn) and the bytes q = e4m3(x / s), saturating; s == 0 (all zeros) gives zeros. The
+// value a byte stands for is dequant(q, s) = float(q) * s, rounded once.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+
+#include <cstdint>
+#include <type_traits>
+
+#include "kernels/cuda/fp8.h"
+
+namespace conveyor::cuda::detail {
+
+__device__ __forceinline__ uint8_t e4m3(float v) {
+  return static_cast<uint8_t>(__nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E4M3));
+}
+
+__device__ __forceinline__ float fp8_scale(float amax) { return __fdiv_rn(amax, kFp8E4M3Max); }
+
+// q = e4m3(x / s); s == 0 (an all-zero row, or one too small to scale) gives 0. The same
+// operations as quantize_rows_fp8_reference (fp8.cc), in the same order.
+__device__ __forceinline__ uint8_t quantize_one(float x, float s) { return s > 0.f ? e4m3(__fdiv_rn(x, s)) : 0; }
+
+// Exact: every E4M3 value is an fp16.
+__device__ __forceinline__ float e4m3_to_float(uint8_t q) {
+  return __half2float(__half(__nv_cvt_fp8_to_halfraw(static_cast<__nv_fp8_storage_t>(q), __NV_E4M3)));
+}
+
+__device__ __forceinline__ float dequant(uint8_t q, float s) { return __fmul_rn(e4m3_to_float(q), s); }
+
+// The K/V cache's scale: the power of two at or above amax / 448 (0 for amax 0), so that
+// q * s is exact in fp32, fp16 and bf16 alike and dequantisation can run two values an
+// instruction (dequant16). A scale that rounds amax / 448 down to a power of two may put a
+// value a rounding above 448, which e4m3() saturates.
+__device__ __forceinline__ float kv_fp8_scale(float amax) {
+  if (!(amax > 0.f)) return 0.f;
+  const unsigned r = __float_as_uint(fp8_scale(amax));
+  unsigned e = r >> 23;           // amax >= 0: no sign bit
+  if (r & 0x7fffffu) ++e;         // not a power of two: the next one up
+  return __uint_as_float(max(e, 1u) << 23);  // (below the smallest normal: the smallest normal)
+}
+
+// 16 bytes of E4M3 times a power-of-two scale s, as 16 values of T (two uint4): exact.
+template <class T>
+__device__ __forceinline__ void dequant16(const uint4& q, float s, uint4 (&out)[2]) {
+  const uint16_t* pairs = reinterpret_cast<const uint16_t*>(&q);
+  uint32_t* o = reinterpret_cast<uint32_t*>(out);
+  if constexpr (std::is_same_v<T, __half>) {
+    const __half2 s2 = __float2half2_rn(s);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const __half2 h = __half2(__nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(pairs[i]), __NV_E4M3));
+      const __half2 v = __hmul2(h, s2);
+      o[i] = *reinterpret_cast<const uint32_t*>(&v);
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const float2 f = __half22float2(
+          __half2(__nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(pairs[i]), __NV_E4M3)));
+      const __nv_bfloat162 v = __floats2bfloat162_rn(__fmul_rn(f.x, s), __fmul_rn(f.y, s));
+      o[i] = *reinterpret_cast<const uint32_t*>(&v);
+    }
+  }
+}
+
+}  // namespace conveyor::cuda::detail
