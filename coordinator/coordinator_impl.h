@@ -58,6 +58,12 @@ struct Coordinator::Impl {
   Shape target;
   bool reshape_pending = false;
   bool ever_whole = false;  // a plan is not shrunk while its workers are still joining
+  // The highest epoch a worker said it holds (register's `holding`). A restarted coordinator
+  // counts epochs from 1 again while its workers may still have the last one's micro-batches
+  // queued (a reloading worker's wait in its channel until it runs again), fenced only by
+  // their epoch: send_assignments starts a pipeline above this (next_epoch), so no stale
+  // micro-batch passes for one of ours, nor its result for our batch of the same id.
+  uint32_t held_epoch = 0;
 
   // ---- the state's questions (coordinator.cc)
   bool pipeline_ready(const Pipeline& p) const;
@@ -109,7 +115,10 @@ struct Coordinator::Impl {
   void wire(Pipeline& p);
   void fill_from_spares();
   void fail_stage(Pipeline& p, const std::string& worker, const std::string& why);
+  // A new epoch for `p` (next_epoch: above every pipeline's and held_epoch); its work in
+  // flight is void and its sequences are fed again.
   void restart_pipeline(Pipeline& p);
+  uint32_t next_epoch() const;
 
   // ---- taking workers out (placement.cc)
   using Served = std::vector<std::pair<Pipeline*, size_t>>;

@@ -6,7 +6,9 @@
 //
 // Epochs: a pipeline that loses a stage, is re-wired or re-planned starts a new epoch;
 // results of an older epoch are ignored and its sequences are fed again from their first
-// token.
+// token. Epochs grow over all pipelines together and start above any a worker holds from an
+// earlier coordinator (Coordinator::Impl::next_epoch): a worker fences stale micro-batches by
+// epoch alone, so its new assignment's epoch must be one no earlier micro-batch carries.
 #pragma once
 
 #include <chrono>

@@ -19,13 +19,12 @@ using namespace transport;
 // pipeline with the fewest reserved tokens.
 void Coordinator::Impl::apply_placement(const Placement& placement, const std::string& why) {
   const Shape& shape = placement.shape;
-  uint32_t epoch = 0;
-  for (const Pipeline& p : pipelines) epoch = std::max(epoch, p.epoch);
+  const uint32_t epoch = next_epoch();
   std::vector<Pipeline> next(size_t(shape.replicas));
   for (size_t r = 0; r < next.size(); ++r) {
     Pipeline& p = next[r];
     p.index = int(r);
-    p.epoch = epoch + 1;
+    p.epoch = epoch;
     p.workers.assign(size_t(shape.stages), "");
     if (r < pipelines.size()) {  // keep the data-plane endpoints: wire() reuses those still right
       Pipeline& old = pipelines[r];
@@ -91,6 +90,7 @@ void Coordinator::Impl::assign(Pipeline& p, int stage, WorkerInfo& w) {
 // neighbours' addresses. Workers that already hold the layers only re-wire.
 void Coordinator::Impl::send_assignments(Pipeline& p) {
   if (!p.filled()) return;
+  if (p.epoch <= held_epoch) restart_pipeline(p);  // after a restart: above every epoch the workers knew
   const int S = int(p.workers.size());
   for (int s = 0; s < S; ++s) {
     WorkerInfo& w = workers.at(p.workers[size_t(s)]);
@@ -168,8 +168,17 @@ void Coordinator::Impl::fail_stage(Pipeline& p, const std::string& worker, const
   restart_pipeline(p);
 }
 
+// Epochs only grow, over all pipelines together, and start above every epoch a worker said it
+// holds: a worker's stale micro-batches (queued while it reloaded, or from before it moved
+// between pipelines or coordinators) never carry the epoch of its new assignment.
+uint32_t Coordinator::Impl::next_epoch() const {
+  uint32_t epoch = held_epoch;
+  for (const Pipeline& p : pipelines) epoch = std::max(epoch, p.epoch);
+  return epoch + 1;
+}
+
 void Coordinator::Impl::restart_pipeline(Pipeline& p) {
-  ++p.epoch;
+  p.epoch = next_epoch();
   p.batches.clear();
   p.in_flight = 0;
   p.pending_frees.clear();  // every stage drops its whole cache on the new assignment

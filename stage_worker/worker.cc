@@ -101,9 +101,10 @@ struct Worker::Impl {
   ~Impl() { stop_threads(); }
 
   void stop_threads() {
+    // The loader first: it starts the compute thread when it is done (send_ready).
+    if (loader.joinable()) loader.join();
     compute_stop = true;
     if (compute.joinable()) compute.join();
-    if (loader.joinable()) loader.join();
     handoff.reset();  // sends what is queued first
   }
 
@@ -367,7 +368,11 @@ struct Worker::Impl {
       std::unique_lock run_lock(run_mu);
       {
         std::lock_guard lk(stage_mu);
-        if (!executor || state != WorkerState::Ready) continue;
+        if (!executor || state != WorkerState::Ready) {  // cannot happen while this thread runs
+          spdlog::warn("{}: dropped a micro-batch: the stage is {}", opt.name,
+                       executor ? "not ready" : "not loaded");
+          continue;
+        }
         ex = executor, a = *assignment, next = next_peer, coord = coord_peer;
       }
       auto header = std::span<const uint8_t>(reinterpret_cast<const uint8_t*>(msg.header.data()), msg.header.size());

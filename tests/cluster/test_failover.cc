@@ -191,12 +191,15 @@ TEST(CoordinatorRestart, WorkersKeepTheirLayers) {
   std::vector<Case> cases = make_cases(ref, 16, 31);
   for (const auto& f : run_cases(cluster, cases, 8)) ADD_FAILURE() << f;
   std::map<std::string, json> layers_before;
-  for (const auto& w : cluster.info().at("workers")) layers_before[w.at("name")] = w.at("layers");
+  // Views kept in variables: a range-for over `info().at(...)` reads a destroyed temporary.
+  const json before = cluster.info();
+  for (const auto& w : before.at("workers")) layers_before[w.at("name")] = w.at("layers");
   cluster.coordinator->signal(SIGKILL);
   ASSERT_TRUE(cluster.coordinator->wait_exit(std::chrono::seconds(5)));
   ASSERT_TRUE(cluster.restart_coordinator());
   ASSERT_TRUE(cluster.wait_until([](const json& i) { return i.at("workers").size() == 3; }, std::chrono::seconds(30)));
-  for (const auto& w : cluster.info().at("workers")) {
+  const json after = cluster.info();
+  for (const auto& w : after.at("workers")) {
     EXPECT_EQ(w.at("layers"), layers_before[w.at("name")]) << w.dump();
     EXPECT_EQ(w.at("load_seconds"), 0.0) << "it loaded again: " << w.dump();
   }

@@ -18,6 +18,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -84,12 +85,13 @@ struct FakeWorker {
                                            << transport::control_kind_name(want) << "'";
     return ::testing::AssertionSuccess();
   }
-  transport::ControlMessage register_msg() const {
+  transport::ControlMessage register_msg(std::optional<transport::HeldStage> holding = {}) const {
     return transport::encode(transport::RegisterMsg{.name = name,
                                                     .host = "127.0.0.1",
                                                     .pid = ::getpid(),
                                                     .token = kToken,
                                                     .backend = "cpu",
+                                                    .holding = std::move(holding),
                                                     .data_address = {std::byte{1}, std::byte{2}}});
   }
 };
@@ -139,6 +141,30 @@ TEST(CoordinatorControl, MessagesSentFromOtherThreadsArriveInOrder) {
   // The control thread is woken by the post: an unassign does not wait for its 20 ms poll
   // (generous bound: a loaded machine's scheduling, never the poll, sets it).
   for (int i = 0; i < kWorkers; ++i) EXPECT_LT(worst_unassign_ms[i], 1000) << "worker " << i;
+}
+
+// A restarted coordinator counts epochs from 1 again, but its workers may still have the
+// last one's micro-batches queued, fenced only by their epoch: one of epoch 1 would pass for
+// the new coordinator's epoch 1 (and its result for the new batch of the same id, whose own
+// result is then ignored: its sequences hang). The first assignment after a worker said it
+// holds epoch 7 must be above 7.
+TEST(CoordinatorControl, AssignmentsStartAboveTheEpochsWorkersHold) {
+  auto coordinator = start_coordinator();
+  ASSERT_TRUE(coordinator);
+  FakeWorker w;
+  w.name = "survivor";
+  ASSERT_TRUE(w.connect(coordinator->control_port()));
+  ASSERT_TRUE(w.send(w.register_msg(transport::HeldStage{
+      .epoch = 7, .num_stages = 1, .layer_end = 6, .model = testing::source_dir() + "/models/brown-gpt2"})));
+  ASSERT_TRUE(w.expect(ControlKind::Welcome));
+  auto in = w.control->recv(5s);
+  ASSERT_TRUE(in.ok()) << in.error();
+  ASSERT_TRUE(in->has_value()) << "no assign";
+  auto m = transport::decode_control(**in);
+  ASSERT_TRUE(m.ok()) << m.error();
+  const auto* assign = std::get_if<transport::AssignMsg>(&*m);
+  ASSERT_NE(assign, nullptr) << "got '" << (**in).type() << "'";
+  EXPECT_GT(assign->epoch, 7u);
 }
 
 }  // namespace
