@@ -30,6 +30,7 @@
 // piece's K and V (double-buffered) and each holds 16 query rows. A warp skips the pieces
 // none of its rows sees, the identity for them.
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <mutex>
 #include <set>
@@ -655,22 +656,34 @@ void with_head_dim(int64_t D, F&& f) {
 }
 
 // Raises a kernel's dynamic shared memory limit, once per kernel and device (the attribute
-// belongs to the device's context; several ranks of one process drive several devices).
+// belongs to the device's context; several ranks of one process drive several devices). No
+// lock is held across the CUDA call: ranks are threads whose kernels wait for each other
+// (the custom all-reduce), and a rank blocked on a lock here while another sat in a CUDA call
+// that waited on its device could never arrive. Two threads may both set it: harmless.
 template <class... A>
 void allow_smem(void (*kernel)(A...), size_t bytes) {
   static std::mutex mu;
   static std::set<std::pair<const void*, int>> done;
   int dev = 0;
   CUDA_CHECK(cudaGetDevice(&dev));
-  std::lock_guard lk(mu);
-  if (!done.emplace(reinterpret_cast<const void*>(kernel), dev).second) return;
+  const std::pair<const void*, int> key{reinterpret_cast<const void*>(kernel), dev};
+  {
+    std::lock_guard lk(mu);
+    if (done.count(key)) return;
+  }
   CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)));
+  std::lock_guard lk(mu);
+  done.insert(key);
 }
 
+// The device's SM count, asked once (no lock held across the CUDA call, as above).
 int sm_count() {
+  static std::atomic<int> cached{0};
+  if (const int n = cached.load(std::memory_order_relaxed); n > 0) return n;
   int dev = 0, n = 0;
   CUDA_CHECK(cudaGetDevice(&dev));
   CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev));
+  cached.store(n, std::memory_order_relaxed);
   return n;
 }
 
@@ -692,7 +705,7 @@ int tile_decode_splits(int64_t rows, int64_t n_head, int64_t head_dim, const Dec
   // A small batch's warps spread until there are about 16 per SM (six are resident at a
   // time). Measured on the H100: spreading further (eight waves) was slower, the pieces'
   // states written and merged costing more than the shorter tail saves.
-  static const int sms = sm_count();
+  const int sms = sm_count();
   const int64_t warps = std::max<int64_t>(1, rows * n_head);
   const int64_t want = (int64_t(sms) * 16 + warps - 1) / warps;
   return int(std::clamp<int64_t>(want, 1, pieces));
