@@ -67,6 +67,7 @@ void Coordinator::Impl::on_register(const std::string& peer, RegisterMsg m) {
   w.memory_bytes = m.memory_bytes;
   w.kv_cache_bytes = m.kv_cache_bytes;
   if (m.holding) held_epoch = std::max(held_epoch, m.holding->epoch);
+  held_epoch = std::max(held_epoch, m.last_epoch);  // also a stage it was still loading
   w.holding = std::move(m.holding);
   w.data_plane = std::move(m.data_plane);
   w.int8_weights = m.int8_weights || m.fp8;  // FP8 matrices take one byte an element too

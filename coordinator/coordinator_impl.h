@@ -58,7 +58,8 @@ struct Coordinator::Impl {
   Shape target;
   bool reshape_pending = false;
   bool ever_whole = false;  // a plan is not shrunk while its workers are still joining
-  // The highest epoch a worker said it holds (register's `holding`). A restarted coordinator
+  // The highest epoch a worker said it holds or was last assigned (register's `holding` and
+  // `last_epoch`, the latter covering a stage it was still loading). A restarted coordinator
   // counts epochs from 1 again while its workers may still have the last one's micro-batches
   // queued (a reloading worker's wait in its channel until it runs again), fenced only by
   // their epoch: send_assignments starts a pipeline above this (next_epoch), so no stale

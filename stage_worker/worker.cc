@@ -67,6 +67,7 @@ struct Worker::Impl {
   std::mutex stage_mu;
   std::atomic<int64_t> kv_used_stat{0}, kv_capacity_stat{0}, sequences_stat{0};
   std::optional<AssignMsg> assignment;       // what is loaded (or loading)
+  uint32_t last_epoch = 0;                   // the highest epoch ever assigned (register tells it)
   std::shared_ptr<StageExecutor> executor;   // null until loaded
   PeerId next_peer = transport::kNoPeer, prev_peer = transport::kNoPeer, coord_peer = transport::kNoPeer;
   std::vector<std::byte> next_address, prev_address, coord_address;  // whom those peers reach
@@ -140,6 +141,7 @@ struct Worker::Impl {
     {
       std::lock_guard lk(stage_mu);
       if (assignment && executor) m.holding = held_stage(*assignment);
+      m.last_epoch = last_epoch;
     }
     send(m);
     last_register = Clock::now();
@@ -214,6 +216,7 @@ struct Worker::Impl {
       executor->drop_all();
       publish_stats();
       assignment = a;
+      last_epoch = std::max(last_epoch, a.epoch);
       if (Status s = wire(a); !s) {
         report_wiring_failure(a, s);
         return;
@@ -229,6 +232,7 @@ struct Worker::Impl {
       std::lock_guard lk(stage_mu);
       executor.reset();
       assignment = a;
+      last_epoch = std::max(last_epoch, a.epoch);
       state = WorkerState::Loading;
       load_fraction = 0;
     }

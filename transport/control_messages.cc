@@ -197,6 +197,7 @@ RegisterMsg decode_register(FieldReader& r, const std::vector<std::byte>& blob) 
   if (const json* dp = r.object("data_plane")) m.data_plane = *dp;
   if (r.has("holding"))
     if (const json* h = r.object("holding")) m.holding = decode_held_stage(*h, r);
+  if (r.has("last_epoch")) m.last_epoch = r.integer<uint32_t>("last_epoch");
   m.data_address = blob;
   return m;
 }
@@ -323,6 +324,7 @@ ControlMessage encode(const RegisterMsg& m) {
                {"memory_bytes", m.memory_bytes}, {"kv_cache_bytes", m.kv_cache_bytes},
                {"int8_weights", m.int8_weights}, {"data_plane", m.data_plane}};
   if (m.fp8) body["fp8"] = true;  // only when set: the wire of other workers is unchanged
+  if (m.last_epoch > 0) body["last_epoch"] = m.last_epoch;
   if (m.holding) {
     const HeldStage& h = *m.holding;
     body["holding"] = {{"epoch", h.epoch}, {"pipeline", h.pipeline}, {"stage", h.stage},

@@ -83,6 +83,9 @@ struct RegisterMsg {
   bool fp8 = false;                    // a GPU worker whose layer matrices and their inputs are FP8 E4M3
   nlohmann::json data_plane = nlohmann::json::object();  // free-form, shown in /v1/cluster
   std::optional<HeldStage> holding{};
+  // The highest epoch this worker was ever assigned (0: none), whether it holds that stage or
+  // was still loading it: a restarted coordinator starts its epochs above it.
+  uint32_t last_epoch = 0;
   std::vector<std::byte> data_address{};  // the binary frame, not JSON; the coordinator needs one
   bool operator==(const RegisterMsg&) const = default;
 };

@@ -85,14 +85,33 @@ struct FakeWorker {
                                            << transport::control_kind_name(want) << "'";
     return ::testing::AssertionSuccess();
   }
-  transport::ControlMessage register_msg(std::optional<transport::HeldStage> holding = {}) const {
+  transport::ControlMessage register_msg(std::optional<transport::HeldStage> holding = {},
+                                         uint32_t last_epoch = 0) const {
     return transport::encode(transport::RegisterMsg{.name = name,
                                                     .host = "127.0.0.1",
                                                     .pid = ::getpid(),
                                                     .token = kToken,
                                                     .backend = "cpu",
                                                     .holding = std::move(holding),
+                                                    .last_epoch = last_epoch,
                                                     .data_address = {std::byte{1}, std::byte{2}}});
+  }
+  // The epoch of the next message, which must be an assign (0 after a failed expectation).
+  uint32_t next_assignment_epoch() const {
+    auto in = control->recv(5s);
+    EXPECT_TRUE(in.ok()) << in.error();
+    if (!in.ok() || !in->has_value()) {
+      ADD_FAILURE() << "no assign";
+      return 0;
+    }
+    auto m = transport::decode_control(**in);
+    EXPECT_TRUE(m.ok()) << m.error();
+    const auto* assign = m.ok() ? std::get_if<transport::AssignMsg>(&*m) : nullptr;
+    if (!assign) {
+      ADD_FAILURE() << "got '" << (**in).type() << "'";
+      return 0;
+    }
+    return assign->epoch;
   }
 };
 
@@ -157,14 +176,20 @@ TEST(CoordinatorControl, AssignmentsStartAboveTheEpochsWorkersHold) {
   ASSERT_TRUE(w.send(w.register_msg(transport::HeldStage{
       .epoch = 7, .num_stages = 1, .layer_end = 6, .model = testing::source_dir() + "/models/brown-gpt2"})));
   ASSERT_TRUE(w.expect(ControlKind::Welcome));
-  auto in = w.control->recv(5s);
-  ASSERT_TRUE(in.ok()) << in.error();
-  ASSERT_TRUE(in->has_value()) << "no assign";
-  auto m = transport::decode_control(**in);
-  ASSERT_TRUE(m.ok()) << m.error();
-  const auto* assign = std::get_if<transport::AssignMsg>(&*m);
-  ASSERT_NE(assign, nullptr) << "got '" << (**in).type() << "'";
-  EXPECT_GT(assign->epoch, 7u);
+  EXPECT_GT(w.next_assignment_epoch(), 7u);
+}
+
+// The same for a worker that was still loading its stage when the coordinator died: it holds
+// nothing, but says the epoch it was last assigned.
+TEST(CoordinatorControl, AssignmentsStartAboveTheEpochAWorkerWasLoading) {
+  auto coordinator = start_coordinator();
+  ASSERT_TRUE(coordinator);
+  FakeWorker w;
+  w.name = "loader";
+  ASSERT_TRUE(w.connect(coordinator->control_port()));
+  ASSERT_TRUE(w.send(w.register_msg({}, /*last_epoch=*/11)));
+  ASSERT_TRUE(w.expect(ControlKind::Welcome));
+  EXPECT_GT(w.next_assignment_epoch(), 11u);
 }
 
 }  // namespace

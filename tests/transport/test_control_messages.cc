@@ -45,6 +45,7 @@ RegisterMsg sample_register() {
           .data_plane = {{"staging", "page-locked host"}, {"ucx_cuda_memory", false}},
           .holding = HeldStage{.epoch = 3, .pipeline = 0, .stage = 1, .num_stages = 2, .layer_begin = 6,
                                .layer_end = 12, .model = "/models/gpt2"},
+          .last_epoch = 5,
           .data_address = bytes_of("CVYA-address")};
 }
 
@@ -135,7 +136,7 @@ TEST(ControlMessages, RegisterWireJson) {
   const ControlMessage m = encode(sample_register());
   EXPECT_EQ(m.body, json::parse(R"({"type": "register", "name": "w1", "host": "node1", "pid": 4242,
       "token": "secret", "backend": "cuda", "tensor_parallel": 2, "gpus": [0, 3],
-      "memory_bytes": 85899345920, "kv_cache_bytes": 536870912, "int8_weights": true,
+      "memory_bytes": 85899345920, "kv_cache_bytes": 536870912, "int8_weights": true, "last_epoch": 5,
       "data_plane": {"staging": "page-locked host", "ucx_cuda_memory": false},
       "holding": {"epoch": 3, "pipeline": 0, "stage": 1, "num_stages": 2, "layers": [6, 12],
                   "model": "/models/gpt2"}})"));
