@@ -456,6 +456,21 @@ void launch_context_fixed(T* out, const T* q, int64_t q_stride, const Kv& kv, co
   });
 }
 
+// Which order a call takes: the tile order where head_dim has it (its pointers must then be
+// 16-byte aligned), else the CUDA-core order, which cannot read an FP8 cache. `what` names
+// the caller in the errors.
+bool takes_tile_order(const char* what, const KvLayerView& view, int64_t head_dim, const void* qkv, const void* out) {
+  if (!tile_order_head_dim(head_dim)) {
+    if (view.fp8())
+      throw Error(std::string(what) + ": an FP8 K/V cache needs head_dim a multiple of 16 up to 128, not " +
+                  std::to_string(head_dim));
+    return false;
+  }
+  if (!aligned16(qkv) || !aligned16(out) || !aligned16(view.k) || !aligned16(view.v))
+    throw Error(std::string(what) + ": the tile order needs 16-byte aligned qkv, out and cache");
+  return true;
+}
+
 }  // namespace
 
 int64_t decode_pieces(int64_t max_kv_len) { return std::max<int64_t>(1, (max_kv_len + kPiece - 1) / kPiece); }
@@ -488,13 +503,8 @@ void attention_decode_paged(T* out, const T* qkv, const KvLayerView& view, const
                             int64_t num_rows, int64_t n_head, int64_t head_dim, int num_splits,
                             const DecodeWorkspace& ws, cudaStream_t stream) {
   if (num_rows <= 0) return;
-  if (view.fp8() && !tile_order_head_dim(head_dim))
-    throw Error("attention_decode_paged: an FP8 K/V cache needs head_dim a multiple of 16 up to 128, not " +
-                std::to_string(head_dim));
-  if (!tile_order_head_dim(head_dim))
+  if (!takes_tile_order("attention_decode_paged", view, head_dim, qkv, out))
     return attention_decode_cores<T>(out, qkv, view, kv_lens, num_rows, n_head, head_dim, num_splits, ws, stream);
-  if (!aligned16(qkv) || !aligned16(out) || !aligned16(view.k) || !aligned16(view.v))
-    throw Error("attention_decode_paged: the tile order needs 16-byte aligned qkv, out and cache");
   attention_decode_tiles<T>(out, qkv, view, kv_lens, num_rows, n_head, head_dim, ws, stream);
 }
 
@@ -530,13 +540,8 @@ void attention_decode_cores(T* out, const T* qkv, const KvLayerView& view, const
 template <class T>
 void attention_context_fixed_paged(T* out, const T* qkv, const KvLayerView& view, const SeqArrays& seqs,
                                    int64_t max_q_len, int64_t n_head, int64_t head_dim, cudaStream_t stream) {
-  if (view.fp8() && !tile_order_head_dim(head_dim))
-    throw Error("attention_context_fixed_paged: an FP8 K/V cache needs head_dim a multiple of 16 up to 128, not " +
-                std::to_string(head_dim));
-  if (!tile_order_head_dim(head_dim))
+  if (!takes_tile_order("attention_context_fixed_paged", view, head_dim, qkv, out))
     return attention_context_cores<T>(out, qkv, view, seqs, max_q_len, n_head, head_dim, stream);
-  if (!aligned16(qkv) || !aligned16(out) || !aligned16(view.k) || !aligned16(view.v))
-    throw Error("attention_context_fixed_paged: the tile order needs 16-byte aligned qkv, out and cache");
   attention_context_tiles<T>(out, qkv, view, seqs, max_q_len, n_head, head_dim, stream);
 }
 

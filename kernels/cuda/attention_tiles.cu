@@ -290,10 +290,9 @@ __device__ __forceinline__ void cp_async4(void* smem, const void* src, int src_b
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
 }
 
-// cp.async of the FP8 piece at kb into st by `threads` threads (index i): K's bytes and scales
-// (WHICH 1), V's (2) or both (3); positions at or past n are zeros (bytes and scales);
-// positions skip(t) names are left alone.
-template <int D, int WHICH = 3, class Skip>
+// cp.async of the FP8 piece at kb into st by `threads` threads (index i): positions at or past
+// n are zeros (bytes and scales); positions skip(t) names are left alone.
+template <int D, class Skip>
 __device__ __forceinline__ void load_piece_fp8(uint8_t* st, const Fp8Kv& f, int s, int h, int kb, int n, int i,
                                                int threads, Skip skip) {
   constexpr int kChunks = D / 16;
@@ -305,16 +304,16 @@ __device__ __forceinline__ void load_piece_fp8(uint8_t* st, const Fp8Kv& f, int 
     const int r = c / kChunks, d = (c % kChunks) * 16, t = kb + r;
     const bool inside = t < n;
     if (inside && skip(t)) continue;
-    if (WHICH & 1) cp_async16(sk + r * D + d, inside ? f.kv.key(s, h, t) + d : sk, inside ? 16 : 0);
-    if (WHICH & 2) cp_async16(sv + r * D + d, inside ? f.kv.value(s, h, t) + d : sv, inside ? 16 : 0);
+    cp_async16(sk + r * D + d, inside ? f.kv.key(s, h, t) + d : sk, inside ? 16 : 0);
+    cp_async16(sv + r * D + d, inside ? f.kv.value(s, h, t) + d : sv, inside ? 16 : 0);
   }
   for (int r = i; r < kPiece; r += threads) {
     const int t = kb + r;
     const bool inside = t < n;
     if (inside && skip(t)) continue;
     const int64_t o = inside ? f.scale_offset(s, h, t) : 0;
-    if (WHICH & 1) cp_async4(sks + r, f.ks + o, inside ? 4 : 0);
-    if (WHICH & 2) cp_async4(svs + r, f.vs + o, inside ? 4 : 0);
+    cp_async4(sks + r, f.ks + o, inside ? 4 : 0);
+    cp_async4(svs + r, f.vs + o, inside ? 4 : 0);
   }
 }
 

@@ -96,6 +96,14 @@ struct FakeWorker {
                                                     .last_epoch = last_epoch,
                                                     .data_address = {std::byte{1}, std::byte{2}}});
   }
+  // Connects as `as`, registers (register_msg's arguments) and is welcomed.
+  ::testing::AssertionResult join(const std::string& as, int port, std::optional<transport::HeldStage> holding = {},
+                                  uint32_t last_epoch = 0) {
+    name = as;
+    if (auto r = connect(port); !r) return r;
+    if (auto r = send(register_msg(std::move(holding), last_epoch)); !r) return r;
+    return expect(ControlKind::Welcome);
+  }
   // The epoch of the next message, which must be an assign (0 after a failed expectation).
   uint32_t next_assignment_epoch() const {
     auto in = control->recv(5s);
@@ -121,10 +129,7 @@ TEST(CoordinatorControl, MessagesSentFromOtherThreadsArriveInOrder) {
   // The one stage goes to the first worker to join: this one, which keeps it (loading for
   // good), so the others stay spares.
   FakeWorker holder;
-  holder.name = "holder";
-  ASSERT_TRUE(holder.connect(coordinator->control_port()));
-  ASSERT_TRUE(holder.send(holder.register_msg()));
-  ASSERT_TRUE(holder.expect(ControlKind::Welcome));
+  ASSERT_TRUE(holder.join("holder", coordinator->control_port()));
   ASSERT_TRUE(holder.expect(ControlKind::Assign));
   constexpr int kWorkers = 4, kRounds = 40;
   std::vector<std::thread> threads;
@@ -171,11 +176,9 @@ TEST(CoordinatorControl, AssignmentsStartAboveTheEpochsWorkersHold) {
   auto coordinator = start_coordinator();
   ASSERT_TRUE(coordinator);
   FakeWorker w;
-  w.name = "survivor";
-  ASSERT_TRUE(w.connect(coordinator->control_port()));
-  ASSERT_TRUE(w.send(w.register_msg(transport::HeldStage{
-      .epoch = 7, .num_stages = 1, .layer_end = 6, .model = testing::source_dir() + "/models/brown-gpt2"})));
-  ASSERT_TRUE(w.expect(ControlKind::Welcome));
+  ASSERT_TRUE(w.join("survivor", coordinator->control_port(),
+                     transport::HeldStage{.epoch = 7, .num_stages = 1, .layer_end = 6,
+                                          .model = testing::source_dir() + "/models/brown-gpt2"}));
   EXPECT_GT(w.next_assignment_epoch(), 7u);
 }
 
@@ -185,10 +188,7 @@ TEST(CoordinatorControl, AssignmentsStartAboveTheEpochAWorkerWasLoading) {
   auto coordinator = start_coordinator();
   ASSERT_TRUE(coordinator);
   FakeWorker w;
-  w.name = "loader";
-  ASSERT_TRUE(w.connect(coordinator->control_port()));
-  ASSERT_TRUE(w.send(w.register_msg({}, /*last_epoch=*/11)));
-  ASSERT_TRUE(w.expect(ControlKind::Welcome));
+  ASSERT_TRUE(w.join("loader", coordinator->control_port(), {}, /*last_epoch=*/11));
   EXPECT_GT(w.next_assignment_epoch(), 11u);
 }
 
