@@ -33,6 +33,10 @@ int64_t GpuStage::bucket_for(int64_t rows) {
   return b;
 }
 
+int64_t GpuStage::decode_rows(int64_t seqs) const {
+  return options_.cuda_graphs && seqs <= kMaxGraphRows ? bucket_for(seqs) : seqs;
+}
+
 Status GpuStage::decode(std::span<const SeqSlice> slices, const int32_t* token_ids, std::span<const SampleRow> sampling,
                         int32_t* tokens, float* logprobs) {
   return guard(options_.name, [&]() -> Status {
@@ -63,7 +67,7 @@ Status GpuStage::decode(std::span<const SeqSlice> slices, const int32_t* token_i
     if (Status s = reserve(slices); !s) return s;
 
     const bool graph = options_.cuda_graphs && S <= kMaxGraphRows;
-    const int64_t rows = graph ? bucket_for(S) : S;
+    const int64_t rows = decode_rows(S);
     int32_t* host = begin_meta();
     const StepMeta h = step_meta_layout(host, rows, rows, max_pages_);
     fill_seq_meta(h, slices, rows, kv_.get(), max_pages_);

@@ -10,6 +10,7 @@
 #include "kernels/cuda/ops.h"
 #include "stage/cuda/dtype_dispatch.h"
 #include "stage/cuda/gpu_stage.h"
+#include "stage/cuda/guard.h"
 
 namespace conveyor::cuda {
 
@@ -110,6 +111,40 @@ void GpuStage::matmul(T* out, const T* in, const void* w, const float* scales, c
     gemm_->run_fp8<T>(out, in, static_cast<const uint8_t*>(w), scales, b, num_tokens, K, N, act, stream_);
   else
     gemm_->run<T, T>(out, in, static_cast<const T*>(w), b, num_tokens, K, N, WeightLayout::NK, act, stream_);
+}
+
+// The products of layers_impl on the buffers it uses (layer 0's weights: every layer has the
+// same shapes), then the decode step's LM head.
+template <class T>
+void GpuStage::plan_products_impl(int64_t rows, bool with_head) {
+  using LT = LayerTensor;
+  const int64_t C = config_.n_embd, W = width_, I = inner_;
+  if (weights_.num_layers() > 0) {
+    const GpuLayer w = weights_.layer(0);
+    matmul<T>(qkv_.as<T>(), ln_.as<T>(), w.at(LT::QkvWeight), w.scales(LT::QkvWeight), w.at(LT::QkvBias), rows, C,
+              3 * W, GemmAct::None);
+    matmul<T>(proj_.as<T>(), attn_.as<T>(), w.at(LT::ProjWeight), w.scales(LT::ProjWeight), nullptr, rows, W, C,
+              GemmAct::None);
+    matmul<T>(fc_.as<T>(), ln_.as<T>(), w.at(LT::FcWeight), w.scales(LT::FcWeight), w.at(LT::FcBias), rows, C, I,
+              gemm_act(config_.activation));
+    matmul<T>(proj_.as<T>(), fc_.as<T>(), w.at(LT::Fc2Weight), w.scales(LT::Fc2Weight), nullptr, rows, I, C,
+              GemmAct::None);
+  }
+  if (with_head) lm_head(ln_.get(), rows, logits_.as<float>());
+}
+
+Status GpuStage::plan_products(int64_t rows, bool with_head) {
+  return guard(options_.name, [&]() -> Status {
+    with_head = with_head && holds_head();
+    if (rows <= 0 || rows > max_rows_ || (with_head && rows > logits_rows_) || products_planned(rows, with_head))
+      return ok_status();
+    DeviceGuard on(device_);
+    with_dtype(options_.dtype, [&](auto tag) { plan_products_impl<decltype(tag)>(rows, with_head); });
+    CUDA_CHECK(cudaStreamSynchronize(stream_));
+    planned_rows_.insert({rows, with_head});
+    last_logit_rows_ = -1;  // the head's run left scratch in logits_
+    return ok_status();
+  });
 }
 
 // hidden = hidden + x + bias (x: this rank's partial sums of a row-split projection,

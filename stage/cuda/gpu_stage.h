@@ -45,6 +45,7 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <set>
 #include <span>
 #include <string>
 #include <unordered_map>
@@ -194,6 +195,19 @@ class GpuStage {
   Status shrink_kv_cache(int64_t pages);
   std::string memory_report() const;
   Gemm& gemm() { return *gemm_; }
+  // The rows a decode step of `seqs` sequences runs: its graph's bucket when graphs are on.
+  int64_t decode_rows(int64_t seqs) const;
+  // Plans a step's matrix products for `rows` rows, once per rows: the four layer products
+  // (and, with_head on the rank holding the head, the LM head) run once on the step's scratch
+  // buffers, which hold nothing between calls, and the stream is synchronised. Planning may
+  // load cuBLASLt kernels, and a load can wait for every GPU of the process to go idle (so
+  // it does under CUDA_MODULE_LOADING=EAGER): a tensor-parallel rank that planned mid-step
+  // while a peer's all-reduce waited for it would never return. TpStage plans every rank
+  // before a step whose rows are new. Rows outside the buffers plan nothing (the step refuses them).
+  Status plan_products(int64_t rows, bool with_head);
+  bool products_planned(int64_t rows, bool with_head) const {
+    return planned_rows_.count({rows, with_head && holds_head()}) > 0;
+  }
   size_t captured_graphs() const { return graphs_.size(); }
 
   Status synchronize();
@@ -248,6 +262,7 @@ class GpuStage {
   // out[T, N] = act(in[T, K] @ w^T + bias) for a layer matrix w [N, K] (scales: int8 or FP8 weights).
   template <class T> void matmul(T* out, const T* in, const void* w, const float* scales, const void* bias,
                                  int64_t num_tokens, int64_t K, int64_t N, GemmAct act);
+  template <class T> void plan_products_impl(int64_t rows, bool with_head);
 
   // ---- gpu_head.cu ----
   // logits [rows, V] (fp32) = in_rows [rows, C] (dtype) @ head^T.
@@ -294,6 +309,7 @@ class GpuStage {
   std::unique_ptr<KvCache> kv_;
   std::unordered_map<uint64_t, int32_t> lengths_;  // cached tokens per sequence
   std::map<int64_t, cudaGraphExec_t> graphs_;      // decode step per bucket
+  std::set<std::pair<int64_t, bool>> planned_rows_;  // plan_products' (rows, head) done
 };
 
 }  // namespace conveyor::cuda

@@ -98,7 +98,18 @@ Status TpStage::embed(std::span<const SeqSlice> slices, const int32_t* token_ids
   return on_ranks([&](int r) { return rank(r).embed(slices, token_ids); });
 }
 
+Status TpStage::plan_products(int64_t rows, bool with_head) {
+  if (ranks_.size() < 2) return ok_status();  // no peer ever waits for a lone rank
+  bool planned = true;
+  for (size_t r = 0; r < ranks_.size(); ++r) planned = planned && ranks_[r]->products_planned(rows, with_head);
+  if (planned) return ok_status();
+  return on_ranks([&](int r) { return rank(r).plan_products(rows, with_head); });
+}
+
 Status TpStage::forward(std::span<const SeqSlice> slices) {
+  int64_t rows = 0;
+  for (const SeqSlice& s : slices) rows += std::max<int64_t>(s.num_tokens, 0);
+  if (Status s = plan_products(rows, false); !s) return s;
   return on_ranks([&](int r) { return rank(r).forward(slices); });
 }
 
@@ -112,6 +123,7 @@ Status TpStage::sample(std::span<const SampleRow> rows, int32_t* tokens, float* 
 
 Status TpStage::decode(std::span<const SeqSlice> slices, const int32_t* token_ids, std::span<const SampleRow> sampling,
                        int32_t* tokens, float* logprobs) {
+  if (Status s = plan_products(lead().decode_rows(int64_t(slices.size())), true); !s) return s;
   return on_ranks([&](int r) {
     return r == 0 ? rank(r).decode(slices, token_ids, sampling, tokens, logprobs)
                   : rank(r).decode(slices, token_ids, {}, nullptr);

@@ -97,6 +97,9 @@ class TpStage {
   template <class Make>
   static Expected<std::unique_ptr<TpStage>> build(const ModelConfig& config, const std::vector<int>& devices,
                                                   const GpuStageOptions& options, Make&& make);
+  // GpuStage::plan_products on every rank (all join before the step that follows runs), when
+  // some rank has not planned these rows yet.
+  Status plan_products(int64_t rows, bool with_head);
   // fn(rank) -> Status on every rank's thread with its GPU current; the first failure (in rank
   // order) is returned.
   template <class F>

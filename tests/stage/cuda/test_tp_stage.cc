@@ -155,7 +155,13 @@ TYPED_TEST(TpStageTest, PrefillChunksAndGraphDecodeMatchCpu) {
       }
     }
     EXPECT_GT(compared, 0);
-    for (int r = 0; r < ranks; ++r) EXPECT_EQ(gpu->rank(r).captured_graphs(), 1u) << "rank " << r;
+    for (int r = 0; r < ranks; ++r) {
+      EXPECT_EQ(gpu->rank(r).captured_graphs(), 1u) << "rank " << r;
+      // Every rank planned each step's products before the step (no rank plans while a
+      // peer's all-reduce waits for it: on two GPUs that hung, 2026-11-26).
+      for (int64_t planned_rows : {125, 17}) EXPECT_TRUE(gpu->rank(r).products_planned(planned_rows, false)) << "rank " << r;
+      EXPECT_TRUE(gpu->rank(r).products_planned(4, true)) << "rank " << r;
+    }
   }
 }
 
