@@ -38,7 +38,7 @@ struct GenerationRequest {
   uint64_t sample_index = 0;    // which of a request's n choices (Philox counter word)
 };
 
-// Log-probs are under the raw model distribution (see model/sampling.h).
+// Log-probs are under the raw model distribution (see kernels/cpu/sampling.h).
 struct GenerationResult {
   std::vector<int32_t> tokens;  // generated ids (the stop id included when finish_reason is "stop")
   std::vector<float> token_logprobs;  // one per generated token
@@ -79,6 +79,7 @@ class Engine {
  private:
   Engine(std::unique_ptr<CpuStage> stage, EngineOptions options) : stage_(std::move(stage)), options_(options) {}
   Status validate(const GenerationRequest& r) const;
+  struct Run;  // one generate() call (engine.cc)
 
   std::unique_ptr<CpuStage> stage_;
   EngineOptions options_;
