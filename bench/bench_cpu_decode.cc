@@ -18,7 +18,9 @@
 #include <string>
 #include <vector>
 
+#include "common/options.h"
 #include "stage/cpu/cpu_stage.h"
+#include "kernels/cpu/ops.h"
 #include "kernels/cpu/sampling.h"
 #include "model/weights.h"
 
@@ -156,6 +158,11 @@ BENCHMARK(BM_SampleNext)->ArgName("top_k")->Arg(0)->Arg(50)->Unit(benchmark::kMi
 }  // namespace
 
 int main(int argc, char** argv) {
+  // CONVEYOR_CPU_THREADS (common/options.h), as a worker applies it, before the first op.
+  if (conveyor::Status s = conveyor::cpu::set_threads(conveyor::process_options().kernels.cpu_threads); !s) {
+    std::fprintf(stderr, "conveyor-bench-cpu-decode: %s\n", s.message().c_str());
+    return 1;
+  }
   if (const char* env = std::getenv("CONVEYOR_BENCH_MODEL")) g_model_dir = env;
   std::vector<char*> rest;
   for (int i = 0; i < argc; ++i) {

@@ -37,6 +37,7 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include "common/options.h"
 #include "kernels/cuda/check.h"
 #include "kernels/cuda/fp8.h"
 #include "kernels/cuda/gemm.h"
@@ -341,7 +342,7 @@ int run(int argc, char** argv) {
     std::map<int64_t, double> det_us, fixed_us, fast_us;
     if (pr.ab != CUDA_R_8F_E4M3) {
       for (int mode : {0, 1, 2}) {  // deterministic (sequential order), deterministic (fixed-order tiles), fast
-        Gemm g;
+        Gemm g(process_options().kernels.gemm);  // the environment's tuning, GEMV splits; modes below
         g.set_deterministic(mode < 2);
         g.set_sequential_order(mode == 0);
         for (int64_t T : ts) {
@@ -467,6 +468,9 @@ int run(int argc, char** argv) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  // The environment's options (common/options.h), as a worker applies them: CONVEYOR_PDL,
+  // CONVEYOR_GEMV_KSPLIT, ... for measurements.
+  conveyor::cuda::set_pdl(conveyor::process_options().kernels.pdl);
   try {
     return run(argc, argv);
   } catch (const std::exception& e) {

@@ -50,6 +50,7 @@
 #include <cuda_runtime.h>
 
 #include "common/model_config.h"
+#include "common/options.h"
 #include "kernels/cuda/check.h"
 #include "stage/cuda/tp_stage.h"
 #include "bench/gpu_bandwidth.h"
@@ -305,6 +306,8 @@ Result run_once(Pipeline& stage, int batch, int prompt, int decode_steps, std::m
 
 int main(int argc, char** argv) {
   const Args args = parse(argc, argv);
+  // CONVEYOR_PDL (common/options.h), as a worker applies it, before the first launch.
+  cuda::set_pdl(process_options().kernels.pdl);
   int devices = 0;
   if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
     std::printf("conveyor-bench-gpu-decode: no CUDA device; nothing to measure\n");

@@ -20,6 +20,7 @@
 #include <cuda_runtime.h>
 
 #include "common/model_config.h"
+#include "common/options.h"
 #include "kernels/cuda/attention.h"
 #include "kernels/cuda/check.h"
 #include "kernels/cuda/gemm.h"
@@ -99,7 +100,7 @@ int run(int argc, char** argv) {
   CUDA_CHECK(cudaMemset(counters.get(), 0, counters.bytes()));
   DecodeWorkspace ws{partial.as<float>(), counters.as<int32_t>(), int64_t(partial.bytes() / 4), batch * H, context};
 
-  Gemm gemm;
+  Gemm gemm(process_options().kernels.gemm);  // the environment's, as a worker's
   GraphTimer t{stream};
   const double eb = sizeof(T);
   struct Row { const char* what; double us, bytes; };
@@ -149,6 +150,9 @@ int run(int argc, char** argv) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  // The environment's options (common/options.h), as a worker applies them: CONVEYOR_PDL,
+  // CONVEYOR_GEMV_KSPLIT, ... for measurements.
+  conveyor::cuda::set_pdl(conveyor::process_options().kernels.pdl);
   try {
     return run(argc, argv);
   } catch (const std::exception& e) {

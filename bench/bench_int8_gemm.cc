@@ -31,6 +31,7 @@
 #include <cuda_runtime.h>
 
 #include "bench/gpu_bandwidth.h"
+#include "common/options.h"
 #include "kernels/cuda/check.h"
 #include "kernels/cuda/fp8.h"
 #include "kernels/cuda/gemm.h"
@@ -112,7 +113,7 @@ int bench(Timer& timer, const std::vector<int64_t>& tokens, bool per_kernel, boo
               "%copy");
   if (fp8) std::printf(" %11s %5s/fp8 %11s", "fp8 us", type, "fp8 TFLOPS");
   std::printf("\n");
-  Gemm gemm;
+  Gemm gemm(process_options().kernels.gemm);  // the environment's tuning and GEMV splits
   gemm.set_deterministic(!fast);
   if (fp8)
     if (Status st = gemm.fp8_supported(); !st) throw Error(st.message());
@@ -212,6 +213,9 @@ int run(int argc, char** argv) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  // The environment's options (common/options.h), as a worker applies them: CONVEYOR_PDL,
+  // CONVEYOR_GEMV_KSPLIT, ... for measurements.
+  conveyor::cuda::set_pdl(conveyor::process_options().kernels.pdl);
   try {
     return run(argc, argv);
   } catch (const std::exception& e) {

@@ -1,16 +1,14 @@
 #include "common/trace_file.h"
 
 #include <cerrno>
-#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 
+#include "common/options.h"
+
 namespace conveyor {
 
-std::string trace_dir_from_environment() {
-  const char* dir = std::getenv("CONVEYOR_TRACE_DIR");
-  return dir ? std::string(dir) : std::string();
-}
+std::string trace_dir_from_environment() { return process_options().trace_dir; }
 
 Expected<std::FILE*> open_trace_file(const std::string& dir, const std::string& file_name) {
   std::error_code ec;

@@ -4,7 +4,8 @@
 //                        [--join-token-from-env] [--check]
 // The flags override the cluster file's http.host/port and control.host/port/data_interface (a
 // launcher such as scripts/slurm/conveyor.sbatch knows the node's address, the file does not);
-// --check prints the settings the daemon would run with as JSON and exits.
+// --check prints the settings the daemon would run with as JSON and exits; its "options" are the
+// environment's (common/options.h), read once, first: a bad value stops the daemon naming it.
 // Prints "conveyor-coordinator: listening on http://HOST:PORT (control tcp://HOST:PORT)"
 // once both sockets are bound, so a launcher can find ports chosen with 0.
 #include <csignal>
@@ -17,6 +18,7 @@
 #include <spdlog/sinks/stdout_color_sinks.h>
 #include <spdlog/spdlog.h>
 
+#include "common/options.h"
 #include "common/service.h"
 #include "coordinator/cluster_config.h"
 #include "coordinator/coordinator.h"
@@ -50,8 +52,18 @@ int main(int argc, char** argv) {
                "take the join token from $CONVEYOR_JOIN_TOKEN even when the file names one (a launcher's token)");
   app.add_flag("--check", check, "print the settings the daemon would run with (JSON, no secrets) and exit");
   CLI11_PARSE(app, argc, argv);
-  spdlog::set_default_logger(spdlog::stderr_color_mt("coordinator"));
-  if (const char* lvl = std::getenv("CONVEYOR_LOG_LEVEL")) spdlog::set_level(spdlog::level::from_str(lvl));  // stdout is for the ready line
+  auto options = conveyor::read_options();
+  if (!options) {
+    std::cerr << "conveyor-coordinator: " << options.error() << "\n";
+    return 2;
+  }
+  // The snapshot the libraries read (the cluster file's secrets, the trace folder).
+  if (conveyor::Status s = conveyor::install_options(*options); !s) {
+    std::cerr << "conveyor-coordinator: " << s.message() << "\n";
+    return 1;
+  }
+  spdlog::set_default_logger(spdlog::stderr_color_mt("coordinator"));  // stdout is for the ready line
+  spdlog::set_level(options->log_level);
 
   auto cfg = conveyor::load_cluster_config(config_path);
   if (!cfg) {
@@ -73,12 +85,11 @@ int main(int argc, char** argv) {
   if (control_port) cfg->control_port = *control_port;
   if (data_interface) cfg->data_interface = *data_interface;
   if (token_from_env) {
-    const char* t = std::getenv("CONVEYOR_JOIN_TOKEN");
-    if (!t || !*t) {
+    if (options->join_token.empty()) {
       std::cerr << "conveyor-coordinator: --join-token-from-env but CONVEYOR_JOIN_TOKEN is unset or empty\n";
       return 2;
     }
-    cfg->join_token = t;
+    cfg->join_token = options->join_token;
   }
   if (check) {
     // The data plane's interface, as Coordinator::start chooses it, and what chose it.
@@ -98,7 +109,8 @@ int main(int argc, char** argv) {
           {"data_interface", iface->shown},
           {"data_interface_from", iface->source}}},
         {"pipeline", {{"stages", cfg->stages}, {"replicas", cfg->replicas}}},
-        {"heartbeat", {{"interval_ms", cfg->heartbeat_interval_ms}, {"liveness_ms", cfg->liveness_ms}}}};
+        {"heartbeat", {{"interval_ms", cfg->heartbeat_interval_ms}, {"liveness_ms", cfg->liveness_ms}}},
+        {"options", conveyor::options_json(*options, conveyor::kCoordinatorScope)}};
     std::cout << out.dump(2) << std::endl;
     return 0;
   }

@@ -1,12 +1,15 @@
 // conveyor-worker: the stage worker daemon (see stage_worker/worker.h).
+//   conveyor-worker --coordinator HOST:PORT [--backend cpu|cuda|auto] [--gpus 0,1,...] ... [--check]
+// The environment's options (common/options.h) are read once, first: a bad value stops the
+// worker naming the variable. --check prints their effective values and exits.
 #include <csignal>
-#include <cstdlib>
 #include <iostream>
 
 #include <CLI/CLI.hpp>
 #include <spdlog/sinks/stdout_color_sinks.h>
 #include <spdlog/spdlog.h>
 
+#include "common/options.h"
 #include "stage/backend_factory.h"
 #include "stage_worker/worker.h"
 
@@ -67,7 +70,25 @@ int main(int argc, char** argv) {
   int64_t drain_ms = opt.drain_timeout.count();
   app.add_option("--drain-timeout-ms", drain_ms, "on SIGTERM, how long to wait for the stage to be taken over")
       ->check(CLI::Range(0, 3600000));
+  bool check = false;
+  app.add_flag("--check", check,
+               "print the options this worker would run with (name = value (default or env VARIABLE); secrets as "
+               "set or unset) and exit");
   CLI11_PARSE(app, argc, argv);
+  auto options = conveyor::read_options();
+  if (!options) {
+    std::cerr << "conveyor-worker: " << options.error() << "\n";
+    return 2;
+  }
+  // The snapshot the libraries read (the trace folder); nothing has read it yet.
+  if (conveyor::Status s = conveyor::install_options(*options); !s) {
+    std::cerr << "conveyor-worker: " << s.message() << "\n";
+    return 1;
+  }
+  if (check) {
+    std::cout << conveyor::describe_options(*options, conveyor::kWorkerScope) << std::flush;
+    return 0;
+  }
   if (print_gpus) {
     std::cout << conveyor::usable_gpus() << std::endl;
     return 0;
@@ -107,10 +128,9 @@ int main(int argc, char** argv) {
     std::cerr << "conveyor-worker: --fp8 and --int8-weights exclude each other (choose one)\n";
     return 2;
   }
-  spdlog::set_default_logger(spdlog::stderr_color_mt("worker"));
-  if (const char* lvl = std::getenv("CONVEYOR_LOG_LEVEL")) spdlog::set_level(spdlog::level::from_str(lvl));  // stdout is for the ready line
-  if (opt.join_token.empty())
-    if (const char* t = std::getenv("CONVEYOR_JOIN_TOKEN")) opt.join_token = t;
+  spdlog::set_default_logger(spdlog::stderr_color_mt("worker"));  // stdout is for the ready line
+  spdlog::set_level(options->log_level);
+  if (opt.join_token.empty()) opt.join_token = options->join_token;
   stage.kv_cache_bytes = kv_mb << 20;
   if (kv_opt->count() > 0) stage.gpu_kv_cache_max_bytes = kv_mb << 20;
   opt.heartbeat_interval = std::chrono::milliseconds(heartbeat_ms);

@@ -15,6 +15,8 @@
 #include <sstream>
 #include <vector>
 
+#include "common/options.h"
+
 namespace conveyor::transport {
 
 namespace {
@@ -115,8 +117,8 @@ Expected<std::string> data_plane_interface(const std::string& host) {
 }
 
 Expected<DataInterface> choose_data_interface(const std::string& host, const std::string& requested) {
-  if (const char* env = std::getenv("UCX_NET_DEVICES"); env && *env)
-    return DataInterface{.net_devices = "", .shown = env, .source = "UCX_NET_DEVICES"};
+  if (const auto env = ucx_variable(UcxVariable::NetDevices); env && !env->empty())
+    return DataInterface{.net_devices = "", .shown = *env, .source = "UCX_NET_DEVICES"};
   if (!requested.empty()) {
     if (requested == "any" || requested == "all")
       return DataInterface{.net_devices = "", .shown = "any", .source = "--data-interface"};

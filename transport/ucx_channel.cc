@@ -11,6 +11,7 @@
 #include <cstdlib>
 #include <future>
 
+#include "common/options.h"
 #include "transport/channel_address.h"
 #include "transport/ucx_channel_impl.h"
 
@@ -26,11 +27,13 @@ Status UcxChannel::Impl::init() {
   ucp_config_t* raw_config = nullptr;
   CONVEYOR_UCX_CHECK(ucp_config_read(nullptr, nullptr, &raw_config));
   ucx::Config config(raw_config);
-  if (!std::getenv("UCX_TLS") && !opt.transports.empty())
+  // The operator's UCX_* (declared in common/options.h as UCX's own) win over our choices.
+  const std::optional<std::string> env_tls = ucx_variable(UcxVariable::Tls);
+  if (!env_tls && !opt.transports.empty())
     CONVEYOR_UCX_CHECK(ucp_config_modify(config.get(), "TLS", opt.transports.c_str()));
-  if (!std::getenv("UCX_NET_DEVICES") && !opt.net_devices.empty())
+  if (!ucx_variable(UcxVariable::NetDevices) && !opt.net_devices.empty())
     CONVEYOR_UCX_CHECK(ucp_config_modify(config.get(), "NET_DEVICES", opt.net_devices.c_str()));
-  if (!std::getenv("UCX_KEEPALIVE_INTERVAL")) {
+  if (!ucx_variable(UcxVariable::KeepaliveInterval)) {
     const std::string interval = std::to_string(opt.keepalive_interval.count()) + "ms";
     CONVEYOR_UCX_CHECK(ucp_config_modify(config.get(), "KEEPALIVE_INTERVAL", interval.c_str()));
   }
@@ -51,8 +54,7 @@ Status UcxChannel::Impl::init() {
   // UCX detects CUDA memory even when UCX_TLS leaves out the transports that move it
   // (cuda_copy, cuda_ipc); such a channel must not send or take device payloads.
   {
-    const char* env_tls = std::getenv("UCX_TLS");
-    const std::string tls = env_tls ? env_tls : opt.transports;
+    const std::string tls = env_tls ? *env_tls : opt.transports;
     if (!tls.empty() && tls[0] != '^' && tls.find("cuda") == std::string::npos && tls.find("all") == std::string::npos)
       cuda_memory = false;
   }

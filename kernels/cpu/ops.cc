@@ -28,7 +28,7 @@
 #include <limits>
 #include <mutex>
 #include <numbers>
-#include <cstdlib>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -48,14 +48,13 @@ constexpr int64_t kMatmulRowBlock = 8;
 // finds the pool busy (another thread's call, e.g. tensor-parallel ranks) runs serially.
 class ForkJoinPool {
  public:
-  ForkJoinPool() {
+  // `threads` in all, the caller included.
+  explicit ForkJoinPool(int threads) {
     // OpenBLAS runs single-threaded under us: its own threads spin while waiting (ruinous
     // when several workers share cores) and its results can depend on its thread count.
     // Parallelism comes from this pool, over independent row blocks and heads.
     openblas_set_num_threads(1);
-    unsigned hw = std::max(1u, std::thread::hardware_concurrency());
-    if (const char* env = std::getenv("CONVEYOR_CPU_THREADS"); env && std::atoi(env) > 0) hw = unsigned(std::atoi(env));
-    for (unsigned i = 1; i < hw; ++i) workers_.emplace_back([this, i] { worker_loop(i); });
+    for (int i = 1; i < threads; ++i) workers_.emplace_back([this, i] { worker_loop(unsigned(i)); });
   }
   ~ForkJoinPool() {
     {
@@ -121,8 +120,24 @@ class ForkJoinPool {
   bool stop_ = false;
 };
 
+// The pool's size as set_threads asked (0: the hardware's), and whether it has started (then
+// the size is fixed).
+std::mutex g_threads_mu;
+int g_threads = 0;
+bool g_pool_started = false;
+
+int resolved_threads(int threads) {
+  return threads > 0 ? threads : int(std::max(1u, std::thread::hardware_concurrency()));
+}
+
+int start_pool() {
+  std::lock_guard lock(g_threads_mu);
+  g_pool_started = true;
+  return resolved_threads(g_threads);
+}
+
 ForkJoinPool& pool() {
-  static ForkJoinPool p;
+  static ForkJoinPool p(start_pool());
   return p;
 }
 
@@ -191,6 +206,21 @@ void attend_row(float* out, const float* q, const float* k, const float* v, int6
 }
 
 }  // namespace
+
+Status set_threads(int threads) {
+  if (threads < 0) return Status::error("cpu ops: threads " + std::to_string(threads) + " (0: one per hardware thread)");
+  std::lock_guard lock(g_threads_mu);
+  if (g_pool_started && resolved_threads(threads) != resolved_threads(g_threads))
+    return Status::error("cpu ops: the pool already runs " + std::to_string(resolved_threads(g_threads)) +
+                         " threads; " + std::to_string(threads) + " must be set before the first op");
+  g_threads = threads;
+  return {};
+}
+
+int threads() {
+  std::lock_guard lock(g_threads_mu);
+  return resolved_threads(g_threads);
+}
 
 void embedding_forward(float* out, const int32_t* ids, const int32_t* positions, int64_t num_tokens,
                        const float* wte, const float* wpe, int64_t C) {

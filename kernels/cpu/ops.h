@@ -8,7 +8,18 @@
 
 #include <cstdint>
 
+#include "common/status.h"
+
 namespace conveyor::cpu {
+
+// The threads the ops run on, the caller included: matrix row blocks and attention heads are
+// split over a pool (results do not depend on its size). `threads` is KernelOptions::cpu_threads
+// (0: one per hardware thread, the default). The pool starts at the first op that runs in
+// parallel and keeps its size, so a daemon sets it at start-up; a different size after that is
+// an error, as is a negative one.
+Status set_threads(int threads);
+// The pool's size: what it runs with, or will when it starts.
+int threads();
 
 // out[t, :] = wte[ids[t], :] + wpe[positions[t], :]
 void embedding_forward(float* out, const int32_t* ids, const int32_t* positions, int64_t num_tokens,

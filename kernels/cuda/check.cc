@@ -1,7 +1,7 @@
 #include "kernels/cuda/check.h"
 
+#include <atomic>
 #include <cstdio>
-#include <cstdlib>
 
 namespace conveyor::cuda {
 
@@ -30,13 +30,13 @@ DeviceGuard::~DeviceGuard() {
   if (cudaGetDevice(&now) == cudaSuccess && now != previous_ && previous_ >= 0) cudaSetDevice(previous_);
 }
 
-bool pdl_enabled() {
-  static const bool on = [] {
-    const char* e = std::getenv("CONVEYOR_PDL");
-    return !(e && std::string(e) == "0");
-  }();
-  return on;
-}
+namespace {
+std::atomic<bool> g_pdl{true};  // read at every launch: relaxed, a start-up setting
+}  // namespace
+
+void set_pdl(bool on) { g_pdl.store(on, std::memory_order_relaxed); }
+
+bool pdl_enabled() { return g_pdl.load(std::memory_order_relaxed); }
 
 std::pair<size_t, size_t> device_memory_info() {
   size_t free_bytes = 0, total_bytes = 0;

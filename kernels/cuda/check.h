@@ -120,8 +120,10 @@ class DeviceGuard {
   int previous_ = -1;
 };
 
-// Programmatic Dependent Launch for the kernels that support it (launch.cuh); off when the
-// environment has CONVEYOR_PDL=0. Read once.
+// Programmatic Dependent Launch for the kernels that support it (launch.cuh): on unless
+// set_pdl(false) (KernelOptions::pdl; a daemon sets it at start-up from CONVEYOR_PDL). Set it
+// before the first launch: CUDA graphs keep what their capture saw.
+void set_pdl(bool on);
 bool pdl_enabled();
 
 // Bytes free and total on the current device.

@@ -33,7 +33,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstdlib>
 #include <cstring>
 #include <iterator>
 #include <sstream>
@@ -57,11 +56,6 @@ int64_t align_up(int64_t x, int64_t a) { return (x + a - 1) / a * a; }
 // is chosen: every count the stage runs lies between these, and a kernel that takes 1, 17, 255
 // and 4096 rows does not refuse the ones between for the row count's sake.
 constexpr int64_t kProbeRows[] = {1, 2, 3, 8, 17, 64, 100, 255, 256, 512, 1024, 4096, 16384};
-
-bool fast_accum_from_env() {
-  const char* e = std::getenv("CONVEYOR_FP8_FAST_ACCUM");
-  return e != nullptr && std::strcmp(e, "1") == 0;
-}
 
 }  // namespace
 
@@ -89,7 +83,6 @@ struct Gemm::Fp8State {
   void* workspace = nullptr;  // the sums, the quantised activations, their scales (above)
   size_t workspace_bytes = 0;
   DeviceBuffer owned;  // the Gemm's own, when the caller gave none
-  bool fast_accum = fast_accum_from_env();
   std::map<Key, std::unique_ptr<Plan>> plans;
   std::map<Key, Anchor> anchors;              // key with T = 0
   std::map<Key, const Plan*> timed_buckets;  // fast mode: key with T = its bucket -> the timed plan
@@ -197,7 +190,7 @@ void Gemm::run_fp8(T* out, const T* in, const uint8_t* w, const float* w_scales,
   // overwritten by the real call that follows.
   auto trial = [&](const cublasLtMatmulAlgo_t& algo) {
     if (capturing) return true;
-    Fp8Problem p(rows_per_call, K, N, s.fast_accum);
+    Fp8Problem p(rows_per_call, K, N, options_.fp8_fast_accum);
     return lt_accepts(lt_, p, algo, ws) && matmul(p, algo) == CUBLAS_STATUS_SUCCESS;
   };
 
@@ -206,7 +199,7 @@ void Gemm::run_fp8(T* out, const T* in, const uint8_t* w, const float* w_scales,
     Key ak = key;
     ak.T = 0;
     if (auto it = s.anchors.find(ak); it != s.anchors.end()) return it->second;
-    Fp8Problem p(kFp8AnchorRows, K, N, s.fast_accum);
+    Fp8Problem p(kFp8AnchorRows, K, N, options_.fp8_fast_accum);
     const auto results = lt_proposals(lt_, p, key.align, ws, kHeuristicResults);
     for (const auto& r : results) {
       cublasLtMatmulAlgo_t algo = r.algo;
@@ -214,7 +207,7 @@ void Gemm::run_fp8(T* out, const T* in, const uint8_t* w, const float* w_scales,
       if (lt_splits_k(algo) && !lt_unsplit(algo)) continue;
       bool all = true;
       for (int64_t t : kProbeRows) {
-        Fp8Problem pt(t, K, N, s.fast_accum);
+        Fp8Problem pt(t, K, N, options_.fp8_fast_accum);
         if (!lt_accepts(lt_, pt, algo, ws)) {
           all = false;
           break;
@@ -237,9 +230,9 @@ void Gemm::run_fp8(T* out, const T* in, const uint8_t* w, const float* w_scales,
     k.T = rows;
     if (auto it = s.plans.find(k); it != s.plans.end()) return *it->second;
     auto plan = std::make_unique<Fp8State::Plan>();
-    if (deterministic_) {
+    if (options_.deterministic) {
       const Fp8State::Anchor& a = anchor_of();
-      plan->problem = std::make_unique<Fp8Problem>(rows, K, N, s.fast_accum);
+      plan->problem = std::make_unique<Fp8Problem>(rows, K, N, options_.fp8_fast_accum);
       if (!lt_accepts(lt_, *plan->problem, a.algo, ws))
         throw Error("fp8 gemm: the fixed algorithm of K=" + std::to_string(K) + " N=" + std::to_string(N) +
                     " refuses T=" + std::to_string(rows));
@@ -254,7 +247,7 @@ void Gemm::run_fp8(T* out, const T* in, const uint8_t* w, const float* w_scales,
         plan->choice = "as its bucket's timed plan (" + it->second->choice + ")";
         return *s.plans.emplace(k, std::move(plan)).first->second;
       }
-      if (!tuning_ || capturing) return *s.plans.emplace(k, std::move(plan)).first->second;
+      if (!options_.tuning || capturing) return *s.plans.emplace(k, std::move(plan)).first->second;
       // Timed among the unsplit proposals for this T that give this call's rows the anchor's
       // sums bit for bit (the sums of every row, on the caller's own quantised rows).
       const size_t sum_bytes = size_t(rows * N) * sizeof(float);
@@ -286,7 +279,7 @@ void Gemm::run_fp8(T* out, const T* in, const uint8_t* w, const float* w_scales,
     }
     // Fast mode: another T of this bucket was timed: its algorithm, if cuBLASLt takes it here.
     Key bk = bucket_of(k);
-    plan->problem = std::make_unique<Fp8Problem>(rows, K, N, s.fast_accum);
+    plan->problem = std::make_unique<Fp8Problem>(rows, K, N, options_.fp8_fast_accum);
     if (auto it = s.timed_buckets.find(bk); it != s.timed_buckets.end() &&
                                             lt_accepts(lt_, *plan->problem, it->second->algo, ws)) {
       plan->algo = it->second->algo;
@@ -296,7 +289,7 @@ void Gemm::run_fp8(T* out, const T* in, const uint8_t* w, const float* w_scales,
     const auto results = lt_proposals(lt_, *plan->problem, key.align, ws, kHeuristicResults);
     if (results.empty())
       throw Error("fp8 gemm: cuBLASLt offers no FP8 algorithm (E4M3 x E4M3 -> fp32) for " + shape_text(rows, K, N));
-    if (!tuning_ || capturing || results.size() == 1) {
+    if (!options_.tuning || capturing || results.size() == 1) {
       plan->algo = results[0].algo;
       plan->choice = lt_algo_name(results[0].algo) + " (heuristic #0, untimed)";
       return *s.plans.emplace(k, std::move(plan)).first->second;

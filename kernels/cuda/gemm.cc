@@ -5,8 +5,6 @@
 
 #include <algorithm>
 #include <bit>
-#include <cstdlib>
-#include <cstring>
 #include <sstream>
 #include <type_traits>
 #include <vector>
@@ -56,20 +54,30 @@ struct Gemm::Plan : LtDescriptors {  // the cuBLASLt descriptors when cuBLASLt r
   std::string choice;
 };
 
-Gemm::Gemm() {
+namespace {
+
+// The forced GEMV splits and the prefetch pick kernel instances and offsets; anything else
+// would be silently ignored or overflow, so it is refused.
+void check_options(const GemmOptions& o) {
+  if (!is_one_of(o.gemv_k_split, kGemvKSplits))
+    throw Error("Gemm: gemv_k_split " + std::to_string(o.gemv_k_split) + " (0: chosen by N, or 1, 2, 4)");
+  if (!is_one_of(o.int8_gemv_k_split, kInt8GemvKSplits))
+    throw Error("Gemm: int8_gemv_k_split " + std::to_string(o.int8_gemv_k_split) +
+                " (0: chosen by shape, or 1, 2, 4, 8)");
+  if (o.gemv_l2_prefetch_bytes < 0 || o.gemv_l2_prefetch_bytes > kMaxGemvL2PrefetchBytes)
+    throw Error("Gemm: gemv_l2_prefetch_bytes " + std::to_string(o.gemv_l2_prefetch_bytes) + " (0 to " +
+                std::to_string(kMaxGemvL2PrefetchBytes) + ")");
+}
+
+}  // namespace
+
+Gemm::Gemm(const GemmOptions& options) : options_(options) {
+  check_options(options_);
   CUDA_CHECK(cudaGetDevice(&device_));
   CUDA_CHECK(cublasLtCreate(&lt_));
   workspace_ = device_alloc(kWorkspaceBytes, "gemm", "cuBLASLt workspace");
   CUDA_CHECK(cudaEventCreate(&ev_start_));
   CUDA_CHECK(cudaEventCreate(&ev_stop_));
-  if (const char* e = std::getenv("CONVEYOR_GEMM_TUNE"); e && std::strcmp(e, "0") == 0) tuning_ = false;
-  if (const char* e = std::getenv("CONVEYOR_GEMM_ORDER"); e && std::strcmp(e, "fixed") == 0) sequential_ = false;
-  deterministic_ = deterministic_by_default();
-}
-
-bool Gemm::deterministic_by_default() {
-  const char* e = std::getenv("CONVEYOR_DETERMINISTIC");
-  return !(e && std::strcmp(e, "0") == 0);
 }
 
 Gemm::~Gemm() {
@@ -148,7 +156,7 @@ Gemm::Plan& Gemm::plan_for(const Key& key, const void* out, const void* in, cons
 
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
   CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
-  const bool timed = tuning_ && capture == cudaStreamCaptureStatusNone && (found + int(gemv_ok)) > 1;
+  const bool timed = options_.tuning && capture == cudaStreamCaptureStatusNone && (found + int(gemv_ok)) > 1;
 
   if (!timed) {
     // Untimed: the GEMV for tiny T (it is built for that case), else the heuristic's first.
@@ -228,18 +236,22 @@ void Gemm::execute_gemv_for_timing(const Key& key, void* out, const void* in, co
   if (key.in_type == CUDA_R_16F) {
     if (key.out_type == CUDA_R_32F)
       detail::gemv_nk(static_cast<float*>(out), static_cast<const __half*>(in), static_cast<const __half*>(w),
-                      static_cast<const __half*>(bias), key.T, key.K, key.N, act, stream);
+                      static_cast<const __half*>(bias), key.T, key.K, key.N, act, stream, options_.gemv_k_split,
+                      options_.gemv_l2_prefetch_bytes);
     else
       detail::gemv_nk(static_cast<__half*>(out), static_cast<const __half*>(in), static_cast<const __half*>(w),
-                      static_cast<const __half*>(bias), key.T, key.K, key.N, act, stream);
+                      static_cast<const __half*>(bias), key.T, key.K, key.N, act, stream, options_.gemv_k_split,
+                      options_.gemv_l2_prefetch_bytes);
   } else {
     using B = __nv_bfloat16;
     if (key.out_type == CUDA_R_32F)
       detail::gemv_nk(static_cast<float*>(out), static_cast<const B*>(in), static_cast<const B*>(w),
-                      static_cast<const B*>(bias), key.T, key.K, key.N, act, stream);
+                      static_cast<const B*>(bias), key.T, key.K, key.N, act, stream, options_.gemv_k_split,
+                      options_.gemv_l2_prefetch_bytes);
     else
       detail::gemv_nk(static_cast<B*>(out), static_cast<const B*>(in), static_cast<const B*>(w),
-                      static_cast<const B*>(bias), key.T, key.K, key.N, act, stream);
+                      static_cast<const B*>(bias), key.T, key.K, key.N, act, stream, options_.gemv_k_split,
+                      options_.gemv_l2_prefetch_bytes);
   }
 }
 
@@ -255,8 +267,8 @@ void Gemm::run(OutT* out, const T* in, const T* w, const T* bias, int64_t T_, in
       throw Error("gemm: fp32 output supports neither bias nor activation");
   }
   check_device();
-  if (deterministic_ && layout == WeightLayout::NK) {
-    if (!sequential_ || !run_sequential<T, OutT>(out, in, w, bias, T_, K, N, act, stream))
+  if (options_.deterministic && layout == WeightLayout::NK) {
+    if (!options_.sequential_order || !run_sequential<T, OutT>(out, in, w, bias, T_, K, N, act, stream))
       run_fixed<T, T, OutT>(out, in, w, nullptr, bias, T_, K, N, act, stream);
     return;
   }
@@ -272,7 +284,7 @@ void Gemm::run(OutT* out, const T* in, const T* w, const T* bias, int64_t T_, in
   const Plan& plan = plan_for(key, out, in, w, bias, stream);
 
   if (plan.use_gemv) {
-    detail::gemv_nk(out, in, w, bias, T_, K, N, act, stream);
+    detail::gemv_nk(out, in, w, bias, T_, K, N, act, stream, options_.gemv_k_split, options_.gemv_l2_prefetch_bytes);
     return;
   }
   if (plan.bias_epilogue)
@@ -325,7 +337,7 @@ Gemm::Plan& Gemm::plan_kernels(const Key& key, const std::function<std::vector<i
 
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
   CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
-  const bool untimed = !tuning_ || capture != cudaStreamCaptureStatusNone;
+  const bool untimed = !options_.tuning || capture != cudaStreamCaptureStatusNone;
   if (dequant && !untimed) candidates.push_back(kDequantChoice);
   if (untimed || candidates.size() == 1) {
     const int k = candidates.size() == 1 ? candidates[0] : untimed_choice;
@@ -388,7 +400,7 @@ void Gemm::run_int8(OutT* out, const T* in, const int8_t* w, const float* scales
   static_assert(std::is_same_v<OutT, T> || std::is_same_v<OutT, float>, "OutT is T or float");
   detail::int8_check_args(out, in, w, scales, T_, K, N);
   check_device();
-  if (deterministic_) {
+  if (options_.deterministic) {
     run_fixed<T, int8_t, OutT>(out, in, w, scales, bias, T_, K, N, act, stream);
     return;
   }
@@ -409,7 +421,8 @@ void Gemm::run_int8(OutT* out, const T* in, const int8_t* w, const float* scales
       run<T, OutT>(out, in, dequant, bias, T_, K, N, WeightLayout::NK, act, stream);
       return;
     }
-    detail::int8_matmul<T, OutT>(detail::Int8Kernel(k), out, in, w, scales, bias, T_, K, N, act, stream);
+    detail::int8_matmul<T, OutT>(detail::Int8Kernel(k), out, in, w, scales, bias, T_, K, N, act, stream,
+                                 options_.int8_gemv_k_split);
   };
   auto candidates = [&] {
     std::vector<int> v;

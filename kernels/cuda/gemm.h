@@ -41,6 +41,7 @@
 #include <tuple>
 #include <vector>
 
+#include "common/kernel_options.h"
 #include "common/model_config.h"
 #include "kernels/cuda/check.h"
 
@@ -59,7 +60,10 @@ class Gemm {
   static constexpr int kMaxCandidates = 8;
   static constexpr size_t kWorkspaceBytes = size_t(32) << 20;
 
-  Gemm();  // on the current device
+  // On the current device. `options` (common/kernel_options.h) are what a daemon read at
+  // start-up; the defaults are the stage's usual mode. Throws conveyor::Error naming a forced
+  // K split or an L2 prefetch the kernels do not have.
+  explicit Gemm(const GemmOptions& options = {});
   ~Gemm();
   Gemm(const Gemm&) = delete;
   Gemm& operator=(const Gemm&) = delete;
@@ -96,7 +100,7 @@ class Gemm {
   // epilogue is per element). Fast mode times the
   // heuristic's proposals per T bucket, split-K included. Every call after a shape's first is
   // launches only (capturable). Throws conveyor::Error naming the bad argument, or when
-  // cuBLASLt offers no FP8 algorithm for the problem. CONVEYOR_FP8_FAST_ACCUM=1 at start turns
+  // cuBLASLt offers no FP8 algorithm for the problem. GemmOptions::fp8_fast_accum turns
   // on cuBLASLt's fast FP8 accumulation (no periodic promotion to fp32: faster, less exact;
   // still the same bits for every T, but not the default's bits).
   template <class T>
@@ -115,23 +119,22 @@ class Gemm {
   Status fp8_supported();
   static constexpr int64_t kFp8AnchorRows = 256;
 
-  // Deterministic mode (on unless CONVEYOR_DETERMINISTIC=0 or set_deterministic(false)): a
+  // Deterministic mode (GemmOptions::deterministic, on by default, or set_deterministic): a
   // row's result is the same bits whatever T, its place among the rows, or the kernel Gemm
   // picks. run() with the [N, K] layout takes the sequential order (gemm_sequential.cc: K in
   // increasing 16-element tensor-core steps from zero, as cuBLASLt's kernels without a split
   // along K sum; those kernels and the sequential GEMV, each admitted by its bits on a probe,
   // timed per T bucket) for every shape where a canonical unsplit cuBLASLt algorithm exists,
   // else the fixed-order tiles (fixed_gemm.h: chains that depend on K alone); run_int8()
-  // takes the fixed-order tiles. set_sequential_order(false), or CONVEYOR_GEMM_ORDER=fixed
-  // at start, keeps every shape on the tiles. Off: the fastest of cuBLASLt, the GEMV and the
+  // takes the fixed-order tiles. set_sequential_order(false), or GemmOptions::sequential_order
+  // off, keeps every shape on the tiles. Off: the fastest of cuBLASLt, the GEMV and the
   // int8 kernels, whose order follows T. The [K, N] layout always takes cuBLASLt (the stage
   // never uses it). A shape's route is settled at its first call, which must come outside
   // graph capture (GpuStage plans every shape eagerly before it captures).
-  void set_deterministic(bool on) { deterministic_ = on; }
-  void set_sequential_order(bool on) { sequential_ = on; }
-  bool deterministic() const { return deterministic_; }
-  // The mode a new Gemm starts in: off only when CONVEYOR_DETERMINISTIC=0.
-  static bool deterministic_by_default();
+  void set_deterministic(bool on) { options_.deterministic = on; }
+  void set_sequential_order(bool on) { options_.sequential_order = on; }
+  bool deterministic() const { return options_.deterministic; }
+  const GemmOptions& options() const { return options_; }
 
   // Lets run_int8 also weigh, for T > 8, dequantising the weight into `workspace` (at least
   // N x K elements of T) and then run(): cuBLASLt's tensor cores at full rate, for 3 extra
@@ -140,8 +143,8 @@ class Gemm {
   void set_dequant_workspace(void* workspace, size_t bytes) { dequant_ = workspace, dequant_bytes_ = bytes; }
 
   // Off: every new shape takes the heuristic's first choice (or the GEMV for T <= 8, [N, K])
-  // without timing. The environment variable CONVEYOR_GEMM_TUNE=0 sets it off at start.
-  void set_tuning(bool on) { tuning_ = on; }
+  // without timing. GemmOptions::tuning is its start.
+  void set_tuning(bool on) { options_.tuning = on; }
   size_t planned_shapes() const { return plans_.size(); }
   // One line per plan: the shape, the choice and its time (for benchmark logs).
   std::string describe_plans() const;
@@ -206,9 +209,7 @@ class Gemm {
   cublasLtHandle_t lt_ = nullptr;
   DeviceBuffer workspace_;
   cudaEvent_t ev_start_ = nullptr, ev_stop_ = nullptr;
-  bool tuning_ = true;
-  bool deterministic_ = true;
-  bool sequential_ = true;
+  GemmOptions options_;
   void* dequant_ = nullptr;
   size_t dequant_bytes_ = 0;
   std::map<Key, std::unique_ptr<Plan>> plans_;

@@ -280,7 +280,7 @@ bool Gemm::run_sequential(OutT* out, const T* in, const T* w, const T* bias, int
     auto plan = std::make_unique<SeqPlan>();
     const bool bias_epi = key.has_bias && act == GemmAct::None;
     plan->problem = std::make_unique<SeqProblem>(key.in_type, key.out_type, T_, K, N, bias_epi);
-    const bool timed = tuning_ && !capturing;
+    const bool timed = options_.tuning && !capturing;
     // Another T of this bucket was timed: its choice, if it runs this T.
     if (auto b = seq_->timed_buckets.find(bucket_of(key)); b != seq_->timed_buckets.end()) {
       const int m = b->second->member;

@@ -1,8 +1,6 @@
 // GEMV for decode: see gemv.h. Memory-bound: each weight byte is read once, 16 bytes per lane
 // per load, U independent loads per row in flight per lane before the first use. The
 // activations (T x K, a few KB) are re-read by every warp and stay in L1/L2.
-#include <algorithm>
-#include <cstdlib>
 
 #include "kernels/cuda/check.h"
 #include "kernels/cuda/dtype.cuh"
@@ -150,41 +148,31 @@ __global__ void __launch_bounds__(kWarps * 32)
   }
 }
 
-int l2_prefetch_bytes() {
-  static const int bytes = [] {
-    const char* e = std::getenv("CONVEYOR_GEMV_L2_PREFETCH");
-    return e ? std::max(0, std::atoi(e)) : 0;
-  }();
-  return bytes;
-}
-
-// K slices per row: enough warps in flight for small N (see the kernel). CONVEYOR_GEMV_KSPLIT
-// (1, 2 or 4) overrides the choice, for measurements.
-int k_slices(int64_t rows_of_warps) {
-  static const int forced = [] {
-    const char* e = std::getenv("CONVEYOR_GEMV_KSPLIT");
-    return e ? std::atoi(e) : 0;
-  }();
+// K slices per row: enough warps in flight for small N (see the kernel). `forced` (1, 2 or 4;
+// GemmOptions::gemv_k_split) overrides the choice, for measurements.
+int k_slices(int64_t rows_of_warps, int forced) {
   if (forced == 1 || forced == 2 || forced == 4) return forced;
   return rows_of_warps < 2048 ? 4 : rows_of_warps < 6144 ? 2 : 1;
 }
 
 template <class T, class OutT, int TOK, int KS>
-void launch_ks(OutT* out, const T* in, const T* w, const T* bias, int K, int N, int act, cudaStream_t stream) {
+void launch_ks(OutT* out, const T* in, const T* w, const T* bias, int K, int N, int act, int l2_prefetch_bytes,
+               cudaStream_t stream) {
   constexpr int ROWS = TOK > 4 ? 2 : 1;
   const int rows_per_block = kWarps / KS * ROWS;
   const unsigned blocks = unsigned((int64_t(N) + rows_per_block - 1) / rows_per_block);
   LAUNCH_PDL("gemv_nk_kernel", gemv_nk_kernel<T, OutT, TOK, ROWS, KS>, dim3(blocks), dim3(kWarps * 32), 0, stream, out,
-             in, w, bias, K, N, act, l2_prefetch_bytes());
+             in, w, bias, K, N, act, l2_prefetch_bytes);
 }
 
 template <class T, class OutT, int TOK>
-void launch(OutT* out, const T* in, const T* w, const T* bias, int K, int N, int act, cudaStream_t stream) {
+void launch(OutT* out, const T* in, const T* w, const T* bias, int K, int N, int act, int k_split,
+            int l2_prefetch_bytes, cudaStream_t stream) {
   constexpr int ROWS = TOK > 4 ? 2 : 1;
-  switch (k_slices((int64_t(N) + ROWS - 1) / ROWS)) {
-    case 4: launch_ks<T, OutT, TOK, 4>(out, in, w, bias, K, N, act, stream); break;
-    case 2: launch_ks<T, OutT, TOK, 2>(out, in, w, bias, K, N, act, stream); break;
-    default: launch_ks<T, OutT, TOK, 1>(out, in, w, bias, K, N, act, stream); break;
+  switch (k_slices((int64_t(N) + ROWS - 1) / ROWS, k_split)) {
+    case 4: launch_ks<T, OutT, TOK, 4>(out, in, w, bias, K, N, act, l2_prefetch_bytes, stream); break;
+    case 2: launch_ks<T, OutT, TOK, 2>(out, in, w, bias, K, N, act, l2_prefetch_bytes, stream); break;
+    default: launch_ks<T, OutT, TOK, 1>(out, in, w, bias, K, N, act, l2_prefetch_bytes, stream); break;
   }
 }
 
@@ -197,33 +185,38 @@ bool gemv_nk_supported(int64_t T_, int64_t K, int64_t N, const void* in, const v
 
 template <class T, class OutT>
 void gemv_nk(OutT* out, const T* in, const T* w, const T* bias, int64_t T_, int64_t K, int64_t N,
-             GemmAct act, cudaStream_t stream) {
+             GemmAct act, cudaStream_t stream, int k_split, int l2_prefetch_bytes) {
   if (!gemv_nk_supported(T_, K, N, in, w))
     throw Error("gemv_nk: unsupported problem T=" + std::to_string(T_) + " K=" + std::to_string(K) +
                 " N=" + std::to_string(N));
+  if (!is_one_of(k_split, kGemvKSplits))
+    throw Error("gemv_nk: k_split " + std::to_string(k_split) + " (0: chosen by N, or 1, 2, 4)");
+  if (l2_prefetch_bytes < 0 || l2_prefetch_bytes > kMaxGemvL2PrefetchBytes)
+    throw Error("gemv_nk: l2_prefetch_bytes " + std::to_string(l2_prefetch_bytes) + " (0 to " +
+                std::to_string(kMaxGemvL2PrefetchBytes) + ")");
   const int a = int(act);  // the code activate() takes (dtype.cuh)
-  const int k = int(K), n = int(N);
+  const int k = int(K), n = int(N), ks = k_split, l2 = l2_prefetch_bytes;
   switch (T_) {
-    case 1: launch<T, OutT, 1>(out, in, w, bias, k, n, a, stream); break;
-    case 2: launch<T, OutT, 2>(out, in, w, bias, k, n, a, stream); break;
-    case 3: launch<T, OutT, 3>(out, in, w, bias, k, n, a, stream); break;
-    case 4: launch<T, OutT, 4>(out, in, w, bias, k, n, a, stream); break;
-    case 5: launch<T, OutT, 5>(out, in, w, bias, k, n, a, stream); break;
-    case 6: launch<T, OutT, 6>(out, in, w, bias, k, n, a, stream); break;
-    case 7: launch<T, OutT, 7>(out, in, w, bias, k, n, a, stream); break;
-    default: launch<T, OutT, 8>(out, in, w, bias, k, n, a, stream); break;
+    case 1: launch<T, OutT, 1>(out, in, w, bias, k, n, a, ks, l2, stream); break;
+    case 2: launch<T, OutT, 2>(out, in, w, bias, k, n, a, ks, l2, stream); break;
+    case 3: launch<T, OutT, 3>(out, in, w, bias, k, n, a, ks, l2, stream); break;
+    case 4: launch<T, OutT, 4>(out, in, w, bias, k, n, a, ks, l2, stream); break;
+    case 5: launch<T, OutT, 5>(out, in, w, bias, k, n, a, ks, l2, stream); break;
+    case 6: launch<T, OutT, 6>(out, in, w, bias, k, n, a, ks, l2, stream); break;
+    case 7: launch<T, OutT, 7>(out, in, w, bias, k, n, a, ks, l2, stream); break;
+    default: launch<T, OutT, 8>(out, in, w, bias, k, n, a, ks, l2, stream); break;
   }
 }
 
 template void gemv_nk<__half, __half>(__half*, const __half*, const __half*, const __half*, int64_t,
-                                      int64_t, int64_t, GemmAct, cudaStream_t);
+                                      int64_t, int64_t, GemmAct, cudaStream_t, int, int);
 template void gemv_nk<__half, float>(float*, const __half*, const __half*, const __half*, int64_t,
-                                     int64_t, int64_t, GemmAct, cudaStream_t);
+                                     int64_t, int64_t, GemmAct, cudaStream_t, int, int);
 template void gemv_nk<__nv_bfloat16, __nv_bfloat16>(__nv_bfloat16*, const __nv_bfloat16*,
                                                     const __nv_bfloat16*, const __nv_bfloat16*,
-                                                    int64_t, int64_t, int64_t, GemmAct, cudaStream_t);
+                                                    int64_t, int64_t, int64_t, GemmAct, cudaStream_t, int, int);
 template void gemv_nk<__nv_bfloat16, float>(float*, const __nv_bfloat16*, const __nv_bfloat16*,
                                             const __nv_bfloat16*, int64_t, int64_t, int64_t, GemmAct,
-                                            cudaStream_t);
+                                            cudaStream_t, int, int);
 
 }  // namespace conveyor::cuda::detail

@@ -19,9 +19,12 @@ constexpr int64_t kGemvMaxTokens = 8;
 // K and N within int range.
 bool gemv_nk_supported(int64_t T_, int64_t K, int64_t N, const void* in, const void* w);
 
+// k_split: the K slices per row (GemmOptions::gemv_k_split: 0 chooses by N, or 1, 2, 4);
+// l2_prefetch_bytes: of each weight row, prefetched into L2 before the wait on the kernel
+// before (GemmOptions::gemv_l2_prefetch_bytes). Throws conveyor::Error for either out of range.
 template <class T, class OutT>
 void gemv_nk(OutT* out, const T* in, const T* w, const T* bias, int64_t T_, int64_t K, int64_t N,
-             GemmAct act, cudaStream_t stream);
+             GemmAct act, cudaStream_t stream, int k_split = 0, int l2_prefetch_bytes = 0);
 
 // The sequential-order GEMV (gemv_seq.cu): out[t, n] summed over K in increasing 16-element
 // steps from zero on the tensor cores, as cuBLASLt's kernels without a split along K sum it,

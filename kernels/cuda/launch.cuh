@@ -12,7 +12,7 @@
 //      the GEMV starts streaming its rows there, overlapping the previous kernel).
 // Kernels launched with <<<>>> (no attribute) are serialised as usual, so mixing is safe;
 // cuBLAS kernels never trigger early, so the kernel after one starts when it ends.
-// CONVEYOR_PDL=0 in the environment launches everything without the attribute.
+// set_pdl(false) (check.h; CONVEYOR_PDL=0 for a daemon) launches everything without the attribute.
 #pragma once
 
 #include <cuda_runtime.h>

@@ -8,7 +8,6 @@
 
 #include <algorithm>
 #include <atomic>
-#include <cstdlib>
 #include <string>
 #include <type_traits>
 #include <utility>
@@ -174,13 +173,9 @@ __global__ void __launch_bounds__(kGemvWarps * 32)
 
 // K slices per row group: as many as keep the grid to one wave of resident blocks (two of
 // 256 threads per SM at ~120 registers) while each warp still has two runs or more; more
-// warps per row give small N the bytes in flight it needs. CONVEYOR_INT8_GEMV_KSPLIT (1, 2,
-// 4 or 8) overrides it, for measurements.
-int gemv_k_slices(int64_t K, int64_t N, int sm_count) {
-  static const int forced = [] {
-    const char* e = std::getenv("CONVEYOR_INT8_GEMV_KSPLIT");
-    return e ? std::atoi(e) : 0;
-  }();
+// warps per row give small N the bytes in flight it needs. `forced` (1, 2, 4 or 8;
+// GemmOptions::int8_gemv_k_split) overrides it, for measurements.
+int gemv_k_slices(int64_t K, int64_t N, int sm_count, int forced) {
   if (forced == 1 || forced == 2 || forced == 4 || forced == 8) return forced;
   const int64_t groups = (N + 15) / 16, chunks = (K / 16 + 3) / 4, slots = int64_t(sm_count) * 2;
   auto blocks = [&](int ks) { return (groups * ks + kGemvWarps - 1) / kGemvWarps; };
@@ -201,11 +196,11 @@ void launch_gemv_ks(OutT* out, const T* in, const int8_t* w, const float* scales
 
 template <class T, class OutT>
 void launch_gemv(OutT* out, const T* in, const int8_t* w, const float* scales, const T* bias, int T_, int K, int N,
-                 int act, cudaStream_t stream) {
+                 int act, int k_split, cudaStream_t stream) {
   int device = 0, sm_count = 0;
   CUDA_CHECK(cudaGetDevice(&device));
   CUDA_CHECK(cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, device));
-  switch (gemv_k_slices(K, N, sm_count)) {
+  switch (gemv_k_slices(K, N, sm_count, k_split)) {
     case 8: launch_gemv_ks<T, OutT, 8>(out, in, w, scales, bias, T_, K, N, act, stream); break;
     case 4: launch_gemv_ks<T, OutT, 4>(out, in, w, scales, bias, T_, K, N, act, stream); break;
     case 2: launch_gemv_ks<T, OutT, 2>(out, in, w, scales, bias, T_, K, N, act, stream); break;
@@ -300,16 +295,18 @@ void int8_check_args(const void* out, const void* in, const void* w, const void*
 
 template <class T, class OutT>
 void int8_matmul(Int8Kernel k, OutT* out, const T* in, const int8_t* w, const float* scales, const T* bias,
-                 int64_t T_, int64_t K, int64_t N, GemmAct act, cudaStream_t stream) {
+                 int64_t T_, int64_t K, int64_t N, GemmAct act, cudaStream_t stream, int gemv_k_split) {
   static_assert(std::is_same_v<T, __half> || std::is_same_v<T, __nv_bfloat16>, "T is __half or __nv_bfloat16");
   static_assert(std::is_same_v<OutT, T> || std::is_same_v<OutT, float>, "OutT is T or float");
   int8_check_args(out, in, w, scales, T_, K, N);
+  if (!is_one_of(gemv_k_split, kInt8GemvKSplits))
+    throw Error("int8 matmul: gemv_k_split " + std::to_string(gemv_k_split) + " (0: chosen by shape, or 1, 2, 4, 8)");
   if (!int8_kernel_supported(k, T_, K, N, in, w))
     throw Error(std::string("int8 matmul: kernel ") + int8_kernel_name(k) + " cannot run " + tile_shape_text(T_, K, N) +
                 (k == Int8Kernel::Gemv ? " (needs T <= 8, K % 16 == 0, in and w 16-byte aligned)" : ""));
   const int t = int(T_), kk = int(K), n = int(N), a = int(act);
   switch (k) {
-    case Int8Kernel::Gemv: launch_gemv<T, OutT>(out, in, w, scales, bias, t, kk, n, a, stream); return;
+    case Int8Kernel::Gemv: launch_gemv<T, OutT>(out, in, w, scales, bias, t, kk, n, a, gemv_k_split, stream); return;
     case Int8Kernel::Mma16x32: return launch_tiles<T, OutT, Tile16x32>(out, in, w, scales, bias, t, kk, n, a, stream);
     case Int8Kernel::Mma32x64: return launch_tiles<T, OutT, Tile32x64>(out, in, w, scales, bias, t, kk, n, a, stream);
     case Int8Kernel::Mma32x128:
@@ -325,15 +322,15 @@ void int8_matmul(Int8Kernel k, OutT* out, const T* in, const int8_t* w, const fl
 }
 
 template void int8_matmul<__half, __half>(Int8Kernel, __half*, const __half*, const int8_t*, const float*,
-                                          const __half*, int64_t, int64_t, int64_t, GemmAct, cudaStream_t);
+                                          const __half*, int64_t, int64_t, int64_t, GemmAct, cudaStream_t, int);
 template void int8_matmul<__half, float>(Int8Kernel, float*, const __half*, const int8_t*, const float*,
-                                         const __half*, int64_t, int64_t, int64_t, GemmAct, cudaStream_t);
+                                         const __half*, int64_t, int64_t, int64_t, GemmAct, cudaStream_t, int);
 template void int8_matmul<__nv_bfloat16, __nv_bfloat16>(Int8Kernel, __nv_bfloat16*, const __nv_bfloat16*,
                                                         const int8_t*, const float*, const __nv_bfloat16*, int64_t,
-                                                        int64_t, int64_t, GemmAct, cudaStream_t);
+                                                        int64_t, int64_t, GemmAct, cudaStream_t, int);
 template void int8_matmul<__nv_bfloat16, float>(Int8Kernel, float*, const __nv_bfloat16*, const int8_t*,
                                                 const float*, const __nv_bfloat16*, int64_t, int64_t, int64_t,
-                                                GemmAct, cudaStream_t);
+                                                GemmAct, cudaStream_t, int);
 
 }  // namespace detail
 

@@ -63,11 +63,13 @@ Int8Kernel int8_default_kernel(int64_t T_, int64_t K, int64_t N, const void* in,
 void int8_check_args(const void* out, const void* in, const void* w, const void* scales, int64_t T_, int64_t K,
                      int64_t N);
 
-// One launch of kernel k (throws conveyor::Error when it cannot run the problem). T is __half
-// or __nv_bfloat16; OutT is T or float; bias may be null. No allocation, no synchronisation.
+// One launch of kernel k (throws conveyor::Error when it cannot run the problem, or for a
+// gemv_k_split other than 0, 1, 2, 4, 8). T is __half or __nv_bfloat16; OutT is T or float;
+// bias may be null. gemv_k_split: the GEMV's K slices (GemmOptions::int8_gemv_k_split; 0:
+// chosen by shape and SM count). No allocation, no synchronisation.
 template <class T, class OutT>
 void int8_matmul(Int8Kernel k, OutT* out, const T* in, const int8_t* w, const float* scales, const T* bias,
-                 int64_t T_, int64_t K, int64_t N, GemmAct act, cudaStream_t stream);
+                 int64_t T_, int64_t K, int64_t N, GemmAct act, cudaStream_t stream, int gemv_k_split = 0);
 
 }  // namespace detail
 }  // namespace conveyor::cuda

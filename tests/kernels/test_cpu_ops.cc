@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstring>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "kernels/cpu/ops.h"
@@ -30,6 +31,31 @@ TEST(CpuOps, EmbeddingAddsTokenAndPositionRows) {
   embedding_forward(out.data(), ids, pos, T, wte.data(), wpe.data(), C);
   for (int64_t t = 0; t < T; ++t)
     for (int64_t c = 0; c < C; ++c) EXPECT_EQ(out[size_t(t * C + c)], wte[size_t(ids[t] * C + c)] + wpe[size_t(pos[t] * C + c)]);
+}
+
+// The pool's size is a start-up setting (KernelOptions::cpu_threads): it takes effect when the
+// pool starts, at the first parallel op, and a different size after that is refused.
+TEST(CpuOps, ThreadsAreSetBeforeThePoolStarts) {
+  const Status negative = set_threads(-1);
+  EXPECT_FALSE(negative.ok());
+  EXPECT_NE(negative.message().find("threads -1"), std::string::npos) << negative.message();
+  // ctest runs each test in a process of its own, where no op has run yet; a whole run of the
+  // program may have started the pool in an earlier test.
+  if (set_threads(3).ok()) {
+    EXPECT_EQ(threads(), 3);
+  }
+  const int64_t T = 64, K = 32, N = 16;  // 8 row blocks: a parallel op, which starts the pool
+  auto in = randn(size_t(T * K), 7), w = randn(size_t(K * N), 8);
+  std::vector<float> out(size_t(T * N));
+  matmul_forward(out.data(), in.data(), w.data(), nullptr, T, K, N);
+  const int running = threads();
+  EXPECT_GE(running, 1);
+  EXPECT_TRUE(set_threads(running).ok()) << "the size it runs with is no change";
+  const Status late = set_threads(running + 1);
+  EXPECT_FALSE(late.ok());
+  EXPECT_NE(late.message().find("the pool already runs " + std::to_string(running) + " threads"), std::string::npos)
+      << late.message();
+  EXPECT_EQ(threads(), running);
 }
 
 TEST(CpuOps, LayerNormMatchesDoubleReference) {

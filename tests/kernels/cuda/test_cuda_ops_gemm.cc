@@ -162,6 +162,48 @@ TYPED_TEST(CudaOps, GemvKernelDirect) {
   }
 }
 
+// The GEMV with each forced K split and an L2 prefetch (GemmOptions::gemv_k_split and
+// gemv_l2_prefetch_bytes, for measurements): the same products within the GEMV's bound, also
+// through a Gemm built with them (fast mode, where the GEMV competes for T <= 8).
+TYPED_TEST(CudaOps, GemvForcedSplitsAndPrefetch) {
+  using T = TypeParam;
+  Rng rng;
+  SEED_TRACE(rng);
+  for (int Tn : {1, 4, 8}) {
+    const int K = rng.pick({264, 1600, 4096}), N = rng.pick({17, 1001, 7000});
+    auto in = rng.normal(static_cast<size_t>(Tn) * K), w = rng.normal(static_cast<size_t>(N) * K, 0.05f);
+    round_all<T>(in), round_all<T>(w);
+    std::vector<float> ref(static_cast<size_t>(Tn) * N);
+    cpu::lm_head_forward(ref.data(), in.data(), w.data(), Tn, K, N);  // in @ w^T, w [N, K]
+    Dev<T> din(in), dw(w);
+    Dev<float> out(int64_t(ref.size()));
+    for (int split : {1, 2, 4})
+      for (int prefetch : {0, 4096}) {
+        cuda::detail::gemv_nk<T, float>(out.p(), din.p(), dw.p(), nullptr, Tn, K, N, cuda::GemmAct::None, s0, split,
+                                        prefetch);
+        CUDA_CHECK(cudaDeviceSynchronize());
+        EXPECT_LT(rel_err(out.get(), ref), 1e-5)
+            << "T=" << Tn << " K=" << K << " N=" << N << " split=" << split << " prefetch=" << prefetch;
+      }
+    GemmOptions options;
+    options.deterministic = false;
+    options.gemv_k_split = 2;
+    options.gemv_l2_prefetch_bytes = 8192;
+    cuda::Gemm gemm(options);
+    gemm.run<T, float>(out.p(), din.p(), dw.p(), nullptr, Tn, K, N, cuda::WeightLayout::NK, cuda::GemmAct::None, s0);
+    CUDA_CHECK(cudaDeviceSynchronize());
+    EXPECT_LT(rel_err(out.get(), ref), 1e-4) << "Gemm T=" << Tn << " K=" << K << " N=" << N;
+  }
+  Dev<float> o(8);
+  Dev<T> x(8), w(8);
+  try {
+    cuda::detail::gemv_nk<T, float>(o.p(), x.p(), w.p(), nullptr, 1, 8, 1, cuda::GemmAct::None, s0, 3);
+    ADD_FAILURE() << "a K split of 3 ran";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("k_split 3"), std::string::npos) << e.what();
+  }
+}
+
 // The sequential-order GEMV (gemv.h) against the CPU: fp32 out without epilogue, and T out with a bias (added before the
 // rounding) or a bias and GeLU (after it); K past a 128-element stage.
 TYPED_TEST(CudaOps, SequentialGemvMatchesTheCpu) {
@@ -216,6 +258,30 @@ TYPED_TEST(CudaOps, ConvertTranspose) {
   for (int n = 0; n < N; ++n)
     for (int k = 0; k < K; ++k)
       ASSERT_EQ(got[static_cast<size_t>(n) * K + k], round_to<T>(w[static_cast<size_t>(k) * N + n])) << n << "," << k;
+}
+
+// A Gemm refuses options its kernels cannot honour, naming the option and the value, before
+// it touches a device (no GPU needed).
+TEST(GemmOptions, OutOfRangeOptionsAreRefused) {
+  auto message_of = [](GemmOptions o) -> std::string {
+    try {
+      cuda::Gemm gemm(o);
+    } catch (const Error& e) {
+      return e.what();
+    } catch (const std::exception& e) {
+      return std::string("another error: ") + e.what();
+    }
+    return "(no error)";
+  };
+  GemmOptions o;
+  o.gemv_k_split = 3;
+  EXPECT_EQ(message_of(o), "Gemm: gemv_k_split 3 (0: chosen by N, or 1, 2, 4)");
+  o = {};
+  o.int8_gemv_k_split = 16;
+  EXPECT_EQ(message_of(o), "Gemm: int8_gemv_k_split 16 (0: chosen by shape, or 1, 2, 4, 8)");
+  o = {};
+  o.gemv_l2_prefetch_bytes = -1;
+  EXPECT_EQ(message_of(o), "Gemm: gemv_l2_prefetch_bytes -1 (0 to 1048576)");
 }
 
 }  // namespace

@@ -456,6 +456,40 @@ TYPED_TEST(Quant, GraphCaptureReplaysEagerResult) {
   CUDA_CHECK(cudaStreamDestroy(stream));
 }
 
+// The int8 GEMV with each forced K split (GemmOptions::int8_gemv_k_split, for measurements):
+// every split sums the same products, within the GEMV's tolerance, and a Gemm built with one
+// runs it.
+TYPED_TEST(Quant, ForcedGemvSplitsMatchReference) {
+  using T = TypeParam;
+  Rng rng;
+  SEED_TRACE(rng);
+  for (auto [K, N] : {std::pair{4096, 1000}, {768, 2304}}) {
+    const Rounded<T> w(rng.normal(size_t(N) * K, 0.02f));
+    std::vector<int8_t> q;
+    std::vector<float> s;
+    quantize_host(w.values, N, K, q, s);
+    const Rounded<T> bias(rng.normal(size_t(N), 0.1f));
+    for (int Tn : {1, 3, 8}) {
+      const Rounded<T> x(rng.normal(size_t(Tn) * K, 1.f));
+      Problem<T> p(x, q, s, bias, Tn, K, N);
+      const std::vector<double> ref = p.expected(true, GemmAct::None);
+      const double tol = std::is_same_v<T, half> ? 2e-3 : 1e-2;
+      for (int split : {1, 2, 4, 8}) {
+        const std::string label = "T=" + std::to_string(Tn) + " K=" + std::to_string(K) + " N=" +
+                                  std::to_string(N) + " split=" + std::to_string(split);
+        Dev<T> out(size_t(Tn) * N);
+        cuda::detail::int8_matmul<T, T>(Int8Kernel::Gemv, out.ptr(), p.x.ptr(), p.q.ptr(), p.s.ptr(),
+                                        p.bias.ptr(), Tn, K, N, GemmAct::None, nullptr, split);
+        CUDA_CHECK(cudaDeviceSynchronize());
+        const auto bits = out.template get<uint16_t>();
+        std::vector<float> got(bits.size());
+        for (size_t i = 0; i < got.size(); ++i) got[i] = from_bits<T>(bits[i]);
+        EXPECT_LT(worst_row_error(got, ref, Tn, N), tol) << label;
+      }
+    }
+  }
+}
+
 TYPED_TEST(Quant, ErrorsNameTheProblem) {
   using T = TypeParam;
   cuda::Gemm gemm;
@@ -489,6 +523,11 @@ TYPED_TEST(Quant, ErrorsNameTheProblem) {
               cuda::detail::int8_matmul<T, T>(Int8Kernel::Gemv, out.ptr(), x.ptr(), q.ptr(), s.ptr(), nullptr, 9, 64,
                                               64, GemmAct::None, nullptr);
             }).find("gemv cannot run T=9"),
+            std::string::npos);
+  EXPECT_NE(message_of([&] {
+              cuda::detail::int8_matmul<T, T>(Int8Kernel::Gemv, out.ptr(), x.ptr(), q.ptr(), s.ptr(), nullptr, 4, 64,
+                                              64, GemmAct::None, nullptr, 3);
+            }).find("gemv_k_split 3 (0: chosen by shape, or 1, 2, 4, 8)"),
             std::string::npos);
   EXPECT_NE(message_of([&] { cuda::quantize_rows_int8<T>(q.ptr(), nullptr, x.ptr(), 64, 64, nullptr); }).find("null"),
             std::string::npos);
