@@ -1,28 +1,27 @@
 // GpuStage: one pipeline stage (a contiguous layer range of a GPT-2-family model) on one
-// GPU, in fp16 or bf16: the GPU twin of model/cpu_stage.h's CpuStage, call for call
+// GPU, in fp16 or bf16: the GPU twin of stage/cpu/cpu_stage.h's CpuStage, call for call
 // (embed / forward / logits over the same SeqSlice micro-batches), plus a decode fast path
 // that replays the whole step from a CUDA graph.
 //
-// Everything is allocated once, in create(), in this order: weights, one activation buffer
-// set (reused by every layer and call), workspaces (GEMM, decode attention, sampler), then
-// the K/V cache from a fraction of what is left. An allocation that fails names the stage,
-// the bytes asked and the bytes free.
+// A GpuStage is the owner of four parts, each a class of its own, made once in create() in
+// this order:
+//   GpuWeights   (gpu_weights.h)       the weights: layout, upload or synthesis, byte counts;
+//   StepBuffers  (gpu_step_buffers.h)  activations (one set, reused by every layer and call),
+//                                      workspaces, the head's buffers, the step metadata;
+//   KvCache      (kv_cache.h)          the paged K/V cache, from a fraction of what is left;
+//   StepRunner   (gpu_step_runner.h)   the kernels of a step over the three: the layers, the
+//                                      head, the decode step and its CUDA graphs.
+// All are sized from one GpuStageShape (gpu_stage_shape.h: the model, the layer range, the
+// options, this rank's shard, the device). GpuStage itself checks each call's arguments,
+// fills the step's metadata, reserves K/V pages and keeps the sequences' cached lengths. An
+// allocation that fails names the stage, the bytes asked and the bytes free.
 //
 // Errors: every public call returns Status or Expected (guard.h: a CUDA fault comes back as a
 // failed Status naming the stage); nothing here throws.
 //
-// The class is defined over several files, one idea each: gpu_stage.cu (creation and the
-// per-call entries), gpu_weights.cu (layout, upload, synthetic weights), gpu_buffers.cc
-// (activations, workspaces, the K/V cache), gpu_step_meta.cc (step metadata, slice checks,
-// page reservation), gpu_forward.cu (the layers), gpu_head.cu (logits and sampling),
-// gpu_decode.cu (the decode step and its CUDA graphs).
-//
 // Weights are kept in the [out, in] ("NK") layout: the decode GEMV reads each row with
-// 16-byte loads and the prefill GEMMs are cuBLASLt's TN case. One layer is
-//   ln_1 -> QKV (bias fused) -> attention (K/V appended to the paged cache) -> proj ->
-//   add-bias-residual + ln_2 (one kernel) -> FC (bias + GeLU fused) -> FC2 ->
-//   add-bias-residual + next layer's ln_1 (one kernel)
-// so the residual stream `hidden` is [tokens, C] of the stage's dtype throughout.
+// 16-byte loads and the prefill GEMMs are cuBLASLt's TN case. The residual stream `hidden` is
+// [tokens, C] of the stage's dtype throughout (the layer's kernels: gpu_step_runner.h).
 //
 // decode(): every slice is one new token. The step (embedding on the first stage, every
 // layer, ln_f + LM head + greedy argmax on the last) is captured once per batch-size bucket
@@ -60,46 +59,16 @@
 #include "kernels/cuda/sampling.h"
 #include "model/tp_shard.h"
 #include "model/weights.h"
+#include "stage/cuda/gpu_stage_options.h"
+#include "stage/cuda/gpu_stage_shape.h"
+#include "stage/cuda/gpu_step_buffers.h"
 #include "stage/cuda/gpu_step_meta.h"
+#include "stage/cuda/gpu_step_runner.h"
 #include "stage/cuda/gpu_weights.h"
 #include "stage/cuda/kv_cache.h"
 #include "stage/cuda/tp_all_reduce.h"
 
 namespace conveyor::cuda {
-
-struct GpuStageOptions {
-  DType dtype = DType::F16;         // F16 or BF16
-  std::string name = "stage";       // names the stage in errors and reports
-  int64_t max_tokens = 4096;        // tokens of one forward (prefill chunk): activation rows
-  int64_t max_seqs = 128;           // sequences of one micro-batch
-  double kv_cache_fraction = 0.90;  // of the device memory free after everything else
-  int64_t kv_cache_max_bytes = 0;   // cap on the K/V cache (0: none)
-  bool cuda_graphs = true;          // decode() replays graphs (false: runs the same kernels eagerly)
-  // Int8 weight-only (quant.h): the four matrices of every layer stored as int8 with one fp32
-  // scale per output channel, quantised at load; activations, embeddings and the LM head
-  // stay in `dtype`.
-  bool int8_weights = false;
-  // FP8 (E4M3, fp8.h), compute capability 9.0: the four matrices of every layer stored as E4M3
-  // with one fp32 scale per output channel, quantised at load, and their products' activations
-  // quantised per row (per token) at every call; cuBLASLt's FP8 products apply both scales,
-  // the bias and the GeLU. LayerNorm, attention, K/V, embeddings and the LM head stay in
-  // `dtype`. Not with int8_weights.
-  bool fp8 = false;
-  // Tensor parallel: this stage is rank tp_rank of tp_ranks (1 <= tp_ranks <= n_head, n_inner),
-  // and all_reduce (rank tp_rank's GPU must be this stage's) joins the ranks' partial sums.
-  int tp_rank = 0, tp_ranks = 1;
-  TpAllReduce* all_reduce = nullptr;
-  // Tensor parallel: decode steps join their partial sums with the bias, the residual and
-  // the next LayerNorm in one kernel (CustomAllReduce::all_reduce_residual_layernorm).
-  // Off until it is measured on several GPUs: so far it ran on ranks sharing one GPU only.
-  bool fused_all_reduce = false;
-  // Deterministic (the default): every product takes the fixed-order tiles (fixed_gemm.h) and
-  // prompts the fixed-order attention (attention.h), so a sequence's logits and K/V are the
-  // same bits alone or in any batch, chunked any way, and rebuilt after a failover. Off
-  // (CONVEYOR_DETERMINISTIC=0 in the worker's environment also turns it off): the fastest
-  // kernels of each shape, whose summation order follows the batch.
-  bool deterministic = true;
-};
 
 class GpuStage {
  public:
@@ -123,17 +92,17 @@ class GpuStage {
   bool int8_weights() const { return options_.int8_weights; }
   bool fp8() const { return options_.fp8; }
   const std::string& name() const { return options_.name; }
-  int64_t layer_begin() const { return layer_begin_; }
-  int64_t layer_end() const { return layer_end_; }
-  bool has_embedding() const { return layer_begin_ == 0; }
-  bool has_head() const { return layer_end_ == config_.n_layer; }
+  int64_t layer_begin() const { return shape_.layer_begin; }
+  int64_t layer_end() const { return shape_.layer_end; }
+  bool has_embedding() const { return shape_.has_embedding(); }
+  bool has_head() const { return shape_.has_head(); }
   // The LM head is this stage's and this rank holds it (rank 0 of a tensor-parallel stage).
-  bool holds_head() const { return has_head() && options_.tp_rank == 0; }
-  const TpShard& shard() const { return shard_; }
+  bool holds_head() const { return shape_.holds_head(); }
+  const TpShard& shard() const { return shape_.shard; }
   int64_t hidden_size() const { return config_.n_embd; }
   int64_t max_tokens() const { return options_.max_tokens; }
   int64_t max_seqs() const { return options_.max_seqs; }
-  int device() const { return device_; }
+  int device() const { return shape_.device; }
   cudaStream_t stream() const { return stream_; }
 
   // ---- CpuStage twins. The hidden state lives on the device (hidden_device()). ----
@@ -173,7 +142,7 @@ class GpuStage {
   Status download_hidden(void* dst, DType dtype, int64_t num_tokens);
   Status upload_hidden(const float* host, int64_t num_tokens) { return upload_hidden(host, DType::F32, num_tokens); }
   Status download_hidden(float* host, int64_t num_tokens) { return download_hidden(host, DType::F32, num_tokens); }
-  void* hidden_device() const { return hidden_.get(); }  // [max rows, C] of dtype()
+  void* hidden_device() const { return buffers_->hidden.get(); }  // [max rows, C] of dtype()
 
   // KvCache::fork for this stage's sequences (the parent's cached length bounds num_tokens).
   Status fork_sequence(uint64_t parent, uint64_t child, int64_t num_tokens);
@@ -184,8 +153,8 @@ class GpuStage {
   int64_t num_sequences() const { return int64_t(lengths_.size()); }
 
   // Memory figures.
-  int64_t weight_bytes() const { return weight_bytes_; }              // resident weights
-  int64_t decode_weight_bytes() const { return decode_weight_bytes_; } // read by one decode step
+  int64_t weight_bytes() const { return weights_.bytes(); }                // resident weights
+  int64_t decode_weight_bytes() const { return weights_.decode_bytes(); }  // read by one decode step
   int64_t kv_bytes() const { return kv_->bytes(); }
   int64_t kv_bytes_per_token() const;
   int64_t kv_capacity_tokens() const { return kv_->num_pages() * kPageTokens; }
@@ -206,110 +175,42 @@ class GpuStage {
   // before a step whose rows are new. Rows outside the buffers plan nothing (the step refuses them).
   Status plan_products(int64_t rows, bool with_head);
   bool products_planned(int64_t rows, bool with_head) const {
-    return planned_rows_.count({rows, with_head && holds_head()}) > 0;
+    return runner_->products_planned(rows, with_head && holds_head());
   }
-  size_t captured_graphs() const { return graphs_.size(); }
+  size_t captured_graphs() const { return runner_->captured_graphs(); }
 
   Status synchronize();
 
  private:
-  static constexpr int64_t kMaxGraphRows = 512;  // largest decode bucket
-
-  // The checks of shapes and options create() makes before it touches the device.
+  // The checks of shapes and options create() makes before it touches the device
+  // (GpuStageShape's, then GpuWeights' FP8 ones).
   static Status validate(const ModelConfig& config, int64_t layer_begin, int64_t layer_end,
                          const GpuStageOptions& options);
-  // After validate(): the device, its stream and the GEMM; CUDA faults throw (create guards).
+  // After validate(): the shape, the stream and the GEMM; CUDA faults throw (create guards).
   GpuStage(const ModelConfig& config, int64_t layer_begin, int64_t layer_end, const GpuStageOptions& options);
 
-  // ---- gpu_weights.cu ----
-  // validate()'s FP8 part: not with int8, every layer matrix of this rank K, N % 16 == 0, a
-  // GPU of compute capability 8.9 or newer (the current device).
-  static Status validate_fp8(const ModelConfig& config, const GpuStageOptions& options);
-  void allocate_weights();
-  Status upload(const StageWeights& w);  // fails naming a tensor of the wrong size
-  // Rows [n0, n0 + num_rows) of a byte matrix (int8 or FP8, per the options) and their scales
-  // from `rows` [num_rows, K] of T.
-  template <class T> void quantize_matrix_rows(void* dst, float* scales, int64_t n0, const T* rows, int64_t num_rows,
-                                               int64_t K);
-  void synthesize(uint64_t seed);
-
-  // ---- gpu_buffers.cc ----
-  Status allocate_runtime();  // activations, workspaces, then the K/V cache from what is left
-  int decode_splits(int64_t rows) const;
-
-  // ---- gpu_step_meta.cc ----
-  int32_t* begin_meta();                     // waits until the staging slot is free, returns it
-  void send_meta(const StepMeta& host_view);  // one copy host -> device
-  StepMeta device_meta(int64_t tokens, int64_t seqs) const;
+  // After the weights' allocation: the step buffers, the K/V cache from a fraction of the
+  // memory left, and the runner over them.
+  Status allocate_runtime();
+  // What loading the weights borrows from the step buffers (free until the first step).
+  WeightLoadScratch load_scratch() const { return {buffers_->staging_f32, buffers_->ln}; }
+  StepMetaStaging& meta() { return *buffers_->meta; }
+  // K/V pages for every slice's positions; on failure nothing has changed.
   Status reserve(std::span<const SeqSlice> slices);
 
-  // ---- gpu_forward.cu: the kernels of a step, in the stage's dtype ----
-  void embed_rows(const StepMeta& m, int64_t num_tokens);
-  // The layers over a step's rows. The first decode_seqs sequences have one row each and
-  // attend through the decode kernel (which appends their K/V); the rest, chunks of prompts,
-  // through the context kernel. fuse_final_ln: the last layer's residual kernel also applies
-  // ln_f into ln_ (the decode step's head input).
-  Status run_layers(const StepMeta& m, int64_t num_tokens, int64_t num_seqs, int64_t max_q_len, int64_t decode_seqs,
-                    bool fuse_final_ln);
-  // One decode step of `rows` rows: embedding (first stage), every layer, ln_f + LM head +
-  // greedy argmax into tokens_dev_ (rank 0 of the last stage). Capturable.
-  Status decode_step(const StepMeta& m, int64_t rows);
-  template <class T> void embed_impl(const StepMeta& m, int64_t num_tokens);
-  template <class T> Status layers_impl(const StepMeta& m, int64_t num_tokens, int64_t num_seqs, int64_t max_q_len,
-                                        int64_t decode_seqs, bool fuse_final_ln);
-  template <class T> Status reduce_residual_layernorm(T* hidden, T* ln_out, T* x, const T* bias, const T* gamma,
-                                                      const T* beta, int64_t num_tokens);
-  // out[T, N] = act(in[T, K] @ w^T + bias) for a layer matrix w [N, K] (scales: int8 or FP8 weights).
-  template <class T> void matmul(T* out, const T* in, const void* w, const float* scales, const void* bias,
-                                 int64_t num_tokens, int64_t K, int64_t N, GemmAct act);
-  template <class T> void plan_products_impl(int64_t rows, bool with_head);
-
-  // ---- gpu_head.cu ----
-  // logits [rows, V] (fp32) = in_rows [rows, C] (dtype) @ head^T.
-  void lm_head(const void* in_rows, int64_t rows, float* logits);
-  // The tokens of the first rows.size() rows of logits_ into host `tokens`, and their
-  // log-probs under the raw logits into host `logprobs` (optional): the sampler when `full`,
-  // else the argmax (already in tokens_dev_ when `have_argmax`: a decode step leaves it).
-  void choose_tokens(std::span<const SampleRow> rows, bool full, bool have_argmax, int32_t* tokens, float* logprobs);
-
-  // ---- gpu_decode.cu ----
-  static int64_t bucket_for(int64_t rows);
-  // The step from bucket `rows`'s graph (captured on first use), or eagerly.
-  Status run_decode_step(const StepMeta& m, int64_t rows, bool graph);
-
-  ModelConfig config_;
-  int64_t layer_begin_, layer_end_;
-  GpuStageOptions options_;
-  TpShard shard_;          // this rank's heads and MLP units (all of them when tp_ranks == 1)
-  int64_t heads_ = 0;      // shard_.heads()
-  int64_t width_ = 0;      // heads_ x head_dim: this rank's share of the attention width
-  int64_t inner_ = 0;      // shard_.inner()
-  int device_ = 0;
-  int num_sms_ = 0;
-  int64_t max_pages_ = 0;   // block-table entries per sequence: ceil(n_positions / kPageTokens)
-  int64_t max_rows_ = 0;    // activation rows: max(max_tokens, largest graph bucket)
-  int64_t max_step_seqs_ = 0;  // sequence slots in the metadata: max(max_seqs, largest bucket)
+  GpuStageShape shape_;
+  const ModelConfig& config_ = shape_.config;        // shape_'s, for short
+  const GpuStageOptions& options_ = shape_.options;  // shape_'s, for short
   cudaStream_t stream_ = nullptr;
-
   std::unique_ptr<Gemm> gemm_;
+
   GpuWeights weights_;
-  int64_t weight_bytes_ = 0, decode_weight_bytes_ = 0;
+  std::unique_ptr<StepBuffers> buffers_;
+  std::unique_ptr<KvCache> kv_;         // null without layers; shrink_kv_cache replaces it
+  std::unique_ptr<StepRunner> runner_;  // over weights_ and *buffers_; kv_ is passed per call
 
-  DeviceBuffer hidden_, ln_, qkv_, attn_, proj_, fc_, head_in_, logits_, staging_f32_, tokens_dev_;
-  DeviceBuffer raw_logits_, logprobs_dev_;  // sample(): the logits before the sampler mutates them, the chosen log-probs
-  DeviceBuffer meta_dev_, decode_partial_, decode_counters_, dequant_;
-  DeviceBuffer fp8_act_;  // FP8: the products' rows quantised (with their scales) and fp32 sums
-  PinnedBuffer meta_host_[2], tokens_host_, logprobs_host_;
-  cudaEvent_t meta_sent_[2] = {nullptr, nullptr};
-  int meta_slot_ = 0;
-  int64_t logits_rows_ = 0;       // rows logits_ holds
-  int64_t last_logit_rows_ = -1;  // rows of the last logits(..., false) still on the device
-
-  std::unique_ptr<GpuSampler> sampler_;
-  std::unique_ptr<KvCache> kv_;
   std::unordered_map<uint64_t, int32_t> lengths_;  // cached tokens per sequence
-  std::map<int64_t, cudaGraphExec_t> graphs_;      // decode step per bucket
-  std::set<std::pair<int64_t, bool>> planned_rows_;  // plan_products' (rows, head) done
+  int64_t last_logit_rows_ = -1;                   // rows of the last logits(..., false) still on the device
 };
 
 }  // namespace conveyor::cuda

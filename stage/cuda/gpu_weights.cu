@@ -2,16 +2,18 @@
 // allocation, the upload of HF fp32 weights and the synthetic fill. All three walk
 // kLayerTensors / kStageTensors in table order, which fixes both the byte offsets and the
 // synthetic tensor ids: a layer's tensors take ids from their own range of 64, in table order.
+#include "stage/cuda/gpu_weights.h"
+
 #include <algorithm>
 #include <string>
 #include <tuple>
+#include <utility>
 
 #include "kernels/cuda/fp8.h"
 #include "kernels/cuda/ops.h"
 #include "kernels/cuda/quant.h"
 #include "kernels/cuda/synthetic.h"
 #include "stage/cuda/dtype_dispatch.h"
-#include "stage/cuda/gpu_stage.h"
 
 namespace conveyor::cuda {
 namespace {
@@ -36,6 +38,114 @@ const char* upload_name(StageTensor t) {
   }
   return "?";
 }
+
+// Rows [n0, n0 + num_rows) of a byte matrix (int8 or FP8, per the options) and their scales
+// from `rows` [num_rows, K] of T.
+template <class T>
+void quantize_matrix_rows(const GpuStageOptions& options, void* dst, float* scales, int64_t n0, const T* rows,
+                          int64_t num_rows, int64_t K, cudaStream_t stream) {
+  if (options.fp8)
+    quantize_rows_fp8<T>(static_cast<uint8_t*>(dst) + n0 * K, scales + n0, rows, num_rows, K, stream);
+  else
+    quantize_rows_int8<T>(static_cast<int8_t*>(dst) + n0 * K, scales + n0, rows, num_rows, K, stream);
+}
+
+// GpuWeights::upload in element type T: each host tensor checked for size, then copied in
+// chunks through the fp32 staging rows and converted (or quantised) into its place.
+template <class T>
+class WeightUpload {
+ public:
+  WeightUpload(const GpuWeights& weights, const GpuStageShape& shape, const WeightLoadScratch& scratch,
+               cudaStream_t stream)
+      : weights_(weights),
+        shape_(shape),
+        options_(shape.options),
+        config_(shape.config),
+        scratch_(scratch),
+        staging_elems_(int64_t(scratch.staging_f32.bytes() / sizeof(float))),
+        staging_(scratch.staging_f32.as<float>()),
+        stream_(stream) {}
+
+  Status check(const std::vector<float>& v, int64_t expected, const std::string& name) const {
+    if (int64_t(v.size()) == expected) return ok_status();
+    return Status::error(options_.name + ": weight " + name + " has " + std::to_string(v.size()) +
+                         " floats, expected " + std::to_string(expected));
+  }
+
+  // A vector (or a stage tensor): same layout, converted in chunks through the fp32 staging buffer.
+  Status put(void* dst, const std::vector<float>& src, int64_t elems, const std::string& name) {
+    if (Status s = check(src, elems, name); !s) return s;
+    for (int64_t i = 0; i < elems; i += staging_elems_) {
+      const int64_t n = std::min(staging_elems_, elems - i);
+      CUDA_CHECK(cudaMemcpyAsync(staging_, src.data() + i, size_t(n) * sizeof(float), cudaMemcpyHostToDevice, stream_));
+      convert_from_float<T>(static_cast<T*>(dst) + i, staging_, n, stream_);
+    }
+    return ok_status();
+  }
+
+  // A layer matrix, [K, N] on the host -> [N, K] on the device. In dtype: chunks of K rows.
+  // Int8 and FP8: chunks of output channels (host columns) through the staging buffer,
+  // transposed to dtype in the scratch rows (the LayerNorm activations, free while loading),
+  // then quantised.
+  Status put_t(void* dst, float* scales, const std::vector<float>& src, TensorShape shape, const std::string& name) {
+    const int64_t K = shape.rows, N = shape.cols;
+    if (Status s = check(src, K * N, name); !s) return s;
+    if (!options_.int8_weights && !options_.fp8) {
+      const int64_t rows = std::max<int64_t>(1, staging_elems_ / N);
+      for (int64_t k0 = 0; k0 < K; k0 += rows) {
+        const int64_t kc = std::min(rows, K - k0);
+        CUDA_CHECK(cudaMemcpyAsync(staging_, src.data() + k0 * N, size_t(kc * N) * sizeof(float),
+                                   cudaMemcpyHostToDevice, stream_));
+        convert_transpose_from_float<T>(static_cast<T*>(dst) + k0, staging_, kc, N, K, stream_);
+      }
+      return ok_status();
+    }
+    if (K > staging_elems_) return Status::error(options_.name + ": " + name + " is too wide for the load buffers");
+    const int64_t cols = staging_elems_ / K;
+    for (int64_t n0 = 0; n0 < N; n0 += cols) {
+      const int64_t nc = std::min(cols, N - n0);
+      CUDA_CHECK(cudaMemcpy2DAsync(staging_, size_t(nc) * sizeof(float), src.data() + n0, size_t(N) * sizeof(float),
+                                   size_t(nc) * sizeof(float), size_t(K), cudaMemcpyHostToDevice, stream_));
+      convert_transpose_from_float<T>(scratch_.rows.as<T>(), staging_, K, nc, K, stream_);
+      quantize_matrix_rows<T>(options_, dst, scales, n0, scratch_.rows.as<T>(), nc, K, stream_);
+    }
+    return ok_status();
+  }
+
+  Status put_layer(int64_t l, const LayerWeights& lw) {
+    const GpuLayer d = weights_.layer(l);
+    const int64_t layer = shape_.layer_begin + l;
+    const bool split = options_.tp_ranks > 1;
+    if (split)  // the full tensors' sizes first, so a short tensor is named as such
+      for (const LayerTensorSpec& spec : kLayerTensors)
+        if (spec.split != TpSplit::Whole)
+          if (Status s = check(lw.*spec.field, layer_tensor_shape(spec, config_).elements(),
+                               layer_tensor_name(layer, spec));
+              !s)
+            return s;
+    const LayerWeights sliced = split ? shard_layer(lw, config_, shape_.shard) : LayerWeights{};
+    for (const LayerTensorSpec& spec : kLayerTensors) {
+      // This rank's slice of a split tensor; the Whole ones (LayerNorms, output biases) as loaded.
+      const std::vector<float>& src = (split && spec.split != TpSplit::Whole ? sliced : lw).*spec.field;
+      const TensorRef& r = d.ref(spec.id);
+      const std::string name = layer_tensor_name(layer, spec);
+      const Status s = spec.matrix() ? put_t(d.at(spec.id), d.scales(spec.id), src, r.shape, name)
+                                     : put(d.at(spec.id), src, r.shape.elements(), name);
+      if (!s) return s;
+    }
+    return ok_status();
+  }
+
+ private:
+  const GpuWeights& weights_;
+  const GpuStageShape& shape_;
+  const GpuStageOptions& options_;
+  const ModelConfig& config_;
+  const WeightLoadScratch& scratch_;
+  const int64_t staging_elems_;
+  float* staging_;
+  cudaStream_t stream_;
+};
 
 }  // namespace
 
@@ -80,31 +190,26 @@ GpuWeightLayout plan_weight_layout(const ModelConfig& c, const TpShard& shard, i
   return w;
 }
 
-GpuWeights GpuWeights::allocate(GpuWeightLayout layout, const std::string& owner, const std::string& what) {
+GpuWeights GpuWeights::allocate(const GpuStageShape& shape) {
+  const GpuStageOptions& options = shape.options;
+  const int64_t C = shape.config.n_embd, V = shape.config.vocab_size;
+  const int64_t e = int64_t(dtype_bytes(options.dtype));
+  const int64_t L = shape.num_layers();
+  const bool int8 = options.int8_weights, fp8 = options.fp8;
+  GpuWeightLayout layout = plan_weight_layout(shape.config, shape.shard, L, shape.has_embedding(), shape.holds_head(),
+                                              options.dtype, int8 || fp8);
+  const char* matrices = int8 ? ", int8 matrices" : fp8 ? ", FP8 matrices" : "";
   GpuWeights g;
-  g.buf_ = device_alloc(size_t(layout.bytes), owner, what);
+  g.buf_ = device_alloc(size_t(layout.bytes), options.name,
+                        "weights (" + std::to_string(L) + " layers, " + std::string(dtype_name(options.dtype)) +
+                            matrices + ")");
   g.layout_ = std::move(layout);
+  // A decode step reads every layer, and on the head's rank ln_f and the head matrix.
+  g.decode_bytes_ = g.layout_.layer_bytes + (shape.holds_head() ? (V * C + 2 * C) * e : 0);
   return g;
 }
 
-void GpuStage::allocate_weights() {
-  const int64_t C = config_.n_embd, V = config_.vocab_size;
-  const int64_t e = int64_t(dtype_bytes(options_.dtype));
-  const int64_t L = layer_end_ - layer_begin_;
-  const bool int8 = options_.int8_weights, fp8 = options_.fp8;
-  GpuWeightLayout layout =
-      plan_weight_layout(config_, shard_, L, has_embedding(), holds_head(), options_.dtype, int8 || fp8);
-  const int64_t layer_bytes = layout.layer_bytes;
-  const char* matrices = int8 ? ", int8 matrices" : fp8 ? ", FP8 matrices" : "";
-  weights_ = GpuWeights::allocate(std::move(layout), options_.name,
-                                  "weights (" + std::to_string(L) + " layers, " +
-                                      std::string(dtype_name(options_.dtype)) + matrices + ")");
-  weight_bytes_ = weights_.bytes();
-  // A decode step reads every layer, and on the head's rank ln_f and the head matrix.
-  decode_weight_bytes_ = layer_bytes + (holds_head() ? (V * C + 2 * C) * e : 0);
-}
-
-Status GpuStage::validate_fp8(const ModelConfig& c, const GpuStageOptions& o) {
+Status GpuWeights::validate_fp8(const ModelConfig& c, const GpuStageOptions& o) {
   if (!o.fp8) return ok_status();
   const std::string& n = o.name;
   if (o.int8_weights) return Status::error(n + ": fp8 and int8 weights exclude each other (choose one)");
@@ -127,122 +232,51 @@ Status GpuStage::validate_fp8(const ModelConfig& c, const GpuStageOptions& o) {
   return ok_status();
 }
 
-template <class T>
-void GpuStage::quantize_matrix_rows(void* dst, float* scales, int64_t n0, const T* rows, int64_t num_rows, int64_t K) {
-  if (options_.fp8)
-    quantize_rows_fp8<T>(static_cast<uint8_t*>(dst) + n0 * K, scales + n0, rows, num_rows, K, stream_);
-  else
-    quantize_rows_int8<T>(static_cast<int8_t*>(dst) + n0 * K, scales + n0, rows, num_rows, K, stream_);
-}
-
-Status GpuStage::upload(const StageWeights& w) {
-  DeviceGuard on(device_);
-  const int64_t staging_elems = int64_t(staging_f32_.bytes() / sizeof(float));
-  float* staging = staging_f32_.as<float>();
-  auto check = [&](const std::vector<float>& v, int64_t expected, const std::string& name) {
-    if (int64_t(v.size()) == expected) return ok_status();
-    return Status::error(options_.name + ": weight " + name + " has " + std::to_string(v.size()) + " floats, expected " +
-                         std::to_string(expected));
-  };
+Status GpuWeights::upload(const StageWeights& w, const GpuStageShape& shape, const WeightLoadScratch& scratch,
+                          cudaStream_t stream) {
+  DeviceGuard on(shape.device);
   Status status;
-  with_dtype(options_.dtype, [&](auto tag) {
-    using T = decltype(tag);
-    // A vector (or a stage tensor): same layout, converted in chunks through the fp32 staging buffer.
-    auto put = [&](void* dst, const std::vector<float>& src, int64_t elems, const std::string& name) {
-      if (Status s = check(src, elems, name); !s) return s;
-      for (int64_t i = 0; i < elems; i += staging_elems) {
-        const int64_t n = std::min(staging_elems, elems - i);
-        CUDA_CHECK(cudaMemcpyAsync(staging, src.data() + i, size_t(n) * sizeof(float), cudaMemcpyHostToDevice, stream_));
-        convert_from_float<T>(static_cast<T*>(dst) + i, staging, n, stream_);
-      }
-      return ok_status();
-    };
-    // A layer matrix, [K, N] on the host -> [N, K] on the device. In dtype: chunks of K rows.
-    // Int8 and FP8: chunks of output channels (host columns) through the staging buffer,
-    // transposed to dtype in the LayerNorm activation buffer (free while loading), then quantised.
-    auto put_t = [&](void* dst, float* scales, const std::vector<float>& src, TensorShape shape,
-                     const std::string& name) {
-      const int64_t K = shape.rows, N = shape.cols;
-      if (Status s = check(src, K * N, name); !s) return s;
-      if (!options_.int8_weights && !options_.fp8) {
-        const int64_t rows = std::max<int64_t>(1, staging_elems / N);
-        for (int64_t k0 = 0; k0 < K; k0 += rows) {
-          const int64_t kc = std::min(rows, K - k0);
-          CUDA_CHECK(cudaMemcpyAsync(staging, src.data() + k0 * N, size_t(kc * N) * sizeof(float),
-                                     cudaMemcpyHostToDevice, stream_));
-          convert_transpose_from_float<T>(static_cast<T*>(dst) + k0, staging, kc, N, K, stream_);
-        }
-        return ok_status();
-      }
-      if (K > staging_elems) return Status::error(options_.name + ": " + name + " is too wide for the load buffers");
-      const int64_t cols = staging_elems / K;
-      for (int64_t n0 = 0; n0 < N; n0 += cols) {
-        const int64_t nc = std::min(cols, N - n0);
-        CUDA_CHECK(cudaMemcpy2DAsync(staging, size_t(nc) * sizeof(float), src.data() + n0, size_t(N) * sizeof(float),
-                                     size_t(nc) * sizeof(float), size_t(K), cudaMemcpyHostToDevice, stream_));
-        convert_transpose_from_float<T>(ln_.as<T>(), staging, K, nc, K, stream_);
-        quantize_matrix_rows<T>(dst, scales, n0, ln_.as<T>(), nc, K);
-      }
-      return ok_status();
-    };
-    auto put_layer = [&](int64_t l, const LayerWeights& lw) {
-      const GpuLayer d = weights_.layer(l);
-      const int64_t layer = layer_begin_ + l;
-      const bool split = options_.tp_ranks > 1;
-      if (split)  // the full tensors' sizes first, so a short tensor is named as such
-        for (const LayerTensorSpec& spec : kLayerTensors)
-          if (spec.split != TpSplit::Whole)
-            if (Status s = check(lw.*spec.field, layer_tensor_shape(spec, config_).elements(),
-                                 layer_tensor_name(layer, spec));
-                !s)
-              return s;
-      const LayerWeights sliced = split ? shard_layer(lw, config_, shard_) : LayerWeights{};
-      for (const LayerTensorSpec& spec : kLayerTensors) {
-        // This rank's slice of a split tensor; the Whole ones (LayerNorms, output biases) as loaded.
-        const std::vector<float>& src = (split && spec.split != TpSplit::Whole ? sliced : lw).*spec.field;
-        const TensorRef& r = d.ref(spec.id);
-        const std::string name = layer_tensor_name(layer, spec);
-        const Status s = spec.matrix() ? put_t(d.at(spec.id), d.scales(spec.id), src, r.shape, name)
-                                       : put(d.at(spec.id), src, r.shape.elements(), name);
-        if (!s) return s;
-      }
-      return ok_status();
-    };
-    for (int64_t l = 0; l < weights_.num_layers() && status; ++l) status = put_layer(l, w.layers[size_t(l)]);
+  with_dtype(shape.options.dtype, [&](auto tag) {
+    WeightUpload<decltype(tag)> up(*this, shape, scratch, stream);
+    for (int64_t l = 0; l < num_layers() && status; ++l) status = up.put_layer(l, w.layers[size_t(l)]);
     for (const StageTensorSpec& spec : kStageTensors) {
-      const TensorRef& r = weights_.ref(spec.id);
-      if (!status || !r.held() || (spec.id == StageTensor::LmHead && weights_.head_is_wte())) continue;
+      const TensorRef& r = ref(spec.id);
+      if (!status || !r.held() || (spec.id == StageTensor::LmHead && head_is_wte())) continue;
       const std::vector<float>& src = spec.id == StageTensor::LmHead ? w.head_matrix() : w.*spec.field;
-      status = put(weights_.at(spec.id), src, r.shape.elements(), upload_name(spec.id));
+      status = up.put(at(spec.id), src, r.shape.elements(), upload_name(spec.id));
     }
   });
   if (!status) return status;
-  CUDA_CHECK(cudaStreamSynchronize(stream_));
+  CUDA_CHECK(cudaStreamSynchronize(stream));
   return ok_status();
 }
 
-void GpuStage::synthesize(uint64_t seed) {
-  DeviceGuard on(device_);
+void GpuWeights::synthesize(uint64_t seed, const GpuStageShape& shape, const WeightLoadScratch& scratch,
+                            cudaStream_t stream) {
+  DeviceGuard on(shape.device);
+  const GpuStageOptions& options = shape.options;
   uint64_t tensor = 0;
-  with_dtype(options_.dtype, [&](auto tag) {
+  with_dtype(options.dtype, [&](auto tag) {
     using T = decltype(tag);
-    auto normal = [&](void* p, int64_t n) { fill_normal<T>(static_cast<T*>(p), n, 0.f, 0.02f, seed, tensor++, stream_); };
-    auto ones = [&](void* p, int64_t n) { fill_constant<T>(static_cast<T*>(p), n, 1.f, stream_); };
-    // A layer matrix [N, K]; int8 and FP8: drawn in chunks of rows into the LayerNorm
-    // activation buffer (free while loading), then quantised.
-    const int64_t tmp_elems = int64_t(ln_.bytes() / sizeof(T));
+    auto normal = [&](void* p, int64_t n) {
+      fill_normal<T>(static_cast<T*>(p), n, 0.f, 0.02f, seed, tensor++, stream);
+    };
+    auto ones = [&](void* p, int64_t n) { fill_constant<T>(static_cast<T*>(p), n, 1.f, stream); };
+    // A layer matrix [N, K]; int8 and FP8: drawn in chunks of rows into the scratch rows (the
+    // LayerNorm activations, free while loading), then quantised.
+    const int64_t tmp_elems = int64_t(scratch.rows.bytes() / sizeof(T));
     auto matrix = [&](void* p, float* scales, int64_t N, int64_t K) {
-      if (!options_.int8_weights && !options_.fp8) return normal(p, N * K);
+      if (!options.int8_weights && !options.fp8) return normal(p, N * K);
       const uint64_t id = tensor++;
       const int64_t rows = std::max<int64_t>(1, tmp_elems / K);
       for (int64_t n0 = 0; n0 < N; n0 += rows) {
         const int64_t nc = std::min(rows, N - n0);
-        fill_normal<T>(ln_.as<T>(), nc * K, 0.f, 0.02f, seed, (id << 20) + uint64_t(n0 / rows), stream_);
-        quantize_matrix_rows<T>(p, scales, n0, ln_.as<T>(), nc, K);
+        fill_normal<T>(scratch.rows.as<T>(), nc * K, 0.f, 0.02f, seed, (id << 20) + uint64_t(n0 / rows), stream);
+        quantize_matrix_rows<T>(options, p, scales, n0, scratch.rows.as<T>(), nc, K, stream);
       }
     };
-    for (int64_t l = 0; l < weights_.num_layers(); ++l) {
-      const GpuLayer d = weights_.layer(l);
+    for (int64_t l = 0; l < num_layers(); ++l) {
+      const GpuLayer d = layer(l);
       tensor = (tensor / 64 + 1) * 64;  // each layer its own range of tensor ids
       for (const LayerTensorSpec& spec : kLayerTensors) {
         const TensorShape& s = d.ref(spec.id).shape;  // [in, out]: a matrix is N = out rows of K = in
@@ -253,13 +287,13 @@ void GpuStage::synthesize(uint64_t seed) {
     }
     tensor = 1 << 20;
     for (const StageTensorSpec& spec : kStageTensors) {
-      const TensorRef& r = weights_.ref(spec.id);
-      if (!r.held() || (spec.id == StageTensor::LmHead && weights_.head_is_wte())) continue;
-      if (spec.gain) ones(weights_.at(spec.id), r.shape.elements());
-      else normal(weights_.at(spec.id), r.shape.elements());
+      const TensorRef& r = ref(spec.id);
+      if (!r.held() || (spec.id == StageTensor::LmHead && head_is_wte())) continue;
+      if (spec.gain) ones(at(spec.id), r.shape.elements());
+      else normal(at(spec.id), r.shape.elements());
     }
   });
-  CUDA_CHECK(cudaStreamSynchronize(stream_));
+  CUDA_CHECK(cudaStreamSynchronize(stream));
 }
 
 }  // namespace conveyor::cuda

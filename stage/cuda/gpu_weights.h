@@ -2,6 +2,9 @@
 // (model/weights.h: kLayerTensors for each layer, then kStageTensors) with the shapes of this
 // rank's TpShard. Nothing else lists a layer's tensors: the forward pass reads
 // layer.at(LayerTensor::QkvWeight), and the upload and the synthetic fill walk the same table.
+// GpuWeights owns the allocation and everything done to it: the FP8 checks, the upload of HF
+// fp32 weights (this rank's slices, converted, int8 or FP8 quantised), the synthetic fill and
+// the byte counts (resident, and read by one decode step).
 //
 // On the device (e = the stage dtype's bytes):
 //   vectors   [out] of dtype (LayerNorm gains and shifts, biases)
@@ -15,6 +18,8 @@
 // tensors, then (int8, FP8) its four matrices' scales, layer after layer, then the stage tensors.
 #pragma once
 
+#include <cuda_runtime.h>
+
 #include <array>
 #include <cstdint>
 #include <string>
@@ -22,9 +27,11 @@
 
 #include "common/dtype.h"
 #include "common/model_config.h"
+#include "common/status.h"
 #include "kernels/cuda/check.h"
 #include "model/tp_shard.h"
 #include "model/weights.h"
+#include "stage/cuda/gpu_stage_shape.h"
 
 namespace conveyor::cuda {
 
@@ -73,12 +80,32 @@ class GpuLayer {
   const LayerRefs* refs_;
 };
 
+// Device memory a load borrows from the step buffers (StepBuffers), free until the first step:
+// fp32 rows the host values pass through, and rows of the stage's dtype where int8 and FP8
+// matrices wait to be quantised.
+struct WeightLoadScratch {
+  const DeviceBuffer& staging_f32;
+  const DeviceBuffer& rows;
+};
+
 // A stage's weights: the one allocation and its layout. Moves, never copies.
 class GpuWeights {
  public:
   GpuWeights() = default;
-  // device_alloc: out of memory throws, naming `owner` (a CUDA fault, see guard.h).
-  static GpuWeights allocate(GpuWeightLayout layout, const std::string& owner, const std::string& what);
+  // GpuStageShape::validate's FP8 part: not with int8, every layer matrix of this rank K, N %
+  // 16 == 0, a GPU of compute capability 8.9 or newer (the current device).
+  static Status validate_fp8(const ModelConfig& config, const GpuStageOptions& options);
+  // The layout of `shape`'s layers (and embedding and head) in its format, allocated:
+  // device_alloc's out of memory throws, naming the stage (a CUDA fault, see guard.h).
+  static GpuWeights allocate(const GpuStageShape& shape);
+
+  // Fills the allocation from HF fp32 weights: this rank's slices, converted to the stage's
+  // dtype (or quantised). Fails naming a tensor of the wrong size. Synchronous.
+  Status upload(const StageWeights& w, const GpuStageShape& shape, const WeightLoadScratch& scratch,
+                cudaStream_t stream);
+  // Weights drawn on the GPU (kernels/cuda/synthetic.h): N(0, 0.02) matrices, biases and LN
+  // shifts, LN gains 1, deterministic in `seed`. Synchronous.
+  void synthesize(uint64_t seed, const GpuStageShape& shape, const WeightLoadScratch& scratch, cudaStream_t stream);
 
   int64_t num_layers() const { return int64_t(layout_.layers.size()); }
   GpuLayer layer(int64_t l) const { return GpuLayer(buf_.as<char>(), layout_.layers[size_t(l)]); }
@@ -95,10 +122,13 @@ class GpuWeights {
 
   int64_t bytes() const { return layout_.bytes; }
   int64_t layer_bytes() const { return layout_.layer_bytes; }
+  // Bytes one decode step reads: every layer, and on the head's rank ln_f and the head matrix.
+  int64_t decode_bytes() const { return decode_bytes_; }
 
  private:
   GpuWeightLayout layout_;
   DeviceBuffer buf_;
+  int64_t decode_bytes_ = 0;
 };
 
 }  // namespace conveyor::cuda
