@@ -356,6 +356,7 @@ int main(int argc, char** argv) {
       o.int8_weights = int8;
       o.fp8 = fp8;
       o.fused_all_reduce = args.fused_ar;
+      o.gemm = process_options().kernels.gemm;  // CONVEYOR_GEMM_ORDER and the rest
       o.deterministic = mode == "det";
       const auto t0 = Clock::now();
       std::vector<std::unique_ptr<cuda::TpStage>> stages;

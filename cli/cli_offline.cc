@@ -8,7 +8,9 @@
 #include <nlohmann/json.hpp>
 
 #include "cli/cli.h"
+#include "common/options.h"
 #include "coordinator/text_stream.h"
+#include "stage/backend_factory.h"
 #include "stage/engine.h"
 #include "model/tokenizer.h"
 #include "model/weights.h"
@@ -32,6 +34,11 @@ bool load_model(const std::string& dir, std::unique_ptr<Engine>& engine, Tokeniz
   Expected<StageWeights> weights = load_stage_weights(dir, *config, 0, config->n_layer);
   if (!weights.ok()) {
     std::cerr << "conveyor: " << weights.error() << "\n";
+    return false;
+  }
+  // CONVEYOR_CPU_THREADS and the rest of the kernels' options, as a worker applies them.
+  if (Status s = apply_kernel_options(process_options().kernels); !s) {
+    std::cerr << "conveyor: " << s.message() << "\n";
     return false;
   }
   auto made = Engine::create(std::move(weights).value());

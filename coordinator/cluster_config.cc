@@ -9,6 +9,8 @@
 
 #include <yaml-cpp/yaml.h>
 
+#include "common/options.h"
+
 namespace conveyor {
 namespace {
 
@@ -113,20 +115,6 @@ std::vector<std::pair<int64_t, int64_t>> balanced_layer_split(const ModelConfig&
   return out;
 }
 
-int64_t stage_weight_bytes(const ModelConfig& c, std::pair<int64_t, int64_t> layers, int64_t bytes_per_param,
-                           bool int8_matrices) {
-  const int64_t C = c.n_embd, I = c.n_inner > 0 ? c.n_inner : 4 * c.n_embd;
-  const int64_t matrices = 4 * C * C + 2 * C * I;           // QKV, projection, FC, FC2
-  const int64_t vectors = 4 * C + I + C + 4 * C;            // their biases, two norms
-  const int64_t out_channels = 3 * C + C + I + C;           // one int8 scale each
-  const int64_t per_layer = int8_matrices ? matrices + out_channels * 4 + vectors * bytes_per_param
-                                          : (matrices + vectors) * bytes_per_param;
-  int64_t bytes = (layers.second - layers.first) * per_layer;
-  if (layers.first == 0) bytes += (c.vocab_size + c.n_positions) * C * bytes_per_param;
-  if (layers.second == c.n_layer) bytes += (c.vocab_size * C + 2 * C) * bytes_per_param;
-  return bytes;
-}
-
 Status check_layer_split(const std::vector<std::pair<int64_t, int64_t>>& layers, int stages, int64_t n_layer) {
   if (int(layers.size()) != stages)
     return Status::error("layers lists " + std::to_string(layers.size()) + " ranges for " + std::to_string(stages) +
@@ -187,10 +175,9 @@ Expected<ClusterConfig> parse_cluster_config(const std::string& text, const std:
       return s;
     if (cfg.control_port > 65535) return c.at(ctl["port"], "'control.port' must be at most 65535");
   }
-  if (cfg.api_key.empty())
-    if (const char* k = std::getenv("CONVEYOR_API_KEY")) cfg.api_key = k;
-  if (cfg.join_token.empty())
-    if (const char* t = std::getenv("CONVEYOR_JOIN_TOKEN")) cfg.join_token = t;
+  // The environment's (the options registry's snapshot) where the file sets none.
+  if (cfg.api_key.empty()) cfg.api_key = process_options().api_key;
+  if (cfg.join_token.empty()) cfg.join_token = process_options().join_token;
   if (cfg.join_token.empty())
     return Status::error(source + ": no join token: set control.join_token or CONVEYOR_JOIN_TOKEN");
 

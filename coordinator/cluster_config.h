@@ -10,8 +10,8 @@
 //               max_queue: Q, max_running: S, max_sequences_per_batch: B,
 //               shutdown_timeout_ms: 30000, pipeline_wait_ms: 30000, batch_timeout_ms: 30000,
 //               prefix_cache: true}
-//              (D, T, C, P, S, B: 0 or absent = auto, from the pipeline's backend: see
-//               scheduler.h, batch_limits)
+//              (D, T, C, P, S, B: 0 or absent = auto, from what the pipeline's workers say of
+//               their steps: see scheduler.h, batch_limits)
 //   heartbeat: {interval_ms: 500, liveness_ms: 3000}
 //
 // api_key and join_token may come from CONVEYOR_API_KEY / CONVEYOR_JOIN_TOKEN instead.
@@ -54,8 +54,8 @@ struct ClusterConfig {
 
   int in_flight = 0;  // micro-batches in flight per pipeline; 0 = number of stages
   bool in_flight_auto = false;  // in_flight was 0: it follows the number of stages on a re-plan
-  // A micro-batch's limits and the admission limit; 0 = auto, by the pipeline's backend
-  // (Scheduler's batch_limits: the CPU's figures, or a GPU's).
+  // A micro-batch's limits and the admission limit; 0 = auto, from the figures the pipeline's
+  // workers give in their register (Scheduler's batch_limits).
   int64_t max_batch_tokens = 0;          // decode rows + prompt rows
   int64_t prefill_chunk = 0;             // prompt tokens of one sequence
   int64_t prefill_tokens_per_batch = 0;  // prompt tokens of all sequences together
@@ -89,14 +89,6 @@ Expected<ClusterConfig> parse_cluster_config(const std::string& yaml_text, const
 // stage) is as small as possible, since the slowest stage sets the pipeline's pace. Among
 // equal plans the earlier stages take the extra layers.
 std::vector<std::pair<int64_t, int64_t>> balanced_layer_split(const ModelConfig& config, int stages);
-
-// What a stage's weights take in memory at `bytes_per_param` (4 for f32, 2 for f16): its
-// layers, plus the embeddings on the first stage and the final norm and LM head on the last.
-// `int8_matrices` (a GPU worker's --int8-weights): the layers' four matrices take one byte a
-// parameter plus an fp32 scale per output channel. The re-planner checks it against what
-// each worker has before it gives a worker more layers.
-int64_t stage_weight_bytes(const ModelConfig& config, std::pair<int64_t, int64_t> layers, int64_t bytes_per_param,
-                           bool int8_matrices = false);
 
 // Checks explicit layer ranges: `stages` contiguous, non-empty ranges covering [0, n_layer).
 Status check_layer_split(const std::vector<std::pair<int64_t, int64_t>>& layers, int stages, int64_t n_layer);

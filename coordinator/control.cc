@@ -48,7 +48,7 @@ void Coordinator::Impl::on_register(const std::string& peer, RegisterMsg m) {
       // The same process, still on its stage (it thought us silent, or its registers queued
       // while we were unreachable): nothing to repair.
       old.last_seen = Clock::now();
-      send_control(peer, WelcomeMsg{cfg.heartbeat_interval_ms});
+      send_control(peer, welcome());
       return;
     }
     if (old.alive() && old.state != MemberState::Spare) {
@@ -65,23 +65,43 @@ void Coordinator::Impl::on_register(const std::string& peer, RegisterMsg m) {
   w.backend = m.backend.empty() ? "cpu" : std::move(m.backend);
   w.gpus = std::move(m.gpus);
   w.memory_bytes = m.memory_bytes;
-  w.kv_cache_bytes = m.kv_cache_bytes;
+  w.caps = std::move(m.capabilities);
   if (m.holding) held_epoch = std::max(held_epoch, m.holding->epoch);
   held_epoch = std::max(held_epoch, m.last_epoch);  // also a stage it was still loading
   w.holding = std::move(m.holding);
   w.data_plane = std::move(m.data_plane);
-  w.int8_weights = m.int8_weights || m.fp8;  // FP8 matrices take one byte an element too
   w.data_address = std::move(m.data_address);
   const int64_t pid = w.pid;
   workers[peer] = std::move(w);
-  send_control(peer, WelcomeMsg{cfg.heartbeat_interval_ms});
+  send_control(peer, welcome());
   spdlog::info("coordinator: worker {} joined (pid {})", peer, pid);
   fill_from_spares();
+}
+
+// The model goes with every welcome: the worker answers with what it takes in its format.
+WelcomeMsg Coordinator::Impl::welcome() const {
+  return {.heartbeat_ms = cfg.heartbeat_interval_ms, .model = model_shape(cfg.model)};
 }
 
 void Coordinator::Impl::on_worker_message(WorkerInfo& w, const AnyControlMsg& msg) {
   const std::string peer = w.name;
   switch (control_kind(msg)) {
+    case ControlKind::Footprint: {
+      const auto& m = std::get<FootprintMsg>(msg);
+      if (!m.error.empty()) {  // it cannot hold the model: never planned, until it registers again
+        w.footprint.reset();
+        w.last_error = m.error;
+        spdlog::error("coordinator: {} cannot hold the model: {}", peer, m.error);
+        if (w.state == MemberState::Spare) w.state = MemberState::Failed;
+        return;
+      }
+      const bool first = !w.footprint;
+      w.footprint = m.footprint;
+      spdlog::info("coordinator: {} takes {} bytes a layer ({}, {} {})", peer, m.footprint.layer_bytes,
+                   w.caps.weight_format, activation_dtype_wire_name(w.caps.dtype), w.backend);
+      if (first) fill_from_spares();  // the planner may count it now
+      return;
+    }
     case ControlKind::Heartbeat: {
       if (const auto& f = std::get<HeartbeatMsg>(msg).figures) {
         w.busy_fraction = f->busy_fraction;

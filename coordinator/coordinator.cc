@@ -64,24 +64,22 @@ bool Coordinator::Impl::has_spare() const {
   return std::any_of(workers.begin(), workers.end(), [](const auto& e) { return e.second.state == MemberState::Spare; });
 }
 
-bool Coordinator::Impl::pipeline_on_gpu(const Pipeline& p) const {
-  return std::any_of(p.workers.begin(), p.workers.end(), [&](const std::string& w) {
-    auto it = workers.find(w);
-    return it != workers.end() && it->second.backend == "cuda";
-  });
+StageFigures Coordinator::Impl::pipeline_figures(const Pipeline& p) const {
+  std::vector<const WorkerInfo*> stages;
+  for (const std::string& name : p.workers) {
+    auto it = workers.find(name);
+    stages.push_back(it == workers.end() ? nullptr : &it->second);
+  }
+  return Scheduler::figures_of(stages);
 }
 
 int Coordinator::Impl::in_flight_depth(const Pipeline& p) const {
-  // Auto: a micro-batch per stage, and on a pipeline of several CPU stages one more, so that
-  // a stage finds its next input waiting while another micro-batch travels the hops and the
-  // coordinator's turn (docs/PERFORMANCE.md, issue 16: two stages 91-95% -> 96-97% busy,
-  // three +11% tokens/s). A single CPU stage loses more to the smaller micro-batches (its
-  // step costs less a row at more rows: -19% tokens/s) than the coordinator's turn costs it
-  // (0.1-0.2 ms against a 30-60 ms step), and a GPU step costs nearly as much at half the
-  // rows, so those keep one micro-batch per stage.
+  // Auto: a micro-batch per stage, and on a pipeline of several stages the extra its workers
+  // ask for (a CPU stage's step costs less a row at fewer rows, so it gains from finding its
+  // next input waiting; a single stage gains nothing: its input waits on its own result).
   if (!cfg.in_flight_auto) return std::max(1, cfg.in_flight);
   const int stages = std::max(1, int(p.workers.size()));
-  return stages + (p.gpu || stages == 1 ? 0 : 1);
+  return stages + (stages == 1 ? 0 : p.figures.extra_in_flight);
 }
 
 bool Coordinator::Impl::whole() const {
@@ -249,8 +247,8 @@ void Coordinator::Impl::engine_loop() {
     replay_lost_batches();
     scheduler->refuse_unserved(serviceable());
     for (Pipeline& p : pipelines) {
-      p.gpu = pipeline_on_gpu(p);
-      p.limits = Scheduler::batch_limits(cfg, p.gpu, int(p.workers.size()), in_flight_depth(p));
+      p.figures = pipeline_figures(p);
+      p.limits = Scheduler::batch_limits(cfg, p.figures, int(p.workers.size()), in_flight_depth(p));
     }
     scheduler->admit(open, capacity);
     for (Pipeline& p : pipelines) launch(p);
@@ -396,7 +394,7 @@ json Coordinator::cluster() const {
                   {"kv_reserved_tokens", p.kv_reserved},
                   {"kv_budget_tokens", m.pipeline_kv_capacity(p)}, {"admitted", p.admitted},
                   {"running_sequences", m.scheduler->running_on(p.index)},
-                  {"limits", {{"backend", p.gpu ? "cuda" : "cpu"}, {"max_running", l.max_running},
+                  {"limits", {{"backend", p.figures.backends}, {"max_running", l.max_running},
                               {"max_sequences_per_batch", l.max_sequences}, {"max_batch_tokens", l.max_tokens},
                               {"prefill_chunk", l.prefill_chunk}, {"prefill_tokens_per_batch", l.prefill_tokens}}},
                   {"stages", stages}});

@@ -77,11 +77,11 @@ struct Coordinator::Impl {
   bool serviceable() const;
   bool has_leaver(const Pipeline& p) const;
   bool has_spare() const;
-  // Micro-batches kept in flight on `p`: scheduler.in_flight, or auto (its stages; +1 for
-  // two or more CPU stages).
+  // Micro-batches kept in flight on `p`: scheduler.in_flight, or auto (its stages, plus the
+  // extra its workers ask for when it has several: p.figures).
   int in_flight_depth(const Pipeline& p) const;
-  // A stage of the pipeline runs on a GPU (its scheduler limits' auto values follow).
-  bool pipeline_on_gpu(const Pipeline& p) const;
+  // What the pipeline's workers say of their steps, together (StageFigures).
+  StageFigures pipeline_figures(const Pipeline& p) const;
   Shape current_shape() const { return {cfg.stages, cfg.replicas, cfg.layers}; }
   PlanModel plan_model() const { return {cfg.model, cfg.model_path}; }
   bool whole() const;
@@ -98,6 +98,7 @@ struct Coordinator::Impl {
   // ---- control messages (control.cc)
   void handle_control(const std::string& peer, const transport::ControlMessage& m);
   void on_register(const std::string& peer, transport::RegisterMsg m);
+  transport::WelcomeMsg welcome() const;
   void on_worker_message(WorkerInfo& w, const transport::AnyControlMsg& m);
   void on_data_error(WorkerInfo& w, const transport::DataErrorMsg& m);
   template <class Msg>

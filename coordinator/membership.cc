@@ -23,8 +23,7 @@ bool WorkerInfo::holds(LayerRange range, const std::string& model_path) const {
 }
 
 int64_t WorkerInfo::weight_room() const {
-  if (memory_bytes <= 0) return std::numeric_limits<int64_t>::max();
-  return backend == "cpu" ? memory_bytes - kv_cache_bytes : memory_bytes / 10 * 9;
+  return caps.weight_memory_bytes > 0 ? caps.weight_memory_bytes : std::numeric_limits<int64_t>::max();
 }
 
 nlohmann::json worker_json(const WorkerInfo& w) {
@@ -36,7 +35,13 @@ nlohmann::json worker_json(const WorkerInfo& w) {
                       {"idle_ready_fraction", w.idle_ready_fraction}, {"kv_used_tokens", w.kv_used_tokens},
                       {"kv_capacity_tokens", w.kv_capacity_tokens}, {"load_progress", w.load_fraction},
                       {"load_bytes_done", w.load_bytes_done}, {"load_bytes_total", w.load_bytes_total},
-                      {"load_seconds", w.load_seconds}, {"memory_bytes", w.memory_bytes}};
+                      {"load_seconds", w.load_seconds}, {"memory_bytes", w.memory_bytes},
+                      {"dtype", std::string(activation_dtype_wire_name(w.caps.dtype))}, {"weight_format", w.caps.weight_format},
+                      {"weight_memory_bytes", w.caps.weight_memory_bytes}};
+  if (w.footprint)
+    e["footprint"] = {{"layer_bytes", w.footprint->layer_bytes}, {"embedding_bytes", w.footprint->embedding_bytes},
+                      {"head_bytes", w.footprint->head_bytes},
+                      {"kv_bytes_per_token_per_layer", w.footprint->kv_bytes_per_token_per_layer}};
   if (w.leaving) e["leaving"] = true;
   if (!w.data_plane.is_null()) e["data_plane"] = w.data_plane;
   if (w.stage >= 0) {

@@ -41,12 +41,15 @@ using LayerRange = std::pair<int64_t, int64_t>;  // [begin, end)
 
 struct WorkerInfo {
   std::string name, host;
-  std::string backend = "cpu";  // "cpu" or "cuda"
+  std::string backend = "cpu";  // its register's word for its backend: shown, never compared
   int64_t pid = 0;
   std::vector<int> gpus;
-  int64_t memory_bytes = 0;    // what its stage may use: a GPU's memory, or the host's
-  int64_t kv_cache_bytes = 0;  // the K/V budget it was started with
-  bool int8_weights = false;   // a GPU worker that keeps its layers' matrices in one byte an element (int8 or FP8)
+  int64_t memory_bytes = 0;    // its GPUs' memory, or the host's (shown)
+  // What it said of itself: its stage before any model (register), and what the cluster's
+  // model takes in its format (footprint, the answer to its welcome). The planner and the
+  // scheduler compute from these alone; a worker without a footprint is not planned.
+  StageCapabilities caps;
+  std::optional<StageFootprint> footprint;
   nlohmann::json data_plane;   // how its activations travel (staging memory, UCX CUDA support)
   std::vector<std::byte> data_address;
 
@@ -71,18 +74,18 @@ struct WorkerInfo {
   std::chrono::steady_clock::time_point last_seen = std::chrono::steady_clock::now();
 
   bool alive() const { return state != MemberState::Dead; }
-  // May be given a stage: alive, not failed, not drained, not on its way out.
+  // May be given a stage: alive, not failed, not drained, not on its way out, and it said what
+  // the model takes in its format.
   bool plannable() const {
-    return !leaving && (state == MemberState::Spare || state == MemberState::Loading || state == MemberState::Ready);
+    return !leaving && footprint &&
+           (state == MemberState::Spare || state == MemberState::Loading || state == MemberState::Ready);
   }
   // Whether it has `layers` of the model at `model_path` loaded (or loading), so it can
   // serve them at once.
   bool holds(LayerRange layers, const std::string& model_path) const;
-  // Room for a stage's weights: a GPU's memory less a tenth for workspaces, or the host's
-  // less the K/V budget of a CPU worker. Unknown memory (0): no limit.
+  // Room for a stage's weights, as it said (StageCapabilities::weight_memory_bytes).
+  // Unknown (0): no limit.
   int64_t weight_room() const;
-  // The bytes per weight of its backend: 4 on the CPU (fp32), 2 on a GPU (fp16/bf16).
-  int64_t bytes_per_param() const { return backend == "cpu" ? 4 : 2; }
 };
 
 using Workers = std::map<std::string, WorkerInfo>;

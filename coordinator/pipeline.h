@@ -28,15 +28,29 @@ struct InFlightBatch {
 };
 
 // What one micro-batch of a pipeline may hold, and how many sequences may run on it: the
-// cluster file's scheduler section with its automatic values resolved for the pipeline's
-// backend (Scheduler's batch_limits).
+// cluster file's scheduler section with its automatic values resolved from what the
+// pipeline's workers say of their steps (Scheduler's batch_limits). Zero until then.
 struct BatchLimits {
-  int64_t max_sequences = 64;   // slices per micro-batch
-  int64_t max_tokens = 256;     // rows per micro-batch: decode rows + prompt rows
-  int64_t prefill_chunk = 64;   // prompt rows of one sequence per micro-batch
-  int64_t prefill_tokens = 64;  // prompt rows of all sequences together per micro-batch
-  int64_t max_running = 256;    // sequences admitted onto the pipeline (the admission limit)
+  int64_t max_sequences = 0;   // slices per micro-batch
+  int64_t max_tokens = 0;      // rows per micro-batch: decode rows + prompt rows
+  int64_t prefill_chunk = 0;   // prompt rows of one sequence per micro-batch
+  int64_t prefill_tokens = 0;  // prompt rows of all sequences together per micro-batch
+  int64_t max_running = 0;     // sequences admitted onto the pipeline (the admission limit)
   bool operator==(const BatchLimits&) const = default;
+};
+
+// What a pipeline's workers say of their steps (their register's StageCapabilities), taken
+// together: the hard limits are the smallest stage's, the batching figures the largest any
+// stage asks for (a pipeline with one GPU stage batches like a GPU, and its depth hides the
+// rest), the K/V granule one that is whole pages on every stage.
+struct StageFigures {
+  int64_t max_rows = 0;      // rows a step may carry (0: no stage limits them)
+  int64_t sequences = 0;     // sequences a step should carry
+  int64_t prompt_rows = 0;   // prompt rows a step should carry, per stage
+  int extra_in_flight = 0;   // micro-batches beyond one per stage (the smallest any stage asks)
+  int64_t kv_page_tokens = 1;  // the least common multiple of the stages' K/V pages
+  std::string backends;      // "cpu", "cuda", "cpu+cuda": shown in /v1/cluster
+  bool operator==(const StageFigures&) const = default;
 };
 
 // Why the head of the queue is not admitted (GET /v1/cluster, conveyor_queue_waiting_requests).
@@ -59,7 +73,7 @@ struct Pipeline {
   int64_t kv_reserved = 0;               // tokens its admitted requests may grow to
   int64_t admitted = 0;                  // requests given to it, for the balance between replicas
   BatchLimits limits;                    // set by the coordinator before each admit / launch
-  bool gpu = false;                      // a stage of it runs on a GPU (its limits' auto values)
+  StageFigures figures;                  // its workers' figures: set with limits
   // The trace and the turn-around gauge: when a result of it last arrived and no micro-batch
   // has been sent since.
   std::chrono::steady_clock::time_point result_at{};

@@ -140,7 +140,7 @@ void Coordinator::Impl::fill_from_spares() {
         if (!p.workers[size_t(s)].empty()) continue;
         WorkerInfo* pick = nullptr;
         for (auto& [_, w] : workers) {
-          if (w.state != MemberState::Spare || w.leaving) continue;
+          if (w.state != MemberState::Spare || !w.plannable()) continue;
           if (holders_only && !w.holds(cfg.layers[size_t(s)], cfg.model_path)) continue;
           pick = &w;
           break;

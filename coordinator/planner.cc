@@ -2,7 +2,7 @@
 
 #include <algorithm>
 
-#include "coordinator/cluster_config.h"
+#include "coordinator/cluster_config.h"  // balanced_layer_split, check_layer_split
 
 namespace conveyor {
 
@@ -12,10 +12,18 @@ nlohmann::json shape_json(const Shape& shape) {
   return {{"stages", shape.stages}, {"replicas", shape.replicas}, {"layers", layers}};
 }
 
+int64_t stage_weight_bytes(const StageFootprint& f, LayerRange layers, int64_t n_layer) {
+  const bool first = layers.first == 0, last = layers.second == n_layer;
+  const int64_t ends = first && last ? f.embedding_and_head_bytes
+                                     : (first ? f.embedding_bytes : 0) + (last ? f.head_bytes : 0);
+  return (layers.second - layers.first) * f.layer_bytes + ends;
+}
+
 namespace {
 
+// A plannable worker's bytes for `layers` (plannable: it has a footprint).
 int64_t weight_bytes(const WorkerInfo& w, const ModelConfig& model, LayerRange layers) {
-  return stage_weight_bytes(model, layers, w.bytes_per_param(), w.int8_weights);
+  return stage_weight_bytes(*w.footprint, layers, model.n_layer);
 }
 
 std::string range_text(LayerRange r) {
@@ -53,10 +61,12 @@ Expected<std::vector<std::string>> place(const Workers& workers, const PlanModel
     if (out[slot].empty()) slots.push_back(slot);
   for (size_t i = 0; i < pool.size(); ++i)
     if (!used[i]) free.push_back(i);
-  auto size_of = [&](size_t slot) { return stage_weight_bytes(model.config, shape.layers[slot % S], 1); };
-  std::stable_sort(slots.begin(), slots.end(), [&](size_t a, size_t b) { return size_of(a) > size_of(b); });
   std::stable_sort(free.begin(), free.end(),
                    [&](size_t a, size_t b) { return pool[a]->weight_room() > pool[b]->weight_room(); });
+  // A slot's size: its bytes in the format of the roomiest free worker, which takes the largest.
+  auto size_of = [&](size_t slot) { return weight_bytes(*pool[free.front()], model.config, shape.layers[slot % S]); };
+  if (!free.empty())
+    std::stable_sort(slots.begin(), slots.end(), [&](size_t a, size_t b) { return size_of(a) > size_of(b); });
   for (size_t k = 0; k < slots.size(); ++k) {
     const WorkerInfo& w = *pool[free[k]];
     const LayerRange layers = shape.layers[slots[k] % S];

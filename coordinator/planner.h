@@ -39,9 +39,14 @@ struct PlanModel {
   const std::string& path;
 };
 
+// What layers `layers` of a model of `n_layer` layers take on a worker whose footprint for
+// it is `f` (StageFootprint: its own format's bytes; the coordinator knows none).
+int64_t stage_weight_bytes(const StageFootprint& f, LayerRange layers, int64_t n_layer);
+
 // Places the slots of `shape` on plannable workers other than `without`: a worker that holds
 // a slot's layers keeps them (no reload); the other slots go largest stage first to the
-// roomiest worker left. An error when the workers are too few or a stage does not fit in a
+// roomiest worker left (a stage's size: its bytes on the roomiest). Only workers that
+// described the model (WorkerInfo::footprint) are placed. An error when the workers are too few or a stage does not fit in a
 // worker's memory, saying which.
 Expected<std::vector<std::string>> place(const Workers& workers, const PlanModel& model, const Shape& shape,
                                          const std::string& without = "");

@@ -38,7 +38,7 @@ namespace conveyor {
 
 class PrefixCache {
  public:
-  explicit PrefixCache(int32_t granule_tokens = 16);
+  explicit PrefixCache(int32_t granule_tokens);  // the K/V page of the pipeline's stages
   // Its index holds iterators into its list: moved, never copied.
   PrefixCache(PrefixCache&&) noexcept = default;
   PrefixCache& operator=(PrefixCache&&) noexcept = default;

@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <limits>
+#include <numeric>
+#include <set>
 
 #include <spdlog/spdlog.h>
 
@@ -19,27 +21,39 @@ const char* queue_wait_name(QueueWait w) {
   return "?";
 }
 
-BatchLimits Scheduler::batch_limits(const ClusterConfig& cfg, bool gpu, int stages, int depth) {
+BatchLimits Scheduler::batch_limits(const ClusterConfig& cfg, const StageFigures& f, int stages, int depth) {
   auto pick = [](int64_t configured, int64_t automatic) { return configured > 0 ? configured : automatic; };
   BatchLimits l;
-  // A GPU's decode step costs little more at 256 rows than at 64 (its weights are read once a
-  // step); a CPU's grows with its rows. On the CPU, prompt rows per step are held to a decode
-  // step's rows, so a step that takes in new prompts is at most about twice as long as one
-  // that does not and the inter-token latency of running sequences stays even. On a GPU a
-  // prompt row costs less than a decode step's fixed weight reads, and 256 clients asking for
-  // as many tokens as their prompts hold need a step's worth of prompt rows every step, so it
-  // takes twice the sequences' rows (docs/OPERATIONS.md).
-  l.max_sequences = pick(cfg.max_sequences_per_batch, gpu ? 256 : 64);
-  l.prefill_chunk = pick(cfg.prefill_chunk, gpu ? 512 : 64);
+  l.max_sequences = pick(cfg.max_sequences_per_batch, f.sequences);
+  l.prefill_chunk = pick(cfg.prefill_chunk, f.prompt_rows);
   // A sequence waits a whole round of the ring between its tokens: `depth` micro-batches
   // pass each stage in that time. The prompt rows of a round are held to `stages` micro-
   // batches' worth, so one more micro-batch in flight than stages adds no prompt work a round.
-  const int64_t per_stage = gpu ? 512 : 64;
   l.prefill_tokens = pick(cfg.prefill_tokens_per_batch,
-                          std::max<int64_t>(16, per_stage * std::max(1, stages) / std::max(1, depth)));
-  l.max_tokens = pick(cfg.max_batch_tokens, l.max_sequences + l.prefill_tokens);
+                          std::max<int64_t>(16, f.prompt_rows * std::max(1, stages) / std::max(1, depth)));
+  const int64_t rows = l.max_sequences + l.prefill_tokens;
+  l.max_tokens = pick(cfg.max_batch_tokens, f.max_rows > 0 ? std::min(rows, f.max_rows) : rows);
   l.max_running = pick(cfg.max_running, int64_t(std::max(1, depth)) * l.max_sequences);
   return l;
+}
+
+StageFigures Scheduler::figures_of(std::span<const WorkerInfo* const> stages) {
+  StageFigures f;
+  std::set<std::string> backends;
+  bool any = false;
+  for (const WorkerInfo* w : stages) {
+    if (!w) continue;
+    const StageCapabilities& c = w->caps;
+    if (c.max_rows_per_step > 0) f.max_rows = f.max_rows > 0 ? std::min(f.max_rows, c.max_rows_per_step) : c.max_rows_per_step;
+    f.sequences = std::max(f.sequences, c.max_sequences_per_step);
+    f.prompt_rows = std::max(f.prompt_rows, c.max_prompt_rows_per_step);
+    f.extra_in_flight = any ? std::min(f.extra_in_flight, c.extra_in_flight) : c.extra_in_flight;
+    f.kv_page_tokens = std::lcm(f.kv_page_tokens, std::max<int64_t>(1, c.kv_page_tokens));
+    backends.insert(w->backend);
+    any = true;
+  }
+  for (const std::string& b : backends) f.backends += (f.backends.empty() ? "" : "+") + b;
+  return f;
 }
 
 Scheduler::Scheduler(const ClusterConfig& cfg, std::shared_ptr<const Tokenizer> tokenizer,
@@ -590,8 +604,15 @@ Scheduler::Sequence& Scheduler::add_sequence(Request& r, size_t choice, int pipe
 }
 
 PrefixCache& Scheduler::prefix_cache(int pipeline) {
-  while (prefix_.size() <= size_t(pipeline)) prefix_.emplace_back(kPrefixGranuleTokens);
-  return prefix_[size_t(pipeline)];
+  Pipeline& p = pipelines_[size_t(pipeline)];
+  const auto granule = int32_t(std::clamp<int64_t>(p.figures.kv_page_tokens, 1, 1 << 20));
+  while (prefix_.size() <= size_t(pipeline)) prefix_.emplace_back(granule);
+  PrefixCache& cache = prefix_[size_t(pipeline)];
+  if (cache.granule_tokens() != granule) {  // other workers: entries of the old granule go
+    for (uint64_t id : cache.evict_lru(cache.cached_tokens())) p.pending_frees.push_back(id);
+    cache = PrefixCache(granule);
+  }
+  return cache;
 }
 
 std::vector<SeqFork>& Scheduler::retain_forks(int pipeline) {

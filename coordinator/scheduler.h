@@ -17,7 +17,8 @@
 // search is done, the group's n best hypotheses go out as its choices, one update each.
 //
 // Prefix reuse (scheduler.prefix_cache, on by default; coordinator/prefix_cache.h): once a
-// sequence's prompt has been computed, its whole 16-token granules are kept on the stages as
+// sequence's prompt has been computed, its whole K/V pages (the granule its stages describe,
+// Pipeline::figures) are kept on the stages as
 // a cache entry (a fork of the sequence, sent on the pipeline's next micro-batch), and a new
 // sequence whose prompt starts the same way forks the longest such prefix instead of computing
 // it. Entries use the K/V room the running requests leave: the least recently used go when a
@@ -44,11 +45,13 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <span>
 #include <unordered_map>
 #include <vector>
 
 #include "coordinator/cluster_config.h"
 #include "coordinator/completion.h"
+#include "coordinator/membership.h"
 #include "coordinator/pipeline.h"
 #include "coordinator/prefix_cache.h"
 #include "coordinator/text_stream.h"
@@ -68,12 +71,15 @@ class Scheduler {
   static constexpr int kRetryQueueFullSeconds = 1;
 
   // The limits of a pipeline's micro-batches: the cluster file's values, and for those it
-  // leaves at 0 (auto) the defaults of the backend (`gpu`: a stage runs on a GPU), for a
-  // pipeline of `stages` stages with `depth` micro-batches in flight. CPU: 64 sequences,
-  // 64-token chunks, 64 x stages / depth prompt tokens a micro-batch (at least 16), rows: the
-  // sequences + the prompt tokens. GPU: 256 sequences, 512-token chunks, 512 x stages / depth
-  // prompt tokens. Admission limit: depth x sequences.
-  static BatchLimits batch_limits(const ClusterConfig& cfg, bool gpu, int stages, int depth);
+  // leaves at 0 (auto) what its workers say of their steps (`figures`), for a pipeline of
+  // `stages` stages with `depth` micro-batches in flight: their sequences a step, chunks of
+  // their prompt rows, their prompt rows x stages / depth prompt tokens a micro-batch (at
+  // least 16), rows: the sequences + the prompt tokens, within their row limit. Admission
+  // limit: depth x sequences.
+  static BatchLimits batch_limits(const ClusterConfig& cfg, const StageFigures& figures, int stages, int depth);
+  // What the workers of a pipeline's stages say of their steps, together (StageFigures);
+  // null entries (stages nobody serves) are skipped.
+  static StageFigures figures_of(std::span<const WorkerInfo* const> stages);
 
   // Queues the request, or refuses it when the queue is full. Accepted requests always end
   // in sink.on_done, or in sink.on_refused when they waited too long for a pipeline.
@@ -222,9 +228,8 @@ class Scheduler {
   void deliver_one(Sequence& s, Delivery d);
   void finish_sequence(Sequence& s, const char* reason, ChoiceUpdate update);
   void finish_request(Request& r, const std::string& error);
-  // Prefix reuse (see the top of this file). Entries are whole granules of the GPU stage's
-  // K/V page (kernels/cuda/paged_kv.h, kPageTokens), so they share pages without copies.
-  static constexpr int32_t kPrefixGranuleTokens = 16;
+  // Prefix reuse (see the top of this file). Entries are whole granules of the K/V pages the
+  // pipeline's stages describe (Pipeline::figures), so they share pages without copies.
   PrefixCache& prefix_cache(int pipeline);
   std::vector<SeqFork>& retain_forks(int pipeline);
   int64_t& budget(int pipeline);  // the pipeline's K/V budget at the last admit (tokens)

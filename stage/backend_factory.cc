@@ -2,6 +2,7 @@
 
 #include <unistd.h>
 
+#include "kernels/cpu/ops.h"
 #include "stage/cpu/cpu_stage_backend.h"
 #ifdef CONVEYOR_HAVE_CUDA
 #include "stage/cuda/gpu_node.h"
@@ -12,11 +13,42 @@ namespace conveyor {
 
 std::string_view backend_name(Backend backend) { return backend == Backend::Cuda ? "cuda" : "cpu"; }
 
+Status apply_kernel_options(const KernelOptions& options) {
+  if (Status s = cpu::set_threads(options.cpu_threads); !s) return s;
+#ifdef CONVEYOR_HAVE_CUDA
+  cuda::use_pdl(options.pdl);
+#endif
+  return ok_status();
+}
+
 Expected<Backend> parse_backend(std::string_view name) {
   if (name == "cpu") return Backend::Cpu;
   if (name == "cuda") return Backend::Cuda;
   return Status::error("unknown stage backend '" + std::string(name) + "' (cpu or cuda)");
 }
+
+#ifdef CONVEYOR_HAVE_CUDA
+namespace {
+
+// The GPU stage a worker's options make: the one place they turn into GpuStageOptions, for
+// the stage itself and for what the worker says of it before it holds one.
+cuda::GpuStageOptions gpu_options(const StageOptions& o) {
+  cuda::GpuStageOptions g;
+  g.dtype = o.dtype;
+  g.int8_weights = o.int8_weights;
+  g.fp8 = o.fp8;
+  g.name = o.name;
+  g.kv_cache_fraction = o.gpu_memory_fraction;
+  g.kv_cache_max_bytes = o.gpu_kv_cache_max_bytes;
+  g.gemm = o.gemm;
+  // A micro-batch of up to 512 sequences (the largest decode graph): the scheduler fills the
+  // K/V capacity, and a GPU's decode step costs little more at 256 rows than at 64.
+  g.max_seqs = 512;
+  return g;
+}
+
+}  // namespace
+#endif
 
 Expected<std::unique_ptr<StageBackend>> make_stage_backend(StageWeights weights, const StageOptions& o) {
   if (o.backend == Backend::Cpu) {
@@ -26,19 +58,25 @@ Expected<std::unique_ptr<StageBackend>> make_stage_backend(StageWeights weights,
     return std::unique_ptr<StageBackend>(std::move(b).value());
   }
 #ifdef CONVEYOR_HAVE_CUDA
-  cuda::GpuStageOptions g;
-  g.dtype = o.dtype;
-  g.int8_weights = o.int8_weights;
-  g.fp8 = o.fp8;
-  g.name = o.name;
-  g.kv_cache_fraction = o.gpu_memory_fraction;
-  g.kv_cache_max_bytes = o.gpu_kv_cache_max_bytes;
-  // A micro-batch of up to 512 sequences (the largest decode graph): the scheduler fills the
-  // K/V capacity, and a GPU's decode step costs little more at 256 rows than at 64.
-  g.max_seqs = 512;
-  auto b = cuda::GpuStageBackend::create(weights, o.gpus, g);
+  auto b = cuda::GpuStageBackend::create(weights, o.gpus, gpu_options(o));
   if (!b) return b.status();
   return std::unique_ptr<StageBackend>(std::move(b).value());
+#else
+  return Status::error(o.name + ": this build has no CUDA backend (configure with nvcc present, -DCONVEYOR_CUDA=ON)");
+#endif
+}
+
+StageCapabilities stage_capabilities(const StageOptions& o) {
+#ifdef CONVEYOR_HAVE_CUDA
+  if (o.backend == Backend::Cuda) return cuda::GpuStageBackend::capabilities(gpu_options(o), stage_memory_bytes(o));
+#endif
+  return CpuStageBackend::capabilities(stage_memory_bytes(o), o.kv_cache_bytes);
+}
+
+Expected<StageFootprint> stage_footprint(const ModelConfig& config, const StageOptions& o) {
+  if (o.backend == Backend::Cpu) return CpuStageBackend::footprint(config, o.tensor_parallel);
+#ifdef CONVEYOR_HAVE_CUDA
+  return cuda::GpuStageBackend::footprint(config, int(o.gpus.size()), gpu_options(o));
 #else
   return Status::error(o.name + ": this build has no CUDA backend (configure with nvcc present, -DCONVEYOR_CUDA=ON)");
 #endif

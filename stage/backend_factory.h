@@ -13,6 +13,7 @@
 
 #include "common/dtype.h"
 #include "common/host_allocator.h"
+#include "common/kernel_options.h"
 #include "common/status.h"
 #include "model/weights.h"
 #include "stage/stage_backend.h"
@@ -35,11 +36,25 @@ struct StageOptions {
   double gpu_memory_fraction = 0.9;    // cuda: of the memory left after the weights, for the K/V cache
   int64_t kv_cache_bytes = 512ll << 20;  // cpu: the K/V budget
   int64_t gpu_kv_cache_max_bytes = 0;    // cuda: a cap on each rank's K/V cache (0: the memory fraction alone)
+  GemmOptions gemm;                      // cuda: the products' options (the worker passes the registry's)
 };
+
+// The kernels' process-wide settings (the CPU ops' threads, PDL): once, at start-up, before
+// any stage is made. An error names what was refused.
+Status apply_kernel_options(const KernelOptions& options);
 
 // The stage `weights` describe, on the backend `options` name. Errors say what was wrong (a
 // backend this build lacks, a GPU the node has not, weights that do not fit).
 Expected<std::unique_ptr<StageBackend>> make_stage_backend(StageWeights weights, const StageOptions& options);
+
+// What the stage `options` name is before it holds a model, as its backend says (a worker's
+// register carries it). A build without CUDA describes the CPU stage.
+StageCapabilities stage_capabilities(const StageOptions& options);
+
+// What `config`'s weights and K/V take on the stage `options` name, in its backend's own
+// format (a worker's answer to the coordinator's welcome). An error when the backend cannot
+// hold that model (shapes it cannot split, a backend this build lacks).
+Expected<StageFootprint> stage_footprint(const ModelConfig& config, const StageOptions& options);
 
 // CUDA devices a stage could run on: 0 when this build has no CUDA backend or the driver
 // finds none.

@@ -25,6 +25,7 @@
 #include "common/model_config.h"
 #include "common/sampling_params.h"
 #include "common/seq_slice.h"
+#include "common/stage_description.h"
 #include "common/status.h"
 
 namespace conveyor {

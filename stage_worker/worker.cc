@@ -3,6 +3,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cctype>
 #include <mutex>
 #include <optional>
 #include <thread>
@@ -92,10 +93,7 @@ struct Worker::Impl {
   // and its CUDA-event polling), a staged one 200-330 us up to 256 KiB and 436 us at 1 MiB,
   // where direct took 332 (docs/PERFORMANCE.md, "Activations GPU to GPU").
   // CONVEYOR_DIRECT_MIN_BYTES overrides it (0: every micro-batch direct).
-  const size_t direct_min_bytes = [] {
-    const char* e = std::getenv("CONVEYOR_DIRECT_MIN_BYTES");
-    return e && *e ? size_t(std::strtoull(e, nullptr, 10)) : size_t(1) << 20;
-  }();
+  size_t direct_min_bytes() const { return size_t(opt.direct_min_bytes); }
   int64_t busy_ns_at_last_heartbeat = 0;
   Clock::time_point heartbeat_window_start = Clock::now();
 
@@ -134,8 +132,7 @@ struct Worker::Impl {
         .name = opt.name, .host = host, .pid = ::getpid(), .token = opt.join_token,
         .backend = std::string(backend_name(stage.backend)), .tensor_parallel = stage.tensor_parallel,
         .gpus = cuda ? stage.gpus : std::vector<int>{}, .memory_bytes = stage_memory_bytes(stage),
-        .kv_cache_bytes = stage.kv_cache_bytes, .int8_weights = cuda && stage.int8_weights,
-        .fp8 = cuda && stage.fp8,
+        .capabilities = stage_capabilities(stage),
         .data_plane = data_plane_json(),
         .data_address = channel->address()};
     {
@@ -410,13 +407,13 @@ struct Worker::Impl {
         direct_to_next = direct;
         spdlog::info("{}: activations to the next stage go {}", opt.name,
                      direct ? "direct, GPU to GPU (device memory through UCX), micro-batches of " +
-                                  std::to_string(direct_min_bytes) + " bytes or more; staged below"
+                                  std::to_string(direct_min_bytes()) + " bytes or more; staged below"
                             : (opt.stage.backend == Backend::Cuda ? "staged, through page-locked host memory"
                                                                   : "staged, from host memory"));
       }
       const ActivationSink sink = [&](size_t bytes) -> Expected<std::span<std::byte>> {
         const auto w0 = Clock::now();
-        auto got = direct && bytes >= direct_min_bytes
+        auto got = direct && bytes >= direct_min_bytes()
                        ? handoff->acquire(bytes, [&](size_t n) { return device_slot(n); }, /*device=*/true)
                           : handoff->acquire(bytes, [&](size_t n) { return ex->backend().allocate_host(n); });
         waited += Clock::now() - w0;
@@ -541,10 +538,20 @@ struct Worker::Impl {
     std::visit([this](const auto& x) { on(x); }, *msg);
   }
 
-  void on(const transport::WelcomeMsg&) {
+  void on(const transport::WelcomeMsg& m) {
     welcomed = true;
     service::ready("joined " + opt.coordinator + " as " + opt.name);
     spdlog::info("{}: joined the coordinator", opt.name);
+    if (m.model) send_footprint(*m.model);
+  }
+
+  // What the coordinator's model takes in this worker's format: the planner's figures for it.
+  void send_footprint(const transport::ModelShape& model) {
+    StageOptions o = opt.stage;
+    o.name = opt.name;
+    auto f = stage_footprint(transport::model_config(model), o);
+    if (!f) spdlog::error("{}: cannot hold the coordinator's model: {}", opt.name, f.error());
+    send(f ? transport::FootprintMsg{.footprint = *f} : transport::FootprintMsg{.error = f.error()});
   }
 
   void on(const transport::RejectedMsg& m) {

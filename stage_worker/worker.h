@@ -25,6 +25,7 @@
 #include <string>
 #include <vector>
 
+#include "common/options.h"
 #include "common/status.h"
 #include "stage/backend_factory.h"
 
@@ -49,6 +50,9 @@ struct WorkerOptions {
   std::chrono::milliseconds coordinator_liveness{3000};
   // On SIGTERM a worker with a stage waits this long for the coordinator to take it over.
   std::chrono::milliseconds drain_timeout{30000};
+  // Micro-batches smaller than this go staged even where the direct GPU path is open
+  // (CONVEYOR_DIRECT_MIN_BYTES; worker.cc says why 1 MiB).
+  int64_t direct_min_bytes = Options{}.direct_min_bytes;
 };
 
 class Worker {

@@ -131,6 +131,12 @@ int main(int argc, char** argv) {
   spdlog::set_default_logger(spdlog::stderr_color_mt("worker"));  // stdout is for the ready line
   spdlog::set_level(options->log_level);
   if (opt.join_token.empty()) opt.join_token = options->join_token;
+  stage.gemm = options->kernels.gemm;
+  opt.direct_min_bytes = options->direct_min_bytes;
+  if (conveyor::Status s = conveyor::apply_kernel_options(options->kernels); !s) {
+    std::cerr << "conveyor-worker: " << s.message() << "\n";
+    return 1;
+  }
   stage.kv_cache_bytes = kv_mb << 20;
   if (kv_opt->count() > 0) stage.gpu_kv_cache_max_bytes = kv_mb << 20;
   opt.heartbeat_interval = std::chrono::milliseconds(heartbeat_ms);

@@ -16,9 +16,9 @@ namespace {
 
 // One wire name per kind, indexed by ControlKind; the variant's alternatives are in the
 // same order, so a message's variant index is its kind.
-constexpr std::array<const char*, 15> kKindNames = {
-    "register",  "welcome",  "rejected", "assign",  "unassign", "load_progress", "ready",    "load_failed",
-    "heartbeat", "data_error", "draining", "leaving", "goodbye",  "drain",         "shutdown",
+constexpr std::array<const char*, 16> kKindNames = {
+    "register",  "welcome",    "rejected", "assign",  "unassign", "load_progress", "ready",    "load_failed",
+    "heartbeat", "data_error", "draining", "leaving", "goodbye",  "drain",         "shutdown", "footprint",
 };
 static_assert(kKindNames.size() == std::variant_size_v<AnyControlMsg>);
 
@@ -181,6 +181,75 @@ HeldStage decode_held_stage(const json& body, FieldReader& outer) {
   return h;
 }
 
+StageCapabilities decode_capabilities(const json& body, FieldReader& outer) {
+  FieldReader r(outer.kind(), body, "capabilities.");
+  StageCapabilities c;
+  const std::string dtype = r.string("dtype");
+  if (r.ok()) {
+    if (auto d = activation_dtype_from_wire(dtype)) c.dtype = *d;
+    else r.fail("dtype", "must be f32, f16 or bf16, got '" + dtype + "'");
+  }
+  c.weight_format = r.string("weight_format");
+  c.weight_memory_bytes = r.integer<int64_t>("weight_memory_bytes");
+  c.kv_page_tokens = r.integer<int64_t>("kv_page_tokens");
+  if (r.ok() && c.kv_page_tokens < 1) r.fail("kv_page_tokens", "must be at least 1");
+  c.max_rows_per_step = r.integer<int64_t>("max_rows_per_step");
+  c.max_sequences_per_step = r.integer<int64_t>("max_sequences_per_step");
+  c.max_prompt_rows_per_step = r.integer<int64_t>("max_prompt_rows_per_step");
+  c.extra_in_flight = r.integer<int>("extra_in_flight");
+  for (auto [key, v] : {std::pair<const char*, int64_t>{"weight_memory_bytes", c.weight_memory_bytes},
+                        {"max_rows_per_step", c.max_rows_per_step},
+                        {"max_sequences_per_step", c.max_sequences_per_step},
+                        {"max_prompt_rows_per_step", c.max_prompt_rows_per_step},
+                        {"extra_in_flight", c.extra_in_flight}})
+    if (r.ok() && v < 0) r.fail(key, "must not be negative");
+  outer.keep_first_error(r);
+  return c;
+}
+
+ModelShape decode_model_shape(const json& body, FieldReader& outer) {
+  FieldReader r(outer.kind(), body, "model.");
+  ModelShape m;
+  m.n_layer = r.integer<int64_t>("n_layer");
+  m.n_embd = r.integer<int64_t>("n_embd");
+  m.n_head = r.integer<int64_t>("n_head");
+  m.n_inner = r.integer<int64_t>("n_inner");
+  m.n_positions = r.integer<int64_t>("n_positions");
+  m.vocab_size = r.integer<int64_t>("vocab_size");
+  m.tie_word_embeddings = r.boolean("tie_word_embeddings");
+  outer.keep_first_error(r);
+  return m;
+}
+
+WelcomeMsg decode_welcome(FieldReader& r) {
+  WelcomeMsg m;
+  m.heartbeat_ms = r.integer<int64_t>("heartbeat_ms");
+  if (r.has("model"))
+    if (const json* model = r.object("model")) m.model = decode_model_shape(*model, r);
+  return m;
+}
+
+FootprintMsg decode_footprint(FieldReader& r) {
+  FootprintMsg m;
+  if (r.has("error")) {
+    m.error = r.string("error");
+    return m;
+  }
+  StageFootprint& f = m.footprint;
+  f.layer_bytes = r.integer<int64_t>("layer_bytes");
+  f.embedding_bytes = r.integer<int64_t>("embedding_bytes");
+  f.head_bytes = r.integer<int64_t>("head_bytes");
+  f.embedding_and_head_bytes = r.integer<int64_t>("embedding_and_head_bytes");
+  f.kv_bytes_per_token_per_layer = r.integer<int64_t>("kv_bytes_per_token_per_layer");
+  for (auto [key, v] : {std::pair<const char*, int64_t>{"layer_bytes", f.layer_bytes},
+                        {"embedding_bytes", f.embedding_bytes},
+                        {"head_bytes", f.head_bytes},
+                        {"embedding_and_head_bytes", f.embedding_and_head_bytes},
+                        {"kv_bytes_per_token_per_layer", f.kv_bytes_per_token_per_layer}})
+    if (r.ok() && v < 0) r.fail(key, "must not be negative");
+  return m;
+}
+
 RegisterMsg decode_register(FieldReader& r, const std::vector<std::byte>& blob) {
   RegisterMsg m;
   m.name = r.string("name");
@@ -191,9 +260,7 @@ RegisterMsg decode_register(FieldReader& r, const std::vector<std::byte>& blob) 
   m.tensor_parallel = r.integer<int>("tensor_parallel");
   m.gpus = r.int_list("gpus");
   m.memory_bytes = r.integer<int64_t>("memory_bytes");
-  m.kv_cache_bytes = r.integer<int64_t>("kv_cache_bytes");
-  m.int8_weights = r.boolean("int8_weights");
-  if (r.has("fp8")) m.fp8 = r.boolean("fp8");
+  if (const json* caps = r.object("capabilities")) m.capabilities = decode_capabilities(*caps, r);
   if (const json* dp = r.object("data_plane")) m.data_plane = *dp;
   if (r.has("holding"))
     if (const json* h = r.object("holding")) m.holding = decode_held_stage(*h, r);
@@ -274,7 +341,7 @@ DataErrorMsg decode_data_error(FieldReader& r) {
 AnyControlMsg decode_fields(FieldReader& r, const std::vector<std::byte>& blob) {
   switch (r.kind()) {
     case ControlKind::Register: return decode_register(r, blob);
-    case ControlKind::Welcome: return WelcomeMsg{.heartbeat_ms = r.integer<int64_t>("heartbeat_ms")};
+    case ControlKind::Welcome: return decode_welcome(r);
     case ControlKind::Rejected: return RejectedMsg{.reason = r.string("reason")};
     case ControlKind::Assign: return decode_assign(r);
     case ControlKind::Unassign: return UnassignMsg{};
@@ -291,6 +358,7 @@ AnyControlMsg decode_fields(FieldReader& r, const std::vector<std::byte>& blob) 
     case ControlKind::Goodbye: return GoodbyeMsg{.reason = r.string("reason")};
     case ControlKind::Drain: return DrainMsg{};
     case ControlKind::Shutdown: return ShutdownMsg{};
+    case ControlKind::Footprint: return decode_footprint(r);
   }
   r.fail("type", "names no known kind");
   return ShutdownMsg{};
@@ -316,14 +384,29 @@ const char* worker_state_name(WorkerState state) {
 
 ControlKind control_kind(const AnyControlMsg& msg) { return ControlKind(msg.index()); }
 
+ModelShape model_shape(const ModelConfig& c) {
+  return {.n_layer = c.n_layer, .n_embd = c.n_embd, .n_head = c.n_head, .n_inner = c.n_inner,
+          .n_positions = c.n_positions, .vocab_size = c.vocab_size, .tie_word_embeddings = c.tie_word_embeddings};
+}
+
+ModelConfig model_config(const ModelShape& m) {
+  ModelConfig c;
+  c.n_layer = m.n_layer, c.n_embd = m.n_embd, c.n_head = m.n_head, c.n_inner = m.n_inner;
+  c.n_positions = m.n_positions, c.vocab_size = m.vocab_size, c.tie_word_embeddings = m.tie_word_embeddings;
+  return c;
+}
+
 // ---- encoders, one per kind ----
 
 ControlMessage encode(const RegisterMsg& m) {
+  const StageCapabilities& c = m.capabilities;
+  const json caps = {{"dtype", activation_dtype_wire_name(c.dtype)}, {"weight_format", c.weight_format},
+                     {"weight_memory_bytes", c.weight_memory_bytes}, {"kv_page_tokens", c.kv_page_tokens},
+                     {"max_rows_per_step", c.max_rows_per_step}, {"max_sequences_per_step", c.max_sequences_per_step},
+                     {"max_prompt_rows_per_step", c.max_prompt_rows_per_step}, {"extra_in_flight", c.extra_in_flight}};
   json body = {{"name", m.name}, {"host", m.host}, {"pid", m.pid}, {"token", m.token},
                {"backend", m.backend}, {"tensor_parallel", m.tensor_parallel}, {"gpus", m.gpus},
-               {"memory_bytes", m.memory_bytes}, {"kv_cache_bytes", m.kv_cache_bytes},
-               {"int8_weights", m.int8_weights}, {"data_plane", m.data_plane}};
-  if (m.fp8) body["fp8"] = true;  // only when set: the wire of other workers is unchanged
+               {"memory_bytes", m.memory_bytes}, {"capabilities", caps}, {"data_plane", m.data_plane}};
   if (m.last_epoch > 0) body["last_epoch"] = m.last_epoch;
   if (m.holding) {
     const HeldStage& h = *m.holding;
@@ -334,7 +417,16 @@ ControlMessage encode(const RegisterMsg& m) {
   return make<RegisterMsg>(std::move(body), m.data_address);
 }
 
-ControlMessage encode(const WelcomeMsg& m) { return make<WelcomeMsg>({{"heartbeat_ms", m.heartbeat_ms}}); }
+ControlMessage encode(const WelcomeMsg& m) {
+  json body = {{"heartbeat_ms", m.heartbeat_ms}};
+  if (m.model) {
+    const ModelShape& s = *m.model;
+    body["model"] = {{"n_layer", s.n_layer}, {"n_embd", s.n_embd}, {"n_head", s.n_head}, {"n_inner", s.n_inner},
+                     {"n_positions", s.n_positions}, {"vocab_size", s.vocab_size},
+                     {"tie_word_embeddings", s.tie_word_embeddings}};
+  }
+  return make<WelcomeMsg>(std::move(body));
+}
 ControlMessage encode(const RejectedMsg& m) { return make<RejectedMsg>({{"reason", m.reason}}); }
 
 ControlMessage encode(const AssignMsg& m) {
@@ -387,6 +479,14 @@ ControlMessage encode(const LeavingMsg& m) { return make<LeavingMsg>({{"reason",
 ControlMessage encode(const GoodbyeMsg& m) { return make<GoodbyeMsg>({{"reason", m.reason}}); }
 ControlMessage encode(const DrainMsg&) { return make<DrainMsg>(nullptr); }
 ControlMessage encode(const ShutdownMsg&) { return make<ShutdownMsg>(nullptr); }
+
+ControlMessage encode(const FootprintMsg& m) {
+  if (!m.error.empty()) return make<FootprintMsg>({{"error", m.error}});
+  const StageFootprint& f = m.footprint;
+  return make<FootprintMsg>({{"layer_bytes", f.layer_bytes}, {"embedding_bytes", f.embedding_bytes},
+                             {"head_bytes", f.head_bytes}, {"embedding_and_head_bytes", f.embedding_and_head_bytes},
+                             {"kv_bytes_per_token_per_layer", f.kv_bytes_per_token_per_layer}});
+}
 
 ControlMessage encode(const AnyControlMsg& msg) {
   return std::visit([](const auto& m) { return encode(m); }, msg);

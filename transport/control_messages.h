@@ -24,6 +24,8 @@
 #include <variant>
 #include <vector>
 
+#include "common/model_config.h"
+#include "common/stage_description.h"
 #include "common/status.h"
 #include "transport/control_message.h"
 
@@ -46,6 +48,7 @@ enum class ControlKind {
   Goodbye,       // c -> w: the coordinator stops; keep the layers
   Drain,         // c -> w: stop taking new work
   Shutdown,      // c -> w: exit
+  Footprint,     // w -> c: what the welcome's model takes in this worker's format
 };
 
 // The wire "type": "register", "welcome", ..., "load_progress", ...
@@ -77,10 +80,8 @@ struct RegisterMsg {
   std::string backend{};               // "cpu" | "cuda"
   int tensor_parallel = 1;
   std::vector<int> gpus{};             // empty on the CPU
-  int64_t memory_bytes = 0;            // where the weights live: GPU(s) or host
-  int64_t kv_cache_bytes = 0;
-  bool int8_weights = false;
-  bool fp8 = false;                    // a GPU worker whose layer matrices and their inputs are FP8 E4M3
+  int64_t memory_bytes = 0;            // where the weights live: GPU(s) or host (shown)
+  StageCapabilities capabilities{};   // wire: "capabilities": {...}
   nlohmann::json data_plane = nlohmann::json::object();  // free-form, shown in /v1/cluster
   std::optional<HeldStage> holding{};
   // The highest epoch this worker was ever assigned (0: none), whether it holds that stage or
@@ -90,9 +91,22 @@ struct RegisterMsg {
   bool operator==(const RegisterMsg&) const = default;
 };
 
+// The shapes of the coordinator's model, as the welcome names them: what a worker needs to
+// say what the model takes in its own format (FootprintMsg).
+struct ModelShape {
+  int64_t n_layer = 0, n_embd = 0, n_head = 0, n_inner = 0, n_positions = 0, vocab_size = 0;
+  bool tie_word_embeddings = true;
+  bool operator==(const ModelShape&) const = default;
+};
+ModelShape model_shape(const ModelConfig& config);
+ModelConfig model_config(const ModelShape& shape);  // the shapes; the other fields their defaults
+
 struct WelcomeMsg {
   static constexpr ControlKind kind = ControlKind::Welcome;
   int64_t heartbeat_ms = 0;
+  // The model the coordinator serves: the worker answers with its footprint. Absent from a
+  // coordinator that plans nothing (a test's).
+  std::optional<ModelShape> model{};
   bool operator==(const WelcomeMsg&) const = default;
 };
 
@@ -211,10 +225,19 @@ struct ShutdownMsg {
   bool operator==(const ShutdownMsg&) const = default;
 };
 
+// w -> c, answering the welcome: the footprint, or why this worker cannot hold the model
+// (then `error` alone is on the wire, and the coordinator never plans it).
+struct FootprintMsg {
+  static constexpr ControlKind kind = ControlKind::Footprint;
+  StageFootprint footprint{};
+  std::string error{};
+  bool operator==(const FootprintMsg&) const = default;
+};
+
 using AnyControlMsg =
     std::variant<RegisterMsg, WelcomeMsg, RejectedMsg, AssignMsg, UnassignMsg, LoadProgressMsg, ReadyMsg,
                  LoadFailedMsg, HeartbeatMsg, DataErrorMsg, DrainingMsg, LeavingMsg, GoodbyeMsg, DrainMsg,
-                 ShutdownMsg>;
+                 ShutdownMsg, FootprintMsg>;
 
 ControlKind control_kind(const AnyControlMsg& msg);
 
@@ -233,6 +256,7 @@ ControlMessage encode(const LeavingMsg& msg);
 ControlMessage encode(const GoodbyeMsg& msg);
 ControlMessage encode(const DrainMsg& msg);
 ControlMessage encode(const ShutdownMsg& msg);
+ControlMessage encode(const FootprintMsg& msg);
 ControlMessage encode(const AnyControlMsg& msg);
 
 // The message `m` carries, or an error naming its type and the offending field.

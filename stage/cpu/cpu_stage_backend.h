@@ -18,6 +18,13 @@ class CpuStageBackend final : public StageBackend {
   // tokens. Errors name what is wrong with the weights or tp.
   static Expected<std::unique_ptr<CpuStageBackend>> create(StageWeights weights, int tp, int64_t kv_cache_bytes);
 
+  // What a CPU stage is before it holds a model (stage_backend.h): fp32, its weights in the
+  // host's `memory_bytes` less the K/V budget, and its batching figures.
+  static StageCapabilities capabilities(int64_t memory_bytes, int64_t kv_cache_bytes);
+  // What `config`'s weights and K/V take on a CPU stage of `tp` ranks: fp32 tensors as the
+  // weight table lists them, plus (tp > 1) each rank's copy of its slices of the split ones.
+  static Expected<StageFootprint> footprint(const ModelConfig& config, int tp);
+
   const ModelConfig& config() const override { return stage_->config(); }
   bool has_embedding() const override { return stage_->weights().has_embedding(); }
   bool has_head() const override { return stage_->weights().has_head(); }

@@ -41,4 +41,6 @@ HostAllocator pinned_host_allocator(int device) {
           [](void* p) { pinned_free(p); }};
 }
 
+void use_pdl(bool on) { set_pdl(on); }
+
 }  // namespace conveyor::cuda

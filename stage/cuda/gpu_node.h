@@ -21,4 +21,8 @@ int64_t total_memory_bytes(const std::vector<int>& gpus);
 // first, so no context is made on GPU 0 for a stage on another GPU.
 HostAllocator pinned_host_allocator(int device);
 
+// Programmatic Dependent Launch for the kernels that support it (KernelOptions::pdl), set once
+// at start-up.
+void use_pdl(bool on);
+
 }  // namespace conveyor::cuda

@@ -4,6 +4,11 @@
 
 #include <algorithm>
 
+#include "kernels/cuda/paged_kv.h"
+#include "model/tp_shard.h"
+#include "stage/cuda/gpu_weights.h"
+#include "stage/cuda/kv_cache.h"
+
 namespace conveyor::cuda {
 
 Expected<std::unique_ptr<GpuStageBackend>> GpuStageBackend::create(const StageWeights& weights,
@@ -23,6 +28,49 @@ Expected<std::unique_ptr<GpuStageBackend>> GpuStageBackend::create(const StageWe
   auto stage = TpStage::create(weights, devices, options);
   if (!stage) return stage.status();
   return std::unique_ptr<GpuStageBackend>(new GpuStageBackend(std::move(stage).value()));
+}
+
+StageCapabilities GpuStageBackend::capabilities(const GpuStageOptions& o, int64_t memory_bytes) {
+  StageCapabilities c;
+  c.dtype = o.dtype;
+  c.weight_format = o.int8_weights ? "int8" : o.fp8 ? "fp8" : o.dtype == DType::BF16 ? "bf16" : "f16";
+  // A tenth of the GPUs' memory stays for the activations, workspaces and the K/V cache.
+  c.weight_memory_bytes = memory_bytes / 10 * 9;
+  c.kv_page_tokens = kPageTokens;
+  c.max_rows_per_step = GpuStage::activation_rows(o);
+  // A GPU's decode step costs little more at 256 rows than at 64 (its weights are read once a
+  // step). A prompt row costs less than a decode step's fixed weight reads, and 256 clients
+  // asking for as many tokens as their prompts hold need a step's worth of prompt rows every
+  // step, so a step takes twice the sequences' rows of prompts (docs/OPERATIONS.md).
+  c.max_sequences_per_step = std::min<int64_t>(256, o.max_seqs);
+  c.max_prompt_rows_per_step = std::min<int64_t>(512, c.max_rows_per_step);
+  // A GPU step costs nearly as much at half the rows: one micro-batch per stage.
+  c.extra_in_flight = 0;
+  return c;
+}
+
+Expected<StageFootprint> GpuStageBackend::footprint(const ModelConfig& c, int ranks, const GpuStageOptions& o) {
+  if (c.n_embd <= 0 || c.n_head <= 0 || c.n_embd % c.n_head != 0 || c.n_inner <= 0 || c.vocab_size <= 0 ||
+      c.n_positions <= 0)
+    return Status::error(o.name + ": the model's shapes are not a GPT's (n_embd " + std::to_string(c.n_embd) +
+                         ", n_head " + std::to_string(c.n_head) + ", n_inner " + std::to_string(c.n_inner) + ")");
+  if (ranks < 1 || ranks > c.n_head || ranks > c.n_inner)
+    return Status::error(o.name + ": " + std::to_string(ranks) + " tensor-parallel GPUs for " +
+                         std::to_string(c.n_head) + " heads (at most one GPU a head)");
+  const bool byte_matrices = o.int8_weights || o.fp8;
+  StageFootprint f;
+  for (int r = 0; r < ranks; ++r) {
+    const TpShard shard = TpShard::of(c, r, ranks);
+    auto bytes = [&](int64_t layers, bool embedding, bool head) {
+      return plan_weight_layout(c, shard, layers, embedding, head && r == 0, o.dtype, byte_matrices).bytes;
+    };
+    f.layer_bytes += bytes(1, false, false);  // every tensor starts aligned: layers add up exactly
+    f.embedding_bytes += bytes(0, true, false);
+    f.head_bytes += bytes(0, false, true);
+    f.embedding_and_head_bytes += bytes(0, true, true);
+    f.kv_bytes_per_token_per_layer += KvCache::page_bytes(1, shard.heads(), c.head_dim(), o.dtype) / kPageTokens;
+  }
+  return f;
 }
 
 std::string GpuStageBackend::describe() const {

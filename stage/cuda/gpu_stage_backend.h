@@ -28,6 +28,15 @@ class GpuStageBackend final : public StageBackend {
   static Expected<std::unique_ptr<GpuStageBackend>> create(const StageWeights& weights, const std::vector<int>& devices,
                                                            const GpuStageOptions& options);
 
+  // What a GPU stage built with `options` is before it holds a model (stage_backend.h): its
+  // dtype and weight format, the share of its GPUs' `memory_bytes` its weights may take, its
+  // K/V page, its activation rows and its batching figures.
+  static StageCapabilities capabilities(const GpuStageOptions& options, int64_t memory_bytes);
+  // What `config`'s weights and K/V take on a stage of `ranks` GPUs built with `options`: the
+  // weight layout each rank allocates (plan_weight_layout, gpu_weights.h; the LM head on rank
+  // 0) and its heads' K/V (KvCache::page_bytes), summed over the ranks. Host arithmetic only.
+  static Expected<StageFootprint> footprint(const ModelConfig& config, int ranks, const GpuStageOptions& options);
+
   const ModelConfig& config() const override { return stage_->config(); }
   bool has_embedding() const override { return stage_->has_embedding(); }
   bool has_head() const override { return stage_->has_head(); }

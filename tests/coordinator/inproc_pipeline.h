@@ -39,6 +39,8 @@ struct InprocPipeline {
     pipelines.resize(1);
     pipelines[0].limits = {.max_sequences = 64, .max_tokens = 256, .prefill_chunk = 64, .prefill_tokens = 64,
                            .max_running = 64};
+    // Prefix entries in whole K/V pages of the stages, as a CPU stage describes them.
+    pipelines[0].figures.kv_page_tokens = CpuStageBackend::capabilities(0, kv_bytes).kv_page_tokens;
     auto tok = Tokenizer::load(tokenizer_dir);
     EXPECT_TRUE(tok.ok()) << tok.error();
     scheduler = std::make_unique<Scheduler>(cfg, std::make_shared<const Tokenizer>(std::move(tok).value()), pipelines);

@@ -92,17 +92,26 @@ struct FakeWorker {
                                                     .pid = ::getpid(),
                                                     .token = kToken,
                                                     .backend = "cpu",
+                                                    .capabilities = {.dtype = DType::F32,
+                                                                     .weight_format = "f32",
+                                                                     .kv_page_tokens = 16,
+                                                                     .max_sequences_per_step = 64,
+                                                                     .max_prompt_rows_per_step = 64},
                                                     .holding = std::move(holding),
                                                     .last_epoch = last_epoch,
                                                     .data_address = {std::byte{1}, std::byte{2}}});
   }
-  // Connects as `as`, registers (register_msg's arguments) and is welcomed.
+  // Connects as `as`, registers (register_msg's arguments), is welcomed and answers with
+  // what the model takes in its format (only then may the coordinator give it a stage).
   ::testing::AssertionResult join(const std::string& as, int port, std::optional<transport::HeldStage> holding = {},
                                   uint32_t last_epoch = 0) {
     name = as;
     if (auto r = connect(port); !r) return r;
     if (auto r = send(register_msg(std::move(holding), last_epoch)); !r) return r;
-    return expect(ControlKind::Welcome);
+    if (auto r = expect(ControlKind::Welcome); !r) return r;
+    return send(transport::encode(transport::FootprintMsg{.footprint = {.layer_bytes = 1000, .embedding_bytes = 100,
+                                                                         .head_bytes = 100,
+                                                                         .embedding_and_head_bytes = 200}}));
   }
   // The epoch of the next message, which must be an assign (0 after a failed expectation).
   uint32_t next_assignment_epoch() const {
@@ -190,6 +199,50 @@ TEST(CoordinatorControl, AssignmentsStartAboveTheEpochAWorkerWasLoading) {
   FakeWorker w;
   ASSERT_TRUE(w.join("loader", coordinator->control_port(), {}, /*last_epoch=*/11));
   EXPECT_GT(w.next_assignment_epoch(), 11u);
+}
+
+// A worker describes itself (issue 27): the welcome names the model's shapes, and the
+// coordinator gives a stage only to a worker that has answered with what the model takes in
+// its format; one that cannot hold the model is never given one.
+TEST(CoordinatorControl, AStageGoesOnlyToAWorkerThatDescribedTheModel) {
+  auto coordinator = start_coordinator();
+  ASSERT_TRUE(coordinator);
+  FakeWorker w;
+  w.name = "describer";
+  ASSERT_TRUE(w.connect(coordinator->control_port()));
+  ASSERT_TRUE(w.send(w.register_msg()));
+  auto in = w.control->recv(5s);
+  ASSERT_TRUE(in.ok() && in->has_value());
+  auto welcome = transport::decode_control(**in);
+  ASSERT_TRUE(welcome.ok()) << welcome.error();
+  const auto& model = std::get<transport::WelcomeMsg>(*welcome).model;
+  ASSERT_TRUE(model.has_value());
+  const ModelConfig brown = load_model_config(testing::source_dir() + "/models/brown-gpt2").value();
+  EXPECT_EQ(model->n_layer, brown.n_layer);
+  EXPECT_EQ(model->n_embd, brown.n_embd);
+  EXPECT_EQ(model->vocab_size, brown.vocab_size);
+  // No assignment before the footprint.
+  auto early = w.control->recv(300ms);
+  ASSERT_TRUE(early.ok());
+  EXPECT_FALSE(early->has_value()) << "got '" << (**early).type() << "' before the footprint";
+  // A worker that cannot hold the model stays without a stage.
+  FakeWorker unable;
+  unable.name = "unable";
+  ASSERT_TRUE(unable.connect(coordinator->control_port()));
+  ASSERT_TRUE(unable.send(unable.register_msg()));
+  ASSERT_TRUE(unable.expect(ControlKind::Welcome));
+  ASSERT_TRUE(unable.send(transport::encode(transport::FootprintMsg{.error = "no room for 8 heads"})));
+  auto none = unable.control->recv(300ms);
+  ASSERT_TRUE(none.ok());
+  EXPECT_FALSE(none->has_value()) << "got '" << (**none).type() << "'";
+  const auto cluster = coordinator->cluster();
+  for (const auto& row : cluster.at("workers"))
+    if (row.at("name") == "unable") {
+      EXPECT_EQ(row.at("state"), "failed");
+      EXPECT_EQ(row.at("last_error"), "no room for 8 heads");
+    }
+  ASSERT_TRUE(w.send(transport::encode(transport::FootprintMsg{.footprint = {.layer_bytes = 10}})));
+  EXPECT_TRUE(w.expect(ControlKind::Assign));
 }
 
 }  // namespace

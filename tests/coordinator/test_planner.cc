@@ -17,12 +17,31 @@ ModelConfig model() {
 }
 const std::string kPath = "/models/m";
 
-WorkerInfo worker(const std::string& name, int64_t memory_bytes = 0) {
+// What an fp32 worker says the model takes (as a CPU stage describes it): 12 C^2 + 13 C
+// parameters a layer (C = 256, I = 4C), the embeddings (V + P) C, the head V C + 2 C.
+StageFootprint fp32_footprint() {
+  const ModelConfig c = model();
+  const int64_t C = c.n_embd, I = c.n_inner, V = c.vocab_size, P = c.n_positions;
+  StageFootprint f;
+  f.layer_bytes = (4 * C * C + 2 * C * I + 9 * C + I) * 4;
+  f.embedding_bytes = (V + P) * C * 4;
+  f.head_bytes = (V * C + 2 * C) * 4;
+  f.embedding_and_head_bytes = f.embedding_bytes + f.head_bytes;
+  f.kv_bytes_per_token_per_layer = 2 * C * 4;
+  return f;
+}
+
+// A worker that registered with room for `weight_memory_bytes` of weights (0: no limit) and
+// described the model in fp32.
+WorkerInfo worker(const std::string& name, int64_t weight_memory_bytes = 0) {
   WorkerInfo w;
   w.name = name;
-  w.memory_bytes = memory_bytes;
+  w.caps.weight_memory_bytes = weight_memory_bytes;
+  w.footprint = fp32_footprint();
   return w;
 }
+
+int64_t fp32_bytes(LayerRange layers) { return stage_weight_bytes(fp32_footprint(), layers, model().n_layer); }
 
 Shape shape(int stages, int replicas) { return {stages, replicas, balanced_layer_split(model(), stages)}; }
 
@@ -54,10 +73,11 @@ TEST(Planner, TooFewWorkersSaysHowMany) {
 TEST(Planner, OnlyPlannableWorkersServe) {
   const ModelConfig m = model();
   Workers ws;
-  for (const char* n : {"a", "b", "c", "d"}) ws[n] = worker(n);
+  for (const char* n : {"a", "b", "c", "d", "e"}) ws[n] = worker(n);
   ws["a"].state = MemberState::Dead;
   ws["b"].state = MemberState::Drained;
   ws["c"].leaving = true;
+  ws["e"].footprint.reset();  // it has not said what the model takes in its format
   EXPECT_FALSE(place(ws, {m, kPath}, shape(2, 1)));
   auto one = place(ws, {m, kPath}, shape(1, 1));
   ASSERT_TRUE(one) << one.error();
@@ -86,16 +106,16 @@ TEST(Planner, AWorkerHoldingAStagesLayersKeepsThem) {
 TEST(Planner, LargestStageGoesToTheRoomiestWorker) {
   const ModelConfig m = model();
   const Shape sh{2, 1, {{0, 1}, {1, 6}}};  // the second stage is five layers and the head
-  const int64_t big = stage_weight_bytes(m, sh.layers[1], 4);
+  const int64_t big = fp32_bytes(sh.layers[1]);
   Workers ws;
-  ws["small"] = worker("small", stage_weight_bytes(m, sh.layers[0], 4) + 1);
+  ws["small"] = worker("small", fp32_bytes(sh.layers[0]) + 1);
   ws["large"] = worker("large", big + 1);
   auto placed = place(ws, {m, kPath}, sh);
   ASSERT_TRUE(placed) << placed.error();
   EXPECT_EQ((*placed)[0], "small");
   EXPECT_EQ((*placed)[1], "large");
   // A stage that fits nowhere names the layers, the bytes and the worker.
-  ws["large"].memory_bytes = big / 2;
+  ws["large"].caps.weight_memory_bytes = big / 2;
   placed = place(ws, {m, kPath}, sh);
   ASSERT_FALSE(placed);
   EXPECT_NE(placed.error().find("layers [1, 6) need"), std::string::npos) << placed.error();

@@ -26,6 +26,7 @@ struct Harness {
     EXPECT_TRUE(tok.ok()) << tok.error();
     pipelines.resize(1);
     pipelines[0].limits = limits;
+    pipelines[0].figures.kv_page_tokens = 16;  // its stages' K/V pages
     scheduler = std::make_unique<Scheduler>(cfg, std::make_shared<const Tokenizer>(std::move(tok).value()), pipelines);
   }
 
@@ -48,27 +49,38 @@ struct Harness {
   }
 };
 
-TEST(Scheduler, AutomaticLimitsFollowTheBackend) {
+// The figures the pipeline's workers give in their register (a CPU stage's and a GPU
+// stage's, as stage/ describes them today).
+const StageFigures kCpuFigures{.max_rows = 0, .sequences = 64, .prompt_rows = 64, .extra_in_flight = 1,
+                               .kv_page_tokens = 16, .backends = "cpu"};
+const StageFigures kGpuFigures{.max_rows = 4096, .sequences = 256, .prompt_rows = 512, .extra_in_flight = 0,
+                               .kv_page_tokens = 16, .backends = "cuda"};
+
+TEST(Scheduler, AutomaticLimitsFollowTheWorkersFigures) {
   ClusterConfig cfg;  // every limit 0: auto
-  const BatchLimits cpu = Scheduler::batch_limits(cfg, /*gpu=*/false, /*stages=*/3, /*depth=*/4);
+  const BatchLimits cpu = Scheduler::batch_limits(cfg, kCpuFigures, /*stages=*/3, /*depth=*/4);
   EXPECT_EQ(cpu.max_sequences, 64);
   EXPECT_EQ(cpu.prefill_chunk, 64);
   EXPECT_EQ(cpu.prefill_tokens, 48);  // a round of the ring takes in 3 micro-batches' worth
   EXPECT_EQ(cpu.max_tokens, 64 + 48);
   EXPECT_EQ(cpu.max_running, 4 * 64);
-  EXPECT_EQ(Scheduler::batch_limits(cfg, false, 1, 2).prefill_tokens, 32);
-  EXPECT_EQ(Scheduler::batch_limits(cfg, false, 1, 8).prefill_tokens, 16);  // never below 16
-  const BatchLimits gpu = Scheduler::batch_limits(cfg, /*gpu=*/true, /*stages=*/1, /*depth=*/1);
+  EXPECT_EQ(Scheduler::batch_limits(cfg, kCpuFigures, 1, 2).prefill_tokens, 32);
+  EXPECT_EQ(Scheduler::batch_limits(cfg, kCpuFigures, 1, 8).prefill_tokens, 16);  // never below 16
+  const BatchLimits gpu = Scheduler::batch_limits(cfg, kGpuFigures, /*stages=*/1, /*depth=*/1);
   EXPECT_EQ(gpu.max_sequences, 256);
   EXPECT_EQ(gpu.prefill_chunk, 512);
   EXPECT_EQ(gpu.prefill_tokens, 512);
   EXPECT_EQ(gpu.max_tokens, 768);
   EXPECT_EQ(gpu.max_running, 256);
-  // What the cluster file sets wins over the automatic values, on either backend.
+  // A stage's row limit caps the automatic rows (a step it would refuse is never formed).
+  StageFigures tight = kGpuFigures;
+  tight.max_rows = 600;
+  EXPECT_EQ(Scheduler::batch_limits(cfg, tight, 1, 1).max_tokens, 600);
+  // What the cluster file sets wins over the automatic values, whatever the workers say.
   cfg.max_sequences_per_batch = 10, cfg.max_batch_tokens = 30, cfg.prefill_chunk = 7, cfg.prefill_tokens_per_batch = 9;
   cfg.max_running = 3;
-  for (bool g : {false, true}) {
-    const BatchLimits l = Scheduler::batch_limits(cfg, g, 2, 3);
+  for (const StageFigures& f : {kCpuFigures, kGpuFigures, StageFigures{}}) {
+    const BatchLimits l = Scheduler::batch_limits(cfg, f, 2, 3);
     EXPECT_EQ(l, (BatchLimits{.max_sequences = 10, .max_tokens = 30, .prefill_chunk = 7, .prefill_tokens = 9,
                               .max_running = 3}));
   }
@@ -152,6 +164,7 @@ TEST(Scheduler, ARequestGoesToTheReplicaHoldingItsPrefix) {
   h.pipelines.resize(2);
   h.pipelines[1].index = 1;
   h.pipelines[1].limits = limits;
+  h.pipelines[1].figures = h.pipelines[0].figures;
   h.submit(40, 8);  // prompt 1..40
   h.admit(10000);
   ASSERT_EQ(h.scheduler->running_on(0), 1);  // both empty: the first
@@ -187,6 +200,7 @@ TEST(Scheduler, ARequestGoesToTheReplicaHoldingItsPrefix) {
   off.pipelines.resize(2);
   off.pipelines[1].index = 1;
   off.pipelines[1].limits = limits;
+  off.pipelines[1].figures = off.pipelines[0].figures;
   off.submit(40, 8);
   off.admit(10000);
   off.submit(40, 8);

@@ -41,12 +41,24 @@ AssignMsg sample_assign() {
 RegisterMsg sample_register() {
   return {.name = "w1", .host = "node1", .pid = 4242, .token = "secret", .backend = "cuda",
           .tensor_parallel = 2, .gpus = {0, 3}, .memory_bytes = int64_t(80) << 30,
-          .kv_cache_bytes = 512 << 20, .int8_weights = true,
+          .capabilities = {.dtype = DType::BF16, .weight_format = "int8", .weight_memory_bytes = int64_t(72) << 30,
+                           .kv_page_tokens = 16, .max_rows_per_step = 4096, .max_sequences_per_step = 256,
+                           .max_prompt_rows_per_step = 512, .extra_in_flight = 0},
           .data_plane = {{"staging", "page-locked host"}, {"ucx_cuda_memory", false}},
           .holding = HeldStage{.epoch = 3, .pipeline = 0, .stage = 1, .num_stages = 2, .layer_begin = 6,
                                .layer_end = 12, .model = "/models/gpt2"},
           .last_epoch = 5,
           .data_address = bytes_of("CVYA-address")};
+}
+
+ModelShape sample_model() {
+  return {.n_layer = 48, .n_embd = 1600, .n_head = 25, .n_inner = 6400, .n_positions = 1024, .vocab_size = 50257,
+          .tie_word_embeddings = true};
+}
+
+FootprintMsg sample_footprint() {
+  return {.footprint = {.layer_bytes = 61444096, .embedding_bytes = 164105216, .head_bytes = 160826368,
+                        .embedding_and_head_bytes = 164111616, .kv_bytes_per_token_per_layer = 6400}};
 }
 
 HeartbeatMsg sample_worker_heartbeat() {
@@ -59,7 +71,7 @@ HeartbeatMsg sample_worker_heartbeat() {
 // One message of every kind, with values other than the defaults.
 std::vector<AnyControlMsg> every_kind() {
   return {sample_register(),
-          WelcomeMsg{.heartbeat_ms = 500},
+          WelcomeMsg{.heartbeat_ms = 500, .model = sample_model()},
           RejectedMsg{.reason = "wrong join token"},
           sample_assign(),
           UnassignMsg{},
@@ -74,7 +86,8 @@ std::vector<AnyControlMsg> every_kind() {
           LeavingMsg{.reason = "signal"},
           GoodbyeMsg{.reason = "the coordinator is stopping"},
           DrainMsg{},
-          ShutdownMsg{}};
+          ShutdownMsg{},
+          sample_footprint()};
 }
 
 TEST(ControlMessages, EveryKindRoundTrips) {
@@ -94,9 +107,8 @@ TEST(ControlMessages, OptionalFieldsRoundTripWhenAbsent) {
   r.holding.reset();
   r.gpus.clear();
   EXPECT_EQ(round_trip(r), AnyControlMsg(r));
-  r.fp8 = true;  // an FP8 worker says so; others send no "fp8" (RegisterWireJson)
-  EXPECT_EQ(encode(r).body.at("fp8"), true);
-  EXPECT_EQ(round_trip(r), AnyControlMsg(r));
+  EXPECT_EQ(round_trip(WelcomeMsg{.heartbeat_ms = 5}), AnyControlMsg(WelcomeMsg{.heartbeat_ms = 5}));
+  EXPECT_EQ(round_trip(FootprintMsg{.error = "no"}), AnyControlMsg(FootprintMsg{.error = "no"}));
   HeartbeatMsg h = sample_worker_heartbeat();
   h.figures->kv_used_tokens.reset();
   h.figures->kv_capacity_tokens.reset();
@@ -110,7 +122,8 @@ TEST(ControlMessages, OptionalFieldsRoundTripWhenAbsent) {
 TEST(ControlMessages, KindNamesAreTheWireTypes) {
   const char* expected[] = {"register",  "welcome",    "rejected", "assign",  "unassign",
                             "load_progress", "ready",  "load_failed", "heartbeat", "data_error",
-                            "draining",  "leaving",    "goodbye",  "drain",   "shutdown"};
+                            "draining",  "leaving",    "goodbye",  "drain",   "shutdown",
+                            "footprint"};
   for (int i = 0; i < int(std::size(expected)); ++i) {
     EXPECT_STREQ(control_kind_name(ControlKind(i)), expected[i]);
     EXPECT_EQ(control_kind_from_name(expected[i]), ControlKind(i));
@@ -136,7 +149,10 @@ TEST(ControlMessages, RegisterWireJson) {
   const ControlMessage m = encode(sample_register());
   EXPECT_EQ(m.body, json::parse(R"({"type": "register", "name": "w1", "host": "node1", "pid": 4242,
       "token": "secret", "backend": "cuda", "tensor_parallel": 2, "gpus": [0, 3],
-      "memory_bytes": 85899345920, "kv_cache_bytes": 536870912, "int8_weights": true, "last_epoch": 5,
+      "memory_bytes": 85899345920, "last_epoch": 5,
+      "capabilities": {"dtype": "bf16", "weight_format": "int8", "weight_memory_bytes": 77309411328,
+                       "kv_page_tokens": 16, "max_rows_per_step": 4096, "max_sequences_per_step": 256,
+                       "max_prompt_rows_per_step": 512, "extra_in_flight": 0},
       "data_plane": {"staging": "page-locked host", "ucx_cuda_memory": false},
       "holding": {"epoch": 3, "pipeline": 0, "stage": 1, "num_stages": 2, "layers": [6, 12],
                   "model": "/models/gpt2"}})"));
@@ -167,6 +183,16 @@ TEST(ControlMessages, SmallMessagesWireJson) {
   EXPECT_EQ(encode(LoadProgressMsg{.fraction = 0.5, .bytes_done = 1, .bytes_total = 2}).body,
             json::parse(R"({"type": "load_progress", "fraction": 0.5, "bytes_done": 1, "bytes_total": 2})"));
   EXPECT_EQ(encode(WelcomeMsg{.heartbeat_ms = 500}).body, json::parse(R"({"type": "welcome", "heartbeat_ms": 500})"));
+  EXPECT_EQ(encode(WelcomeMsg{.heartbeat_ms = 500, .model = sample_model()}).body,
+            json::parse(R"({"type": "welcome", "heartbeat_ms": 500, "model": {"n_layer": 48, "n_embd": 1600,
+                "n_head": 25, "n_inner": 6400, "n_positions": 1024, "vocab_size": 50257,
+                "tie_word_embeddings": true}})"));
+  EXPECT_EQ(encode(sample_footprint()).body,
+            json::parse(R"({"type": "footprint", "layer_bytes": 61444096, "embedding_bytes": 164105216,
+                "head_bytes": 160826368, "embedding_and_head_bytes": 164111616,
+                "kv_bytes_per_token_per_layer": 6400})"));
+  EXPECT_EQ(encode(FootprintMsg{.error = "3 GPUs for 2 heads"}).body,
+            json::parse(R"({"type": "footprint", "error": "3 GPUs for 2 heads"})"));
   EXPECT_EQ(encode(UnassignMsg{}).body, json::parse(R"({"type": "unassign"})"));
   EXPECT_EQ(encode(LeavingMsg{.reason = "signal"}).body, json::parse(R"({"type": "leaving", "reason": "signal"})"));
 }
@@ -243,6 +269,26 @@ TEST(ControlMessages, ErrorsNameMessageAndField) {
   reg.body["gpus"] = json::array();
   reg.body["data_plane"] = "ucx";
   EXPECT_EQ(decode_error(reg), "register: field 'data_plane' must be a JSON object");
+  // A register without its capabilities (a worker older than them) is refused, naming them.
+  reg = encode(sample_register());
+  reg.body.erase("capabilities");
+  EXPECT_EQ(decode_error(reg), "register: missing field 'capabilities'");
+  reg = encode(sample_register());
+  reg.body["capabilities"]["kv_page_tokens"] = 0;
+  EXPECT_EQ(decode_error(reg), "register: field 'capabilities.kv_page_tokens' must be at least 1");
+  reg.body["capabilities"]["kv_page_tokens"] = 16;
+  reg.body["capabilities"]["max_rows_per_step"] = -1;
+  EXPECT_EQ(decode_error(reg), "register: field 'capabilities.max_rows_per_step' must not be negative");
+  EXPECT_EQ(decode_error(ControlMessage::make("footprint", {{"layer_bytes", 1}})),
+            "footprint: missing field 'embedding_bytes'");
+  EXPECT_EQ(decode_error(ControlMessage::make("footprint", {{"layer_bytes", -1}, {"embedding_bytes", 0},
+                                                            {"head_bytes", 0}, {"embedding_and_head_bytes", 0},
+                                                            {"kv_bytes_per_token_per_layer", 0}})),
+            "footprint: field 'layer_bytes' must not be negative");
+  ControlMessage welcome = encode(WelcomeMsg{.heartbeat_ms = 1, .model = sample_model()});
+  welcome.body["model"]["n_layer"] = "many";
+  EXPECT_EQ(decode_error(welcome),
+            "welcome: field 'model.n_layer' must be an integer from -9223372036854775808 to 9223372036854775807");
 
   ControlMessage hb = encode(sample_worker_heartbeat());
   hb.body["state"] = "sleeping";
