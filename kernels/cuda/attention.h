@@ -21,7 +21,7 @@ namespace conveyor::cuda {
 // A fixed order, one of two chosen by head_dim alone, so a row's result depends on its own
 // kv_len, q and K/V and attention_context_fixed_paged computes the same bits for a prompt's
 // rows:
-//   - the tile order (attention_tiles.cu), for head_dim a multiple of 16 up to 128: tensor
+//   - the tile order (attention_tiles.cuh), for head_dim a multiple of 16 up to 128: tensor
 //     cores, pieces of kTilePiece (64) positions merged in piece order; a small batch spreads
 //     a row's pieces over warps by itself (num_splits is not used), the workspace allowing;
 //   - the CUDA-core order (attention_decode.cu) otherwise: pieces of kDecodePiece, each summed

@@ -1,6 +1,7 @@
-// Internal: the tile order of attention (attention_tiles.cu), which attention_decode_paged and
-// attention_context_fixed_paged take for the head sizes it is built for. Which order a row
-// gets depends on head_dim alone, so decode and its context twin always agree.
+// Internal: the tile order of attention (attention_tiles.cuh and its two .cu files), which
+// attention_decode_paged and attention_context_fixed_paged take for the head sizes it is
+// built for. Which order a row gets depends on head_dim alone, so decode and its context
+// twin always agree.
 #pragma once
 
 #include <cuda_runtime.h>

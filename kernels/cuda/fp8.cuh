@@ -1,5 +1,5 @@
 // Internal: the device side of FP8 E4M3 quantisation, one definition for every kernel that
-// quantises (fp8.cu: activations and weights by row; paged_kv.cu and attention_tiles.cu: the
+// quantises (fp8.cu: activations and weights by row; paged_kv.cu and attention_tiles.cuh: the
 // K/V cache by (token, head)). A vector x of fp32 values gets the scale s = amax / 448
 // (__fdiv_rn) and the bytes q = e4m3(x / s), saturating; s == 0 (all zeros) gives zeros. The
 // value a byte stands for is dequant(q, s) = float(q) * s, rounded once.

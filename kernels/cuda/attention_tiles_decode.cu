@@ -1,0 +1,258 @@
+// The decode kernel of the tile order (attention_tiles.cuh says the order): one warp per
+// (row, head, z), spread over the GPU when the batch is small.
+#include "kernels/cuda/attention_tiles.cuh"
+
+namespace conveyor::cuda {
+namespace {
+
+using namespace detail;
+
+// ---- decode ---------------------------------------------------------------------------------
+
+// Row 0's piece state (lanes 0-3 hold it) into the workspace: {m, l, O[D], pad}.
+template <int D>
+__device__ __forceinline__ void store_partial(float* part, const TileState<D>& piece) {
+  const int lane = threadIdx.x & 31;
+  if (lane >= 4) return;
+  if (lane == 0) part[0] = piece.m[0], part[1] = piece.l[0];
+#pragma unroll
+  for (int j = 0; j < D / 8; ++j) part[2 + 8 * j + 2 * lane] = piece.o[j][0], part[3 + 8 * j + 2 * lane] = piece.o[j][1];
+}
+
+// A spread row's end: the last warp of the (row, head) to finish merges the pieces' states in
+// piece order into o. The states come into `scratch` (the warp's shared memory, free now,
+// scratch_bytes of it) in chunks, with every load in flight at once; the merge then reads
+// them there. (Merging straight from global memory waited out one L2 round trip per piece:
+// 58 us for one row of 4,096 positions.)
+template <class T, int D>
+__device__ __forceinline__ void merge_spread(T* o, const float* parts, int pieces, int participants, int* counter,
+                                             float* scratch, size_t scratch_bytes) {
+  constexpr int kStride = D + 4;
+  const int lane = threadIdx.x & 31;
+  __threadfence();
+  __syncwarp();
+  int last = 0;
+  if (lane == 0) last = atomicAdd(counter, 1) == participants - 1;
+  if (!__shfl_sync(0xffffffffu, last, 0)) return;
+  if (lane == 0) *counter = 0;  // ready for the next launch
+  __threadfence();
+  constexpr int kPer = (D + 31) / 32;  // elements of O per lane: lane, lane + 32, ...
+  const int cap = int(scratch_bytes / (kStride * sizeof(float)));
+  float M = 0.f, L = 0.f, O[kPer];
+  for (int c0 = 0; c0 < pieces; c0 += cap) {
+    const int n = min(cap, pieces - c0);
+    __syncwarp();  // the previous chunk's readers are done
+    for (int i = lane; i < n * kStride / 4; i += 32)
+      cp_async16(scratch + 4 * i, parts + int64_t(c0) * kStride + 4 * i, 16);
+    cp_async_commit();
+    cp_async_wait<0>();
+    __syncwarp();
+    for (int k = 0; k < n; ++k) {
+      const float* part = scratch + k * kStride;
+      if (c0 + k == 0) {
+        M = part[0], L = part[1];
+#pragma unroll
+        for (int i = 0; i < kPer; ++i) O[i] = lane + 32 * i < D ? part[2 + lane + 32 * i] : 0.f;
+        continue;
+      }
+      const MergeFactors f = merge_factors(M, part[0]);
+      L = merge_value(L, part[1], f);
+#pragma unroll
+      for (int i = 0; i < kPer; ++i)
+        if (lane + 32 * i < D) O[i] = merge_value(O[i], part[2 + lane + 32 * i], f);
+      M = f.M;
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < kPer; ++i)
+    if (lane + 32 * i < D) o[lane + 32 * i] = from_float<T>(__fdiv_rn(O[i], L));
+}
+
+// Shared memory of one decode warp: its piece tile (K and V), or (FP8) half of one, which holds
+// the dequantised K and then V, and the staged piece. (Six warps a SM either way.)
+template <class T, int D, bool FP8>
+constexpr size_t decode_warp_smem() {
+  return FP8 ? piece_smem_bytes<D>(sizeof(T)) / 2 + fp8_stage_bytes<D>() : piece_smem_bytes<D>(sizeof(T));
+}
+
+template <class T, int D, bool FP8>
+__global__ void __launch_bounds__(kDecodeWarps * 32)
+    decode_tiles_kernel(T* __restrict__ out, const T* qkv, PagedKv<T> kv, Fp8Kv f8,
+                        const int32_t* __restrict__ kv_lens, int rows, int n_head, int Z, float scale_log2,
+                        int max_pieces, float* partial, int* counters) {
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  grid_dependents_launch();
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int64_t item = int64_t(blockIdx.x) * kDecodeWarps + warp;
+  if (item >= int64_t(rows) * n_head * Z) return;  // no block-wide barrier below
+  const int z = int(item % Z), h = int(item / Z % n_head), s = int(item / Z / n_head);
+  const int kv_len = kv_lens[s];
+  if (kv_len <= 0) return;  // padding row
+  const int pieces = (kv_len + kPiece - 1) / kPiece;
+  if (z >= pieces) return;
+  unsigned char* mine = smem_raw + size_t(warp) * decode_warp_smem<T, D, FP8>();
+  T* sK = reinterpret_cast<T*>(mine);
+  T* sV = FP8 ? sK : sK + kPiece * pitch<D>();           // FP8: V after K in the same rows
+  uint8_t* st = mine + piece_smem_bytes<D>(sizeof(T)) / 2;  // FP8 only
+  const int t_new = kv_len - 1;
+  const int64_t C = int64_t(n_head) * D;
+  const T* q_row = qkv + int64_t(s) * 3 * C + int64_t(h) * D;
+  const T* new_k = q_row + C;
+  const T* new_v = q_row + 2 * C;
+  auto cached = [&](int t, const T*& k, const T*& v) {
+    if (t == t_new) return false;
+    k = kv.key(s, h, t), v = kv.value(s, h, t);
+    return true;
+  };
+  auto any = [&](int t, const T*& k, const T*& v) {
+    if (t == t_new) k = new_k, v = new_v;
+    else k = kv.key(s, h, t), v = kv.value(s, h, t);
+    return true;
+  };
+  auto only_new = [&](int t, const T*& k, const T*& v) {
+    k = new_k, v = new_v;
+    return t == t_new;
+  };
+  auto is_new = [&](int t) { return t == t_new; };
+
+  // The first piece's cached positions stream before the wait (written by earlier steps);
+  // q and the new token are the QKV projection's output.
+  if constexpr (FP8) load_piece_fp8<D>(st, f8, s, h, z * kPiece, kv_len, lane, 32, is_new);
+  else load_piece<T, D>(sK, sV, z * kPiece, kv_len, lane, 32, cached);
+  grid_dependency_wait();
+  float s_new[2] = {0.f, 0.f};
+  if constexpr (FP8) {
+    new_token_scales<T, D>(s_new, new_k, new_v);
+  } else {
+    load_piece<T, D>(sK, sV, z * kPiece, kv_len, lane, 32, only_new);
+  }
+  cp_async_commit();
+  cp_async_commit();  // an empty group: one group per piece, the newest always empty at a wait
+  if (z == 0) {  // the fused append
+    if constexpr (FP8) {
+      uint8_t* kd = f8.kv.k + f8.kv.offset(s, h, t_new);
+      uint8_t* vd = f8.kv.v + f8.kv.offset(s, h, t_new);
+      for (int d = lane; d < D; d += 32) kd[d] = quantize_one(to_float(new_k[d]), s_new[0]), vd[d] = quantize_one(to_float(new_v[d]), s_new[1]);
+      if (lane == 0) {
+        const int64_t o = f8.scale_offset(s, h, t_new);
+        const_cast<float*>(f8.ks)[o] = s_new[0];
+        const_cast<float*>(f8.vs)[o] = s_new[1];
+      }
+    } else {
+      T* kd = kv.k + kv.offset(s, h, t_new);
+      T* vd = kv.v + kv.offset(s, h, t_new);
+      for (int d = lane * 8; d < D; d += 32 * 8) {
+        *reinterpret_cast<uint4*>(kd + d) = *reinterpret_cast<const uint4*>(new_k + d);
+        *reinterpret_cast<uint4*>(vd + d) = *reinterpret_cast<const uint4*>(new_v + d);
+      }
+    }
+  }
+
+  uint32_t q[D / 16][4];
+  load_q<D>(q, (lane >> 2) == 0 ? q_row : nullptr, nullptr);
+  const int pos[2] = {(lane >> 2) == 0 ? t_new : -1, -1};
+  const bool spread = Z > 1 && pieces > 1;
+  constexpr int kStride = D + 4;  // floats per piece state {m, l, O[D], pad}: 16-byte aligned
+  float* parts = partial + (int64_t(s) * n_head + h) * max_pieces * kStride;
+
+  // One group in flight per piece, the next piece's issued as soon as this one's is in the
+  // tile: bf16/fp16 after its P V has read the tile, FP8 right after the dequantisation.
+  // (Loading the next K during this piece's P V measured slower on the H100: 89% of the
+  // floor against 96% at batch 256.)
+  TileState<D> run, piece;
+  for (int pc = z; pc < pieces; pc += Z) {
+    const int next = pc + Z < pieces ? pc + Z : -1;
+    cp_async_wait<1>();  // all but the newest group: this piece's (the newest is empty)
+    __syncwarp();
+    if constexpr (FP8) {
+      // K dequantised into the tile, the scores, then V into the same rows; the next piece
+      // loads from then on, during P V. (Loading the next K as soon as this K was dequantised,
+      // V after, measured slower on the H100: 5,910 against 5,548 us at batch 256 and 4,096.)
+      dequant_piece<T, D>(sK, nullptr, st, pc * kPiece, lane, 32, t_new, new_k, new_v, s_new);
+      __syncwarp();
+      uint32_t p[4][4];
+      piece_scores<T, D>(piece, p, q, sK, pc * kPiece, pos, scale_log2);
+      __syncwarp();  // every lane is done with K: V takes its rows
+      dequant_piece<T, D>(nullptr, sV, st, pc * kPiece, lane, 32, t_new, new_k, new_v, s_new);
+      __syncwarp();  // the staging is free
+      if (next >= 0) load_piece_fp8<D>(st, f8, s, h, next * kPiece, kv_len, lane, 32, is_new);
+      cp_async_commit();
+      cp_async_commit();
+      piece_values<T, D>(piece, p, sV);
+    } else {
+      piece_state<T, D>(piece, q, sK, sV, pc * kPiece, pos, scale_log2);
+    }
+    __syncwarp();  // every lane is done with this piece's K and V
+    if constexpr (!FP8) {
+      if (next >= 0) load_piece<T, D>(sK, sV, next * kPiece, kv_len, lane, 32, any);
+      cp_async_commit();
+      cp_async_commit();
+    }
+    if (spread) store_partial<D>(parts + int64_t(pc) * kStride, piece);
+    else merge<D>(run, piece, 0, pc == 0);
+  }
+  cp_async_wait<0>();
+  T* o = out + int64_t(s) * C + int64_t(h) * D;
+  if (!spread) {
+    if (lane < 4) store_row<T, D>(o, run, 0);
+    return;
+  }
+  merge_spread<T, D>(o, parts, pieces, min(Z, pieces), counters + int64_t(s) * n_head + h,
+                     reinterpret_cast<float*>(mine), decode_warp_smem<T, D, FP8>());
+}
+
+}  // namespace
+
+bool tile_order_head_dim(int64_t D) { return D == 16 || D == 32 || D == 64 || D == 80 || D == 96 || D == 128; }
+
+int64_t tile_pieces(int64_t max_kv_len) { return std::max<int64_t>(1, (max_kv_len + kPiece - 1) / kPiece); }
+
+int64_t tile_partial_floats(int64_t rows, int64_t n_head, int64_t head_dim, int64_t max_kv_len) {
+  return rows * n_head * tile_pieces(max_kv_len) * (head_dim + 4);
+}
+
+int tile_decode_splits(int64_t rows, int64_t n_head, int64_t head_dim, const DecodeWorkspace& ws) {
+  const int64_t pieces = tile_pieces(ws.max_kv_len);
+  if (pieces <= 1 || !ws.partial || !ws.counters || rows * n_head > ws.counter_entries ||
+      tile_partial_floats(rows, n_head, head_dim, ws.max_kv_len) > ws.partial_floats)
+    return 1;
+  // A small batch's warps spread until there are about 16 per SM (six are resident at a
+  // time). Measured on the H100: spreading further (eight waves) was slower, the pieces'
+  // states written and merged costing more than the shorter tail saves.
+  const int sms = sm_count();
+  const int64_t warps = std::max<int64_t>(1, rows * n_head);
+  const int64_t want = (int64_t(sms) * 16 + warps - 1) / warps;
+  return int(std::clamp<int64_t>(want, 1, pieces));
+}
+
+
+template <class T>
+void attention_decode_tiles(T* out, const T* qkv, const KvLayerView& view, const int32_t* kv_lens, int64_t num_rows,
+                            int64_t n_head, int64_t head_dim, const DecodeWorkspace& ws, cudaStream_t stream) {
+  if (num_rows <= 0) return;
+  const int Z = tile_decode_splits(num_rows, n_head, head_dim, ws);
+  const int64_t warps = num_rows * n_head * Z;
+  const int64_t blocks = (warps + kDecodeWarps - 1) / kDecodeWarps;
+  if (blocks > INT32_MAX) throw Error("attention_decode (tile order): too many rows");
+  const float scale_log2 = kLog2e / std::sqrt(float(head_dim));
+  const auto kv = paged<T>(view, int(head_dim));
+  const Fp8Kv f8 = fp8_view(view, head_dim);
+  with_head_dim(head_dim, [&]<int D>() {
+    auto launch = [&]<bool FP8>() {
+      const size_t smem = kDecodeWarps * decode_warp_smem<T, D, FP8>();
+      allow_smem(decode_tiles_kernel<T, D, FP8>, smem);
+      LAUNCH_PDL("decode_tiles_kernel", decode_tiles_kernel<T, D, FP8>, dim3(unsigned(blocks)),
+                 dim3(kDecodeWarps * 32), smem, stream, out, qkv, kv, f8, kv_lens, int(num_rows), int(n_head), Z,
+                 scale_log2, int(tile_pieces(ws.max_kv_len)), ws.partial, ws.counters);
+    };
+    if (view.fp8()) launch.template operator()<true>();
+    else launch.template operator()<false>();
+  });
+}
+
+template void attention_decode_tiles<half>(half*, const half*, const KvLayerView&, const int32_t*, int64_t, int64_t,
+                                           int64_t, const DecodeWorkspace&, cudaStream_t);
+template void attention_decode_tiles<bf16>(bf16*, const bf16*, const KvLayerView&, const int32_t*, int64_t, int64_t,
+                                           int64_t, const DecodeWorkspace&, cudaStream_t);
+
+}  // namespace conveyor::cuda
