@@ -27,143 +27,159 @@
 #include "transport/net_interface.h"
 
 namespace {
+
 std::atomic<bool> g_stop{false};
 void on_signal(int) { g_stop = true; }
-}  // namespace
 
-int main(int argc, char** argv) {
+constexpr int kBadInput = 2;  // a bad flag, file or environment (1: a failure to start)
+
+// The flags that override the cluster file.
+struct Flags {
   std::string config_path;
   std::optional<std::string> http_host, control_host, data_interface;
   std::optional<int> http_port, control_port;
   bool token_from_env = false, check = false;
-  CLI::App app{"conveyor-coordinator: the Conveyor coordinator daemon"};
-  app.add_option("--config", config_path, "the cluster file (YAML)")->required();
-  app.add_option("--http-host", http_host, "address the REST API binds (overrides http.host; 0.0.0.0: every interface)");
-  app.add_option("--http-port", http_port, "REST port (overrides http.port; 0: a free one)")->check(CLI::Range(0, 65535));
-  app.add_option("--control-host", control_host,
+};
+
+void add_flags(CLI::App& app, Flags& f) {
+  app.add_option("--config", f.config_path, "the cluster file (YAML)")->required();
+  app.add_option("--http-host", f.http_host, "address the REST API binds (overrides http.host; 0.0.0.0: every interface)");
+  app.add_option("--http-port", f.http_port, "REST port (overrides http.port; 0: a free one)")->check(CLI::Range(0, 65535));
+  app.add_option("--control-host", f.control_host,
                  "address the control plane binds, and whose interface the data plane uses (overrides control.host)");
-  app.add_option("--control-port", control_port, "control port (overrides control.port; 0: a free one)")
+  app.add_option("--control-port", f.control_port, "control port (overrides control.port; 0: a free one)")
       ->check(CLI::Range(0, 65535));
-  app.add_option("--data-interface", data_interface,
+  app.add_option("--data-interface", f.data_interface,
                  "the data plane's network interface(s), UCX_NET_DEVICES syntax, or 'any' (overrides "
                  "control.data_interface; default: the interface holding the control host's address, lo for "
                  "127.0.0.1, every one for 0.0.0.0; UCX_NET_DEVICES in the environment wins)");
-  app.add_flag("--join-token-from-env", token_from_env,
+  app.add_flag("--join-token-from-env", f.token_from_env,
                "take the join token from $CONVEYOR_JOIN_TOKEN even when the file names one (a launcher's token)");
-  app.add_flag("--check", check, "print the settings the daemon would run with (JSON, no secrets) and exit");
-  CLI11_PARSE(app, argc, argv);
-  auto options = conveyor::read_options();
-  if (!options) {
-    std::cerr << "conveyor-coordinator: " << options.error() << "\n";
-    return 2;
-  }
-  // The snapshot the libraries read (the cluster file's secrets, the trace folder).
-  if (conveyor::Status s = conveyor::install_options(*options); !s) {
-    std::cerr << "conveyor-coordinator: " << s.message() << "\n";
-    return 1;
-  }
-  spdlog::set_default_logger(spdlog::stderr_color_mt("coordinator"));  // stdout is for the ready line
-  spdlog::set_level(options->log_level);
+  app.add_flag("--check", f.check, "print the settings the daemon would run with (JSON, no secrets) and exit");
+}
 
-  auto cfg = conveyor::load_cluster_config(config_path);
-  if (!cfg) {
-    std::cerr << "conveyor-coordinator: " << cfg.error() << "\n";
-    return 2;
+// The flags over the file's values; an error names the flag.
+conveyor::Status apply_flags(const Flags& f, const conveyor::Options& options, conveyor::ClusterConfig& cfg) {
+  for (const auto& [flag, value] : {std::pair{"--http-host", &f.http_host}, std::pair{"--control-host", &f.control_host}})
+    if (value->has_value() && (*value)->empty())
+      return conveyor::Status::error(std::string(flag) + " needs an address (0.0.0.0 binds every interface)");
+  if (f.data_interface && f.data_interface->empty())
+    return conveyor::Status::error("--data-interface needs an interface name, or 'any'");
+  if (f.http_host) cfg.http_host = *f.http_host;
+  if (f.http_port) cfg.http_port = *f.http_port;
+  if (f.control_host) cfg.control_host = *f.control_host;
+  if (f.control_port) cfg.control_port = *f.control_port;
+  if (f.data_interface) cfg.data_interface = *f.data_interface;
+  if (f.token_from_env) {
+    if (options.join_token.empty())
+      return conveyor::Status::error("--join-token-from-env but CONVEYOR_JOIN_TOKEN is unset or empty");
+    cfg.join_token = options.join_token;
   }
-  for (const auto& [flag, value] : {std::pair{"--http-host", &http_host}, std::pair{"--control-host", &control_host}})
-    if (value->has_value() && (*value)->empty()) {
-      std::cerr << "conveyor-coordinator: " << flag << " needs an address (0.0.0.0 binds every interface)\n";
-      return 2;
-    }
-  if (data_interface && data_interface->empty()) {
-    std::cerr << "conveyor-coordinator: --data-interface needs an interface name, or 'any'\n";
-    return 2;
-  }
-  if (http_host) cfg->http_host = *http_host;
-  if (http_port) cfg->http_port = *http_port;
-  if (control_host) cfg->control_host = *control_host;
-  if (control_port) cfg->control_port = *control_port;
-  if (data_interface) cfg->data_interface = *data_interface;
-  if (token_from_env) {
-    if (options->join_token.empty()) {
-      std::cerr << "conveyor-coordinator: --join-token-from-env but CONVEYOR_JOIN_TOKEN is unset or empty\n";
-      return 2;
-    }
-    cfg->join_token = options->join_token;
-  }
-  if (check) {
-    // The data plane's interface, as Coordinator::start chooses it, and what chose it.
-    auto iface = conveyor::transport::choose_data_interface(cfg->control_host, cfg->data_interface);
-    if (!iface) {
-      std::cerr << "conveyor-coordinator: control host " << cfg->control_host << ": " << iface.error() << "\n";
-      return 2;
-    }
-    const nlohmann::json out = {
-        {"source", cfg->source},
-        {"model", {{"path", cfg->model_path}, {"name", cfg->model_name}}},
-        {"http", {{"host", cfg->http_host}, {"port", cfg->http_port}, {"api_key_set", !cfg->api_key.empty()}}},
-        {"control",
-         {{"host", cfg->control_host},
-          {"port", cfg->control_port},
-          {"join_token_from", token_from_env ? "environment" : "file or environment"},
-          {"data_interface", iface->shown},
-          {"data_interface_from", iface->source}}},
-        {"pipeline", {{"stages", cfg->stages}, {"replicas", cfg->replicas}}},
-        {"heartbeat", {{"interval_ms", cfg->heartbeat_interval_ms}, {"liveness_ms", cfg->liveness_ms}}},
-        {"options", conveyor::options_json(*options, conveyor::kCoordinatorScope)}};
-    std::cout << out.dump(2) << std::endl;
-    return 0;
-  }
-  auto tok = conveyor::Tokenizer::load(cfg->model_path);
-  if (!tok) {
-    std::cerr << "conveyor-coordinator: " << tok.error() << "\n";
-    return 2;
-  }
-  auto tokenizer = std::make_shared<const conveyor::Tokenizer>(std::move(tok).value());
-  conveyor::Metrics metrics;
-  auto coord = conveyor::Coordinator::start(*cfg, tokenizer, &metrics);
-  if (!coord) {
-    std::cerr << "conveyor-coordinator: " << coord.error() << "\n";
-    return 1;
-  }
-  conveyor::Coordinator* c = coord->get();
+  return conveyor::ok_status();
+}
+
+// --check: the settings the daemon would run with, as JSON (no secrets).
+conveyor::Expected<nlohmann::json> check_json(const Flags& f, const conveyor::Options& options,
+                                              const conveyor::ClusterConfig& cfg) {
+  // The data plane's interface, as Coordinator::start chooses it, and what chose it.
+  auto iface = conveyor::transport::choose_data_interface(cfg.control_host, cfg.data_interface);
+  if (!iface) return conveyor::Status::error("control host " + cfg.control_host + ": " + iface.error());
+  return nlohmann::json{
+      {"source", cfg.source},
+      {"model", {{"path", cfg.model_path}, {"name", cfg.model_name}}},
+      {"http", {{"host", cfg.http_host}, {"port", cfg.http_port}, {"api_key_set", !cfg.api_key.empty()}}},
+      {"control",
+       {{"host", cfg.control_host},
+        {"port", cfg.control_port},
+        {"join_token_from", f.token_from_env ? "environment" : "file or environment"},
+        {"data_interface", iface->shown},
+        {"data_interface_from", iface->source}}},
+      {"pipeline", {{"stages", cfg.stages}, {"replicas", cfg.replicas}}},
+      {"heartbeat", {{"interval_ms", cfg.heartbeat_interval_ms}, {"liveness_ms", cfg.liveness_ms}}},
+      {"options", conveyor::options_json(options, conveyor::kCoordinatorScope)}};
+}
+
+// What the REST layer serves from: the model, the coordinator's calls, the metrics.
+conveyor::RestContext rest_context(const conveyor::ClusterConfig& cfg, std::shared_ptr<const conveyor::Tokenizer> tokenizer,
+                                   conveyor::Coordinator* c, conveyor::Metrics* metrics) {
   conveyor::RestContext ctx;
-  ctx.model_name = cfg->model_name;
-  ctx.config = cfg->model;
-  ctx.tokenizer = tokenizer;
+  ctx.model_name = cfg.model_name;
+  ctx.config = cfg.model;
+  ctx.tokenizer = std::move(tokenizer);
   ctx.backend = c;
-  ctx.metrics = &metrics;
-  ctx.api_key = cfg->api_key;
+  ctx.metrics = metrics;
+  ctx.api_key = cfg.api_key;
   ctx.health = [c] { return c->health(); };
   ctx.cluster = [c] { return c->cluster(); };
   ctx.drain = [c](const std::string& worker) { return c->drain(worker); };
   ctx.plan = [c](const conveyor::PlanRequest& request) { return c->plan(request); };
-  auto http = conveyor::HttpServer::start(cfg->http_host, cfg->http_port, ctx, cfg->http_threads);
-  if (!http) {
-    std::cerr << "conveyor-coordinator: " << http.error() << "\n";
-    return 1;
+  return ctx;
+}
+
+// Until SIGINT or SIGTERM, then gracefully: no new requests, the accepted ones finish
+// (streams included) within the shutdown timeout, then stop.
+void serve_until_stopped(conveyor::Coordinator& c, conveyor::HttpServer& http, const conveyor::ClusterConfig& cfg) {
+  while (!g_stop) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    conveyor::service::watchdog_tick();
   }
+  conveyor::service::stopping();
+  spdlog::info("coordinator: shutting down: taking no new requests, finishing the accepted ones (up to {} s)",
+               cfg.shutdown_timeout_ms / 1000.0);
+  const auto give_up = std::chrono::steady_clock::now() + std::chrono::milliseconds(cfg.shutdown_timeout_ms);
+  size_t left = 0;
+  while ((left = c.quiesce(std::chrono::seconds(1))) > 0 && std::chrono::steady_clock::now() < give_up)
+    conveyor::service::watchdog_tick();
+  if (left) spdlog::warn("coordinator: {} request(s) still running after {} ms are failed", left, cfg.shutdown_timeout_ms);
+  c.stop();  // fails what is left; the REST server below still writes those answers
+  if (const int cut = http.shutdown(std::chrono::seconds(5)))
+    spdlog::warn("coordinator: {} answer(s) were still being written when the REST server stopped", cut);
+}
+
+int fail(const std::string& why, int code) {
+  std::cerr << "conveyor-coordinator: " << why << "\n";
+  return code;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Flags flags;
+  CLI::App app{"conveyor-coordinator: the Conveyor coordinator daemon"};
+  add_flags(app, flags);
+  CLI11_PARSE(app, argc, argv);
+  auto options = conveyor::read_options();
+  if (!options) return fail(options.error(), kBadInput);
+  // The snapshot the libraries read (the cluster file's secrets, the trace folder).
+  if (conveyor::Status s = conveyor::install_options(*options); !s) return fail(s.message(), 1);
+  spdlog::set_default_logger(spdlog::stderr_color_mt("coordinator"));  // stdout is for the ready line
+  spdlog::set_level(options->log_level);
+
+  auto cfg = conveyor::load_cluster_config(flags.config_path);
+  if (!cfg) return fail(cfg.error(), kBadInput);
+  if (conveyor::Status s = apply_flags(flags, *options, *cfg); !s) return fail(s.message(), kBadInput);
+  if (flags.check) {
+    auto out = check_json(flags, *options, *cfg);
+    if (!out) return fail(out.error(), kBadInput);
+    std::cout << out->dump(2) << std::endl;
+    return 0;
+  }
+  auto tok = conveyor::Tokenizer::load(cfg->model_path);
+  if (!tok) return fail(tok.error(), kBadInput);
+  auto tokenizer = std::make_shared<const conveyor::Tokenizer>(std::move(tok).value());
+  conveyor::Metrics metrics;
+  auto coord = conveyor::Coordinator::start(*cfg, tokenizer, &metrics);
+  if (!coord) return fail(coord.error(), 1);
+  conveyor::Coordinator* c = coord->get();
+  auto http = conveyor::HttpServer::start(cfg->http_host, cfg->http_port, rest_context(*cfg, tokenizer, c, &metrics),
+                                          cfg->http_threads);
+  if (!http) return fail(http.error(), 1);
   std::signal(SIGINT, on_signal);
   std::signal(SIGTERM, on_signal);
   std::cout << "conveyor-coordinator: listening on http://" << cfg->http_host << ":" << (*http)->port()
             << " (control tcp://" << cfg->control_host << ":" << c->control_port() << ")" << std::endl;
   conveyor::service::ready("serving " + cfg->model_name + " on http://" + cfg->http_host + ":" +
                            std::to_string((*http)->port()));
-  while (!g_stop) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(100));
-    conveyor::service::watchdog_tick();
-  }
-  // Graceful: no new requests, the accepted ones finish (streams included), then stop.
-  conveyor::service::stopping();
-  spdlog::info("coordinator: shutting down: taking no new requests, finishing the accepted ones (up to {} s)",
-               cfg->shutdown_timeout_ms / 1000.0);
-  const auto give_up = std::chrono::steady_clock::now() + std::chrono::milliseconds(cfg->shutdown_timeout_ms);
-  size_t left = 0;
-  while ((left = c->quiesce(std::chrono::seconds(1))) > 0 && std::chrono::steady_clock::now() < give_up)
-    conveyor::service::watchdog_tick();
-  if (left) spdlog::warn("coordinator: {} request(s) still running after {} ms are failed", left, cfg->shutdown_timeout_ms);
-  c->stop();  // fails what is left; the REST server below still writes those answers
-  if (const int cut = (*http)->shutdown(std::chrono::seconds(5)))
-    spdlog::warn("coordinator: {} answer(s) were still being written when the REST server stopped", cut);
+  serve_until_stopped(*c, **http, *cfg);
   return 0;
 }
