@@ -24,22 +24,9 @@ std::vector<BeamSearch::Hypothesis> BeamSearch::best(size_t n) const {
   return {finished_.begin(), finished_.begin() + int64_t(std::min(n, finished_.size()))};
 }
 
-Expected<std::vector<BeamSearch::Continuation>> BeamSearch::step(
-    std::span<const std::vector<std::pair<int32_t, float>>> alternatives) {
-  if (done_) return Status::error("beam search: step after the search is done");
-  if (alternatives.size() != live_.size())
-    return Status::error("beam search: " + std::to_string(alternatives.size()) + " beams reported alternatives, " +
-                         std::to_string(live_.size()) + " are live");
-  const size_t B = size_t(options_.beam_width), K = 2 * B;
-  const double lp_exp = double(options_.length_penalty);
-
-  // 1. The K best candidates over all beams.
-  struct Candidate {
-    double score;
-    size_t beam;
-    int32_t token;
-    float logprob;
-  };
+Expected<std::vector<BeamSearch::Candidate>> BeamSearch::best_candidates(
+    std::span<const std::vector<std::pair<int32_t, float>>> alternatives) const {
+  const size_t K = 2 * size_t(options_.beam_width);
   std::vector<Candidate> cands;
   for (size_t b = 0; b < live_.size(); ++b) {
     const auto& alts = alternatives[b];
@@ -53,6 +40,37 @@ Expected<std::vector<BeamSearch::Continuation>> BeamSearch::step(
     return a.token < b.token;
   });
   if (cands.size() > K) cands.resize(K);
+  return cands;
+}
+
+void BeamSearch::keep_finished(const Beam& parent, const Candidate& c, int g1) {
+  Hypothesis h;
+  h.tokens = parent.tokens;
+  h.tokens.push_back(c.token);
+  h.logprobs = parent.logprobs;
+  h.logprobs.push_back(c.logprob);
+  h.score = c.score / std::pow(double(g1), double(options_.length_penalty));
+  h.stopped = is_stop(c.token);
+  // After the hypotheses already kept with an equal score (they came first in HF's merge).
+  auto at = std::upper_bound(finished_.begin(), finished_.end(), h.score,
+                             [](double s, const Hypothesis& x) { return s > x.score; });
+  finished_.insert(at, std::move(h));
+  if (finished_.size() > size_t(options_.beam_width)) finished_.pop_back();
+}
+
+Expected<std::vector<BeamSearch::Continuation>> BeamSearch::step(
+    std::span<const std::vector<std::pair<int32_t, float>>> alternatives) {
+  if (done_) return Status::error("beam search: step after the search is done");
+  if (alternatives.size() != live_.size())
+    return Status::error("beam search: " + std::to_string(alternatives.size()) + " beams reported alternatives, " +
+                         std::to_string(live_.size()) + " are live");
+  const size_t B = size_t(options_.beam_width);
+  const double lp_exp = double(options_.length_penalty);
+
+  // 1. The K best candidates over all beams.
+  auto best = best_candidates(alternatives);
+  if (!best) return best.status();
+  const std::vector<Candidate>& cands = *best;
 
   // 2-4. Running beams and finished hypotheses.
   const int g1 = generated_ + 1;  // the candidates' generated length
@@ -78,18 +96,7 @@ Expected<std::vector<BeamSearch::Continuation>> BeamSearch::step(
       continue;
     }
     if (r >= B || (options_.early_stopping == EarlyStopping::Stop && was_full)) continue;
-    Hypothesis h;
-    h.tokens = parent.tokens;
-    h.tokens.push_back(c.token);
-    h.logprobs = parent.logprobs;
-    h.logprobs.push_back(c.logprob);
-    h.score = c.score / std::pow(double(g1), lp_exp);
-    h.stopped = is_stop(c.token);
-    // After the hypotheses already kept with an equal score (they came first in HF's merge).
-    auto at = std::upper_bound(finished_.begin(), finished_.end(), h.score,
-                               [](double s, const Hypothesis& x) { return s > x.score; });
-    finished_.insert(at, std::move(h));
-    if (finished_.size() > B) finished_.pop_back();
+    keep_finished(parent, c, g1);
   }
   live_ = std::move(next_live);
   generated_ = g1;

@@ -91,7 +91,18 @@ class BeamSearch {
   const BeamSearchOptions& options() const { return options_; }
 
  private:
+  // A continuation of a live beam, scored as the beam's score plus its token's log-prob.
+  struct Candidate {
+    double score;
+    size_t beam;
+    int32_t token;
+    float logprob;
+  };
   bool is_stop(int32_t token) const;
+  // The 2B best candidates over all beams, best first (ties: lower beam, then lower token).
+  Expected<std::vector<Candidate>> best_candidates(std::span<const std::vector<std::pair<int32_t, float>>> alternatives) const;
+  // Keeps `c` (which stops, at generated length g1) among the B best finished hypotheses.
+  void keep_finished(const Beam& parent, const Candidate& c, int g1);
 
   BeamSearchOptions options_;
   std::vector<Beam> live_;

@@ -233,6 +233,16 @@ std::string stage_labels(int pipeline, int stage) {
 std::string Metrics::render() const {
   std::lock_guard lock(mu_);
   std::string out;
+  render_requests(out);
+  render_queue(out);
+  render_prefix_cache(out);
+  render_pipeline_flow(out);
+  render_stages(out);
+  return out;
+}
+
+// Requests, tokens and their latencies.
+void Metrics::render_requests(std::string& out) const {
   family(out, "conveyor_requests_total", "counter", "Answers to clients' calls (not /health, /metrics or /), by HTTP status code.");
   for (const auto& [code, n] : requests_by_code_)
     sample(out, "conveyor_requests_total", "code=\"" + std::to_string(code) + "\"", double(n));
@@ -247,6 +257,10 @@ std::string Metrics::render() const {
   histogram(out, "conveyor_inter_token_latency_seconds",
             "Seconds between consecutive generated tokens of one sequence.", itl_);
 
+}
+
+// The queue and each pipeline's admission.
+void Metrics::render_queue(std::string& out) const {
   family(out, "conveyor_queue_depth", "gauge", "Requests accepted and waiting in the queue for a pipeline.");
   sample(out, "conveyor_queue_depth", "", double(queue_depth_));
   family(out, "conveyor_running_sequences", "gauge", "Sequences admitted onto a pipeline and not finished.");
@@ -272,6 +286,9 @@ std::string Metrics::render() const {
          "K/V tokens admission may reserve on a pipeline: the smallest capacity its stages report.");
   for (const auto& [p, a] : admission_)
     sample(out, "conveyor_pipeline_kv_budget_tokens", "pipeline=\"" + std::to_string(p) + "\"", double(a.kv_budget));
+}
+
+void Metrics::render_prefix_cache(std::string& out) const {
   const std::pair<const char*, const char*> prefix_counters[] = {
       {"lookups", "Prompts that looked for a cached prefix of theirs (a sequence's first prefill)."},
       {"hits", "Prompts that found a cached prefix and forked it instead of computing it."},
@@ -287,6 +304,10 @@ std::string Metrics::render() const {
   sample(out, "conveyor_prefix_cache_entries", "", double(prefix_.entries));
   family(out, "conveyor_prefix_cache_tokens", "gauge", "K/V tokens the cached prefixes count against the pipelines' budgets.");
   sample(out, "conveyor_prefix_cache_tokens", "", double(prefix_.cached_tokens));
+}
+
+// The coordinator's turnaround between micro-batches and its timeout replays.
+void Metrics::render_pipeline_flow(std::string& out) const {
   histogram(out, "conveyor_coordinator_turnaround_seconds",
             "Seconds from a micro-batch's result arriving at the coordinator to its pipeline's next micro-batch being sent.",
             gap_);
@@ -294,6 +315,10 @@ std::string Metrics::render() const {
          "Pipelines replayed because a micro-batch had not come back scheduler.batch_timeout_ms after it was sent.");
   sample(out, "conveyor_batch_timeout_replays_total", "", double(batch_timeout_replays_));
 
+}
+
+// Each stage's busy and idle fractions and its K/V cache, from its heartbeats.
+void Metrics::render_stages(std::string& out) const {
   family(out, "conveyor_stage_busy_fraction", "gauge",
          "Fraction of recent wall time a pipeline stage spent computing.");
   for (const auto& [key, value] : stage_busy_) {
@@ -314,7 +339,6 @@ std::string Metrics::render() const {
   family(out, "conveyor_kv_cache_capacity_tokens", "gauge", "KV-cache capacity of a stage, in tokens.");
   for (const auto& [key, v] : kv_tokens_)
     sample(out, "conveyor_kv_cache_capacity_tokens", stage_labels(key.first, key.second), double(v.second));
-  return out;
 }
 
 }  // namespace conveyor

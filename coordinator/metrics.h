@@ -122,6 +122,12 @@ class Metrics {
   uint64_t batch_timeout_replays() const;
 
  private:
+  // render()'s parts, each with mu_ held.
+  void render_requests(std::string& out) const;
+  void render_queue(std::string& out) const;
+  void render_prefix_cache(std::string& out) const;
+  void render_pipeline_flow(std::string& out) const;
+  void render_stages(std::string& out) const;
   mutable std::mutex mu_;
   std::map<int, uint64_t> requests_by_code_;
   Histogram ttft_, itl_, gap_;
