@@ -440,6 +440,62 @@ bool GpuSampler::needs_sampler(const SamplingParams& p, size_t generated_len) {
          p.frequency_penalty != 0.f || !p.logit_bias.empty() || generated_len < size_t(std::max(p.min_tokens, 0));
 }
 
+namespace {
+
+// One row's parameters for the kernels; its logit_bias, repetition ids, (id, count) pairs and
+// masked stop ids appended to `lists` (scratch: the caller's, reused between rows).
+RowParams row_params(const SampleRow& row, std::vector<int32_t>& lists, std::vector<int32_t>& scratch) {
+  RowParams p{};  // zeros, padding included, as the vector of them was
+  const SamplingParams& sp = *row.params;
+  p.temperature = sp.temperature;
+  p.top_p = sp.top_p;
+  p.top_k = sp.top_k;
+  p.repetition = sp.repetition_penalty;
+  p.presence = sp.presence_penalty;
+  p.frequency = sp.frequency_penalty;
+  p.seed = sp.seed;
+  p.step = uint64_t(row.generated.size());
+  p.sample_index = row.sample_index;
+  p.bias_begin = int32_t(lists.size());
+  for (const auto& [id, bias] : sp.logit_bias) {  // the bias travels as its float bits
+    int32_t bits;
+    std::memcpy(&bits, &bias, sizeof bits);
+    lists.push_back(id);
+    lists.push_back(bits);
+  }
+  p.bias_end = int32_t(lists.size());
+  p.rep_begin = p.rep_end = int32_t(lists.size());
+  if (sp.repetition_penalty != 1.f) {
+    scratch.assign(row.prompt.begin(), row.prompt.end());
+    scratch.insert(scratch.end(), row.generated.begin(), row.generated.end());
+    std::sort(scratch.begin(), scratch.end());
+    scratch.erase(std::unique(scratch.begin(), scratch.end()), scratch.end());
+    lists.insert(lists.end(), scratch.begin(), scratch.end());
+    p.rep_end = int32_t(lists.size());
+  }
+  p.freq_begin = p.freq_end = int32_t(lists.size());
+  if (sp.presence_penalty != 0.f || sp.frequency_penalty != 0.f) {
+    scratch.assign(row.generated.begin(), row.generated.end());
+    std::sort(scratch.begin(), scratch.end());
+    for (size_t i = 0; i < scratch.size();) {
+      size_t j = i;
+      while (j < scratch.size() && scratch[j] == scratch[i]) ++j;
+      lists.push_back(scratch[i]);
+      lists.push_back(int32_t(j - i));
+      i = j;
+    }
+    p.freq_end = int32_t(lists.size());
+  }
+  p.stop_begin = p.stop_end = int32_t(lists.size());
+  if (row.generated.size() < size_t(std::max(sp.min_tokens, 0))) {
+    lists.insert(lists.end(), sp.stop_token_ids.begin(), sp.stop_token_ids.end());
+    p.stop_end = int32_t(lists.size());
+  }
+  return p;
+}
+
+}  // namespace
+
 void GpuSampler::sample(float* logits, std::span<const SampleRow> rows, int32_t* tokens, cudaStream_t stream) {
   const int64_t n = int64_t(rows.size());
   if (n == 0) return;
@@ -453,52 +509,7 @@ void GpuSampler::sample(float* logits, std::span<const SampleRow> rows, int32_t*
   for (int64_t r = 0; r < n; ++r) {
     const SampleRow& row = rows[size_t(r)];
     if (row.params == nullptr) throw Error(owner_ + ": sampler row " + std::to_string(r) + " has no parameters");
-    const SamplingParams& sp = *row.params;
-    RowParams& p = params[size_t(r)];
-    p.temperature = sp.temperature;
-    p.top_p = sp.top_p;
-    p.top_k = sp.top_k;
-    p.repetition = sp.repetition_penalty;
-    p.presence = sp.presence_penalty;
-    p.frequency = sp.frequency_penalty;
-    p.seed = sp.seed;
-    p.step = uint64_t(row.generated.size());
-    p.sample_index = row.sample_index;
-    p.bias_begin = int32_t(lists.size());
-    for (const auto& [id, bias] : sp.logit_bias) {  // the bias travels as its float bits
-      int32_t bits;
-      std::memcpy(&bits, &bias, sizeof bits);
-      lists.push_back(id);
-      lists.push_back(bits);
-    }
-    p.bias_end = int32_t(lists.size());
-    p.rep_begin = p.rep_end = int32_t(lists.size());
-    if (sp.repetition_penalty != 1.f) {
-      scratch.assign(row.prompt.begin(), row.prompt.end());
-      scratch.insert(scratch.end(), row.generated.begin(), row.generated.end());
-      std::sort(scratch.begin(), scratch.end());
-      scratch.erase(std::unique(scratch.begin(), scratch.end()), scratch.end());
-      lists.insert(lists.end(), scratch.begin(), scratch.end());
-      p.rep_end = int32_t(lists.size());
-    }
-    p.freq_begin = p.freq_end = int32_t(lists.size());
-    if (sp.presence_penalty != 0.f || sp.frequency_penalty != 0.f) {
-      scratch.assign(row.generated.begin(), row.generated.end());
-      std::sort(scratch.begin(), scratch.end());
-      for (size_t i = 0; i < scratch.size();) {
-        size_t j = i;
-        while (j < scratch.size() && scratch[j] == scratch[i]) ++j;
-        lists.push_back(scratch[i]);
-        lists.push_back(int32_t(j - i));
-        i = j;
-      }
-      p.freq_end = int32_t(lists.size());
-    }
-    p.stop_begin = p.stop_end = int32_t(lists.size());
-    if (row.generated.size() < size_t(std::max(sp.min_tokens, 0))) {
-      lists.insert(lists.end(), sp.stop_token_ids.begin(), sp.stop_token_ids.end());
-      p.stop_end = int32_t(lists.size());
-    }
+    params[size_t(r)] = row_params(row, lists, scratch);
   }
 
   // The previous call's copies must be done before the pinned buffers are rewritten.
