@@ -39,10 +39,10 @@ namespace conveyor::transport {
 struct UcxChannelOptions {
   std::string name = "conveyor";  // worker name in UCX logs
   std::uint32_t channel_id = 0;   // 0: a random id
-  std::string transports;         // UCX_TLS when the environment sets none ("tcp", "rc,tcp")
+  std::string transports{};       // UCX_TLS when the environment sets none ("tcp", "rc,tcp")
   // UCX_NET_DEVICES when the environment sets none ("eth0", see net_interface.h): the only
   // network interfaces whose addresses the channel publishes and uses. Empty: all of them.
-  std::string net_devices;
+  std::string net_devices{};
   std::chrono::milliseconds keepalive_interval{1000};   // unless UCX_KEEPALIVE_INTERVAL is set
   std::size_t inline_payload_bytes = 8 * 1024;          // larger payloads go as their own message
   std::size_t max_queued_bytes = std::size_t{1} << 30;  // received, not yet recv()'d
@@ -50,15 +50,15 @@ struct UcxChannelOptions {
   std::size_t buffer_cache_bytes = std::size_t{512} << 20;
   // Where those receive buffers come from (buffer_pool.h): the heap unless set; a GPU stage
   // worker gives page-locked memory.
-  HostAllocator receive_allocator;
+  HostAllocator receive_allocator{};
   // The direct path: CUDA device memory (cudaMalloc on the stage's GPU) for payloads peers
   // send from their GPUs. Used only when this UCX supports CUDA memory; the channel's address
   // then says it takes device memory, and senders that can send it from their GPUs do so.
-  HostAllocator device_allocator;
+  HostAllocator device_allocator{};
   std::size_t device_cache_bytes = std::size_t{256} << 20;  // idle device buffers kept
   // Runs first on the progress thread when the channel takes device memory (a GPU worker
   // makes its GPU current there: UCX's CUDA transports work in the thread's CUDA context).
-  std::function<void()> progress_thread_init;
+  std::function<void()> progress_thread_init{};
   // A payload that has not arrived this long after its envelope is given up (sender gone).
   std::chrono::milliseconds stalled_receive_timeout{30000};
   std::chrono::milliseconds idle_tick{50};        // idle wake-up period of the progress thread
