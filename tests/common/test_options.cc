@@ -224,35 +224,17 @@ TEST(Options, OperationsGuideListsEveryOption) {
   }
 }
 
-// Sets an environment variable for one scope, restoring what was there.
-class ScopedEnv {
- public:
-  ScopedEnv(const char* name, const char* value) : name_(name) {
-    if (const char* old = std::getenv(name)) old_ = old;
-    if (value) ::setenv(name, value, 1);
-    else ::unsetenv(name);
-  }
-  ~ScopedEnv() {
-    if (old_) ::setenv(name_, old_->c_str(), 1);
-    else ::unsetenv(name_);
-  }
-
- private:
-  const char* name_;
-  std::optional<std::string> old_;
-};
-
 // UCX reads its variables itself when a channel starts, so Conveyor's look at them is live.
 TEST(Options, UcxVariablesAreReadLive) {
   {
-    ScopedEnv unset("UCX_KEEPALIVE_INTERVAL", nullptr);
+    testing::ScopedEnv unset("UCX_KEEPALIVE_INTERVAL", nullptr);
     EXPECT_FALSE(ucx_variable(UcxVariable::KeepaliveInterval));
   }
-  ScopedEnv set("UCX_KEEPALIVE_INTERVAL", "3s");
+  testing::ScopedEnv set("UCX_KEEPALIVE_INTERVAL", "3s");
   EXPECT_EQ(ucx_variable(UcxVariable::KeepaliveInterval), "3s");
-  ScopedEnv tls("UCX_TLS", "tcp");
+  testing::ScopedEnv tls("UCX_TLS", "tcp");
   EXPECT_EQ(ucx_variable(UcxVariable::Tls), "tcp");
-  ScopedEnv devices("UCX_NET_DEVICES", "lo");
+  testing::ScopedEnv devices("UCX_NET_DEVICES", "lo");
   EXPECT_EQ(ucx_variable(UcxVariable::NetDevices), "lo");
 }
 

@@ -14,26 +14,10 @@
 
 #include "transport/net_interface.h"
 
+#include "tests/test_util.h"
+
 namespace conveyor::transport {
 namespace {
-
-// Sets an environment variable for one scope, restoring what was there.
-class ScopedEnv {
- public:
-  ScopedEnv(const char* name, const char* value) : name_(name) {
-    if (const char* old = std::getenv(name)) old_ = old;
-    if (value) ::setenv(name, value, 1);
-    else ::unsetenv(name);
-  }
-  ~ScopedEnv() {
-    if (old_) ::setenv(name_, old_->c_str(), 1);
-    else ::unsetenv(name_);
-  }
-
- private:
-  const char* name_;
-  std::optional<std::string> old_;
-};
 
 // An IPv4 address of an interface that is up and not loopback, and that interface's name.
 std::optional<std::pair<std::string, std::string>> some_non_loopback_address() {
@@ -52,7 +36,7 @@ std::optional<std::pair<std::string, std::string>> some_non_loopback_address() {
 }
 
 TEST(NetInterface, LoopbackAddressesUseTheLoopbackInterface) {
-  ScopedEnv no_env("UCX_NET_DEVICES", nullptr);
+  testing::ScopedEnv no_env("UCX_NET_DEVICES", nullptr);
   auto lo = loopback_interface();
   ASSERT_TRUE(lo.ok()) << lo.error();
   EXPECT_EQ(*lo, "lo");  // Linux's name for it
@@ -72,7 +56,7 @@ TEST(NetInterface, LoopbackAddressesUseTheLoopbackInterface) {
 }
 
 TEST(NetInterface, WildcardAndNoAddressLeaveTheChoiceToUcx) {
-  ScopedEnv no_env("UCX_NET_DEVICES", nullptr);
+  testing::ScopedEnv no_env("UCX_NET_DEVICES", nullptr);
   for (const char* host : {"0.0.0.0", "*", ""}) {
     auto chosen = choose_data_interface(host);
     ASSERT_TRUE(chosen.ok()) << host << ": " << chosen.error();
@@ -84,7 +68,7 @@ TEST(NetInterface, WildcardAndNoAddressLeaveTheChoiceToUcx) {
 }
 
 TEST(NetInterface, AnAddressUsesTheInterfaceHoldingIt) {
-  ScopedEnv no_env("UCX_NET_DEVICES", nullptr);
+  testing::ScopedEnv no_env("UCX_NET_DEVICES", nullptr);
   const auto addr = some_non_loopback_address();
   if (!addr) GTEST_SKIP() << "this host has no non-loopback IPv4 interface up";
   auto chosen = choose_data_interface(addr->first);
@@ -99,7 +83,7 @@ TEST(NetInterface, AnAddressUsesTheInterfaceHoldingIt) {
 }
 
 TEST(NetInterface, ExplicitInterfaceWinsOverTheAddress) {
-  ScopedEnv no_env("UCX_NET_DEVICES", nullptr);
+  testing::ScopedEnv no_env("UCX_NET_DEVICES", nullptr);
   auto any = choose_data_interface("127.0.0.1", "any");
   ASSERT_TRUE(any.ok()) << any.error();
   EXPECT_EQ(any->net_devices, "");
@@ -120,7 +104,7 @@ TEST(NetInterface, ExplicitInterfaceWinsOverTheAddress) {
 }
 
 TEST(NetInterface, UcxNetDevicesInTheEnvironmentWins) {
-  ScopedEnv env("UCX_NET_DEVICES", "eth9");
+  testing::ScopedEnv env("UCX_NET_DEVICES", "eth9");
   for (const char* requested : {"", "lo", "any"}) {
     auto chosen = choose_data_interface("127.0.0.1", requested);
     ASSERT_TRUE(chosen.ok()) << chosen.error();
