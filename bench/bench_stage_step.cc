@@ -31,7 +31,9 @@
 #include "common/dtype.h"
 #include "common/model_config.h"
 #include "stage/cuda/gpu_stage_backend.h"
-#include "model/microbatch.h"
+#include "protocol/batch_result.h"
+#include "protocol/microbatch.h"
+#include "protocol/seq_state.h"
 #include "stage/stage_executor.h"
 #include "model/weights.h"
 #endif
@@ -89,15 +91,21 @@ struct Bench {
 
 bool g_greedy = false;  // --greedy
 
-SeqWork work(uint64_t id, int32_t start, int32_t n, int32_t prompt_len) {
-  SeqWork w;
+SeqStep work(uint64_t id, int32_t start, int32_t n) {
+  SeqStep w;
   w.slice = {id, start, n};
-  w.prompt_len = prompt_len;
   w.sample = true;
-  w.sampling.temperature = g_greedy ? 0.f : 0.8f;
-  w.sampling.top_k = 40;
-  w.sampling.seed = id;
   return w;
+}
+
+// A sequence's state, sent with its first step (the last stage keeps it until the free).
+Admission admission(uint64_t id, int32_t prompt_len) {
+  Admission a{.seq_id = id, .state = {}};
+  a.state.prompt_len = prompt_len;
+  a.state.sampling.temperature = g_greedy ? 0.f : 0.8f;
+  a.state.sampling.top_k = 40;
+  a.state.sampling.seed = id;
+  return a;
 }
 
 double mean(const std::vector<double>& v) { return std::accumulate(v.begin(), v.end(), 0.0) / double(v.size()); }
@@ -164,20 +172,27 @@ int main(int argc, char** argv) {
     for (int i = 0; i < batch; i += per_batch) {
       MicroBatch mb;
       mb.free_seq_ids.swap(to_free);
-      for (int j = i; j < std::min(batch, i + per_batch); ++j) mb.seqs.push_back(work(ids[size_t(j)], 0, prompt, prompt));
+      std::vector<Admission> admitted;
+      for (int j = i; j < std::min(batch, i + per_batch); ++j) {
+        mb.seqs.push_back(work(ids[size_t(j)], 0, prompt));
+        admitted.push_back(admission(ids[size_t(j)], prompt));
+      }
+      mb.admissions = encode_admissions(admitted);
       bench.step(mb);
     }
   };
   auto decode_batch = [&] {
     MicroBatch mb;
     mb.free_seq_ids.swap(to_free);
-    for (int i = 0; i < batch; ++i) mb.seqs.push_back(work(ids[size_t(i)], len[size_t(i)]++, 1, prompt));
+    for (int i = 0; i < batch; ++i) mb.seqs.push_back(work(ids[size_t(i)], len[size_t(i)]++, 1));
     return mb;
   };
   auto mixed_batch = [&](int p) {  // plus a newcomer's first p tokens; freed in the next step
     MicroBatch mb = decode_batch();
     const uint64_t id = next_id++;
-    mb.seqs.push_back(work(id, 0, p, 64));
+    mb.seqs.push_back(work(id, 0, p));
+    const Admission a = admission(id, 64);
+    mb.admissions = encode_admissions(std::span(&a, 1));
     to_free.push_back(id);
     return mb;
   };

@@ -1,6 +1,7 @@
 // What a request asks of the choice of its next token: the parameters the coordinator
-// validates and sends with every micro-batch, and that both samplers (kernels/cpu/sampling.h,
-// the reference, and its CUDA twin) take. The algorithm they define is in kernels/cpu/sampling.h.
+// validates and sends once to the last stage (protocol/seq_state.h), and that both samplers
+// (kernels/cpu/sampling.h, the reference, and its CUDA twin) take. The algorithm they define
+// is in kernels/cpu/sampling.h.
 #pragma once
 
 #include <cstdint>
@@ -25,6 +26,7 @@ struct SamplingParams {
   // OpenAI logit_bias: (token id, bias) sorted by id, each id once. The bias is added to the
   // logit before the penalties; kLogitBiasBan (-100) bans the token (its logit becomes -inf).
   std::vector<std::pair<int32_t, float>> logit_bias;
+  bool operator==(const SamplingParams&) const = default;
 };
 
 constexpr float kLogitBiasMax = 100.0f;        // biases lie in [-kLogitBiasMax, kLogitBiasMax]

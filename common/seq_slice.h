@@ -12,6 +12,7 @@ struct SeqSlice {
   uint64_t seq_id = 0;
   int32_t start_pos = 0;   // position of the slice's first token in its sequence
   int32_t num_tokens = 0;  // >= 1
+  bool operator==(const SeqSlice&) const = default;
 };
 
 // Tokens of a micro-batch: the sum of its slices' num_tokens.

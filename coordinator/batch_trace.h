@@ -3,6 +3,7 @@
 // DIR/coordinator.jsonl one JSON line per micro-batch sent and per result taken in:
 //
 //   {"ev":"send", "t", "pipeline", "batch", "seqs", "decode_rows", "prefill_rows", "frees",
+//    "admissions" (sequences whose request state it brings the last stage), "header_bytes",
 //    "in_flight" (after this one), "depth", "gap" (ms from the result that freed the slot to
 //    this send; absent when no result preceded it), "form" (ms forming, encoding, sending it),
 //    "running" (sequences on the pipeline), "queue" (requests waiting), "queue_wait" (why),

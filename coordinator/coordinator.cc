@@ -7,7 +7,6 @@
 
 #include "coordinator/coordinator_impl.h"
 #include "transport/net_interface.h"
-#include "model/microbatch.h"
 
 namespace conveyor {
 
@@ -155,18 +154,21 @@ void Coordinator::Impl::launch(Pipeline& p) {
       p.result_pending_send = false;
       if (metrics) metrics->observe_coordinator_gap(*gap_ms * 1e-3);
     }
-    if (trace) trace_sent(p, formed->batch, std::chrono::duration<double, std::milli>(t1 - t0).count(), gap_ms);
+    if (trace) trace_sent(p, *formed, header.size(), std::chrono::duration<double, std::milli>(t1 - t0).count(), gap_ms);
     Scheduler::sent(p, std::move(*formed));
   }
 }
 
-void Coordinator::Impl::trace_sent(const Pipeline& p, const MicroBatch& b, double form_ms, std::optional<double> gap_ms) {
+void Coordinator::Impl::trace_sent(const Pipeline& p, const Scheduler::Formed& formed, size_t header_bytes,
+                                   double form_ms, std::optional<double> gap_ms) {
+  const MicroBatch& b = formed.batch;
   int64_t decode = 0, prefill = 0;
-  for (const SeqWork& w : b.seqs) (w.slice.start_pos >= w.prompt_len ? decode : prefill) += w.slice.num_tokens;
+  for (const SeqStep& w : b.seqs) (w.prefill ? prefill : decode) += w.slice.num_tokens;
   json line = {{"ev", "send"},
                {"t", std::chrono::duration<double>(Clock::now().time_since_epoch()).count()},
                {"pipeline", p.index}, {"batch", b.batch_id}, {"seqs", b.seqs.size()}, {"decode_rows", decode},
-               {"prefill_rows", prefill}, {"frees", b.free_seq_ids.size()}, {"in_flight", p.in_flight + 1},
+               {"prefill_rows", prefill}, {"frees", b.free_seq_ids.size()}, {"admissions", formed.admissions},
+               {"header_bytes", header_bytes}, {"in_flight", p.in_flight + 1},
                {"depth", in_flight_depth(p)}, {"form", form_ms}, {"running", scheduler->running_on(p.index)},
                {"queue", scheduler->queue_size()}, {"queue_wait", queue_wait_name(scheduler->queue_wait())},
                {"max_running", p.limits.max_running}, {"max_sequences", p.limits.max_sequences},

@@ -92,7 +92,8 @@ struct Coordinator::Impl {
   void engine_loop();
   void launch(Pipeline& p);
   void replay_lost_batches();
-  void trace_sent(const Pipeline& p, const MicroBatch& b, double form_ms, std::optional<double> gap_ms);
+  void trace_sent(const Pipeline& p, const Scheduler::Formed& formed, size_t header_bytes, double form_ms,
+                  std::optional<double> gap_ms);
   void update_gauges();
 
   // ---- control messages (control.cc)

@@ -64,15 +64,6 @@ int64_t Scheduler::max_tokens_of(const CompletionRequest& r, size_t prompt_len) 
   return std::min<int64_t>(r.max_tokens, cfg_.model.n_positions - int64_t(prompt_len));
 }
 
-SamplingParams Scheduler::sampling_for(const CompletionRequest& r) const {
-  SamplingParams p = r.sampling;
-  if (!r.ignore_eos && cfg_.model.eos_token_id >= 0 &&
-      std::find(p.stop_token_ids.begin(), p.stop_token_ids.end(), int32_t(cfg_.model.eos_token_id)) ==
-          p.stop_token_ids.end())
-    p.stop_token_ids.push_back(int32_t(cfg_.model.eos_token_id));
-  return p;
-}
-
 CoreStatus Scheduler::submit(std::shared_ptr<const CompletionRequest> req, CompletionSink sink) {
   if (int64_t(queue_.size()) >= cfg_.max_queue)
     return CoreStatus::retry_later(CoreError::QueueFull,
@@ -209,99 +200,6 @@ void Scheduler::admit(const std::function<bool(const Pipeline&)>& open,
   }
 }
 
-std::optional<Scheduler::Formed> Scheduler::next_batch(Pipeline& p, int depth) {
-  std::vector<Sequence*> decode, prefill;
-  int64_t active = 0;
-  for (auto& [_, s] : seqs_) {
-    if (s.pipeline != p.index || s.finished) continue;
-    ++active;
-    if (s.in_flight || s.fed >= s.all.size()) continue;
-    (s.all.size() - s.fed == 1 ? decode : prefill).push_back(&s);
-  }
-  std::vector<SeqFork>& retains = retain_forks(p.index);
-  if (decode.empty() && prefill.empty() && p.pending_frees.empty() && retains.empty()) return std::nullopt;
-  const BatchLimits& lim = p.limits;
-  // Spread the live sequences over the in-flight slots so every stage has work.
-  const int64_t cap_seqs = std::min<int64_t>(lim.max_sequences, std::max<int64_t>(1, (active + depth - 1) / depth));
-  auto by_id = [](const Sequence* a, const Sequence* b) { return a->id < b->id; };
-  std::sort(decode.begin(), decode.end(), by_id);
-  std::sort(prefill.begin(), prefill.end(), by_id);
-  Formed f;
-  MicroBatch& b = f.batch;
-  b.batch_id = next_batch_id_++;
-  b.pipeline = uint32_t(p.index);
-  b.epoch = p.epoch;
-  b.free_seq_ids = std::move(p.pending_frees);
-  p.pending_frees.clear();
-  b.forks = std::move(retains);  // new cache entries before any fork from them
-  retains.clear();
-  f.record = {p.epoch, {}, Clock::now()};
-  int64_t tokens = 0;
-  auto add = [&](Sequence& s, int64_t n) {
-    const CompletionRequest& r = *s.request->req;
-    SeqWork w;
-    w.slice = {s.id, int32_t(s.fed), int32_t(n)};
-    w.prompt_len = int32_t(s.prompt_len);
-    w.sample = s.fed + size_t(n) == s.all.size();
-    w.prompt_logprobs = !s.prompt_lp.empty() && s.prompt_lp.size() < s.prompt_len && s.fed < s.prompt_len;
-    w.lookahead_token = s.fed + size_t(n) < s.all.size() ? s.all[s.fed + size_t(n)] : -1;
-    w.top_logprobs = std::max(0, r.logprobs);
-    w.sample_index = s.choice % size_t(r.n);
-    w.sampling = sampling_for(r);
-    if (s.group >= 0) {
-      BeamGroup& g = s.request->groups[size_t(s.group)];
-      w.top_logprobs = g.search->alternatives_needed();
-      w.sample_index = 0;
-      // The group's forks before its beams' slices; the beams they drop freed after them.
-      b.forks.insert(b.forks.end(), g.forks.begin(), g.forks.end());
-      b.free_seq_ids.insert(b.free_seq_ids.end(), g.frees.begin(), g.frees.end());
-      g.forks.clear(), g.frees.clear();
-    }
-    b.token_ids.insert(b.token_ids.end(), s.all.begin() + int64_t(s.fed), s.all.begin() + int64_t(s.fed) + n);
-    b.seqs.push_back(std::move(w));
-    s.fed += size_t(n);
-    s.in_flight = true;
-    f.record.seq_ids.push_back(s.id);
-    tokens += n;
-  };
-  // A beam group's decode steps go together (all its ready beams, or none unless the batch is
-  // empty: a group wider than the limits still runs).
-  for (size_t i = 0; i < decode.size(); ++i) {
-    Sequence* s = decode[i];
-    if (s == nullptr) continue;
-    if (s->group < 0) {
-      if (int64_t(b.seqs.size()) >= cap_seqs || tokens + 1 > lim.max_tokens) break;
-      add(*s, 1);
-      continue;
-    }
-    std::vector<Sequence*> unit;
-    for (size_t j = i; j < decode.size(); ++j)
-      if (decode[j] && decode[j]->request == s->request && decode[j]->group == s->group) unit.push_back(decode[j]);
-    const int64_t n = int64_t(unit.size());
-    const bool fits = int64_t(b.seqs.size()) + n <= std::max(cap_seqs, n) && tokens + n <= std::max(lim.max_tokens, n);
-    if (!fits && !b.seqs.empty()) continue;
-    for (Sequence* u : unit) {
-      add(*u, 1);
-      *std::find(decode.begin() + int64_t(i), decode.end(), u) = nullptr;
-    }
-  }
-  int64_t prompt_budget = lim.prefill_tokens;  // prompt rows left in this micro-batch
-  for (Sequence* s : prefill) {
-    if (int64_t(b.seqs.size()) >= cap_seqs || tokens >= lim.max_tokens || prompt_budget <= 0) break;
-    if (s->fed == 0 && !s->prefix_done) reuse_prefix(p, *s, b);
-    const int64_t n = std::min<int64_t>(
-        {lim.prefill_chunk, int64_t(s->all.size() - s->fed), lim.max_tokens - tokens, prompt_budget});
-    add(*s, n);
-    prompt_budget -= n;
-  }
-  return f;
-}
-
-void Scheduler::sent(Pipeline& p, Formed formed) {
-  p.batches.emplace(formed.batch.batch_id, std::move(formed.record));
-  ++p.in_flight;
-}
-
 Pipeline* Scheduler::on_result(const BatchResult& res) {
   if (res.pipeline >= pipelines_.size()) return nullptr;
   Pipeline& p = pipelines_[res.pipeline];
@@ -402,8 +300,11 @@ void Scheduler::advance_group(Request& r, BeamGroup& g) {
     c.beam = k;
     // A parent that was fed all its tokens hands its K/V on; one being fed again (a replay)
     // has none yet, and the child is fed from its first token too.
+    // The fork also gives the child the parent's state on the last stage.
     if (from.fed == before[parent].size()) {
       c.fed = from.fed;
+      c.state_pipeline = from.state_pipeline;
+      c.state_epoch = from.state_epoch;
       g.forks.push_back({pid, c.id, int32_t(from.fed)});
     }
     live.push_back(c.id);

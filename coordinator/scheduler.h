@@ -55,8 +55,10 @@
 #include "coordinator/pipeline.h"
 #include "coordinator/prefix_cache.h"
 #include "coordinator/text_stream.h"
-#include "model/microbatch.h"
 #include "model/tokenizer.h"
+#include "protocol/batch_result.h"
+#include "protocol/microbatch.h"
+#include "protocol/seq_state.h"
 
 namespace conveyor {
 
@@ -98,10 +100,13 @@ class Scheduler {
   void admit(const std::function<bool(const Pipeline&)>& open, const std::function<int64_t(const Pipeline&)>& kv_capacity);
 
   // The next micro-batch for `p`, with `depth` micro-batches allowed in flight; nothing when
-  // it has no work. The caller sends it and then records it with sent().
+  // it has no work. The caller sends it and then records it with sent(). Its admissions
+  // carry the state of each sequence the pipeline's last stage does not hold in this epoch
+  // (coordinator/batch_forming.cc).
   struct Formed {
     MicroBatch batch;
     InFlightBatch record;
+    size_t admissions = 0;  // sequences whose state the batch brings the last stage
   };
   std::optional<Formed> next_batch(Pipeline& p, int depth);
   static void sent(Pipeline& p, Formed formed);
@@ -198,6 +203,10 @@ class Scheduler {
     int failed_batches = 0;    // micro-batches of it that a stage could not run or hand on
     // Its prompt was looked up in the prefix cache / offered to it once computed (this epoch).
     bool prefix_done = false, prefix_offered = false;
+    // Where its SeqState was last sent (or forked to): the last stage of that pipeline holds it
+    // while the pipeline stays in that epoch. Any other pipeline or epoch sends it again.
+    int state_pipeline = -1;
+    uint32_t state_epoch = 0;
 
     size_t generated() const { return all.size() - prompt_len; }
   };
@@ -206,6 +215,21 @@ class Scheduler {
   // A new sequence of `r` (its id the next one), recorded in seqs_ and r.seq_ids.
   Sequence& add_sequence(Request& r, size_t choice, int pipeline, std::vector<int32_t> tokens, size_t prompt_len);
   SamplingParams sampling_for(const CompletionRequest& r) const;
+  // What the last stage needs to choose s's tokens (sent once, see next_batch).
+  SeqState state_of(const Sequence& s) const;
+  // A micro-batch being formed (batch_forming.cc).
+  struct Draft {
+    Formed formed;
+    int64_t tokens = 0;                 // its rows so far
+    int64_t cap_seqs = 0;               // the slices it may hold
+    std::vector<Admission> admissions;  // states its pipeline's last stage does not hold yet
+  };
+  // p's sequences with tokens to feed, decode steps and prompt chunks apart, by id; returns
+  // how many of p's sequences run (in flight or not).
+  int64_t ready_sequences(const Pipeline& p, std::vector<Sequence*>& decode, std::vector<Sequence*>& prefill);
+  void add_decode_steps(Pipeline& p, Draft& d, std::vector<Sequence*>& decode);
+  void add_prefill_steps(Pipeline& p, Draft& d, const std::vector<Sequence*>& prefill);
+  void add_step(Pipeline& p, Draft& d, Sequence& s, int64_t n);
   // A token taken by on_result, for deliver().
   struct Delivery {
     uint64_t seq_id = 0;

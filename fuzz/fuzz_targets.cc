@@ -12,7 +12,9 @@
 #include "coordinator/cluster_config.h"
 #include "coordinator/rest/admin_api.h"
 #include "coordinator/rest/openai_api.h"
-#include "model/microbatch.h"
+#include "protocol/batch_result.h"
+#include "protocol/microbatch.h"
+#include "protocol/seq_state.h"
 #include "model/safetensors.h"
 #include "model/tokenizer.h"
 #include "transport/control_messages.h"
@@ -54,8 +56,18 @@ std::string fuzz_model_dir() {
 
 // ---- data wire: micro-batches and batch results ----------------------------------------
 
+// The admissions section, as the last stage reads it: canonical, like the result.
+std::string fuzz_admissions(std::span<const uint8_t> bytes) {
+  auto a = decode_admissions(bytes);
+  if (!a.ok()) return check_refusal("admissions", a.status());
+  if (encode_admissions(*a) != std::vector<uint8_t>(bytes.begin(), bytes.end()) && !a->empty())
+    return "admissions: encode(decode(x)) differs from x";
+  for (const Admission& one : *a) (void)validate(one.state, model_config());
+  return {};
+}
+
 std::string fuzz_microbatch(std::span<const uint8_t> data) {
-  // Flag bits decode does not know are dropped, so compare re-encodings, not the input.
+  // A lookahead token is sent only with its flag, so compare re-encodings, not the input.
   if (auto b = decode_microbatch(data); b.ok()) {
     const std::vector<uint8_t> once = encode(*b);
     auto again = decode_microbatch(once);
@@ -63,9 +75,12 @@ std::string fuzz_microbatch(std::span<const uint8_t> data) {
     if (encode(*again) != once) return "micro-batch: decode(encode(x)) differs from x";
     if (b->total_tokens() != int64_t(b->token_ids.size())) return "micro-batch: slices and token ids disagree";
     (void)validate(*b, model_config());
+    if (std::string e = fuzz_admissions(b->admissions); !e.empty()) return e;
   } else if (std::string e = check_refusal("micro-batch", b.status()); !e.empty()) {
     return e;
   }
+  // Any bytes as an admissions section, too.
+  if (std::string e = fuzz_admissions(data); !e.empty()) return e;
   // The result format is canonical: what decodes re-encodes to the same bytes.
   if (auto r = decode_batch_result(data); r.ok()) {
     if (encode(*r) != std::vector<uint8_t>(data.begin(), data.end()))

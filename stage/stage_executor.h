@@ -10,10 +10,14 @@
 //                 slice asks for top or prompt log-probs: those batches bring their logits
 //                 to the host and are chosen here.
 //
-// The last stage keeps each sequence's token history (every token id that passed through
-// in a header) for the repetition/presence penalties and min_tokens; it is dropped with
-// the sequence's KV cache. The sampling step of a slice is the number of tokens generated
-// so far (history length - prompt_len), so a replayed sequence draws the same tokens.
+// The last stage keeps, per sequence, what choosing its tokens needs beyond the step
+// (LastStageSeq): its SeqState, which arrives once in a micro-batch's admissions
+// (protocol/seq_state.h), and its token history (every token id that passed through in a
+// header) for the repetition/presence penalties and min_tokens. A fork gives the child both;
+// a free, or drop_all, drops them with the sequence's KV cache. The sampling step of a slice
+// is the number of tokens generated so far (history length - prompt_len), so a replayed
+// sequence draws the same tokens. A slice of a sequence the last stage holds no state for
+// fails its batch, naming the sequence: it is never sampled with defaults.
 #pragma once
 
 #include <cstdint>
@@ -23,7 +27,9 @@
 #include <vector>
 
 #include "common/status.h"
-#include "model/microbatch.h"
+#include "protocol/batch_result.h"
+#include "protocol/microbatch.h"
+#include "protocol/seq_state.h"
 #include "stage/stage_backend.h"
 
 namespace conveyor {
@@ -44,8 +50,9 @@ class StageExecutor {
   // writes its outgoing activations where `out` says (called once, also with 0 bytes for a
   // batch that only frees sequences, so the frees travel on); the last stage fills `result`
   // with the sampled tokens and log-probs. Applies batch.forks first (each child gets its
-  // parent's first num_tokens K/V positions, and on the last stage its token history), then
-  // frees batch.free_seq_ids, then runs the slices. A batch refused
+  // parent's first num_tokens K/V positions, and on the last stage its state and token
+  // history), then frees batch.free_seq_ids, then (last stage) takes the admissions' states,
+  // then runs the slices. A batch refused
   // by the checks changes no sequence's cache; one whose rows find no room in `out` has
   // already run (either way the coordinator replays the pipeline from a new epoch).
   Status run(const MicroBatch& batch, std::span<const std::byte> in, const ActivationSink& out, BatchResult* result);
@@ -54,17 +61,30 @@ class StageExecutor {
   // chose them in its own step, which then includes that time). For the worker's step trace.
   double last_sample_seconds() const { return sample_seconds_; }
 
-  // Drops every sequence (failover, re-plan): KV caches and token histories.
+  // Drops every sequence (failover, re-plan): KV caches, states and token histories.
   void drop_all();
   void free_sequence(uint64_t seq_id);
 
  private:
+  // What the last stage keeps of a sequence between its steps (see the top of this file).
+  struct LastStageSeq {
+    SeqState state;
+    std::vector<int32_t> history;  // prompt then generated tokens, as far as they were sent
+  };
+
+  void apply_forks(const MicroBatch& batch, Status& forked);
+  Status admit(const MicroBatch& batch);
+  // The batch's sequences' records, in slice order; an error names a sequence without one.
+  Expected<std::vector<LastStageSeq*>> records_of(const MicroBatch& batch);
   Status run_last(const MicroBatch& batch, StepInput& in, BatchResult& result);
+  Status sample_in_place(const MicroBatch& batch, const std::vector<LastStageSeq*>& seqs, StepInput& step,
+                         BatchResult& result);
   // Chooses tokens on the host from `logits` (one row per slice, or every row when all_rows).
-  void sample_on_host(const MicroBatch& batch, const std::vector<float>& logits, bool all_rows, BatchResult& result);
+  void sample_on_host(const MicroBatch& batch, const std::vector<LastStageSeq*>& seqs,
+                      const std::vector<float>& logits, bool all_rows, BatchResult& result);
 
   std::unique_ptr<StageBackend> backend_;
-  std::unordered_map<uint64_t, std::vector<int32_t>> history_;  // last stage only
+  std::unordered_map<uint64_t, LastStageSeq> seqs_;  // last stage only
   StepOutput step_out_;  // reused: its buffers keep their capacity
   std::vector<float> scratch_;
   double sample_seconds_ = 0;

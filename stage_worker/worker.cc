@@ -12,8 +12,9 @@
 #include <spdlog/spdlog.h>
 
 #include "common/service.h"
-#include "model/microbatch.h"
 #include "model/weights.h"
+#include "protocol/batch_result.h"
+#include "protocol/microbatch.h"
 #include "stage/backend_factory.h"
 #include "stage/stage_executor.h"
 #include "stage_worker/handoff.h"
@@ -438,8 +439,7 @@ struct Worker::Impl {
         rec.t = std::chrono::duration<double>(t0.time_since_epoch()).count();
         rec.stage = a.stage, rec.batch = batch->batch_id, rec.epoch = batch->epoch;
         rec.seqs = int64_t(batch->seqs.size()), rec.frees = int64_t(batch->free_seq_ids.size());
-        for (const SeqWork& w : batch->seqs)
-          (w.slice.start_pos >= w.prompt_len ? rec.decode_rows : rec.prefill_rows) += w.slice.num_tokens;
+        for (const SeqStep& w : batch->seqs) (w.prefill ? rec.prefill_rows : rec.decode_rows) += w.slice.num_tokens;
         rec.compute_ms = ms(busy), rec.wait_input_ms = ms(wait_input), rec.idle_ready_ms = ms(idle_ready);
         rec.slot_wait_ms = ms(waited), rec.sample_ms = ex->last_sample_seconds() * 1e3;
       }
@@ -476,13 +476,10 @@ struct Worker::Impl {
         }
         continue;
       }
+      // The header goes on as it came (admissions unread), saying what the payload now holds.
       std::vector<std::byte> out_header = std::move(msg.header);
-      if (batch->activation_dtype != ex->activation_dtype()) {  // say what the payload now holds
-        batch->activation_dtype = ex->activation_dtype();
-        const std::vector<uint8_t> bytes = encode(*batch);
-        out_header.assign(reinterpret_cast<const std::byte*>(bytes.data()),
-                      reinterpret_cast<const std::byte*>(bytes.data()) + bytes.size());
-      }
+      if (batch->activation_dtype != ex->activation_dtype())
+        (void)patch_activation_dtype(out_header, ex->activation_dtype());  // it decoded: it is a header
       handoff->submit(slot, next, std::move(out_header), out_bytes, [this, next, coord, result](const Status& sent) mutable {
         {
           std::lock_guard lk(stage_mu);

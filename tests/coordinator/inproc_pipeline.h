@@ -13,8 +13,10 @@
 #include <vector>
 
 #include "coordinator/scheduler.h"
-#include "model/microbatch.h"
 #include "model/weights.h"
+#include "protocol/batch_result.h"
+#include "protocol/microbatch.h"
+#include "protocol/seq_state.h"
 #include "stage/cpu/cpu_stage_backend.h"
 #include "stage/stage_executor.h"
 
@@ -30,6 +32,8 @@ struct InprocPipeline {
   std::vector<std::unique_ptr<StageExecutor>> stages;
   int64_t batches_run = 0;
   int64_t forks_sent = 0;
+  int64_t admissions_sent = 0;       // sequences whose state went to the last stage
+  std::vector<std::string> failures;  // what stages refused (each forces a replay)
 
   // The model in `model_dir` cut at `cuts` (layer indices; none: one stage), CPU stages with
   // `kv_bytes` of K/V budget each; `tokenizer_dir` gives the tokenizer (text only).
@@ -65,6 +69,7 @@ struct InprocPipeline {
     EXPECT_TRUE(decoded) << decoded.error();
     MicroBatch b = std::move(decoded).value();
     forks_sent += int64_t(b.forks.size());
+    if (auto a = decode_admissions(b.admissions); a.ok()) admissions_sent += int64_t(a->size());
     std::vector<std::byte> wire;
     BatchResult r;
     for (size_t i = 0; i < stages.size(); ++i) {
@@ -79,6 +84,7 @@ struct InprocPipeline {
         r = BatchResult{};
         r.batch_id = b.batch_id, r.pipeline = b.pipeline, r.epoch = b.epoch;
         r.error = s.message();
+        failures.push_back(r.error);
         return r;
       }
       if (last) break;
@@ -126,6 +132,9 @@ struct InprocPipeline {
       scheduler->deliver();
     }
     EXPECT_EQ(scheduler->outstanding(), 0u);
+    // A replay would hide a state the coordinator failed to send (the last stage refuses the
+    // step, the replay sends every state again): no stage may have refused anything.
+    EXPECT_TRUE(failures.empty()) << failures.size() << " micro-batches failed, the first: " << failures.front();
   }
 };
 

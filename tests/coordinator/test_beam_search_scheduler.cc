@@ -156,15 +156,19 @@ TEST(BeamSearchScheduler, WidthOneIsGreedy) {
   EXPECT_EQ(got[0].tokens, (*want)[0].tokens);
   EXPECT_EQ(got[0].finish, (*want)[0].finish_reason);
   EXPECT_EQ(p.forks_sent, 0);  // one beam: always its own continuation
+  EXPECT_EQ(p.admissions_sent, 1);  // its state went to the last stage once
 }
 
 // A failover mid-search (the stages drop every cache; each beam is fed again from its first
-// token) and a two-stage pipeline give the same beams as one uninterrupted stage.
+// token, its state sent again) and a two-stage pipeline give the same beams as one
+// uninterrupted stage. Without a replay a prompt's state goes to the last stage once: every
+// other beam gets it by its fork.
 TEST(BeamSearchScheduler, ReplaysAndStageSplitsChangeNothing) {
   const std::vector<std::vector<int32_t>> prompts = {{464, 1578, 531, 818}, {13}};
   auto request = [&] { return beam_request(prompts, 4, 3, 9, 1.0f, EarlyStopping::Never); };
   InprocPipeline plain(demo(), demo());
   const auto want = run_beams(plain, request());
+  EXPECT_EQ(plain.admissions_sent, 2);
   InprocPipeline replayed(demo(), demo());
   int replays = 0;
   const auto got = run_beams(replayed, request(), [&](int64_t n) {
@@ -174,9 +178,11 @@ TEST(BeamSearchScheduler, ReplaysAndStageSplitsChangeNothing) {
   });
   EXPECT_EQ(replays, 2);
   EXPECT_EQ(got, want);
+  EXPECT_GT(replayed.admissions_sent, 2 + 2);  // at least the live beams again after each replay
   InprocPipeline split(demo(), demo(), {2, 4});
   EXPECT_EQ(run_beams(split, request()), want);
   EXPECT_GT(split.forks_sent, 0);
+  EXPECT_EQ(split.admissions_sent, 2);
 }
 
 }  // namespace

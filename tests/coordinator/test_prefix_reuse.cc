@@ -48,6 +48,7 @@ TEST(PrefixReuse, ASharedPrefixIsForkedAndGivesTheSameAnswer) {
     EXPECT_EQ(alone[0].cached, 0);
     EXPECT_EQ(second, alone) << "a forked prefix must give the bits of a computed one";
     EXPECT_EQ(with.forks_sent, 2);  // + the fork from the entry (its own 48 whole tokens are the entry's)
+    EXPECT_EQ(with.admissions_sent, 2);  // each request's state once: the entry's fork brings none
 
     const Scheduler::PrefixStats st = with.scheduler->prefix_stats();
     EXPECT_EQ(st.lookups, 2);

@@ -15,7 +15,9 @@
 
 #include <span>
 
-#include "model/microbatch.h"
+#include "protocol/batch_result.h"
+#include "protocol/microbatch.h"
+#include "protocol/seq_state.h"
 #include "tests/netns/netns_harness.h"
 #include "transport/control_messages.h"
 #include "transport/control_plane.h"
@@ -78,14 +80,17 @@ MicroBatch prompt_batch(uint64_t batch_id, uint32_t epoch) {
   b.batch_id = batch_id;
   b.pipeline = 0;
   b.epoch = epoch;
-  SeqWork w;
+  SeqStep w;
   w.slice = {.seq_id = 1, .start_pos = 0, .num_tokens = int32_t(prompt.size())};
-  w.prompt_len = int32_t(prompt.size());
   w.sample = true;
-  w.sampling.temperature = 0;
+  w.prefill = true;
   b.seqs = {w};
   b.token_ids = prompt;
   b.free_seq_ids = {1};  // a fresh sequence each time (frees are applied before running)
+  Admission a{.seq_id = 1, .state = {}};  // its state comes with it each time: greedy
+  a.state.prompt_len = int32_t(prompt.size());
+  a.state.sampling.temperature = 0;
+  b.admissions = encode_admissions(std::span(&a, 1));
   return b;
 }
 

@@ -1,15 +1,19 @@
 // StageExecutor on the CPU backend and the micro-batch header it reads: a model split in two
 // stages gives the one-stage model's tokens and log-probs, the activations crossing in any
 // activation dtype the header names (a CPU stage converts fp16/bf16 rows, exactly), and a
-// header or payload that does not fit the model is refused with an error naming it.
+// header or payload that does not fit the model is refused with an error naming it. The
+// last stage keeps each sequence's request state from its admission (or its parent's fork)
+// until the sequence is freed, and refuses a step of a sequence it holds no state for.
+// (The wire format itself: tests/protocol/test_microbatch_wire.cc.)
 #include <gtest/gtest.h>
 
 #include <cstring>
 
-#include "model/microbatch.h"
+#include "model/weights.h"
+#include "protocol/microbatch.h"
+#include "protocol/seq_state.h"
 #include "stage/cpu/cpu_stage_backend.h"
 #include "stage/stage_executor.h"
-#include "model/weights.h"
 #include "tests/test_util.h"
 
 namespace conveyor {
@@ -41,77 +45,40 @@ const ActivationSink kNoSink = [](size_t) -> Expected<std::span<std::byte>> {
   return Status::error("the last stage hands nothing on");
 };
 
+// A greedy sequence's state: its prompt's length, its top `top` alternatives reported.
+SeqState greedy_state(int32_t prompt_len, int32_t top) {
+  SeqState st;
+  st.prompt_len = prompt_len;
+  st.top_logprobs = top;
+  st.sampling.temperature = 0;
+  return st;
+}
+
+// Two prompts, each its first step, their states admitted with them (top 2 reported).
 MicroBatch prompt_batch() {
   MicroBatch b;
   b.batch_id = 7, b.pipeline = 1, b.epoch = 3;
   const std::vector<std::vector<int32_t>> prompts = {{464, 1578, 531}, {818, 262, 3329, 262, 1468}};
+  std::vector<Admission> admitted;
   uint64_t id = 1;
   for (const auto& p : prompts) {
-    SeqWork w;
-    w.slice = {id++, 0, int32_t(p.size())};
-    w.prompt_len = int32_t(p.size());
+    SeqStep w;
+    w.slice = {id, 0, int32_t(p.size())};
     w.sample = true;
-    w.top_logprobs = 2;
-    w.sampling.temperature = 0;
+    w.prefill = true;
     b.seqs.push_back(w);
     b.token_ids.insert(b.token_ids.end(), p.begin(), p.end());
+    admitted.push_back({id++, greedy_state(int32_t(p.size()), 2)});
   }
+  b.admissions = encode_admissions(admitted);
   return b;
 }
 
-TEST(MicroBatchWire, RoundTripsAndNamesWhatIsWrong) {
-  MicroBatch b = prompt_batch();
-  b.activation_dtype = DType::BF16;
-  b.free_seq_ids = {9, 10};
-  const std::vector<uint8_t> bytes = encode(b);
-  auto back = decode_microbatch(bytes);
-  ASSERT_TRUE(back) << back.error();
-  EXPECT_EQ(back->activation_dtype, DType::BF16);
-  EXPECT_EQ(back->batch_id, 7u);
-  EXPECT_EQ(back->epoch, 3u);
-  EXPECT_EQ(back->token_ids, b.token_ids);
-  EXPECT_EQ(back->free_seq_ids, b.free_seq_ids);
-  ASSERT_EQ(back->seqs.size(), 2u);
-  EXPECT_EQ(back->seqs[1].slice.num_tokens, 5);
-
-  std::vector<uint8_t> bad = bytes;
-  bad[4 + 8 + 4 + 4] = uint8_t(DType::I32);  // the dtype byte, after magic, batch id, pipeline, epoch
-  auto refused = decode_microbatch(bad);
-  ASSERT_FALSE(refused);
-  EXPECT_NE(refused.error().find("activation dtype"), std::string::npos) << refused.error();
-
-  auto cut = decode_microbatch(std::span(bytes).first(bytes.size() - 3));
-  ASSERT_FALSE(cut);
-  EXPECT_NE(cut.error().find("free_seq_ids"), std::string::npos) << cut.error();
-}
-
-TEST(MicroBatchWire, LogitBiasRoundTripsAndIsChecked) {
-  MicroBatch b = prompt_batch();
-  b.seqs[1].sampling.logit_bias = {{13, -100.f}, {262, 2.5f}, {4095, 100.f}};
-  const std::vector<uint8_t> bytes = encode(b);
-  auto back = decode_microbatch(bytes);
-  ASSERT_TRUE(back) << back.error();
-  EXPECT_TRUE(back->seqs[0].sampling.logit_bias.empty());
-  EXPECT_EQ(back->seqs[1].sampling.logit_bias, b.seqs[1].sampling.logit_bias);
-  const ModelConfig config = load_model_config(model_dir()).value();
-  EXPECT_TRUE(validate(*back, config).ok());
-  // A count that runs past the message is refused by decode, naming the field.
-  MicroBatch one;
-  SeqWork w;
-  w.slice = {1, 0, 1};
-  w.sampling.logit_bias = {{1, 1.f}, {2, 2.f}};
-  one.seqs.push_back(w);
-  one.token_ids = {5};
-  std::vector<uint8_t> cut = encode(one);
-  const size_t tail = 4 + 4 + 4 + 4;  // token_ids (count + 1 id), forks (count), free_seq_ids (count)
-  auto refused = decode_microbatch(std::span(cut).first(cut.size() - tail - 4));  // inside the last pair
-  ASSERT_FALSE(refused);
-  EXPECT_NE(refused.error().find("logit_bias"), std::string::npos) << refused.error();
-  // An id outside the vocabulary is refused by validate, naming the field.
-  back->seqs[1].sampling.logit_bias = {{int32_t(config.vocab_size), 1.f}};
-  const Status st = validate(*back, config);
-  ASSERT_FALSE(st.ok());
-  EXPECT_NE(st.message().find("logit_bias"), std::string::npos) << st.message();
+// `b` with its sequences' states replaced: sequence i + 1 gets states[i].
+void readmit(MicroBatch& b, const std::vector<SeqState>& states) {
+  std::vector<Admission> admitted;
+  for (size_t i = 0; i < states.size(); ++i) admitted.push_back({i + 1, states[i]});
+  b.admissions = encode_admissions(admitted);
 }
 
 TEST(StageExecutor, LogitBiasChangesTheLastStagesChoice) {
@@ -119,9 +86,11 @@ TEST(StageExecutor, LogitBiasChangesTheLastStagesChoice) {
   MicroBatch b = prompt_batch();
   BatchResult plain, banned, favoured;
   ASSERT_TRUE(whole.run(b, {}, kNoSink, &plain).ok());
-  whole.drop_all();
+  whole.drop_all();  // states too: each run below admits its own
   const int32_t greedy = plain.seqs[0].token;
-  b.seqs[0].sampling.logit_bias = {{greedy, kLogitBiasBan}};
+  std::vector<SeqState> states = {greedy_state(3, 2), greedy_state(5, 2)};
+  states[0].sampling.logit_bias = {{greedy, kLogitBiasBan}};
+  readmit(b, states);
   ASSERT_TRUE(whole.run(b, {}, kNoSink, &banned).ok());
   whole.drop_all();
   EXPECT_NE(banned.seqs[0].token, greedy);
@@ -129,53 +98,92 @@ TEST(StageExecutor, LogitBiasChangesTheLastStagesChoice) {
   EXPECT_EQ(banned.seqs[1].token, plain.seqs[1].token);         // the other sequence is untouched
   // Log-probs are of the raw distribution: the runner-up's log-prob is what it was.
   EXPECT_FLOAT_EQ(banned.seqs[0].logprob, plain.seqs[0].top[1].second);
-  b.seqs[0].sampling.logit_bias = {{7, 100.f}};
+  states[0].sampling.logit_bias = {{7, 100.f}};
+  readmit(b, states);
   ASSERT_TRUE(whole.run(b, {}, kNoSink, &favoured).ok());
   EXPECT_EQ(favoured.seqs[0].token, 7);
 }
 
-// One sequence's step: `tokens` from `start`, sampling greedy, its top-5 reported.
-SeqWork seq_step(uint64_t id, int32_t start, int32_t n, int32_t prompt_len) {
-  SeqWork w;
+// A step of a sequence whose state never reached the last stage fails, naming the sequence,
+// before anything is computed or cached: it is never sampled with defaults. A stage that is
+// not the last hands the admissions on unread, even bytes the last stage refuses.
+TEST(StageExecutor, TheLastStageRefusesASequenceWithoutState) {
+  StageExecutor whole = stage(0, 6), first = stage(0, 3), second = stage(3, 6);
+  MicroBatch b = prompt_batch();
+  b.admissions.clear();
+  BatchResult r;
+  Status s = whole.run(b, {}, kNoSink, &r);
+  ASSERT_FALSE(s.ok());
+  EXPECT_NE(s.message().find("sequence 1 has no request state on the last stage"), std::string::npos) << s.message();
+  EXPECT_EQ(whole.backend().num_sequences(), 0);
+
+  b = prompt_batch();
+  b.admissions.resize(b.admissions.size() - 2);  // cut short: the last stage cannot read it
+  const std::vector<std::byte> act = outgoing(first, b);
+  EXPECT_EQ(first.backend().num_sequences(), 2);
+  s = second.run(b, act, kNoSink, &r);
+  ASSERT_FALSE(s.ok());
+  EXPECT_NE(s.message().find("micro-batch 7: malformed admissions: field 'count' runs past the end"), std::string::npos)
+      << s.message();
+  EXPECT_EQ(second.backend().num_sequences(), 0);
+
+  b = prompt_batch();
+  readmit(b, {greedy_state(3, 2), greedy_state(5, 21)});
+  s = whole.run(b, {}, kNoSink, &r);
+  ASSERT_FALSE(s.ok());
+  EXPECT_NE(s.message().find("the admission of sequence 2: top_logprobs 21 is outside 0..20"), std::string::npos)
+      << s.message();
+}
+
+// A state stays until its sequence is freed: later steps need no admission, and a freed
+// sequence's next step is refused.
+TEST(StageExecutor, TheLastStageKeepsAStateUntilItsSequenceIsFreed) {
+  StageExecutor whole = stage(0, 6);
+  MicroBatch b = prompt_batch();
+  BatchResult r1, r2, r3;
+  ASSERT_TRUE(whole.run(b, {}, kNoSink, &r1).ok());
+  MicroBatch next;
+  next.batch_id = 8;
+  next.seqs.push_back({.slice = {1, 3, 1}, .sample = true});
+  next.token_ids = {r1.seqs[0].token};
+  ASSERT_TRUE(whole.run(next, {}, kNoSink, &r2).ok());
+  ASSERT_EQ(r2.seqs.size(), 1u);
+  EXPECT_EQ(r2.seqs[0].top.size(), 2u);  // the admitted top_logprobs
+  next.batch_id = 9;
+  next.free_seq_ids = {1};
+  next.seqs[0].slice.start_pos = 0;  // a fresh start of the freed sequence
+  const Status s = whole.run(next, {}, kNoSink, &r3);
+  ASSERT_FALSE(s.ok());
+  EXPECT_NE(s.message().find("sequence 1 has no request state"), std::string::npos) << s.message();
+}
+
+// One sequence's step: `tokens` from `start`, sampled.
+SeqStep seq_step(uint64_t id, int32_t start, int32_t n) {
+  SeqStep w;
   w.slice = {id, start, n};
-  w.prompt_len = prompt_len;
   w.sample = true;
-  w.top_logprobs = 5;
-  w.sampling.temperature = 0;
   return w;
 }
 
-TEST(MicroBatchWire, ForksRoundTripAndAreChecked) {
-  MicroBatch b = prompt_batch();
-  b.forks = {{1, 5, 3}, {2, 6, 1}};
-  b.free_seq_ids = {1};
-  auto back = decode_microbatch(encode(b));
-  ASSERT_TRUE(back) << back.error();
-  EXPECT_EQ(back->forks, b.forks);
-  EXPECT_EQ(back->free_seq_ids, b.free_seq_ids);
-  const ModelConfig config = load_model_config(model_dir()).value();
-  EXPECT_TRUE(validate(*back, config).ok());
-  const std::vector<uint8_t> bytes = encode(b);
-  auto cut = decode_microbatch(std::span(bytes).first(bytes.size() - 4 - 8 - 10));  // inside the forks
-  ASSERT_FALSE(cut);
-  EXPECT_NE(cut.error().find("forks"), std::string::npos) << cut.error();
-  back->forks = {{3, 3, 1}};
-  EXPECT_NE(validate(*back, config).message().find("into itself"), std::string::npos);
-  back->forks = {{3, 4, 0}};
-  EXPECT_NE(validate(*back, config).message().find("num_tokens"), std::string::npos);
+// The admission of a greedy sequence reporting its top 5.
+std::vector<uint8_t> admit_greedy(uint64_t id, int32_t prompt_len) {
+  const Admission a{id, greedy_state(prompt_len, 5)};
+  return encode_admissions(std::span(&a, 1));
 }
 
-// A fork gives the child its parent's K/V prefix: decoding the children gives the same tokens
-// and log-probs as sequences computed from scratch, bit for bit (the CPU stage is batch and
-// chunk invariant); a parent freed by the same batch can be forked from; the K/V accounting
-// counts what each sequence holds; and bad forks are refused naming what is wrong.
+// A fork gives the child its parent's K/V prefix, and on the last stage its state (no
+// admission comes for the children): decoding the children gives the same tokens and
+// log-probs as sequences computed from scratch, bit for bit (the CPU stage is batch and chunk
+// invariant); a parent freed by the same batch can be forked from; the K/V accounting counts
+// what each sequence holds; and bad forks are refused naming what is wrong.
 TEST(StageExecutor, ForkedSequencesDecodeAsIfComputedFromScratch) {
   StageExecutor ex = stage(0, 6), ref = stage(0, 6);
   const std::vector<int32_t> prompt = {464, 1578, 531, 818, 262, 3329, 262, 1468, 11, 290, 339, 1110, 13, 383, 2010,
                                        257, 1244, 318, 7, 42, 99};  // 21 tokens: one full page and a part
   MicroBatch first;
-  first.seqs.push_back(seq_step(1, 0, int32_t(prompt.size()), int32_t(prompt.size())));
+  first.seqs.push_back(seq_step(1, 0, int32_t(prompt.size())));
   first.token_ids = prompt;
+  first.admissions = admit_greedy(1, int32_t(prompt.size()));
   BatchResult r1;
   ASSERT_TRUE(ex.run(first, {}, kNoSink, &r1).ok());
   EXPECT_EQ(ex.backend().kv_used_tokens(), 21);
@@ -188,7 +196,7 @@ TEST(StageExecutor, ForkedSequencesDecodeAsIfComputedFromScratch) {
   second.free_seq_ids = {1};
   const std::vector<std::pair<int32_t, int32_t>> next = {{21, r1.seqs[0].token}, {16, 77}, {9, 1000}};
   for (size_t i = 0; i < next.size(); ++i) {
-    second.seqs.push_back(seq_step(2 + i, next[i].first, 1, int32_t(prompt.size())));
+    second.seqs.push_back(seq_step(2 + i, next[i].first, 1));
     second.token_ids.push_back(next[i].second);
   }
   BatchResult r2;
@@ -201,8 +209,9 @@ TEST(StageExecutor, ForkedSequencesDecodeAsIfComputedFromScratch) {
     std::vector<int32_t> whole(prompt.begin(), prompt.begin() + next[i].first);
     whole.push_back(next[i].second);
     MicroBatch scratch;
-    scratch.seqs.push_back(seq_step(100 + i, 0, int32_t(whole.size()), int32_t(prompt.size())));
+    scratch.seqs.push_back(seq_step(100 + i, 0, int32_t(whole.size())));
     scratch.token_ids = whole;
+    scratch.admissions = admit_greedy(100 + i, int32_t(prompt.size()));
     BatchResult want;
     ASSERT_TRUE(ref.run(scratch, {}, kNoSink, &want).ok());
     EXPECT_EQ(r2.seqs[i].token, want.seqs[0].token) << "child " << i;
@@ -237,8 +246,9 @@ TEST(StageExecutor, AForkNeedsRoomInTheBudget) {
   auto w2 = load_stage_weights(model_dir(), 0, 6);
   StageExecutor ex(CpuStageBackend::create(std::move(*w2), 1, 12 * per_token).value());
   MicroBatch b;
-  b.seqs.push_back(seq_step(1, 0, 8, 8));
+  b.seqs.push_back(seq_step(1, 0, 8));
   b.token_ids = {1, 2, 3, 4, 5, 6, 7, 8};
+  b.admissions = admit_greedy(1, 8);
   BatchResult r;
   ASSERT_TRUE(ex.run(b, {}, kNoSink, &r).ok());
   MicroBatch f;

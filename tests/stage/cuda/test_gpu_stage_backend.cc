@@ -22,9 +22,10 @@ TEST(GpuStageBackend, NotBuilt) { GTEST_SKIP() << "built without the CUDA backen
 
 #include "stage/cpu/cpu_stage_backend.h"
 #include "stage/cuda/gpu_stage_backend.h"
-#include "stage/stage_executor.h"
 #include "model/tokenizer.h"
 #include "model/weights.h"
+#include "protocol/seq_state.h"
+#include "stage/stage_executor.h"
 #include "tests/gpu_test_util.h"
 #include "tests/test_util.h"
 
@@ -88,22 +89,26 @@ Pipeline make_pipeline(std::array<bool, 2> on_gpu, DType dtype) {
 Pipeline make_pipeline(bool gpu, DType dtype) { return make_pipeline({gpu, gpu}, dtype); }
 
 // Step `step` of every sequence as one micro-batch: the whole prompt first, then the last
-// token; `sampling(i, w)` sets sequence i's sampling.
+// token; `state(i, st)` sets sequence i's state, which the batch (re)admits every step.
 template <class F>
 MicroBatch step_batch(int step, const std::vector<std::vector<int32_t>>& seqs, const std::vector<int32_t>& prompt_lens,
-                      F&& sampling) {
+                      F&& state) {
   MicroBatch b;
   b.batch_id = uint64_t(step);
+  std::vector<Admission> admitted;
   for (size_t i = 0; i < seqs.size(); ++i) {
-    SeqWork w;
+    SeqStep w;
     const int32_t start = step == 0 ? 0 : int32_t(seqs[i].size()) - 1;
     w.slice = {i + 1, start, int32_t(seqs[i].size()) - start};
-    w.prompt_len = prompt_lens[i];
     w.sample = true;
-    sampling(i, w);
     b.seqs.push_back(w);
     b.token_ids.insert(b.token_ids.end(), seqs[i].begin() + start, seqs[i].end());
+    Admission a{.seq_id = i + 1, .state = {}};
+    a.state.prompt_len = prompt_lens[i];
+    state(i, a.state);
+    admitted.push_back(a);
   }
+  b.admissions = encode_admissions(admitted);
   return b;
 }
 
@@ -138,9 +143,9 @@ void GpuStageBackendTest::check_against_cpu(std::array<bool, 2> arrangement) {
   const double tol = GetParam() == DType::F16 ? 0.05 : 0.15;
   int decisive = 0, agreed = 0;
   for (int step = 0; step < 24; ++step) {
-    const MicroBatch b = step_batch(step, seqs, prompt_lens, [](size_t, SeqWork& w) {
-      w.top_logprobs = 2;
-      w.sampling.temperature = 0;
+    const MicroBatch b = step_batch(step, seqs, prompt_lens, [](size_t, SeqState& st) {
+      st.top_logprobs = 2;
+      st.sampling.temperature = 0;
     });
     const BatchResult rc = cpu.run(b), rg = gpu.run(b);
     ASSERT_EQ(rc.seqs.size(), seqs.size());
@@ -189,16 +194,20 @@ TEST_P(GpuStageBackendTest, SamplingOnTheGpuMatchesTheHostPath) {
   for (const auto& t : texts) seqs.push_back(tok->encode(t)), prompt_lens.push_back(int32_t(seqs.back().size()));
   int sampled = 0;
   for (int step = 0; step < 16; ++step) {
-    MicroBatch b = step_batch(step, seqs, prompt_lens, [](size_t i, SeqWork& w) {
-      w.sampling.temperature = i == 0 ? 0.f : 0.8f;
-      w.sampling.seed = 7 + i;
-      if (i == 2) w.sampling.repetition_penalty = 1.3f;
-      if (i == 3) w.sampling.temperature = 0.f, w.sampling.logit_bias = {{13, kLogitBiasBan}, {262, 3.f}, {290, 1.5f}};
-      if (i == 1) w.sampling.logit_bias = {{11, -2.f}, {262, 1.f}};
-    });
-    const BatchResult g = on_gpu.run(b);
-    for (SeqWork& w : b.seqs) w.top_logprobs = 1;  // the same batch, sampled on the host
-    const BatchResult h = on_host.run(b);
+    auto sampling = [](size_t i, SeqState& st) {
+      SamplingParams& p = st.sampling;
+      p.temperature = i == 0 ? 0.f : 0.8f;
+      p.seed = 7 + i;
+      if (i == 2) p.repetition_penalty = 1.3f;
+      if (i == 3) p.temperature = 0.f, p.logit_bias = {{13, kLogitBiasBan}, {262, 3.f}, {290, 1.5f}};
+      if (i == 1) p.logit_bias = {{11, -2.f}, {262, 1.f}};
+    };
+    const BatchResult g = on_gpu.run(step_batch(step, seqs, prompt_lens, sampling));
+    // The same batch, sampled on the host: the states ask for a top log-prob.
+    const BatchResult h = on_host.run(step_batch(step, seqs, prompt_lens, [&](size_t i, SeqState& st) {
+      sampling(i, st);
+      st.top_logprobs = 1;
+    }));
     ASSERT_EQ(g.seqs.size(), seqs.size());
     ASSERT_EQ(h.seqs.size(), seqs.size());
     for (size_t i = 0; i < seqs.size(); ++i) {
@@ -269,20 +278,26 @@ TEST_P(GpuStageBackendTest, ForkedSequencesMatchSequencesThatPrefilledTheirPrefi
                                        257, 1244, 318, 7, 42, 99};
   const std::vector<int32_t> prefix = {21, 16, 9};
   const std::vector<std::vector<int32_t>> steps = {{5, 77, 1000}, {6, 8, 10}};  // per step, each child's token
-  auto work = [&](uint64_t id, int32_t start, int32_t n, int top) {
-    SeqWork w;
+  // A step of sequence `id`, with its (re)admission reporting its top `top` (0: the graph
+  // path, tokens chosen on the GPU; > 0: the host path).
+  auto work = [&](MicroBatch& b, uint64_t id, int32_t start, int32_t n, int top) {
+    SeqStep w;
     w.slice = {id, start, n};
-    w.prompt_len = int32_t(prompt.size());
     w.sample = true;
-    w.top_logprobs = top;
-    w.sampling.temperature = 0;
-    return w;
+    b.seqs.push_back(w);
+    std::vector<Admission> admitted = decode_admissions(b.admissions).value();
+    Admission a{.seq_id = id, .state = {}};
+    a.state.prompt_len = int32_t(prompt.size());
+    a.state.top_logprobs = top;
+    a.state.sampling.temperature = 0;
+    admitted.push_back(a);
+    b.admissions = encode_admissions(admitted);
   };
   Pipeline forked = make_pipeline(true, GetParam());
   auto& lead = static_cast<cuda::GpuStageBackend&>(forked.stages[0]->backend()).stage().lead();
   const int64_t free_at_start = lead.kv_free_tokens();
   MicroBatch first;
-  first.seqs.push_back(work(1, 0, int32_t(prompt.size()), 0));
+  work(first, 1, 0, int32_t(prompt.size()), 0);
   first.token_ids = prompt;
   forked.run(first);
   EXPECT_EQ(lead.kv_free_tokens(), free_at_start - 2 * cuda::kPageTokens);
@@ -292,8 +307,12 @@ TEST_P(GpuStageBackendTest, ForkedSequencesMatchSequencesThatPrefilledTheirPrefi
     b.batch_id = 2 + step;
     if (step == 0) b.forks = {{1, 2, 21}, {1, 3, 16}, {1, 4, 9}}, b.free_seq_ids = {1};
     for (size_t i = 0; i < prefix.size(); ++i) {
-      b.seqs.push_back(work(2 + i, prefix[i] + int32_t(step), 1, step == 0 ? 0 : 5));
       b.token_ids.push_back(steps[step][i]);
+      if (step == 0) {  // the fork brought the parent's state (top 0)
+        b.seqs.push_back({.slice = {2 + i, prefix[i], 1}, .sample = true});
+        continue;
+      }
+      work(b, 2 + i, prefix[i] + int32_t(step), 1, 5);
     }
     const BatchResult r = forked.run(b);
     ASSERT_EQ(r.seqs.size(), prefix.size());
@@ -317,13 +336,13 @@ TEST_P(GpuStageBackendTest, ForkedSequencesMatchSequencesThatPrefilledTheirPrefi
   for (size_t i = 0; i < prefix.size(); ++i) {
     Pipeline ref = make_pipeline(true, GetParam());
     MicroBatch pre;
-    pre.seqs.push_back(work(7, 0, prefix[i], 0));
+    work(pre, 7, 0, prefix[i], 0);
     pre.token_ids.assign(prompt.begin(), prompt.begin() + prefix[i]);
     ref.run(pre);
     for (size_t step = 0; step < steps.size(); ++step) {
       MicroBatch b;
       b.batch_id = 2 + step;
-      b.seqs.push_back(work(7, prefix[i] + int32_t(step), 1, step == 0 ? 0 : 5));
+      work(b, 7, prefix[i] + int32_t(step), 1, step == 0 ? 0 : 5);
       b.token_ids = {steps[step][i]};
       const BatchResult want = ref.run(b);
       ASSERT_EQ(want.seqs.size(), 1u);

@@ -1,0 +1,153 @@
+// The scheduler's second half: forming a pipeline's next micro-batch from its running
+// sequences (decode steps first, beam groups together, then prompt chunks), and the request
+// state that goes with a sequence once. A sequence's SeqState (protocol/seq_state.h) rides
+// in the admissions of the first micro-batch that carries it on a pipeline in an epoch: its
+// first step, or its first after a replay or re-plan (every epoch change drops the stages'
+// states with their caches). A beam forked from its parent needs none: the fork brings the
+// parent's state to the child on the last stage.
+#include <algorithm>
+
+#include "coordinator/scheduler.h"
+
+namespace conveyor {
+
+using Clock = std::chrono::steady_clock;
+
+SamplingParams Scheduler::sampling_for(const CompletionRequest& r) const {
+  SamplingParams p = r.sampling;
+  if (!r.ignore_eos && cfg_.model.eos_token_id >= 0 &&
+      std::find(p.stop_token_ids.begin(), p.stop_token_ids.end(), int32_t(cfg_.model.eos_token_id)) ==
+          p.stop_token_ids.end())
+    p.stop_token_ids.push_back(int32_t(cfg_.model.eos_token_id));
+  return p;
+}
+
+SeqState Scheduler::state_of(const Sequence& s) const {
+  const CompletionRequest& r = *s.request->req;
+  SeqState st;
+  st.prompt_len = int32_t(s.prompt_len);
+  st.top_logprobs = std::max(0, r.logprobs);
+  st.sample_index = s.choice % size_t(r.n);
+  st.sampling = sampling_for(r);
+  if (s.group >= 0) {  // a beam reports its group's candidates and draws from stream 0
+    st.top_logprobs = s.request->groups[size_t(s.group)].search->alternatives_needed();
+    st.sample_index = 0;
+  }
+  return st;
+}
+
+int64_t Scheduler::ready_sequences(const Pipeline& p, std::vector<Sequence*>& decode, std::vector<Sequence*>& prefill) {
+  int64_t active = 0;
+  for (auto& [_, s] : seqs_) {
+    if (s.pipeline != p.index || s.finished) continue;
+    ++active;
+    if (s.in_flight || s.fed >= s.all.size()) continue;
+    (s.all.size() - s.fed == 1 ? decode : prefill).push_back(&s);
+  }
+  auto by_id = [](const Sequence* a, const Sequence* b) { return a->id < b->id; };
+  std::sort(decode.begin(), decode.end(), by_id);
+  std::sort(prefill.begin(), prefill.end(), by_id);
+  return active;
+}
+
+std::optional<Scheduler::Formed> Scheduler::next_batch(Pipeline& p, int depth) {
+  std::vector<Sequence*> decode, prefill;
+  const int64_t active = ready_sequences(p, decode, prefill);
+  std::vector<SeqFork>& retains = retain_forks(p.index);
+  if (decode.empty() && prefill.empty() && p.pending_frees.empty() && retains.empty()) return std::nullopt;
+  Draft d;
+  // Spread the live sequences over the in-flight slots so every stage has work.
+  d.cap_seqs = std::min<int64_t>(p.limits.max_sequences, std::max<int64_t>(1, (active + depth - 1) / depth));
+  MicroBatch& b = d.formed.batch;
+  b.batch_id = next_batch_id_++;
+  b.pipeline = uint32_t(p.index);
+  b.epoch = p.epoch;
+  b.free_seq_ids = std::move(p.pending_frees);
+  p.pending_frees.clear();
+  b.forks = std::move(retains);  // new cache entries before any fork from them
+  retains.clear();
+  d.formed.record = {p.epoch, {}, Clock::now()};
+  add_decode_steps(p, d, decode);
+  add_prefill_steps(p, d, prefill);
+  b.admissions = encode_admissions(d.admissions);
+  d.formed.admissions = d.admissions.size();
+  return std::move(d.formed);
+}
+
+// A beam group's decode steps go together (all its ready beams, or none unless the batch is
+// empty: a group wider than the limits still runs).
+void Scheduler::add_decode_steps(Pipeline& p, Draft& d, std::vector<Sequence*>& decode) {
+  const MicroBatch& b = d.formed.batch;
+  for (size_t i = 0; i < decode.size(); ++i) {
+    Sequence* s = decode[i];
+    if (s == nullptr) continue;
+    if (s->group < 0) {
+      if (int64_t(b.seqs.size()) >= d.cap_seqs || d.tokens + 1 > p.limits.max_tokens) break;
+      add_step(p, d, *s, 1);
+      continue;
+    }
+    std::vector<Sequence*> unit;
+    for (size_t j = i; j < decode.size(); ++j)
+      if (decode[j] && decode[j]->request == s->request && decode[j]->group == s->group) unit.push_back(decode[j]);
+    const int64_t n = int64_t(unit.size());
+    const bool fits = int64_t(b.seqs.size()) + n <= std::max(d.cap_seqs, n) &&
+                      d.tokens + n <= std::max(p.limits.max_tokens, n);
+    if (!fits && !b.seqs.empty()) continue;
+    for (Sequence* u : unit) {
+      add_step(p, d, *u, 1);
+      *std::find(decode.begin() + int64_t(i), decode.end(), u) = nullptr;
+    }
+  }
+}
+
+// Prompt chunks, within the micro-batch's prompt rows (BatchLimits::prefill_tokens).
+void Scheduler::add_prefill_steps(Pipeline& p, Draft& d, const std::vector<Sequence*>& prefill) {
+  const BatchLimits& lim = p.limits;
+  MicroBatch& b = d.formed.batch;
+  int64_t prompt_budget = lim.prefill_tokens;  // prompt rows left in this micro-batch
+  for (Sequence* s : prefill) {
+    if (int64_t(b.seqs.size()) >= d.cap_seqs || d.tokens >= lim.max_tokens || prompt_budget <= 0) break;
+    if (s->fed == 0 && !s->prefix_done) reuse_prefix(p, *s, b);
+    const int64_t n = std::min<int64_t>(
+        {lim.prefill_chunk, int64_t(s->all.size() - s->fed), lim.max_tokens - d.tokens, prompt_budget});
+    add_step(p, d, *s, n);
+    prompt_budget -= n;
+  }
+}
+
+// The next n tokens of `s` as one slice of the batch, with its state when the pipeline's last
+// stage does not hold it in this epoch.
+void Scheduler::add_step(Pipeline& p, Draft& d, Sequence& s, int64_t n) {
+  MicroBatch& b = d.formed.batch;
+  SeqStep w;
+  w.slice = {s.id, int32_t(s.fed), int32_t(n)};
+  w.sample = s.fed + size_t(n) == s.all.size();
+  w.prompt_logprobs = !s.prompt_lp.empty() && s.prompt_lp.size() < s.prompt_len && s.fed < s.prompt_len;
+  w.prefill = s.fed < s.prompt_len;
+  if (w.prompt_logprobs && s.fed + size_t(n) < s.all.size()) w.lookahead_token = s.all[s.fed + size_t(n)];
+  if (s.state_pipeline != p.index || s.state_epoch != p.epoch) {
+    d.admissions.push_back({s.id, state_of(s)});
+    s.state_pipeline = p.index;
+    s.state_epoch = p.epoch;
+  }
+  if (s.group >= 0) {
+    BeamGroup& g = s.request->groups[size_t(s.group)];
+    // The group's forks before its beams' slices; the beams they drop freed after them.
+    b.forks.insert(b.forks.end(), g.forks.begin(), g.forks.end());
+    b.free_seq_ids.insert(b.free_seq_ids.end(), g.frees.begin(), g.frees.end());
+    g.forks.clear(), g.frees.clear();
+  }
+  b.token_ids.insert(b.token_ids.end(), s.all.begin() + int64_t(s.fed), s.all.begin() + int64_t(s.fed) + n);
+  b.seqs.push_back(w);
+  s.fed += size_t(n);
+  s.in_flight = true;
+  d.formed.record.seq_ids.push_back(s.id);
+  d.tokens += n;
+}
+
+void Scheduler::sent(Pipeline& p, Formed formed) {
+  p.batches.emplace(formed.batch.batch_id, std::move(formed.record));
+  ++p.in_flight;
+}
+
+}  // namespace conveyor
