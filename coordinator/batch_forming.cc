@@ -1,4 +1,4 @@
-// The scheduler's second half: forming a pipeline's next micro-batch from its running
+// The scheduler's second half: planning a pipeline's next step from its running
 // sequences (decode steps first, beam groups together, then prompt chunks), and the request
 // state that goes with a sequence once. A sequence's SeqState (protocol/seq_state.h) rides
 // in the admissions of the first micro-batch that carries it on a pipeline in an epoch: its
@@ -36,7 +36,7 @@ SeqState Scheduler::state_of(const Sequence& s) const {
   return st;
 }
 
-int64_t Scheduler::ready_sequences(const Pipeline& p, std::vector<Sequence*>& decode, std::vector<Sequence*>& prefill) {
+int64_t Scheduler::ready_sequences(const PipelineRun& p, std::vector<Sequence*>& decode, std::vector<Sequence*>& prefill) {
   int64_t active = 0;
   for (auto& [_, s] : seqs_) {
     if (s.pipeline != p.index || s.finished) continue;
@@ -50,7 +50,7 @@ int64_t Scheduler::ready_sequences(const Pipeline& p, std::vector<Sequence*>& de
   return active;
 }
 
-std::optional<Scheduler::Formed> Scheduler::next_batch(Pipeline& p, int depth) {
+std::optional<StepPlan> Scheduler::next_step(PipelineRun& p, int depth) {
   std::vector<Sequence*> decode, prefill;
   const int64_t active = ready_sequences(p, decode, prefill);
   std::vector<SeqFork>& retains = retain_forks(p.index);
@@ -58,31 +58,29 @@ std::optional<Scheduler::Formed> Scheduler::next_batch(Pipeline& p, int depth) {
   Draft d;
   // Spread the live sequences over the in-flight slots so every stage has work.
   d.cap_seqs = std::min<int64_t>(p.limits.max_sequences, std::max<int64_t>(1, (active + depth - 1) / depth));
-  MicroBatch& b = d.formed.batch;
+  StepPlan& b = d.plan;
   b.batch_id = next_batch_id_++;
-  b.pipeline = uint32_t(p.index);
+  b.pipeline = p.index;
   b.epoch = p.epoch;
-  b.free_seq_ids = std::move(p.pending_frees);
+  b.frees = std::move(p.pending_frees);
   p.pending_frees.clear();
   b.forks = std::move(retains);  // new cache entries before any fork from them
   retains.clear();
-  d.formed.record = {p.epoch, {}, Clock::now()};
+  b.record = {p.epoch, {}, Clock::now()};
   add_decode_steps(p, d, decode);
   add_prefill_steps(p, d, prefill);
-  b.admissions = encode_admissions(d.admissions);
-  d.formed.admissions = d.admissions.size();
-  return std::move(d.formed);
+  return std::move(d.plan);
 }
 
 // A beam group's decode steps go together (all its ready beams, or none unless the batch is
 // empty: a group wider than the limits still runs).
-void Scheduler::add_decode_steps(Pipeline& p, Draft& d, std::vector<Sequence*>& decode) {
-  const MicroBatch& b = d.formed.batch;
+void Scheduler::add_decode_steps(PipelineRun& p, Draft& d, std::vector<Sequence*>& decode) {
+  const StepPlan& b = d.plan;
   for (size_t i = 0; i < decode.size(); ++i) {
     Sequence* s = decode[i];
     if (s == nullptr) continue;
     if (s->group < 0) {
-      if (int64_t(b.seqs.size()) >= d.cap_seqs || d.tokens + 1 > p.limits.max_tokens) break;
+      if (int64_t(b.steps.size()) >= d.cap_seqs || d.tokens + 1 > p.limits.max_tokens) break;
       add_step(p, d, *s, 1);
       continue;
     }
@@ -90,9 +88,9 @@ void Scheduler::add_decode_steps(Pipeline& p, Draft& d, std::vector<Sequence*>& 
     for (size_t j = i; j < decode.size(); ++j)
       if (decode[j] && decode[j]->request == s->request && decode[j]->group == s->group) unit.push_back(decode[j]);
     const int64_t n = int64_t(unit.size());
-    const bool fits = int64_t(b.seqs.size()) + n <= std::max(d.cap_seqs, n) &&
+    const bool fits = int64_t(b.steps.size()) + n <= std::max(d.cap_seqs, n) &&
                       d.tokens + n <= std::max(p.limits.max_tokens, n);
-    if (!fits && !b.seqs.empty()) continue;
+    if (!fits && !b.steps.empty()) continue;
     for (Sequence* u : unit) {
       add_step(p, d, *u, 1);
       *std::find(decode.begin() + int64_t(i), decode.end(), u) = nullptr;
@@ -101,12 +99,12 @@ void Scheduler::add_decode_steps(Pipeline& p, Draft& d, std::vector<Sequence*>& 
 }
 
 // Prompt chunks, within the micro-batch's prompt rows (BatchLimits::prefill_tokens).
-void Scheduler::add_prefill_steps(Pipeline& p, Draft& d, const std::vector<Sequence*>& prefill) {
+void Scheduler::add_prefill_steps(PipelineRun& p, Draft& d, const std::vector<Sequence*>& prefill) {
   const BatchLimits& lim = p.limits;
-  MicroBatch& b = d.formed.batch;
+  StepPlan& b = d.plan;
   int64_t prompt_budget = lim.prefill_tokens;  // prompt rows left in this micro-batch
   for (Sequence* s : prefill) {
-    if (int64_t(b.seqs.size()) >= d.cap_seqs || d.tokens >= lim.max_tokens || prompt_budget <= 0) break;
+    if (int64_t(b.steps.size()) >= d.cap_seqs || d.tokens >= lim.max_tokens || prompt_budget <= 0) break;
     if (s->fed == 0 && !s->prefix_done) reuse_prefix(p, *s, b);
     const int64_t n = std::min<int64_t>(
         {lim.prefill_chunk, int64_t(s->all.size() - s->fed), lim.max_tokens - d.tokens, prompt_budget});
@@ -117,8 +115,8 @@ void Scheduler::add_prefill_steps(Pipeline& p, Draft& d, const std::vector<Seque
 
 // The next n tokens of `s` as one slice of the batch, with its state when the pipeline's last
 // stage does not hold it in this epoch.
-void Scheduler::add_step(Pipeline& p, Draft& d, Sequence& s, int64_t n) {
-  MicroBatch& b = d.formed.batch;
+void Scheduler::add_step(PipelineRun& p, Draft& d, Sequence& s, int64_t n) {
+  StepPlan& b = d.plan;
   SeqStep w;
   w.slice = {s.id, int32_t(s.fed), int32_t(n)};
   w.sample = s.fed + size_t(n) == s.all.size();
@@ -126,7 +124,7 @@ void Scheduler::add_step(Pipeline& p, Draft& d, Sequence& s, int64_t n) {
   w.prefill = s.fed < s.prompt_len;
   if (w.prompt_logprobs && s.fed + size_t(n) < s.all.size()) w.lookahead_token = s.all[s.fed + size_t(n)];
   if (s.state_pipeline != p.index || s.state_epoch != p.epoch) {
-    d.admissions.push_back({s.id, state_of(s)});
+    b.admissions.push_back({s.id, state_of(s)});
     s.state_pipeline = p.index;
     s.state_epoch = p.epoch;
   }
@@ -134,19 +132,19 @@ void Scheduler::add_step(Pipeline& p, Draft& d, Sequence& s, int64_t n) {
     BeamGroup& g = s.request->groups[size_t(s.group)];
     // The group's forks before its beams' slices; the beams they drop freed after them.
     b.forks.insert(b.forks.end(), g.forks.begin(), g.forks.end());
-    b.free_seq_ids.insert(b.free_seq_ids.end(), g.frees.begin(), g.frees.end());
+    b.frees.insert(b.frees.end(), g.frees.begin(), g.frees.end());
     g.forks.clear(), g.frees.clear();
   }
   b.token_ids.insert(b.token_ids.end(), s.all.begin() + int64_t(s.fed), s.all.begin() + int64_t(s.fed) + n);
-  b.seqs.push_back(w);
+  b.steps.push_back(w);
   s.fed += size_t(n);
   s.in_flight = true;
-  d.formed.record.seq_ids.push_back(s.id);
+  b.record.seq_ids.push_back(s.id);
   d.tokens += n;
 }
 
-void Scheduler::sent(Pipeline& p, Formed formed) {
-  p.batches.emplace(formed.batch.batch_id, std::move(formed.record));
+void Scheduler::sent(PipelineRun& p, StepPlan plan) {
+  p.batches.emplace(plan.batch_id, std::move(plan.record));
   ++p.in_flight;
 }
 

@@ -13,14 +13,21 @@
 //    "deliver" (ms turning its tokens into text and updates, after the next micro-batch
 //    it allowed was sent), "error" (when it failed)}
 //
-// "t" is the steady clock in seconds (CLOCK_MONOTONIC, as the workers' lines).
+// "t" is the steady clock in seconds (CLOCK_MONOTONIC, as the workers' lines). The lines are
+// made here, from the step plan and the facts the engine measured around it (SentStep), and
+// from the result (TakenResult): the engine's loop only hands them over.
 #pragma once
 
+#include <chrono>
 #include <cstdio>
 #include <memory>
+#include <optional>
 #include <string>
 
 #include "common/status.h"
+#include "coordinator/pipeline_run.h"
+#include "coordinator/step_plan.h"
+#include "protocol/batch_result.h"
 
 namespace conveyor {
 
@@ -32,6 +39,24 @@ class BatchTrace {
   ~BatchTrace();
   BatchTrace(const BatchTrace&) = delete;
   BatchTrace& operator=(const BatchTrace&) = delete;
+
+  // What the engine knew when it sent a plan: the figures of the "send" line beside the plan's.
+  struct SentStep {
+    size_t header_bytes = 0;
+    int in_flight = 0;  // after this one
+    int depth = 0;
+    double form_ms = 0;
+    std::optional<double> gap_ms;
+    int64_t running = 0;
+    size_t queue = 0;
+    QueueWait queue_wait = QueueWait::None;
+    BatchLimits limits;
+    int64_t kv_reserved = 0, kv_capacity = 0;
+  };
+  void sent(const StepPlan& plan, const SentStep& facts);
+  // A result of a batch sent at `sent_at`, arrived at `arrived`; `deliver_ms` turning it into updates.
+  void result(const BatchResult& result, std::chrono::steady_clock::time_point arrived,
+              std::chrono::steady_clock::time_point sent_at, double deliver_ms);
 
   // One line (a JSON object's text without the braces' newline), flushed.
   void write(const std::string& json_object);

@@ -1,16 +1,17 @@
-// Control messages from workers (transport/control_messages.h): membership and liveness.
+// The cluster manager's control messages from workers (transport/control_messages.h):
+// membership and liveness.
 #include <algorithm>
 
 #include <spdlog/spdlog.h>
 
-#include "coordinator/coordinator_impl.h"
+#include "coordinator/cluster_manager.h"
 
 namespace conveyor {
 
 using Clock = std::chrono::steady_clock;
 using namespace transport;
 
-void Coordinator::Impl::handle_control(const std::string& peer, const ControlMessage& raw) {
+void ClusterManager::handle_control(const std::string& peer, const ControlMessage& raw) {
   auto decoded = decode_control(raw);
   if (!decoded) {
     spdlog::warn("coordinator: bad control message from '{}': {}", peer, decoded.error());
@@ -27,7 +28,7 @@ void Coordinator::Impl::handle_control(const std::string& peer, const ControlMes
   on_worker_message(it->second, *decoded);
 }
 
-void Coordinator::Impl::on_register(const std::string& peer, RegisterMsg m) {
+void ClusterManager::on_register(const std::string& peer, RegisterMsg m) {
   if (m.token != cfg.join_token) {
     spdlog::warn("coordinator: refusing worker '{}': wrong join token", peer);
     send_control(peer, RejectedMsg{"wrong join token"});
@@ -79,11 +80,11 @@ void Coordinator::Impl::on_register(const std::string& peer, RegisterMsg m) {
 }
 
 // The model goes with every welcome: the worker answers with what it takes in its format.
-WelcomeMsg Coordinator::Impl::welcome() const {
+WelcomeMsg ClusterManager::welcome() const {
   return {.heartbeat_ms = cfg.heartbeat_interval_ms, .model = model_shape(cfg.model)};
 }
 
-void Coordinator::Impl::on_worker_message(WorkerInfo& w, const AnyControlMsg& msg) {
+void ClusterManager::on_worker_message(WorkerInfo& w, const AnyControlMsg& msg) {
   const std::string peer = w.name;
   switch (control_kind(msg)) {
     case ControlKind::Footprint: {
@@ -167,7 +168,7 @@ void Coordinator::Impl::on_worker_message(WorkerInfo& w, const AnyControlMsg& ms
 // A running pipeline broke (a connection reset, a lost result): replay it on fresh
 // connections, once per epoch. A wiring failure leaves the pipeline not ready and is not
 // retried here: the dead neighbour behind it is found by its silence.
-void Coordinator::Impl::on_data_error(WorkerInfo& w, const DataErrorMsg& m) {
+void ClusterManager::on_data_error(WorkerInfo& w, const DataErrorMsg& m) {
   w.last_error = m.error;
   spdlog::warn("coordinator: {} reports a data-plane error: {}", w.name, w.last_error);
   if (w.pipeline < 0 || size_t(w.pipeline) >= pipelines.size()) return;
@@ -182,7 +183,7 @@ void Coordinator::Impl::on_data_error(WorkerInfo& w, const DataErrorMsg& m) {
   }
 }
 
-bool Coordinator::Impl::check_own_endpoints(Pipeline& p, const std::string& why) {
+bool ClusterManager::check_own_endpoints(Pipeline& p, const std::string& why) {
   for (PeerId peer : {p.first_peer, p.last_peer})
     if (peer != kNoPeer && !channel->peer_status(peer).ok()) {
       const std::string name = peer == p.first_peer ? p.workers.front() : p.workers.back();
@@ -194,7 +195,7 @@ bool Coordinator::Impl::check_own_endpoints(Pipeline& p, const std::string& why)
   return false;
 }
 
-void Coordinator::Impl::mark_dead(WorkerInfo& w, const std::string& why) {
+void ClusterManager::mark_dead(WorkerInfo& w, const std::string& why) {
   const std::string name = w.name;
   w.state = MemberState::Dead;
   w.last_error = why;
@@ -205,7 +206,7 @@ void Coordinator::Impl::mark_dead(WorkerInfo& w, const std::string& why) {
   fill_from_spares();
 }
 
-void Coordinator::Impl::check_liveness() {
+void ClusterManager::check_liveness() {
   const auto liveness = std::chrono::milliseconds(cfg.liveness_ms);
   const auto now = Clock::now();
   for (auto& [name, w] : workers)

@@ -1,19 +1,30 @@
-// The coordinator's core: membership (the control plane), the stage plan, and the
-// scheduler that keeps every pipeline full (the data plane).
+// The coordinator's core: membership (the control plane), the stage plan, and the engine
+// that keeps every pipeline full (the data plane), in two parts along the data flow:
+//
+//   ClusterManager (cluster_manager.h): workers, control messages, planner, placement,
+//     failover, drains. Publishes an immutable ClusterSnapshot after every change.
+//   Engine (engine.h): requests, the scheduler, prefix cache, beam search, the data plane's
+//     sends and results. Owns all per-pipeline runtime state; follows the latest snapshot.
+//
+//   snapshot -> plan (the scheduler's StepPlan) -> step (a micro-batch to stage 0) -> result
 //
 // Threads:
-//  - control: the ZeroMQ ROUTER, which it alone touches (the other threads' messages to
-//    workers are posted to it: transport/control_plane.h). Admits workers that present the
-//    join token, assigns stages (idle workers beyond the plan are spares), tracks load
-//    progress, readiness and heartbeats; a worker silent for the liveness window is dead.
-//  - engine: the scheduler loop. Continuous batching: each micro-batch mixes decode steps
-//    (one token per sequence) and prefill chunks (at most prefill_chunk tokens of a
-//    prompt), up to max_batch_tokens; up to in_flight micro-batches per pipeline travel the
-//    ring at once, the live sequences spread across them so every stage has work. Results
-//    from the last stage come back on the coordinator's own UCX channel.
-//  - callers (REST threads): submit().
-// One mutex guards the shared state. Sinks are called with it held, so they must only
-// hand work elsewhere (the REST layer posts to its own executor).
+//  - control (the cluster manager's): the ZeroMQ ROUTER, which it alone touches (the other
+//    threads' messages to workers are posted to it: transport/control_plane.h). Admits workers
+//    that present the join token, assigns stages (idle workers beyond the plan are spares),
+//    tracks load progress, readiness and heartbeats; a worker silent for the liveness window
+//    is dead.
+//  - engine: continuous batching. Each micro-batch mixes decode steps (one token per
+//    sequence) and prefill chunks (at most prefill_chunk tokens of a prompt), up to
+//    max_batch_tokens; up to in_flight micro-batches per pipeline travel the ring at once, the
+//    live sequences spread across them so every stage has work. Results from the last stage
+//    come back on the coordinator's own UCX channel. It wakes on events (a result, a submit,
+//    a new snapshot) and on its timers, never on a fixed tick.
+//  - callers (REST threads): submit(), health(), cluster(), drain(), plan(), quiesce().
+// Each part has its own mutex and no thread holds both: a part calls the other only with its
+// own released (the engine's asks name the epoch they saw; the manager reads the engine's
+// stats before taking its mutex). Sinks are called with the engine's mutex held, so they must
+// only hand work elsewhere (the REST layer posts to its own executor).
 //
 // Failure: when a pipeline loses a stage (dead worker, data-plane error) it gets a new
 // epoch: a spare (or the returning worker) takes the stage, every stage of the pipeline

@@ -6,7 +6,7 @@
 
 #include <spdlog/spdlog.h>
 
-#include "coordinator/coordinator_impl.h"
+#include "coordinator/cluster_manager.h"
 
 namespace conveyor {
 
@@ -17,7 +17,7 @@ using namespace transport;
 // that keep their layers only re-wire, the others load, workers left out become spares (told
 // to drop their stage), and every running sequence is replayed from its first token on the
 // pipeline with the fewest reserved tokens.
-void Coordinator::Impl::apply_placement(const Placement& placement, const std::string& why) {
+void ClusterManager::apply_placement(const Placement& placement, const std::string& why) {
   const Shape& shape = placement.shape;
   const uint32_t epoch = next_epoch();
   std::vector<Pipeline> next(size_t(shape.replicas));
@@ -30,7 +30,6 @@ void Coordinator::Impl::apply_placement(const Placement& placement, const std::s
       Pipeline& old = pipelines[r];
       p.first_peer = old.first_peer, p.last_peer = old.last_peer;
       p.first_address = std::move(old.first_address), p.last_address = std::move(old.last_address);
-      p.admitted = old.admitted;
     }
   }
   for (size_t r = next.size(); r < pipelines.size(); ++r)
@@ -50,15 +49,15 @@ void Coordinator::Impl::apply_placement(const Placement& placement, const std::s
   for (size_t slot = 0; slot < placement.workers.size(); ++slot)
     assign(pipelines[slot / size_t(shape.stages)], int(slot % size_t(shape.stages)), workers.at(placement.workers[slot]));
   for (Pipeline& p : pipelines) p.down_reason = why;
-  scheduler->redistribute();
+  ++plan_generation;  // the engine redistributes every running request over the new pipelines
   spdlog::info("coordinator: the plan is now {} stage(s) x {} replica(s) ({})", shape.stages, shape.replicas, why);
   for (Pipeline& p : pipelines) send_assignments(p);
 }
 
-// Called at the top of the control and engine loops: when a pipeline misses a stage that no
+// Called at the end of each control-loop pass: when a pipeline misses a stage that no
 // spare can fill, or the plan runs smaller than the target, runs the largest shape the
 // workers allow.
-void Coordinator::Impl::reshape_if_pending() {
+void ClusterManager::reshape_if_pending() {
   if (!reshape_pending) return;
   reshape_pending = false;
   const bool is_whole = whole();
@@ -73,7 +72,7 @@ void Coordinator::Impl::reshape_if_pending() {
   apply_placement(*feasible, is_whole ? "grown back toward the requested plan" : "re-planned over the surviving workers");
 }
 
-void Coordinator::Impl::assign(Pipeline& p, int stage, WorkerInfo& w) {
+void ClusterManager::assign(Pipeline& p, int stage, WorkerInfo& w) {
   w.pipeline = p.index;
   w.stage = stage;
   w.epoch = p.epoch;
@@ -88,7 +87,7 @@ void Coordinator::Impl::assign(Pipeline& p, int stage, WorkerInfo& w) {
 
 // Sends `assign` to every worker of a pipeline whose stages are all filled, with the
 // neighbours' addresses. Workers that already hold the layers only re-wire.
-void Coordinator::Impl::send_assignments(Pipeline& p) {
+void ClusterManager::send_assignments(Pipeline& p) {
   if (!p.filled()) return;
   if (p.epoch <= held_epoch) restart_pipeline(p);  // after a restart: above every epoch the workers knew
   const int S = int(p.workers.size());
@@ -113,7 +112,7 @@ void Coordinator::Impl::send_assignments(Pipeline& p) {
 
 // Connects the first and last stages, keeping endpoints to workers that keep their place
 // (transport::keep_or_connect), so one repair does not cascade into the next.
-void Coordinator::Impl::wire(Pipeline& p) {
+void ClusterManager::wire(Pipeline& p) {
   p.wired = false;
   const std::string &first = p.workers.front(), &last = p.workers.back();
   Status s = keep_or_connect(*channel, p.first_peer, p.first_address, workers.at(first).data_address, first);
@@ -129,7 +128,7 @@ void Coordinator::Impl::wire(Pipeline& p) {
 // preferred for that stage (a coordinator restart then needs no reload). What spares cannot
 // fix (a stage nobody can take, a plan below its target) is left to reshape_if_pending.
 // Never called while iterating over `pipelines`' elements' slots.
-void Coordinator::Impl::fill_from_spares() {
+void ClusterManager::fill_from_spares() {
   for (Pipeline& p : pipelines) {
     bool changed = false;
     // Two passes: first every hole its layers' holder (after a coordinator restart the workers
@@ -160,7 +159,7 @@ void Coordinator::Impl::fill_from_spares() {
 // A stage of `p` is lost: new epoch, the work in flight is void, sequences restart.
 // Surviving workers keep their layers; they get the new epoch's wiring once the stage is
 // filled (the caller fills it when it is done with `pipelines`).
-void Coordinator::Impl::fail_stage(Pipeline& p, const std::string& worker, const std::string& why) {
+void ClusterManager::fail_stage(Pipeline& p, const std::string& worker, const std::string& why) {
   spdlog::warn("coordinator: pipeline {} loses {}: {}", p.index, worker, why);
   for (std::string& w : p.workers)
     if (w == worker) w.clear();
@@ -171,24 +170,20 @@ void Coordinator::Impl::fail_stage(Pipeline& p, const std::string& worker, const
 // Epochs only grow, over all pipelines together, and start above every epoch a worker said it
 // holds: a worker's stale micro-batches (queued while it reloaded, or from before it moved
 // between pipelines or coordinators) never carry the epoch of its new assignment.
-uint32_t Coordinator::Impl::next_epoch() const {
+uint32_t ClusterManager::next_epoch() const {
   uint32_t epoch = held_epoch;
   for (const Pipeline& p : pipelines) epoch = std::max(epoch, p.epoch);
   return epoch + 1;
 }
 
-void Coordinator::Impl::restart_pipeline(Pipeline& p) {
+void ClusterManager::restart_pipeline(Pipeline& p) {
   p.epoch = next_epoch();
-  p.batches.clear();
-  p.in_flight = 0;
-  p.pending_frees.clear();  // every stage drops its whole cache on the new assignment
   p.wired = false;
-  scheduler->restart(p.index);
 }
 
 // ---------------------------------------------------------------- taking workers out
 
-Coordinator::Impl::Served Coordinator::Impl::stages_served_by(const std::string& name) {
+ClusterManager::Served ClusterManager::stages_served_by(const std::string& name) {
   Served served;
   for (Pipeline& p : pipelines)
     if (auto slot = std::find(p.workers.begin(), p.workers.end(), name); slot != p.workers.end())
@@ -201,11 +196,11 @@ Coordinator::Impl::Served Coordinator::Impl::stages_served_by(const std::string&
 // their memory allows; every running sequence of its pipeline is replayed. When neither can
 // be done: Conflict, or with `wait` its pipeline takes no new requests and it is let go once
 // its running ones are done (release_leavers).
-AdminReply Coordinator::Impl::take_out(WorkerInfo& w, bool wait, const std::string& why) {
+AdminReply ClusterManager::take_out(WorkerInfo& w, bool wait, const std::string& why) {
   const std::string name = w.name;
   if (w.state == MemberState::Drained) return {{}, {{"worker", name}, {"state", "drained"}}};
   Served served = stages_served_by(name);
-  if (wait && !accepting && scheduler->outstanding() == 0) served.clear();  // we stop too: no re-plan
+  if (wait && !engine_stats.accepting && engine_stats.outstanding == 0) served.clear();  // we stop too: no re-plan
   std::optional<Placement> smaller;
   if (!served.empty() && !has_spare()) {
     auto feasible = largest_feasible(workers, plan_model(), target, name);
@@ -227,7 +222,7 @@ AdminReply Coordinator::Impl::take_out(WorkerInfo& w, bool wait, const std::stri
 // Takes `w` off the stages it serves for good (Drained: never planned again; a
 // re-registration makes it a spare) and tells it to drop them; the stages go to the smaller
 // plan when one is given, else to spares. Returns the drain's body.
-json Coordinator::Impl::retire(WorkerInfo& w, const std::string& why, const Served& served, const Placement* smaller) {
+json ClusterManager::retire(WorkerInfo& w, const std::string& why, const Served& served, const Placement* smaller) {
   const std::string name = w.name;
   json body = {{"worker", name}, {"state", "drained"}};
   w.state = MemberState::Drained;
@@ -249,11 +244,12 @@ json Coordinator::Impl::retire(WorkerInfo& w, const std::string& why, const Serv
 
 // Lets go of workers waiting to leave once a spare or a smaller plan can take over, or once
 // their pipeline has no running sequence.
-void Coordinator::Impl::release_leavers() {
+void ClusterManager::release_leavers() {
   for (auto& [name, w] : workers) {
     if (!w.leaving || !w.alive()) continue;
     const Served served = stages_served_by(name);
-    const bool busy = std::any_of(served.begin(), served.end(), [&](const auto& ps) { return scheduler->busy(ps.first->index); });
+    const bool busy =
+        std::any_of(served.begin(), served.end(), [&](const auto& ps) { return engine_stats.busy(ps.first->index); });
     if (busy) take_out(w, true, "leaving");
     else retire(w, "left when its work was done", served, nullptr);
   }

@@ -2,8 +2,6 @@
 
 #include <algorithm>
 #include <limits>
-#include <numeric>
-#include <set>
 
 #include <spdlog/spdlog.h>
 
@@ -37,27 +35,8 @@ BatchLimits Scheduler::batch_limits(const ClusterConfig& cfg, const StageFigures
   return l;
 }
 
-StageFigures Scheduler::figures_of(std::span<const WorkerInfo* const> stages) {
-  StageFigures f;
-  std::set<std::string> backends;
-  bool any = false;
-  for (const WorkerInfo* w : stages) {
-    if (!w) continue;
-    const StageCapabilities& c = w->caps;
-    if (c.max_rows_per_step > 0) f.max_rows = f.max_rows > 0 ? std::min(f.max_rows, c.max_rows_per_step) : c.max_rows_per_step;
-    f.sequences = std::max(f.sequences, c.max_sequences_per_step);
-    f.prompt_rows = std::max(f.prompt_rows, c.max_prompt_rows_per_step);
-    f.extra_in_flight = any ? std::min(f.extra_in_flight, c.extra_in_flight) : c.extra_in_flight;
-    f.kv_page_tokens = std::lcm(f.kv_page_tokens, std::max<int64_t>(1, c.kv_page_tokens));
-    backends.insert(w->backend);
-    any = true;
-  }
-  for (const std::string& b : backends) f.backends += (f.backends.empty() ? "" : "+") + b;
-  return f;
-}
-
 Scheduler::Scheduler(const ClusterConfig& cfg, std::shared_ptr<const Tokenizer> tokenizer,
-                     std::vector<Pipeline>& pipelines)
+                     std::vector<PipelineRun>& pipelines)
     : cfg_(cfg), tokenizer_(std::move(tokenizer)), pipelines_(pipelines) {}
 
 int64_t Scheduler::max_tokens_of(const CompletionRequest& r, size_t prompt_len) const {
@@ -104,6 +83,11 @@ void Scheduler::refuse_unserved(bool serviceable) {
   }
 }
 
+std::optional<Clock::time_point> Scheduler::refuse_deadline() const {
+  if (!unserviceable_since_ || queue_.empty()) return std::nullopt;
+  return std::max(queue_.front()->queued_at, *unserviceable_since_) + std::chrono::milliseconds(cfg_.pipeline_wait_ms);
+}
+
 int64_t Scheduler::running_sequences() const {
   int64_t n = 0;
   for (const auto& [_, s] : seqs_) n += !s.finished;
@@ -116,93 +100,107 @@ int64_t Scheduler::running_on(int index) const {
   return n;
 }
 
-void Scheduler::admit(const std::function<bool(const Pipeline&)>& open,
-                      const std::function<int64_t(const Pipeline&)>& kv_capacity) {
+void Scheduler::admit(const std::function<bool(const PipelineRun&)>& open,
+                      const std::function<int64_t(const PipelineRun&)>& kv_capacity) {
   queue_wait_ = QueueWait::None;
   if (queue_.empty()) return;
   std::vector<int64_t> running(pipelines_.size(), 0);  // sequences per pipeline, kept as we admit
   for (const auto& [_, s] : seqs_)
     if (!s.finished && s.pipeline >= 0 && size_t(s.pipeline) < running.size()) ++running[size_t(s.pipeline)];
   while (!queue_.empty()) {
-    Request& r = *queue_.front();
-    const int64_t choices = int64_t(r.req->num_sequences());
-    Pipeline* best = nullptr;
-    int64_t best_match = 0;
-    int64_t max_cap = 0;
-    bool any_open = false, kv_room = false;
-    for (Pipeline& p : pipelines_) {
-      if (!open(p)) continue;
-      any_open = true;
-      const int64_t cap = kv_capacity(p);
-      max_cap = std::max(max_cap, cap);
-      budget(p.index) = cap;
-      if (p.kv_reserved + r.kv_need > cap) continue;
-      kv_room = true;
-      if (running[size_t(p.index)] + choices > std::max(p.limits.max_running, choices)) continue;
-      // The replica holding the longest prefix of the request's prompts, then the least reserved.
-      const int64_t match = cfg_.prefix_cache && pipelines_.size() > 1 ? prefix_match(p, *r.req) : 0;
-      if (!best || match > best_match || (match == best_match && p.kv_reserved < best->kv_reserved)) {
-        best = &p;
-        best_match = match;
-      }
-    }
-    if (max_cap > 0 && r.kv_need > max_cap && !kv_room) {
+    const Choice c = choose_pipeline(*queue_.front(), running, open, kv_capacity);
+    if (!c.fits_somewhere) {
       std::unique_ptr<Request> owned = std::move(queue_.front());
       queue_.pop_front();
       owned->sink.on_done("the request needs " + std::to_string(owned->kv_need) +
-                          " KV-cache tokens, more than a pipeline holds (" + std::to_string(max_cap) + ")");
+                          " KV-cache tokens, more than a pipeline holds (" + std::to_string(c.max_cap) + ")");
       continue;
     }
-    if (!best) {
-      queue_wait_ = !any_open ? QueueWait::NoPipeline : !kv_room ? QueueWait::KvCache : QueueWait::RunningLimit;
-      return;
-    }
-    running[size_t(best->index)] += choices;
+    if (!c.best) return;  // queue_wait_ says why
+    running[size_t(c.best->index)] += int64_t(queue_.front()->req->num_sequences());
     std::unique_ptr<Request> owned = std::move(queue_.front());
     queue_.pop_front();
-    Request* rp = owned.get();
-    rp->pipeline = best->index;
-    best->kv_reserved += rp->kv_need;
-    (void)make_room(*best, 0);  // cache entries give way to running requests
-    ++best->admitted;
-    const CompletionRequest& cr = *rp->req;
-    rp->cached_tokens.assign(cr.prompts.size(), 0);
-    if (cr.use_beam_search) {  // one sequence a prompt to begin with: the prompt's prefill
-      for (size_t pi = 0; pi < cr.prompts.size(); ++pi) {
-        BeamGroup& g = rp->groups.emplace_back();
-        BeamSearchOptions o;
-        o.beam_width = cr.best_of;
-        o.max_new_tokens = int(max_tokens_of(cr, cr.prompts[pi].size()));
-        o.length_penalty = cr.length_penalty;
-        o.early_stopping = cr.early_stopping;
-        if (!cr.ignore_eos && cfg_.model.eos_token_id >= 0) o.stop_ids = {int32_t(cfg_.model.eos_token_id)};
-        g.search = std::make_unique<BeamSearch>(std::move(o));
-        g.prompt = pi;
-        Sequence& s = add_sequence(*rp, pi * size_t(cr.n), best->index, cr.prompts[pi], cr.prompts[pi].size());
-        s.group = int(pi);
-        g.live = {s.id};
-        g.alts.assign(1, {});
-        g.reported.assign(1, false);
-        g.waiting = 1;
-      }
-      rp->unfinished = cr.num_choices();
-      running_.emplace(rp, std::move(owned));
-      continue;
-    }
-    for (size_t c = 0; c < cr.num_choices(); ++c) {
-      const std::vector<int32_t>& prompt = cr.prompts[c / size_t(cr.n)];
-      Sequence& s = add_sequence(*rp, c, best->index, prompt, prompt.size());
-      s.text = std::make_unique<TextStream>(*tokenizer_, cr.stop);
-      if (cr.echo && cr.logprobs >= 0) s.prompt_lp.push_back({s.all[0], std::numeric_limits<float>::quiet_NaN(), {}});
-    }
-    rp->unfinished = cr.num_choices();
-    running_.emplace(rp, std::move(owned));
+    start_request(std::move(owned), *c.best);
   }
 }
 
-Pipeline* Scheduler::on_result(const BatchResult& res) {
+// Among the open pipelines whose K/V budget and admission limit take `r`: the replica holding
+// the longest prefix of its prompts, then the least reserved.
+Scheduler::Choice Scheduler::choose_pipeline(const Request& r, const std::vector<int64_t>& running,
+                                             const std::function<bool(const PipelineRun&)>& open,
+                                             const std::function<int64_t(const PipelineRun&)>& kv_capacity) {
+  const int64_t choices = int64_t(r.req->num_sequences());
+  Choice c;
+  int64_t best_match = 0;
+  bool any_open = false, kv_room = false;
+  for (PipelineRun& p : pipelines_) {
+    if (!open(p)) continue;
+    any_open = true;
+    const int64_t cap = kv_capacity(p);
+    c.max_cap = std::max(c.max_cap, cap);
+    budget(p.index) = cap;
+    if (p.kv_reserved + r.kv_need > cap) continue;
+    kv_room = true;
+    if (running[size_t(p.index)] + choices > std::max(p.limits.max_running, choices)) continue;
+    const int64_t match = cfg_.prefix_cache && pipelines_.size() > 1 ? prefix_match(p, *r.req) : 0;
+    if (!c.best || match > best_match || (match == best_match && p.kv_reserved < c.best->kv_reserved)) {
+      c.best = &p;
+      best_match = match;
+    }
+  }
+  c.fits_somewhere = !(c.max_cap > 0 && r.kv_need > c.max_cap && !kv_room);
+  if (!c.best)
+    queue_wait_ = !any_open ? QueueWait::NoPipeline : !kv_room ? QueueWait::KvCache : QueueWait::RunningLimit;
+  return c;
+}
+
+void Scheduler::start_request(std::unique_ptr<Request> owned, PipelineRun& p) {
+  Request* rp = owned.get();
+  rp->pipeline = p.index;
+  p.kv_reserved += rp->kv_need;
+  (void)make_room(p, 0);  // cache entries give way to running requests
+  ++p.admitted;
+  const CompletionRequest& cr = *rp->req;
+  rp->cached_tokens.assign(cr.prompts.size(), 0);
+  rp->unfinished = cr.num_choices();
+  if (cr.use_beam_search) {
+    start_beam_groups(*rp, p);
+  } else {
+    for (size_t c = 0; c < cr.num_choices(); ++c) {
+      const std::vector<int32_t>& prompt = cr.prompts[c / size_t(cr.n)];
+      Sequence& s = add_sequence(*rp, c, p.index, prompt, prompt.size());
+      s.text = std::make_unique<TextStream>(*tokenizer_, cr.stop);
+      if (cr.echo && cr.logprobs >= 0) s.prompt_lp.push_back({s.all[0], std::numeric_limits<float>::quiet_NaN(), {}});
+    }
+  }
+  running_.emplace(rp, std::move(owned));
+}
+
+// Beam search: one sequence a prompt to begin with (the prompt's prefill), in its group.
+void Scheduler::start_beam_groups(Request& r, PipelineRun& p) {
+  const CompletionRequest& cr = *r.req;
+  for (size_t pi = 0; pi < cr.prompts.size(); ++pi) {
+    BeamGroup& g = r.groups.emplace_back();
+    BeamSearchOptions o;
+    o.beam_width = cr.best_of;
+    o.max_new_tokens = int(max_tokens_of(cr, cr.prompts[pi].size()));
+    o.length_penalty = cr.length_penalty;
+    o.early_stopping = cr.early_stopping;
+    if (!cr.ignore_eos && cfg_.model.eos_token_id >= 0) o.stop_ids = {int32_t(cfg_.model.eos_token_id)};
+    g.search = std::make_unique<BeamSearch>(std::move(o));
+    g.prompt = pi;
+    Sequence& s = add_sequence(r, pi * size_t(cr.n), p.index, cr.prompts[pi], cr.prompts[pi].size());
+    s.group = int(pi);
+    g.live = {s.id};
+    g.alts.assign(1, {});
+    g.reported.assign(1, false);
+    g.waiting = 1;
+  }
+}
+
+PipelineRun* Scheduler::on_result(const BatchResult& res) {
   if (res.pipeline >= pipelines_.size()) return nullptr;
-  Pipeline& p = pipelines_[res.pipeline];
+  PipelineRun& p = pipelines_[res.pipeline];
   auto bit = p.batches.find(res.batch_id);
   if (res.epoch != p.epoch || bit == p.batches.end()) return nullptr;  // from before a restart
   const InFlightBatch rec = std::move(bit->second);
@@ -226,9 +224,7 @@ Pipeline* Scheduler::on_result(const BatchResult& res) {
       finish_request(r, "the pipeline failed this request " + std::to_string(kMaxFailedBatches + 1) +
                             " times: " + res.error);
     }
-    if (!replay) return nullptr;
-    p.down_reason = "replaying after: " + res.error;
-    return &p;
+    return replay ? &p : nullptr;
   }
   for (const SeqResult& sr : res.seqs) {
     auto it = seqs_.find(sr.seq_id);
@@ -253,7 +249,7 @@ void Scheduler::take_beam_report(Sequence& s, const SeqResult& sr) {
 
 void Scheduler::advance_group(Request& r, BeamGroup& g) {
   Expected<std::vector<BeamSearch::Continuation>> next = g.search->step(g.alts);
-  Pipeline* p = r.pipeline >= 0 ? &pipelines_[size_t(r.pipeline)] : nullptr;
+  PipelineRun* p = r.pipeline >= 0 ? &pipelines_[size_t(r.pipeline)] : nullptr;
   if (!next) {
     r.failed = true;
     finish_request(r, next.error());
@@ -470,14 +466,14 @@ void Scheduler::restart(int index) {
 }
 
 void Scheduler::redistribute() {
-  for (Pipeline& p : pipelines_) {
+  for (PipelineRun& p : pipelines_) {
     p.kv_reserved = 0;
     prefix_cache(p.index).clear();
     retain_forks(p.index).clear();
   }
   for (auto& [rp, _] : running_) {
-    Pipeline& p = *std::min_element(pipelines_.begin(), pipelines_.end(),
-                                    [](const Pipeline& a, const Pipeline& b) { return a.kv_reserved < b.kv_reserved; });
+    PipelineRun& p = *std::min_element(pipelines_.begin(), pipelines_.end(),
+                                    [](const PipelineRun& a, const PipelineRun& b) { return a.kv_reserved < b.kv_reserved; });
     rp->pipeline = p.index;
     p.kv_reserved += rp->kv_need;
     reset_groups(*rp);
@@ -505,7 +501,7 @@ Scheduler::Sequence& Scheduler::add_sequence(Request& r, size_t choice, int pipe
 }
 
 PrefixCache& Scheduler::prefix_cache(int pipeline) {
-  Pipeline& p = pipelines_[size_t(pipeline)];
+  PipelineRun& p = pipelines_[size_t(pipeline)];
   const auto granule = int32_t(std::clamp<int64_t>(p.figures.kv_page_tokens, 1, 1 << 20));
   while (prefix_.size() <= size_t(pipeline)) prefix_.emplace_back(granule);
   PrefixCache& cache = prefix_[size_t(pipeline)];
@@ -526,14 +522,14 @@ int64_t& Scheduler::budget(int pipeline) {
   return kv_budget_[size_t(pipeline)];
 }
 
-int64_t Scheduler::prefix_match(Pipeline& p, const CompletionRequest& r) {
+int64_t Scheduler::prefix_match(PipelineRun& p, const CompletionRequest& r) {
   if (r.echo && r.logprobs >= 0) return 0;
   int64_t n = 0;
   for (const auto& prompt : r.prompts) n += prefix_cache(p.index).match_length(prompt);
   return n;
 }
 
-bool Scheduler::make_room(Pipeline& p, int64_t tokens) {
+bool Scheduler::make_room(PipelineRun& p, int64_t tokens) {
   PrefixCache& cache = prefix_cache(p.index);
   const int64_t over = p.kv_reserved + cache.cached_tokens() + tokens - budget(p.index);
   if (over <= 0) return true;
@@ -544,7 +540,7 @@ bool Scheduler::make_room(Pipeline& p, int64_t tokens) {
 
 // A sequence's first prefill: fork the longest cached prefix of its prompt (sent ahead of its
 // slice in the same micro-batch) and compute only the rest.
-void Scheduler::reuse_prefix(Pipeline& p, Sequence& s, MicroBatch& b) {
+void Scheduler::reuse_prefix(PipelineRun& p, Sequence& s, StepPlan& b) {
   s.prefix_done = true;
   const CompletionRequest& r = *s.request->req;
   if (!cfg_.prefix_cache || !s.prompt_lp.empty()) return;
@@ -567,7 +563,7 @@ void Scheduler::reuse_prefix(Pipeline& p, Sequence& s, MicroBatch& b) {
 void Scheduler::retain_prefix(Sequence& s) {
   s.prefix_offered = true;
   if (!cfg_.prefix_cache || s.pipeline < 0 || !s.prompt_lp.empty()) return;
-  Pipeline& p = pipelines_[size_t(s.pipeline)];
+  PipelineRun& p = pipelines_[size_t(s.pipeline)];
   PrefixCache& cache = prefix_cache(p.index);
   const std::span<const int32_t> prompt(s.all.data(), s.prompt_len);
   const int64_t whole = int64_t(s.prompt_len) / cache.granule_tokens() * cache.granule_tokens();

@@ -18,7 +18,7 @@
 //
 // Prefix reuse (scheduler.prefix_cache, on by default; coordinator/prefix_cache.h): once a
 // sequence's prompt has been computed, its whole K/V pages (the granule its stages describe,
-// Pipeline::figures) are kept on the stages as
+// PipelineRun::figures) are kept on the stages as
 // a cache entry (a fork of the sequence, sent on the pipeline's next micro-batch), and a new
 // sequence whose prompt starts the same way forks the longest such prefix instead of computing
 // it. Entries use the K/V room the running requests leave: the least recently used go when a
@@ -33,9 +33,10 @@
 // in-flight depth times max_sequences_per_batch, every sequence it can step at once). Past
 // either it waits in the queue, and queue_wait() says why (GET /v1/cluster, /metrics).
 //
-// No threads or sockets of its own: the coordinator calls it from its engine loop and its
-// REST threads, always under the coordinator's mutex, and sends what it forms. Sinks are
-// called with that mutex held, so they must only hand work elsewhere.
+// No threads or sockets of its own: the engine (engine.h) calls it from its loop and from
+// the REST threads' submit, always under the engine's mutex, and sends the plans it returns
+// (step_plan.h). It runs over the engine's PipelineRuns (pipeline_run.h), never the cluster's
+// state. Sinks are called with that mutex held, so they must only hand work elsewhere.
 #pragma once
 
 #include <chrono>
@@ -52,21 +53,21 @@
 #include "coordinator/cluster_config.h"
 #include "coordinator/completion.h"
 #include "coordinator/membership.h"
-#include "coordinator/pipeline.h"
+#include "coordinator/pipeline_run.h"
 #include "coordinator/prefix_cache.h"
+#include "coordinator/step_plan.h"
 #include "coordinator/text_stream.h"
 #include "model/tokenizer.h"
 #include "protocol/batch_result.h"
-#include "protocol/microbatch.h"
 #include "protocol/seq_state.h"
 
 namespace conveyor {
 
 class Scheduler {
  public:
-  // `cfg` (the model and the scheduler's limits) and `pipelines` (the coordinator's, which
-  // it re-plans in place) must outlive the scheduler.
-  Scheduler(const ClusterConfig& cfg, std::shared_ptr<const Tokenizer> tokenizer, std::vector<Pipeline>& pipelines);
+  // `cfg` (the model and the scheduler's limits) and `pipelines` (the engine's runtimes, which
+  // it replaces on a re-plan) must outlive the scheduler.
+  Scheduler(const ClusterConfig& cfg, std::shared_ptr<const Tokenizer> tokenizer, std::vector<PipelineRun>& pipelines);
 
   // What a refusal tells the client about trying again (HTTP Retry-After), in seconds.
   static constexpr int kRetryUnavailableSeconds = 5;  // no pipeline, or shutting down
@@ -80,8 +81,8 @@ class Scheduler {
   // limit: depth x sequences.
   static BatchLimits batch_limits(const ClusterConfig& cfg, const StageFigures& figures, int stages, int depth);
   // What the workers of a pipeline's stages say of their steps, together (StageFigures);
-  // null entries (stages nobody serves) are skipped.
-  static StageFigures figures_of(std::span<const WorkerInfo* const> stages);
+  // null entries (stages nobody serves) are skipped. The cluster manager's stage_figures_of.
+  static StageFigures figures_of(std::span<const WorkerInfo* const> stages) { return stage_figures_of(stages); }
 
   // Queues the request, or refuses it when the queue is full. Accepted requests always end
   // in sink.on_done, or in sink.on_refused when they waited too long for a pipeline.
@@ -93,26 +94,25 @@ class Scheduler {
   // counted from the later of its arrival in the queue and the moment the last pipeline
   // stopped being serviceable: time spent behind a busy but working pipeline does not count.
   void refuse_unserved(bool serviceable);
+  // When refuse_unserved will next refuse the queue's head (the engine's wait ends there);
+  // none while some pipeline is serviceable or the queue is empty.
+  std::optional<std::chrono::steady_clock::time_point> refuse_deadline() const;
 
   // Moves queued requests (FIFO) onto the pipelines `open` accepts while their K/V budget
   // (`kv_capacity`, tokens) allows; the least reserved pipeline first. A request larger
   // than any pipeline's budget is failed.
-  void admit(const std::function<bool(const Pipeline&)>& open, const std::function<int64_t(const Pipeline&)>& kv_capacity);
+  void admit(const std::function<bool(const PipelineRun&)>& open,
+             const std::function<int64_t(const PipelineRun&)>& kv_capacity);
 
-  // The next micro-batch for `p`, with `depth` micro-batches allowed in flight; nothing when
+  // The plan of `p`'s next step, with `depth` micro-batches allowed in flight; nothing when
   // it has no work. The caller sends it and then records it with sent(). Its admissions
   // carry the state of each sequence the pipeline's last stage does not hold in this epoch
   // (coordinator/batch_forming.cc).
-  struct Formed {
-    MicroBatch batch;
-    InFlightBatch record;
-    size_t admissions = 0;  // sequences whose state the batch brings the last stage
-  };
-  std::optional<Formed> next_batch(Pipeline& p, int depth);
-  static void sent(Pipeline& p, Formed formed);
+  std::optional<StepPlan> next_step(PipelineRun& p, int depth);
+  static void sent(PipelineRun& p, StepPlan plan);
 
   // A result from a pipeline's last stage. Returns the pipeline when it must replay (a stage
-  // could not run or hand on the batch): the caller restarts it in a new epoch.
+  // could not run or hand on the batch): the caller has it restarted in a new epoch.
   //
   // In two halves, so the next micro-batch leaves before the result's text is made:
   // on_result appends each sequence's token and ends those that a stop token, max_tokens or
@@ -120,7 +120,7 @@ class Scheduler {
   // (stop strings), updates and finished choices. Call deliver() after sending what the
   // result made possible, before anything else of the scheduler. A choice that a stop string
   // ends has had one more step sent; its result is dropped and the frees follow it.
-  Pipeline* on_result(const BatchResult& result);
+  PipelineRun* on_result(const BatchResult& result);
   void deliver();
 
   // Every sequence on pipeline `index` is fed again from its first token (a new epoch).
@@ -217,19 +217,32 @@ class Scheduler {
   SamplingParams sampling_for(const CompletionRequest& r) const;
   // What the last stage needs to choose s's tokens (sent once, see next_batch).
   SeqState state_of(const Sequence& s) const;
-  // A micro-batch being formed (batch_forming.cc).
+  // A step being planned (batch_forming.cc).
   struct Draft {
-    Formed formed;
+    StepPlan plan;
     int64_t tokens = 0;                 // its rows so far
     int64_t cap_seqs = 0;               // the slices it may hold
-    std::vector<Admission> admissions;  // states its pipeline's last stage does not hold yet
   };
+  // Admission (scheduler.cc): the pipeline `r` goes to, or null (and queue_wait_ says why);
+  // `running` counts each pipeline's sequences. Fails `r` (returns false) when it is larger
+  // than any pipeline's budget.
+  struct Choice {
+    PipelineRun* best = nullptr;
+    bool fits_somewhere = true;
+    int64_t max_cap = 0;
+  };
+  Choice choose_pipeline(const Request& r, const std::vector<int64_t>& running,
+                         const std::function<bool(const PipelineRun&)>& open,
+                         const std::function<int64_t(const PipelineRun&)>& kv_capacity);
+  // Starts `owned` on `p`: its reservation and its first sequences (a beam group per prompt).
+  void start_request(std::unique_ptr<Request> owned, PipelineRun& p);
+  void start_beam_groups(Request& r, PipelineRun& p);
   // p's sequences with tokens to feed, decode steps and prompt chunks apart, by id; returns
   // how many of p's sequences run (in flight or not).
-  int64_t ready_sequences(const Pipeline& p, std::vector<Sequence*>& decode, std::vector<Sequence*>& prefill);
-  void add_decode_steps(Pipeline& p, Draft& d, std::vector<Sequence*>& decode);
-  void add_prefill_steps(Pipeline& p, Draft& d, const std::vector<Sequence*>& prefill);
-  void add_step(Pipeline& p, Draft& d, Sequence& s, int64_t n);
+  int64_t ready_sequences(const PipelineRun& p, std::vector<Sequence*>& decode, std::vector<Sequence*>& prefill);
+  void add_decode_steps(PipelineRun& p, Draft& d, std::vector<Sequence*>& decode);
+  void add_prefill_steps(PipelineRun& p, Draft& d, const std::vector<Sequence*>& prefill);
+  void add_step(PipelineRun& p, Draft& d, Sequence& s, int64_t n);
   // A token taken by on_result, for deliver().
   struct Delivery {
     uint64_t seq_id = 0;
@@ -253,24 +266,24 @@ class Scheduler {
   void finish_sequence(Sequence& s, const char* reason, ChoiceUpdate update);
   void finish_request(Request& r, const std::string& error);
   // Prefix reuse (see the top of this file). Entries are whole granules of the K/V pages the
-  // pipeline's stages describe (Pipeline::figures), so they share pages without copies.
+  // pipeline's stages describe (PipelineRun::figures), so they share pages without copies.
   PrefixCache& prefix_cache(int pipeline);
   std::vector<SeqFork>& retain_forks(int pipeline);
   int64_t& budget(int pipeline);  // the pipeline's K/V budget at the last admit (tokens)
   // Tokens of `r`'s prompts cached on pipeline p (routing).
-  int64_t prefix_match(Pipeline& p, const CompletionRequest& r);
-  void reuse_prefix(Pipeline& p, Sequence& s, MicroBatch& b);
+  int64_t prefix_match(PipelineRun& p, const CompletionRequest& r);
+  void reuse_prefix(PipelineRun& p, Sequence& s, StepPlan& b);
   void retain_prefix(Sequence& s);
   // Frees least recently used entries of pipeline p until `tokens` more fit its K/V budget
   // beside its reservations and entries; false when even an empty cache leaves too little.
-  bool make_room(Pipeline& p, int64_t tokens);
+  bool make_room(PipelineRun& p, int64_t tokens);
 
   const ClusterConfig& cfg_;
   std::shared_ptr<const Tokenizer> tokenizer_;
   std::deque<std::unique_ptr<Request>> queue_;  // accepted, not yet admitted
   std::unordered_map<Request*, std::unique_ptr<Request>> running_;
   std::unordered_map<uint64_t, Sequence> seqs_;
-  std::vector<Pipeline>& pipelines_;
+  std::vector<PipelineRun>& pipelines_;
   uint64_t next_seq_id_ = 1, next_batch_id_ = 1;
   std::condition_variable idle_cv_;  // a request finished
   // Since when no pipeline has been serviceable (refuse_unserved); unset while one is.

@@ -115,6 +115,14 @@ class Channel {
   // The channel stays usable after an error.
   virtual Expected<std::optional<Message>> recv(std::chrono::milliseconds timeout) = 0;
 
+  // Makes a recv() that is waiting return at once with no message (std::nullopt), or, when
+  // none is waiting, the next one: an interrupt is kept until a recv() returns (with or
+  // without a message), so one made just before the receiver starts to wait is not lost.
+  // Any thread. A loop that waits on its channel and on other events (the coordinator's
+  // engine: a submitted request, a new cluster snapshot) wakes through it. UcxChannel
+  // implements it; a channel that does not (the in-process one) lets recv() wait its timeout.
+  virtual void interrupt() {}
+
   // Ok while the peer is usable; otherwise the reason it failed.
   virtual Status peer_status(PeerId peer) const = 0;
 

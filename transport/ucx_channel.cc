@@ -283,8 +283,9 @@ Expected<std::optional<Message>> UcxChannel::recv(std::chrono::milliseconds time
   Impl::InboxItem item;
   {
     std::unique_lock lock(impl.mu);
-    if (!impl.inbox_cv.wait_for(lock, timeout, [&] { return !impl.inbox.empty(); }))
-      return std::optional<Message>();
+    const bool ready = impl.inbox_cv.wait_for(lock, timeout, [&] { return !impl.inbox.empty() || interrupted_; });
+    interrupted_ = false;  // consumed by this recv, with a message or without
+    if (!ready || impl.inbox.empty()) return std::optional<Message>();
     item = std::move(impl.inbox.front());
     impl.inbox.pop_front();
     if (item.message) {
@@ -296,6 +297,14 @@ Expected<std::optional<Message>> UcxChannel::recv(std::chrono::milliseconds time
   if (impl.probe_paused) impl.wake();
   if (!item.message) return item.error;
   return std::move(item.message);
+}
+
+void UcxChannel::interrupt() {
+  {
+    std::lock_guard lock(impl_->mu);
+    interrupted_ = true;
+  }
+  impl_->inbox_cv.notify_all();
 }
 
 Status UcxChannel::peer_status(PeerId peer) const {

@@ -79,6 +79,7 @@ class UcxChannel final : public Channel {
   Status send(PeerId peer, std::span<const std::byte> header, PayloadView payload,
               std::chrono::milliseconds timeout) override;
   Expected<std::optional<Message>> recv(std::chrono::milliseconds timeout) override;
+  void interrupt() override;
   Status peer_status(PeerId peer) const override;
 
   // Whether this UCX can send from and receive into CUDA device memory (ucp_context_query's
@@ -97,6 +98,7 @@ class UcxChannel final : public Channel {
   struct Impl;
   explicit UcxChannel(std::unique_ptr<Impl> impl);
   std::unique_ptr<Impl> impl_;
+  bool interrupted_ = false;  // interrupt() was called and no recv() has returned since; impl_->mu
 };
 
 }  // namespace conveyor::transport

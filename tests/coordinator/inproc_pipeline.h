@@ -27,7 +27,7 @@ using BackendMaker = std::function<std::unique_ptr<StageBackend>(StageWeights we
 
 struct InprocPipeline {
   ClusterConfig cfg;
-  std::vector<Pipeline> pipelines;
+  std::vector<PipelineRun> pipelines;
   std::unique_ptr<Scheduler> scheduler;
   std::vector<std::unique_ptr<StageExecutor>> stages;
   int64_t batches_run = 0;
@@ -97,7 +97,7 @@ struct InprocPipeline {
 
   // What the coordinator's failover does to the pipeline, and every stage dropping its caches.
   void replay() {
-    Pipeline& p = pipelines[0];
+    PipelineRun& p = pipelines[0];
     ++p.epoch;
     p.batches.clear();
     p.in_flight = 0;
@@ -109,24 +109,24 @@ struct InprocPipeline {
   // Runs until nothing is outstanding (or max_batches). `before_batch(n)` is called before the
   // n-th micro-batch (from 0); returning true forces a replay first.
   void run_until_idle(const std::function<bool(int64_t)>& before_batch = {}, int64_t max_batches = 100000) {
-    Pipeline& p = pipelines[0];
+    PipelineRun& p = pipelines[0];
     for (int64_t n = 0; n < max_batches && scheduler->outstanding() > 0; ++n) {
-      scheduler->admit([](const Pipeline&) { return true; }, [](const Pipeline&) { return int64_t(1) << 40; });
+      scheduler->admit([](const PipelineRun&) { return true; }, [](const PipelineRun&) { return int64_t(1) << 40; });
       if (before_batch && before_batch(n)) replay();
-      auto f = scheduler->next_batch(p, 1);
+      auto f = scheduler->next_step(p, 1);
       if (!f) {
         ADD_FAILURE() << "requests outstanding but no micro-batch to send";
         return;
       }
-      const MicroBatch batch = f->batch;
+      const MicroBatch batch = to_microbatch(*f);
       Scheduler::sent(p, std::move(*f));
       const BatchResult r = run(batch);
       if (scheduler->on_result(r) != nullptr) replay();
       scheduler->deliver();
     }
     // The last frees travel on an empty micro-batch, as the coordinator sends them.
-    if (auto f = scheduler->next_batch(p, 1)) {
-      const MicroBatch batch = f->batch;
+    if (auto f = scheduler->next_step(p, 1)) {
+      const MicroBatch batch = to_microbatch(*f);
       Scheduler::sent(p, std::move(*f));
       scheduler->on_result(run(batch));
       scheduler->deliver();

@@ -90,21 +90,21 @@ TEST(PrefixReuse, EchoWithLogprobsComputesItsWholePrompt) {
 
 TEST(PrefixReuse, EntriesGiveWayToRunningRequestsLeastRecentlyUsedFirst) {
   InprocPipeline p(demo(), demo());
-  Pipeline& pipe = p.pipelines[0];
+  PipelineRun& pipe = p.pipelines[0];
   auto drive = [&](std::shared_ptr<CompletionRequest> r, int64_t kv_budget) {
     Collected c;
     EXPECT_TRUE(p.scheduler->submit(r, c.sink()).ok());
     for (int i = 0; i < 1000 && p.scheduler->outstanding() > 0; ++i) {
-      p.scheduler->admit([](const Pipeline&) { return true; }, [&](const Pipeline&) { return kv_budget; });
-      auto f = p.scheduler->next_batch(pipe, 1);
+      p.scheduler->admit([](const PipelineRun&) { return true; }, [&](const PipelineRun&) { return kv_budget; });
+      auto f = p.scheduler->next_step(pipe, 1);
       ASSERT_TRUE(f);
-      const MicroBatch b = f->batch;
+      const MicroBatch b = to_microbatch(*f);
       Scheduler::sent(pipe, std::move(*f));
       p.scheduler->on_result(p.run(b));
       p.scheduler->deliver();
     }
-    if (auto f = p.scheduler->next_batch(pipe, 1)) {  // the last frees and forks
-      const MicroBatch b = f->batch;
+    if (auto f = p.scheduler->next_step(pipe, 1)) {  // the last frees and forks
+      const MicroBatch b = to_microbatch(*f);
       Scheduler::sent(pipe, std::move(*f));
       p.scheduler->on_result(p.run(b));
     }

@@ -15,7 +15,7 @@ namespace {
 
 struct Harness {
   ClusterConfig cfg;
-  std::vector<Pipeline> pipelines;
+  std::vector<PipelineRun> pipelines;
   std::unique_ptr<Scheduler> scheduler;
   std::vector<std::string> done;  // on_done messages, in order
 
@@ -45,7 +45,7 @@ struct Harness {
   }
 
   void admit(int64_t kv_capacity, bool open = true) {
-    scheduler->admit([open](const Pipeline&) { return open; }, [kv_capacity](const Pipeline&) { return kv_capacity; });
+    scheduler->admit([open](const PipelineRun&) { return open; }, [kv_capacity](const PipelineRun&) { return kv_capacity; });
   }
 };
 
@@ -127,32 +127,32 @@ TEST(Scheduler, PromptRowsPerMicroBatchStayWithinTheirBudget) {
   ASSERT_EQ(h.scheduler->running_on(0), 3);
   // Depth 2: two micro-batches in flight. The first takes a whole chunk of the first prompt
   // and what is left of the budget from the second; the next the rest of the budget.
-  auto first = h.scheduler->next_batch(h.pipelines[0], 2);
+  auto first = h.scheduler->next_step(h.pipelines[0], 2);
   ASSERT_TRUE(first.has_value());
-  ASSERT_EQ(first->batch.seqs.size(), 2u);
-  EXPECT_EQ(first->batch.seqs[0].slice.num_tokens, 48);
-  EXPECT_EQ(first->batch.seqs[1].slice.num_tokens, 16);
-  EXPECT_EQ(first->batch.token_ids.size(), 64u);
+  ASSERT_EQ(first->steps.size(), 2u);
+  EXPECT_EQ(first->steps[0].slice.num_tokens, 48);
+  EXPECT_EQ(first->steps[1].slice.num_tokens, 16);
+  EXPECT_EQ(first->token_ids.size(), 64u);
   Scheduler::sent(h.pipelines[0], std::move(*first));
-  auto second = h.scheduler->next_batch(h.pipelines[0], 2);
+  auto second = h.scheduler->next_step(h.pipelines[0], 2);
   ASSERT_TRUE(second.has_value());
-  ASSERT_EQ(second->batch.seqs.size(), 1u);  // the third sequence: the others are in flight
-  EXPECT_EQ(second->batch.seqs[0].slice.start_pos, 0);
-  EXPECT_EQ(second->batch.seqs[0].slice.num_tokens, 48);
+  ASSERT_EQ(second->steps.size(), 1u);  // the third sequence: the others are in flight
+  EXPECT_EQ(second->steps[0].slice.start_pos, 0);
+  EXPECT_EQ(second->steps[0].slice.num_tokens, 48);
   Scheduler::sent(h.pipelines[0], std::move(*second));
   EXPECT_EQ(h.pipelines[0].in_flight, 2);
   // Nothing left that is not in flight: no third micro-batch.
-  EXPECT_FALSE(h.scheduler->next_batch(h.pipelines[0], 2).has_value());
+  EXPECT_FALSE(h.scheduler->next_step(h.pipelines[0], 2).has_value());
 }
 
 TEST(Scheduler, AMicroBatchHoldsAtMostMaxBatchTokensRows) {
   Harness h({.max_sequences = 64, .max_tokens = 3, .prefill_chunk = 64, .prefill_tokens = 64, .max_running = 64});
   for (int i = 0; i < 5; ++i) h.submit(1, 4);  // one-token prompts: every slice is one row
   h.admit(10000);
-  auto b = h.scheduler->next_batch(h.pipelines[0], 1);
+  auto b = h.scheduler->next_step(h.pipelines[0], 1);
   ASSERT_TRUE(b.has_value());
-  EXPECT_EQ(b->batch.token_ids.size(), 3u);  // max_tokens rows
-  EXPECT_EQ(b->batch.seqs.size(), 3u);
+  EXPECT_EQ(b->token_ids.size(), 3u);  // max_tokens rows
+  EXPECT_EQ(b->steps.size(), 3u);
 }
 
 // Prefix reuse between replicas: a request goes to the pipeline that holds a prefix of its
@@ -169,13 +169,13 @@ TEST(Scheduler, ARequestGoesToTheReplicaHoldingItsPrefix) {
   h.admit(10000);
   ASSERT_EQ(h.scheduler->running_on(0), 1);  // both empty: the first
   // Its prompt computed on pipeline 0: the result of its prefill makes 32 tokens an entry.
-  auto b = h.scheduler->next_batch(h.pipelines[0], 1);
+  auto b = h.scheduler->next_step(h.pipelines[0], 1);
   ASSERT_TRUE(b.has_value());
-  ASSERT_EQ(b->batch.seqs.size(), 1u);
-  ASSERT_TRUE(b->batch.seqs[0].sample);
-  const uint64_t first = b->batch.seqs[0].slice.seq_id;
+  ASSERT_EQ(b->steps.size(), 1u);
+  ASSERT_TRUE(b->steps[0].sample);
+  const uint64_t first = b->steps[0].slice.seq_id;
   BatchResult r;
-  r.batch_id = b->batch.batch_id, r.pipeline = 0, r.epoch = b->batch.epoch;
+  r.batch_id = b->batch_id, r.pipeline = 0, r.epoch = b->epoch;
   SeqResult token;
   token.seq_id = first, token.token = 7;
   r.seqs.push_back(token);
@@ -188,12 +188,12 @@ TEST(Scheduler, ARequestGoesToTheReplicaHoldingItsPrefix) {
   h.admit(10000);
   EXPECT_EQ(h.scheduler->running_on(0), 2);
   EXPECT_EQ(h.scheduler->running_on(1), 0);
-  auto next = h.scheduler->next_batch(h.pipelines[0], 1);
+  auto next = h.scheduler->next_step(h.pipelines[0], 1);
   ASSERT_TRUE(next.has_value());
-  ASSERT_EQ(next->batch.forks.size(), 2u);  // the entry from the first, then the second from it
-  EXPECT_EQ(next->batch.forks[0].parent, first);
-  EXPECT_EQ(next->batch.forks[1].parent, next->batch.forks[0].child);
-  EXPECT_EQ(next->batch.forks[1].num_tokens, 32);
+  ASSERT_EQ(next->forks.size(), 2u);  // the entry from the first, then the second from it
+  EXPECT_EQ(next->forks[0].parent, first);
+  EXPECT_EQ(next->forks[1].parent, next->forks[0].child);
+  EXPECT_EQ(next->forks[1].num_tokens, 32);
   // With the cache off the second request would have gone to the empty pipeline.
   Harness off(limits);
   off.cfg.prefix_cache = false;

@@ -183,7 +183,7 @@ TEST(StageCapabilities, PrefixesAreKeptInWholePagesOfTheDescribedSize) {
   cfg.model = load_model_config(model_dir).value();
   auto tok = Tokenizer::load(model_dir);
   ASSERT_TRUE(tok.ok()) << tok.error();
-  std::vector<Pipeline> pipelines(1);
+  std::vector<PipelineRun> pipelines(1);
   pipelines[0].limits = {.max_sequences = 64, .max_tokens = 256, .prefill_chunk = 64, .prefill_tokens = 64,
                          .max_running = 64};
   const WorkerInfo q3 = joined("q3", q3_capabilities(0), q3_footprint());
@@ -201,16 +201,16 @@ TEST(StageCapabilities, PrefixesAreKeptInWholePagesOfTheDescribedSize) {
     sink.on_update = [](ChoiceUpdate) {};
     sink.on_done = [](const std::string&) {};
     ASSERT_TRUE(scheduler.submit(r, sink).ok());
-    scheduler.admit([](const Pipeline&) { return true; }, [](const Pipeline&) { return int64_t(10000); });
+    scheduler.admit([](const PipelineRun&) { return true; }, [](const PipelineRun&) { return int64_t(10000); });
   };
   submit();
-  auto b = scheduler.next_batch(pipelines[0], 1);
+  auto b = scheduler.next_step(pipelines[0], 1);
   ASSERT_TRUE(b.has_value());
-  ASSERT_EQ(b->batch.seqs.size(), 1u);
+  ASSERT_EQ(b->steps.size(), 1u);
   BatchResult r;
-  r.batch_id = b->batch.batch_id, r.pipeline = 0, r.epoch = b->batch.epoch;
+  r.batch_id = b->batch_id, r.pipeline = 0, r.epoch = b->epoch;
   SeqResult token;
-  token.seq_id = b->batch.seqs[0].slice.seq_id, token.token = 7;
+  token.seq_id = b->steps[0].slice.seq_id, token.token = 7;
   r.seqs.push_back(token);
   Scheduler::sent(pipelines[0], std::move(*b));
   EXPECT_EQ(scheduler.on_result(r), nullptr);
@@ -220,10 +220,10 @@ TEST(StageCapabilities, PrefixesAreKeptInWholePagesOfTheDescribedSize) {
   EXPECT_EQ(scheduler.prefix_stats().cached_tokens, 48);
   // The same prompt again forks those 48 positions.
   submit();
-  auto next = scheduler.next_batch(pipelines[0], 1);
+  auto next = scheduler.next_step(pipelines[0], 1);
   ASSERT_TRUE(next.has_value());
-  ASSERT_FALSE(next->batch.forks.empty());
-  EXPECT_EQ(next->batch.forks.back().num_tokens, 48);
+  ASSERT_FALSE(next->forks.empty());
+  EXPECT_EQ(next->forks.back().num_tokens, 48);
 }
 
 }  // namespace

@@ -395,6 +395,46 @@ TEST_P(UcxChannelTest, RecvTimesOutAndIdleChannelSleeps) {
   EXPECT_LT(cpu_s, 0.2) << "an idle channel burned " << cpu_s << " s of CPU in 0.5 s";
 }
 
+// interrupt() wakes a recv() that waits (the coordinator's engine wakes so on a submitted
+// request or a new cluster snapshot), and is kept for the next recv() when none waits: a
+// wake-up made just before the receiver starts waiting is not lost. It is consumed by the
+// recv() it ends, and messages flow as before. The waits are an hour:
+// only the interrupt can end them, and the 60 s bounds are hang guards, not timings.
+TEST_P(UcxChannelTest, InterruptEndsAWaitingRecvOrTheNextOne) {
+  auto a = make_channel(transports(), "a");
+  auto b = make_channel(transports(), "b");
+  ASSERT_TRUE(a && b);
+  std::atomic<bool> returned{false};
+  std::thread waiter([&] {
+    auto r = a->recv(std::chrono::hours(1));
+    EXPECT_TRUE(r.ok()) << r.error();
+    EXPECT_FALSE(r.ok() && r->has_value());
+    returned = true;
+  });
+  // Interrupt until the waiter is out: an interrupt before it waits ends its recv too.
+  const auto guard = Clock::now() + 60s;
+  while (!returned && Clock::now() < guard) {
+    a->interrupt();
+    std::this_thread::sleep_for(10ms);
+  }
+  waiter.join();
+  EXPECT_TRUE(returned.load());
+  // Kept for the next recv, and consumed by it.
+  a->interrupt();
+  auto kept = a->recv(std::chrono::hours(1));
+  ASSERT_TRUE(kept.ok()) << kept.error();
+  EXPECT_FALSE(kept->has_value());
+  auto after = a->recv(50ms);
+  ASSERT_TRUE(after.ok()) << after.error();
+  EXPECT_FALSE(after->has_value());
+  auto peer = b->connect(a->address(), "a");
+  ASSERT_TRUE(peer.ok()) << peer.error();
+  const std::string header = "hello";
+  ASSERT_TRUE(b->send(*peer, as_bytes(header), {}, 10s).ok());
+  Message m = recv_one(*a, 60s);
+  EXPECT_EQ(as_string_view(m.header), header);
+}
+
 TEST_P(UcxChannelTest, SendTimesOutWhenReceiverStopsTaking) {
   UcxChannelOptions small_queue;
   small_queue.max_queued_bytes = 1 * MiB;

@@ -1,0 +1,162 @@
+// The engine (coordinator/engine.h) on its own, without a cluster manager: snapshots are
+// posted by hand, and a second UCX channel in the process plays the pipeline's only stage,
+// reading the micro-batches the engine sends. The engine's safety-net wait is an hour, so
+// only an event can make it act: every wait below on a micro-batch is a hang guard (60 s),
+// never a timing.
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <memory>
+#include <numeric>
+
+#include "coordinator/engine.h"
+#include "protocol/batch_result.h"
+#include "protocol/microbatch.h"
+#include "protocol/seq_state.h"
+#include "tests/test_util.h"
+#include "transport/ucx_channel.h"
+
+namespace conveyor {
+namespace {
+
+using namespace std::chrono_literals;
+
+struct EngineHarness {
+  ClusterConfig cfg;
+  std::unique_ptr<transport::UcxChannel> coordinator_channel, stage_channel;
+  std::unique_ptr<Engine> engine;
+  transport::PeerId to_stage = transport::kNoPeer;
+  uint64_t version = 0;
+
+  EngineHarness() {
+    const std::string model = testing::source_dir() + "/models/brown-gpt2";
+    cfg.model = load_model_config(model).value();
+    cfg.batch_timeout_ms = 0;  // no timer: only events wake the engine
+    auto tok = Tokenizer::load(model);
+    EXPECT_TRUE(tok.ok()) << tok.error();
+    transport::UcxChannelOptions o;
+    o.transports = "tcp";
+    o.net_devices = "lo";
+    o.name = "coordinator";
+    coordinator_channel = std::move(transport::UcxChannel::create(o)).value();
+    o.name = "stage0";
+    stage_channel = std::move(transport::UcxChannel::create(o)).value();
+    to_stage = coordinator_channel->connect(stage_channel->address(), "stage0").value();
+    engine = std::make_unique<Engine>(cfg, std::make_shared<const Tokenizer>(std::move(tok).value()), nullptr,
+                                      *coordinator_channel, EngineOptions{.max_wait = std::chrono::hours(1)});
+  }
+  ~EngineHarness() { engine->stop(); }
+
+  // One ready, open pipeline of one stage in `epoch`.
+  void post(uint32_t epoch) {
+    auto s = std::make_shared<ClusterSnapshot>();
+    s->version = ++version;
+    PipelineView v;
+    v.index = 0;
+    v.epoch = epoch;
+    v.workers = {"stage0"};
+    v.first_peer = v.last_peer = to_stage;
+    v.ready = v.open = v.recoverable = true;
+    v.kv_capacity = 100000;
+    v.figures = {.max_rows = 0, .sequences = 8, .prompt_rows = 64, .extra_in_flight = 0, .kv_page_tokens = 16,
+                 .backends = "cpu"};
+    v.depth = 1;
+    s->pipelines = {v};
+    s->serviceable = true;
+    engine->post_snapshot(s);
+  }
+
+  CoreStatus submit(int prompt_len) {
+    auto r = std::make_shared<CompletionRequest>();
+    std::vector<int32_t> prompt(static_cast<size_t>(prompt_len));
+    std::iota(prompt.begin(), prompt.end(), 1);
+    r->prompts = {prompt};
+    r->max_tokens = 4;
+    r->sampling.temperature = 0;
+    CompletionSink sink;
+    sink.on_update = [](ChoiceUpdate) {};
+    sink.on_done = [](const std::string&) {};
+    return engine->submit(r, sink);
+  }
+
+  // The next micro-batch the stage receives (the test fails on none within the hang guard).
+  MicroBatch next_batch() {
+    auto got = stage_channel->recv(60s);
+    EXPECT_TRUE(got.ok()) << got.error();
+    if (!got.ok() || !got->has_value()) {
+      ADD_FAILURE() << "no micro-batch reached the stage";
+      return {};
+    }
+    const auto& h = (**got).header;
+    auto b = decode_microbatch(std::span(reinterpret_cast<const uint8_t*>(h.data()), h.size()));
+    EXPECT_TRUE(b.ok()) << b.error();
+    return b.ok() ? std::move(b).value() : MicroBatch{};
+  }
+};
+
+// A submitted request wakes the engine at once: with an hour's safety net and no timer, the
+// first micro-batch can only leave because submit() interrupted the engine's wait. The
+// snapshot is applied the same way (the engine was waiting when it was posted).
+TEST(Engine, ASubmitWakesTheEngine) {
+  EngineHarness h;
+  h.engine->start();
+  h.post(5);
+  ASSERT_TRUE(h.submit(20).ok());
+  const MicroBatch b = h.next_batch();
+  EXPECT_EQ(b.epoch, 5u);
+  ASSERT_EQ(b.seqs.size(), 1u);
+  EXPECT_EQ(b.seqs[0].slice.start_pos, 0);
+  EXPECT_EQ(b.seqs[0].slice.num_tokens, 20);
+}
+
+// A snapshot with a new epoch restarts the pipeline's runtime: the micro-batch in flight is
+// void (its result, should it come, is ignored), and the sequence is fed again from its first
+// token with its state sent again to the last stage, all in the new epoch.
+TEST(Engine, ASnapshotWithANewEpochRestartsThePipeline) {
+  EngineHarness h;
+  auto to_coordinator = h.stage_channel->connect(h.coordinator_channel->address(), "coordinator");
+  ASSERT_TRUE(to_coordinator.ok()) << to_coordinator.error();
+  h.engine->start();
+  h.post(5);
+  ASSERT_TRUE(h.submit(20).ok());
+  const MicroBatch first = h.next_batch();
+  ASSERT_EQ(first.seqs.size(), 1u);
+  const uint64_t seq = first.seqs[0].slice.seq_id;
+  EXPECT_EQ(decode_admissions(first.admissions).value().size(), 1u);
+  EXPECT_EQ(h.engine->stats().pipelines.at(0).in_flight, 1);
+
+  h.post(6);  // the pipeline was replayed (a stage lost, a re-wire)
+  const MicroBatch again = h.next_batch();
+  EXPECT_EQ(again.epoch, 6u);
+  ASSERT_EQ(again.seqs.size(), 1u);
+  EXPECT_EQ(again.seqs[0].slice.seq_id, seq);
+  EXPECT_EQ(again.seqs[0].slice.start_pos, 0);
+  EXPECT_EQ(again.seqs[0].slice.num_tokens, 20);
+  EXPECT_TRUE(again.seqs[0].sample);
+  EXPECT_EQ(decode_admissions(again.admissions).value().size(), 1u);  // the new epoch's last stage holds no state
+  const EngineStats st = h.engine->stats();
+  EXPECT_EQ(st.pipelines.at(0).epoch, 6u);
+  EXPECT_EQ(st.pipelines.at(0).in_flight, 1);
+
+  // The old epoch's result comes late and is ignored; the new one's token is taken.
+  auto answer = [&](const MicroBatch& b, int32_t token) {
+    BatchResult r;
+    r.batch_id = b.batch_id, r.pipeline = 0, r.epoch = b.epoch;
+    SeqResult sr;
+    sr.seq_id = seq, sr.token = token;
+    r.seqs.push_back(sr);
+    const std::vector<uint8_t> bytes = encode(r);
+    ASSERT_TRUE(h.stage_channel->send(*to_coordinator, std::as_bytes(std::span(bytes)), {}, 10s).ok());
+  };
+  answer(first, 111);
+  answer(again, 222);
+  const MicroBatch decode = h.next_batch();
+  EXPECT_EQ(decode.epoch, 6u);
+  ASSERT_EQ(decode.seqs.size(), 1u);
+  EXPECT_EQ(decode.seqs[0].slice.start_pos, 20);
+  EXPECT_EQ(decode.seqs[0].slice.num_tokens, 1);
+  EXPECT_EQ(decode.token_ids, std::vector<int32_t>{222});
+}
+
+}  // namespace
+}  // namespace conveyor
