@@ -119,9 +119,8 @@ class Channel {
   // none is waiting, the next one: an interrupt is kept until a recv() returns (with or
   // without a message), so one made just before the receiver starts to wait is not lost.
   // Any thread. A loop that waits on its channel and on other events (the coordinator's
-  // engine: a submitted request, a new cluster snapshot) wakes through it. UcxChannel
-  // implements it; a channel that does not (the in-process one) lets recv() wait its timeout.
-  virtual void interrupt() {}
+  // engine: a submitted request, a new cluster snapshot) wakes through it.
+  virtual void interrupt() = 0;
 
   // Ok while the peer is usable; otherwise the reason it failed.
   virtual Status peer_status(PeerId peer) const = 0;

@@ -25,6 +25,7 @@ struct InProcMailbox {
   std::condition_variable cv;
   std::deque<Item> queue;
   bool closed = false;
+  bool interrupted = false;  // interrupt() was called and no recv() has returned since
   // Channels that connected to this one, with their id for it: told when this one closes.
   std::vector<std::pair<std::weak_ptr<InProcMailbox>, PeerId>> watchers;
 };
@@ -161,14 +162,24 @@ Status InProcChannel::send(PeerId peer, std::span<const std::byte> header, Paylo
   return Status::error("send to '" + name + "' failed: channel closed");
 }
 
+void InProcChannel::interrupt() {
+  {
+    std::lock_guard lock(mailbox_->mu);
+    mailbox_->interrupted = true;
+  }
+  mailbox_->cv.notify_all();
+}
+
 Expected<std::optional<Message>> InProcChannel::recv(std::chrono::milliseconds timeout) {
   const auto deadline = std::chrono::steady_clock::now() + timeout;
   for (;;) {
     InProcMailbox::Item item;
     {
       std::unique_lock lock(mailbox_->mu);
-      if (!mailbox_->cv.wait_until(lock, deadline, [&] { return !mailbox_->queue.empty(); }))
-        return std::optional<Message>();
+      const bool ready =
+          mailbox_->cv.wait_until(lock, deadline, [&] { return !mailbox_->queue.empty() || mailbox_->interrupted; });
+      mailbox_->interrupted = false;  // consumed by this recv, with a message or without
+      if (!ready || mailbox_->queue.empty()) return std::optional<Message>();
       item = std::move(mailbox_->queue.front());
       mailbox_->queue.pop_front();
     }

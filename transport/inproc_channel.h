@@ -46,6 +46,7 @@ class InProcChannel final : public Channel {
   Status send(PeerId peer, std::span<const std::byte> header, PayloadView payload,
               std::chrono::milliseconds timeout) override;
   Expected<std::optional<Message>> recv(std::chrono::milliseconds timeout) override;
+  void interrupt() override;
   Status peer_status(PeerId peer) const override;
 
  private:

@@ -1,6 +1,7 @@
 // InProcChannel: the in-process Channel used by daemon tests.
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <chrono>
 #include <string>
 #include <thread>
@@ -48,6 +49,37 @@ TEST(InProcChannel, RoundTripOwnsCopies) {
   EXPECT_EQ(m.from, *to_a);
   EXPECT_EQ(m.sender_id, a.id());
   EXPECT_EQ(reinterpret_cast<std::uintptr_t>(m.payload.data()) % OwnedBuffer::kAlignment, 0u);
+}
+
+// As UcxChannel's (test_ucx_channel.cc): an interrupt ends a waiting recv, or is kept for the
+// next one, and a message waiting with it still arrives.
+TEST(InProcChannel, InterruptEndsAWaitingRecvOrTheNextOne) {
+  auto fabric = InProcFabric::create();
+  InProcChannel a(fabric, "a"), b(fabric, "b");
+  std::atomic<bool> returned{false};
+  std::thread waiter([&] {
+    auto r = a.recv(std::chrono::hours(1));
+    EXPECT_TRUE(r.ok() && !r->has_value());
+    returned = true;
+  });
+  const auto guard = std::chrono::steady_clock::now() + 60s;  // a hang guard, not a timing
+  while (!returned && std::chrono::steady_clock::now() < guard) {
+    a.interrupt();
+    std::this_thread::sleep_for(10ms);
+  }
+  waiter.join();
+  ASSERT_TRUE(returned.load());
+  a.interrupt();
+  auto kept = a.recv(std::chrono::hours(1));
+  ASSERT_TRUE(kept.ok() && !kept->has_value());
+  auto after = a.recv(20ms);
+  ASSERT_TRUE(after.ok() && !after->has_value());
+  auto to_a = b.connect(a.address(), "a");
+  ASSERT_TRUE(to_a.ok()) << to_a.error();
+  ASSERT_TRUE(b.send(*to_a, as_bytes(std::string("hello")), {}, 1s).ok());
+  a.interrupt();
+  Message m = recv_one(a);
+  EXPECT_EQ(as_string_view(m.header), "hello");
 }
 
 TEST(InProcChannel, EmptyHeaderAndPayload) {
