@@ -133,30 +133,25 @@ Status check_layer_split(const std::vector<std::pair<int64_t, int64_t>>& layers,
   return ok_status();
 }
 
-Expected<ClusterConfig> parse_cluster_config(const std::string& text, const std::string& source,
-                                             const std::string& base_dir) {
-  ClusterConfig cfg;
-  cfg.source = source;
-  const Ctx c{source};
-  YAML::Node root;
-  try {
-    root = YAML::Load(text);
-  } catch (const YAML::ParserException& e) {
-    return Status::error(source + ":" + std::to_string(e.mark.line + 1) + ": not valid YAML: " + e.msg);
-  }
-  if (!root || root.IsNull()) return Status::error(source + ": the cluster file is empty");
-  Status s;
-  if (!(s = check_keys(c, root, "", {"model", "http", "control", "pipeline", "scheduler", "heartbeat"}))) return s;
+namespace {
 
+// The 'model' section (required): where the checkpoint is and the name it is served under.
+Status parse_model_section(const Ctx& c, const YAML::Node& root, ClusterConfig& cfg) {
   const YAML::Node model = root["model"];
-  if (!model) return Status::error(source + ": missing required section 'model' (model: {path: DIR})");
+  if (!model) return Status::error(c.source + ": missing required section 'model' (model: {path: DIR})");
+  Status s;
   if (!(s = check_keys(c, model, "model", {"path", "name"}))) return s;
   if (!(s = get(c, model, "model", "path", cfg.model_path))) return s;
   if (cfg.model_path.empty()) return c.at(model, "'model.path' is required");
   if (!(s = get(c, model, "model", "name", cfg.model_name))) return s;
   if (cfg.model_name.empty()) cfg.model_name = std::filesystem::path(cfg.model_path).lexically_normal().filename().string();
   if (cfg.model_name.empty()) cfg.model_name = "model";
+  return ok_status();
+}
 
+// The 'http' and 'control' sections: where the daemon listens, and its secrets.
+Status parse_listen_sections(const Ctx& c, const YAML::Node& root, ClusterConfig& cfg) {
+  Status s;
   if (const YAML::Node h = root["http"]) {
     if (!(s = check_keys(c, h, "http", {"host", "port", "api_key", "threads"}))) return s;
     if (!(s = get(c, h, "http", "host", cfg.http_host)) || !(s = get_positive(c, h, "http", "port", cfg.http_port, 0)) ||
@@ -179,17 +174,41 @@ Expected<ClusterConfig> parse_cluster_config(const std::string& text, const std:
   if (cfg.api_key.empty()) cfg.api_key = process_options().api_key;
   if (cfg.join_token.empty()) cfg.join_token = process_options().join_token;
   if (cfg.join_token.empty())
-    return Status::error(source + ": no join token: set control.join_token or CONVEYOR_JOIN_TOKEN");
+    return Status::error(c.source + ": no join token: set control.join_token or CONVEYOR_JOIN_TOKEN");
+  return ok_status();
+}
 
-  // A relative model path is relative to the cluster file's folder, not to the daemon's
-  // working directory (which is / under systemd).
+// Reads the model's config into cfg.model. A relative model path is relative to the cluster
+// file's folder, not to the daemon's working directory (which is / under systemd).
+Status load_model(const Ctx& c, const YAML::Node& root, const std::string& base_dir, ClusterConfig& cfg) {
   if (std::filesystem::path(cfg.model_path).is_relative() && !base_dir.empty())
     cfg.model_path = (std::filesystem::path(base_dir) / cfg.model_path).lexically_normal().string();
   auto mc = load_model_config(cfg.model_path);
-  if (!mc) return Status::error(source + ":" + std::to_string(model["path"].Mark().line + 1) + ": " + mc.error());
+  if (!mc) return Status::error(c.source + ":" + std::to_string(root["model"]["path"].Mark().line + 1) + ": " + mc.error());
   cfg.model = *mc;
+  return ok_status();
+}
 
+// The 'pipeline.layers' list of [begin, end] pairs, checked against the plan.
+Status parse_layer_ranges(const Ctx& c, const YAML::Node& l, ClusterConfig& cfg) {
+  if (!l.IsSequence()) return c.at(l, "'pipeline.layers' must be a list of [begin, end] pairs");
+  for (const auto& r : l) {
+    if (!r.IsSequence() || r.size() != 2) return c.at(r, "each entry of 'pipeline.layers' must be [begin, end]");
+    try {
+      cfg.layers.emplace_back(r[0].as<int64_t>(), r[1].as<int64_t>());
+    } catch (const YAML::BadConversion&) {
+      return c.at(r, "layer range bounds must be integers");
+    }
+  }
+  if (Status s = check_layer_split(cfg.layers, cfg.stages, cfg.model.n_layer); !s)
+    return c.at(l, "impossible plan: " + s.message());
+  return ok_status();
+}
+
+// The 'pipeline' section: stages, replicas and each stage's layers (balanced when not given).
+Status parse_pipeline_section(const Ctx& c, const YAML::Node& root, ClusterConfig& cfg) {
   const YAML::Node pipe = root["pipeline"];
+  Status s;
   if (pipe) {
     if (!(s = check_keys(c, pipe, "pipeline", {"stages", "replicas", "layers"}))) return s;
     if (!(s = get_positive(c, pipe, "pipeline", "stages", cfg.stages)) ||
@@ -199,22 +218,14 @@ Expected<ClusterConfig> parse_cluster_config(const std::string& text, const std:
   if (cfg.stages > cfg.model.n_layer)
     return c.at(pipe["stages"], "impossible plan: " + std::to_string(cfg.stages) + " stages for a model of " +
                                     std::to_string(cfg.model.n_layer) + " layers");
-  if (pipe && pipe["layers"]) {
-    const YAML::Node l = pipe["layers"];
-    if (!l.IsSequence()) return c.at(l, "'pipeline.layers' must be a list of [begin, end] pairs");
-    for (const auto& r : l) {
-      if (!r.IsSequence() || r.size() != 2) return c.at(r, "each entry of 'pipeline.layers' must be [begin, end]");
-      try {
-        cfg.layers.emplace_back(r[0].as<int64_t>(), r[1].as<int64_t>());
-      } catch (const YAML::BadConversion&) {
-        return c.at(r, "layer range bounds must be integers");
-      }
-    }
-    if (!(s = check_layer_split(cfg.layers, cfg.stages, cfg.model.n_layer))) return c.at(l, "impossible plan: " + s.message());
-  } else {
-    cfg.layers = balanced_layer_split(cfg.model, cfg.stages);
-  }
+  if (pipe && pipe["layers"]) return parse_layer_ranges(c, pipe["layers"], cfg);
+  cfg.layers = balanced_layer_split(cfg.model, cfg.stages);
+  return ok_status();
+}
 
+// The 'scheduler' section; in_flight defaults to one micro-batch per stage.
+Status parse_scheduler_section(const Ctx& c, const YAML::Node& root, ClusterConfig& cfg) {
+  Status s;
   if (const YAML::Node sch = root["scheduler"]) {
     if (!(s = check_keys(c, sch, "scheduler", {"in_flight", "max_batch_tokens", "prefill_chunk",
                                                "prefill_tokens_per_batch", "max_queue", "max_running",
@@ -239,6 +250,12 @@ Expected<ClusterConfig> parse_cluster_config(const std::string& text, const std:
     cfg.in_flight = cfg.stages;
     cfg.in_flight_auto = true;
   }
+  return ok_status();
+}
+
+// The 'heartbeat' section: the liveness window must outlast the heartbeat interval.
+Status parse_heartbeat_section(const Ctx& c, const YAML::Node& root, ClusterConfig& cfg) {
+  Status s;
   if (const YAML::Node hb = root["heartbeat"]) {
     if (!(s = check_keys(c, hb, "heartbeat", {"interval_ms", "liveness_ms"}))) return s;
     if (!(s = get_positive(c, hb, "heartbeat", "interval_ms", cfg.heartbeat_interval_ms, 10)) ||
@@ -247,6 +264,29 @@ Expected<ClusterConfig> parse_cluster_config(const std::string& text, const std:
     if (cfg.liveness_ms <= cfg.heartbeat_interval_ms)
       return c.at(hb, "'heartbeat.liveness_ms' must exceed 'heartbeat.interval_ms'");
   }
+  return ok_status();
+}
+
+}  // namespace
+
+Expected<ClusterConfig> parse_cluster_config(const std::string& text, const std::string& source,
+                                             const std::string& base_dir) {
+  ClusterConfig cfg;
+  cfg.source = source;
+  const Ctx c{source};
+  YAML::Node root;
+  try {
+    root = YAML::Load(text);
+  } catch (const YAML::ParserException& e) {
+    return Status::error(source + ":" + std::to_string(e.mark.line + 1) + ": not valid YAML: " + e.msg);
+  }
+  if (!root || root.IsNull()) return Status::error(source + ": the cluster file is empty");
+  Status s;
+  if (!(s = check_keys(c, root, "", {"model", "http", "control", "pipeline", "scheduler", "heartbeat"})) ||
+      !(s = parse_model_section(c, root, cfg)) || !(s = parse_listen_sections(c, root, cfg)) ||
+      !(s = load_model(c, root, base_dir, cfg)) || !(s = parse_pipeline_section(c, root, cfg)) ||
+      !(s = parse_scheduler_section(c, root, cfg)) || !(s = parse_heartbeat_section(c, root, cfg)))
+    return s;
   return cfg;
 }
 

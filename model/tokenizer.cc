@@ -229,6 +229,7 @@ struct Tokenizer::Impl {
   void bpe_scan(std::vector<int32_t>& word) const;
   void bpe_heap(std::vector<int32_t>& word) const;
   void emit(const std::vector<int32_t>& word, std::vector<int32_t>& out) const;
+  void index_ids(const std::array<int16_t, 0x144>& byte_of);
 };
 
 namespace {
@@ -263,7 +264,91 @@ Status load_vocabulary(const std::string& path, const std::string& text,
   return ok_status();
 }
 
+// Every string BPE can hold, interned into a tokenizer's symbol tables (symbol_token_id and
+// symbol_bytes, indexed by symbol): each text gets one symbol, the first time it is seen.
+struct SymbolInterner {
+  const StringMap<int32_t>& token_to_id;
+  const std::array<int16_t, 0x144>& byte_of;
+  std::vector<int32_t>& symbol_token_id;
+  std::vector<std::string>& symbol_bytes;
+  StringMap<int32_t> symbol_of;
+
+  int32_t intern(std::string_view text) {
+    if (auto it = symbol_of.find(text); it != symbol_of.end()) return it->second;
+    const auto symbol = static_cast<int32_t>(symbol_bytes.size());
+    symbol_of.emplace(std::string(text), symbol);
+    auto id = token_to_id.find(text);
+    symbol_token_id.push_back(id == token_to_id.end() ? -1 : id->second);
+    symbol_bytes.push_back(token_text_to_bytes(text, byte_of));
+    return symbol;
+  }
+};
+
+// The lines of `text` (split at '\n'; the last one is what follows the last '\n').
+std::vector<std::string_view> split_lines(std::string_view text) {
+  std::vector<std::string_view> lines;
+  for (size_t start = 0;;) {
+    const size_t nl = text.find('\n', start);
+    lines.push_back(text.substr(start, nl == std::string_view::npos ? nl : nl - start));
+    if (nl == std::string_view::npos) break;
+    start = nl + 1;
+  }
+  return lines;
+}
+
+// Merges: lines.slice(1, lines.length - 1), each split on whitespace; JS keys the rank by
+// parts.join(",") and a later line with the same key overwrites the earlier rank.
+Expected<StringMap<int32_t>> merge_ranks(const std::string& path, std::string_view merges) {
+  const std::vector<std::string_view> lines = split_lines(merges);
+  StringMap<int32_t> rank_of_key;
+  for (size_t i = 1; i + 1 < lines.size(); ++i) {
+    const std::vector<std::string_view> parts = split_on_whitespace(lines[i]);
+    if (parts.empty()) continue;  // blank: its JS key "" can never match a pair
+    if (parts.size() != 2) {
+      return Status::error(path + ": line " + std::to_string(i + 1) +
+                           ": expected two tokens separated by a space, got " +
+                           std::to_string(parts.size()) + ": \"" + std::string(lines[i]) + "\"");
+    }
+    std::string key = std::string(parts[0]) + "," + std::string(parts[1]);
+    rank_of_key[std::move(key)] = static_cast<int32_t>(i - 1);
+  }
+  return rank_of_key;
+}
+
+// A pair (x, y) has the rank of key x + "," + y: every split of a key at one of its
+// commas into two non-empty halves is a pair with that key's rank; merging it makes x + y.
+std::vector<std::pair<uint64_t, Merge>> merge_pairs(const StringMap<int32_t>& rank_of_key, SymbolInterner& symbols) {
+  std::vector<std::pair<uint64_t, Merge>> pair_entries;
+  pair_entries.reserve(rank_of_key.size());
+  for (const auto& [key, rank] : rank_of_key) {
+    for (size_t c = key.find(','); c != std::string::npos; c = key.find(',', c + 1)) {
+      if (c == 0 || c + 1 == key.size()) continue;
+      const std::string_view left = std::string_view(key).substr(0, c);
+      const std::string_view right = std::string_view(key).substr(c + 1);
+      const int32_t l = symbols.intern(left);
+      const int32_t r = symbols.intern(right);
+      const int32_t merged = symbols.intern(std::string(left) + std::string(right));
+      const uint64_t pair = (static_cast<uint64_t>(l) << 32) | static_cast<uint32_t>(r);
+      pair_entries.emplace_back(pair, Merge{rank, merged});
+    }
+  }
+  return pair_entries;
+}
+
 }  // namespace
+
+// id -> bytes, for decode.
+void Tokenizer::Impl::index_ids(const std::array<int16_t, 0x144>& byte_of) {
+  for (const auto& [token, id] : token_to_id) {
+    vocab_size = std::max(vocab_size, id + 1);
+  }
+  id_to_bytes.assign(vocab_size, std::string());
+  id_present.assign(vocab_size, 0);
+  for (const auto& [token, id] : token_to_id) {
+    id_to_bytes[id] = token_text_to_bytes(token, byte_of);
+    id_present[id] = 1;
+  }
+}
 
 Expected<Tokenizer> Tokenizer::load_files(const std::string& vocab_json,
                                           const std::string& merges_txt) {
@@ -279,74 +364,20 @@ Expected<Tokenizer> Tokenizer::load_files(const std::string& vocab_json,
   std::array<int16_t, 0x144> byte_of;
   byte_of.fill(-1);
   for (int b = 0; b < 256; ++b) byte_of[byte_cp[b]] = static_cast<int16_t>(b);
-
-  // id -> bytes, for decode.
-  for (const auto& [token, id] : impl->token_to_id) {
-    impl->vocab_size = std::max(impl->vocab_size, id + 1);
-  }
-  impl->id_to_bytes.assign(impl->vocab_size, std::string());
-  impl->id_present.assign(impl->vocab_size, 0);
-  for (const auto& [token, id] : impl->token_to_id) {
-    impl->id_to_bytes[id] = token_text_to_bytes(token, byte_of);
-    impl->id_present[id] = 1;
-  }
+  impl->index_ids(byte_of);
 
   // Symbols.
-  StringMap<int32_t> symbol_of;
-  auto intern = [&](std::string_view text) -> int32_t {
-    if (auto it = symbol_of.find(text); it != symbol_of.end()) return it->second;
-    const auto symbol = static_cast<int32_t>(impl->symbol_bytes.size());
-    symbol_of.emplace(std::string(text), symbol);
-    auto id = impl->token_to_id.find(text);
-    impl->symbol_token_id.push_back(id == impl->token_to_id.end() ? -1 : id->second);
-    impl->symbol_bytes.push_back(token_text_to_bytes(text, byte_of));
-    return symbol;
-  };
+  SymbolInterner symbols{.token_to_id = impl->token_to_id, .byte_of = byte_of,
+                         .symbol_token_id = impl->symbol_token_id, .symbol_bytes = impl->symbol_bytes,
+                         .symbol_of = {}};
   for (int b = 0; b < 256; ++b) {
     std::string text;
     append_utf8(text, byte_cp[b]);
-    impl->byte_symbol[b] = intern(text);
+    impl->byte_symbol[b] = symbols.intern(text);
   }
-
-  // Merges: lines.slice(1, lines.length - 1), each split on whitespace; JS keys the rank by
-  // parts.join(",") and a later line with the same key overwrites the earlier rank.
-  std::string_view merges = *merges_text;
-  std::vector<std::string_view> lines;
-  for (size_t start = 0;;) {
-    const size_t nl = merges.find('\n', start);
-    lines.push_back(merges.substr(start, nl == std::string_view::npos ? nl : nl - start));
-    if (nl == std::string_view::npos) break;
-    start = nl + 1;
-  }
-  StringMap<int32_t> rank_of_key;
-  for (size_t i = 1; i + 1 < lines.size(); ++i) {
-    const std::vector<std::string_view> parts = split_on_whitespace(lines[i]);
-    if (parts.empty()) continue;  // blank: its JS key "" can never match a pair
-    if (parts.size() != 2) {
-      return Status::error(merges_txt + ": line " + std::to_string(i + 1) +
-                           ": expected two tokens separated by a space, got " +
-                           std::to_string(parts.size()) + ": \"" + std::string(lines[i]) + "\"");
-    }
-    std::string key = std::string(parts[0]) + "," + std::string(parts[1]);
-    rank_of_key[std::move(key)] = static_cast<int32_t>(i - 1);
-  }
-  // A pair (x, y) has the rank of key x + "," + y: every split of a key at one of its
-  // commas into two non-empty halves is a pair with that key's rank; merging it makes x + y.
-  std::vector<std::pair<uint64_t, Merge>> pair_entries;
-  pair_entries.reserve(rank_of_key.size());
-  for (const auto& [key, rank] : rank_of_key) {
-    for (size_t c = key.find(','); c != std::string::npos; c = key.find(',', c + 1)) {
-      if (c == 0 || c + 1 == key.size()) continue;
-      const std::string_view left = std::string_view(key).substr(0, c);
-      const std::string_view right = std::string_view(key).substr(c + 1);
-      const int32_t l = intern(left);
-      const int32_t r = intern(right);
-      const int32_t merged = intern(std::string(left) + std::string(right));
-      const uint64_t pair = (static_cast<uint64_t>(l) << 32) | static_cast<uint32_t>(r);
-      pair_entries.emplace_back(pair, Merge{rank, merged});
-    }
-  }
-  impl->pairs.build(pair_entries);
+  auto rank_of_key = merge_ranks(merges_txt, *merges_text);
+  if (!rank_of_key) return rank_of_key.status();
+  impl->pairs.build(merge_pairs(*rank_of_key, symbols));
   return Tokenizer(std::move(impl));
 }
 

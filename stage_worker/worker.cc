@@ -47,6 +47,9 @@ transport::HeldStage held_stage(const AssignMsg& a) {
           .layer_begin = a.layer_begin, .layer_end = a.layer_end, .model = a.model};
 }
 
+int64_t nanoseconds(Clock::duration d) { return std::chrono::duration_cast<std::chrono::nanoseconds>(d).count(); }
+double milliseconds(Clock::duration d) { return std::chrono::duration<double, std::milli>(d).count(); }
+
 }  // namespace
 
 struct Worker::Impl {
@@ -340,16 +343,15 @@ struct Worker::Impl {
     state = WorkerState::Idle;
   }
 
+  using Received = Expected<std::optional<transport::Message>>;
+
   // The compute thread: one micro-batch at a time, in arrival order; the handoff's thread
   // sends the activations on while the next one runs. Between steps it tells apart waiting
   // for an input that has not arrived and sitting with one that has (StepTrace): right after
   // a step it looks, without waiting, whether the next input is there.
   void compute_loop() {
-    using Received = Expected<std::optional<transport::Message>>;
     std::optional<Received> ready_at_end;  // what that look found
     Clock::time_point prev_end = Clock::now();
-    const auto ns = [](Clock::duration d) { return std::chrono::duration_cast<std::chrono::nanoseconds>(d).count(); };
-    const auto ms = [](Clock::duration d) { return std::chrono::duration<double, std::milli>(d).count(); };
     while (!compute_stop) {
       const bool was_ready = ready_at_end.has_value();
       Received got = was_ready ? std::move(*ready_at_end) : channel->recv(std::chrono::milliseconds(100));
@@ -363,134 +365,202 @@ struct Worker::Impl {
       if (!got->has_value()) continue;
       transport::Message& msg = **got;
       spdlog::debug("{}: message of {} + {} bytes", opt.name, msg.header.size(), msg.payload.size());
-      std::shared_ptr<StageExecutor> ex;
-      AssignMsg a;
-      PeerId next, coord;
       // Held until the batch has been handed on: a re-assignment waits for it.
       std::unique_lock run_lock(run_mu);
-      {
-        std::lock_guard lk(stage_mu);
-        if (!executor || state != WorkerState::Ready) {  // cannot happen while this thread runs
-          spdlog::warn("{}: dropped a micro-batch: the stage is {}", opt.name,
-                       executor ? "not ready" : "not loaded");
-          continue;
-        }
-        ex = executor, a = *assignment, next = next_peer, coord = coord_peer;
-      }
-      auto header = std::span<const uint8_t>(reinterpret_cast<const uint8_t*>(msg.header.data()), msg.header.size());
-      auto batch = decode_microbatch(header);
-      BatchResult result;
-      if (!batch) {
-        result.error = opt.name + ": " + batch.error();
-        send_result(coord, result);
-        continue;
-      }
-      if (batch->epoch != a.epoch) {  // a batch from before a re-plan or failover: fenced off
-        spdlog::info("{}: dropped a stale micro-batch (batch {}, epoch {}; this stage runs epoch {})", opt.name,
-                     batch->batch_id, batch->epoch, a.epoch);
-        continue;
-      }
-      result.batch_id = batch->batch_id, result.pipeline = batch->pipeline, result.epoch = batch->epoch;
-      // The outgoing activations go into a free send slot, asked for once the layers have run
-      // (on a GPU: been queued); waiting for the slot is not busy time.
-      const auto t0 = Clock::now();
-      const Clock::duration wait_input = was_ready ? Clock::duration{} : std::max(Clock::duration{}, arrived - prev_end);
-      const Clock::duration idle_ready = t0 - (was_ready ? prev_end : std::max(prev_end, arrived));
-      wait_input_ns += ns(wait_input);
-      idle_ready_ns += ns(idle_ready);
-      const int64_t sent_ns_before = handoff->send_ns_total();
-      Clock::duration waited{};
-      int slot = -1;
-      size_t out_bytes = 0;
-      // The direct path: device slots when this worker and the next stage both move CUDA memory.
-      const bool direct = direct_capable() && next != transport::kNoPeer && channel->peer_takes_device_memory(next);
-      if (next != transport::kNoPeer && direct_to_next != direct) {
-        direct_to_next = direct;
-        spdlog::info("{}: activations to the next stage go {}", opt.name,
-                     direct ? "direct, GPU to GPU (device memory through UCX), micro-batches of " +
-                                  std::to_string(direct_min_bytes()) + " bytes or more; staged below"
-                            : (opt.stage.backend == Backend::Cuda ? "staged, through page-locked host memory"
-                                                                  : "staged, from host memory"));
-      }
-      const ActivationSink sink = [&](size_t bytes) -> Expected<std::span<std::byte>> {
-        const auto w0 = Clock::now();
-        auto got = direct && bytes >= direct_min_bytes()
-                       ? handoff->acquire(bytes, [&](size_t n) { return device_slot(n); }, /*device=*/true)
-                          : handoff->acquire(bytes, [&](size_t n) { return ex->backend().allocate_host(n); });
-        waited += Clock::now() - w0;
-        if (!got) return got.status();
-        slot = *got;
-        out_bytes = bytes;
-        return handoff->slot(slot).first(bytes);
-      };
-      Status s = ex->run(*batch, msg.payload.view(), sink, a.next_address.empty() ? &result : nullptr);
-      prev_end = Clock::now();
-      const auto busy = prev_end - t0 - waited;
-      if (compute_stop) ready_at_end.reset();
-      else ready_at_end = channel->recv(std::chrono::milliseconds(0));
-      if (ready_at_end && *ready_at_end && !(*ready_at_end)->has_value()) ready_at_end.reset();  // nothing waiting
-      if (s && !a.next_address.empty() && slot < 0) s = Status::error("the stage handed on no activations");
-      if (!s && slot >= 0) handoff->cancel(slot);
-      busy_ns += ns(busy);
-      ++batches;
-      publish_stats();
-      StepRecord rec;
-      if (trace) {
-        rec.t = std::chrono::duration<double>(t0.time_since_epoch()).count();
-        rec.stage = a.stage, rec.batch = batch->batch_id, rec.epoch = batch->epoch;
-        rec.seqs = int64_t(batch->seqs.size()), rec.frees = int64_t(batch->free_seq_ids.size());
-        for (const SeqStep& w : batch->seqs) (w.prefill ? rec.prefill_rows : rec.decode_rows) += w.slice.num_tokens;
-        rec.compute_ms = ms(busy), rec.wait_input_ms = ms(wait_input), rec.idle_ready_ms = ms(idle_ready);
-        rec.slot_wait_ms = ms(waited), rec.sample_ms = ex->last_sample_seconds() * 1e3;
-      }
-      auto write_trace = [&](Clock::duration send) {
-        if (!trace) return;
-        // What the handoff thread spent sending since this step began (mostly the previous
-        // step's activations, or on the last stage its result); a failed step's error result
-        // is sent on this thread (`send`).
-        rec.send_ms = ms(send) + double(handoff->send_ns_total() - sent_ns_before) * 1e-6;
-        trace->write(rec);
-      };
-      if (!s) {
-        result.error = opt.name + " (stage " + std::to_string(a.stage) + "): " + s.message();
-        const auto s0 = Clock::now();
-        send_result(coord, result);
-        write_trace(Clock::now() - s0);
-        continue;
-      }
-      if (a.next_address.empty()) {
-        // With the next input already waiting, the result goes out on the handoff's thread
-        // (like activations) so the next step starts at once; with none waiting this thread
-        // has nothing else to do, and sends it itself, sparing the wake-up of another thread
-        // (a one-stage pipeline's next input cannot come before the coordinator has this).
-        result.busy_seconds = std::chrono::duration<double>(busy).count();
-        const auto s0 = Clock::now();
-        if (ready_at_end) {
-          queue_result(coord, result, ex);
-          if (trace) rec.slot_wait_ms += ms(Clock::now() - s0);
-          write_trace({});
-        } else {
-          if (!handoff->idle()) handoff->drain();  // results leave in order
-          send_result(coord, result);
-          write_trace(Clock::now() - s0);
-        }
-        continue;
-      }
-      // The header goes on as it came (admissions unread), saying what the payload now holds.
-      std::vector<std::byte> out_header = std::move(msg.header);
-      if (batch->activation_dtype != ex->activation_dtype())
-        (void)patch_activation_dtype(out_header, ex->activation_dtype());  // it decoded: it is a header
-      handoff->submit(slot, next, std::move(out_header), out_bytes, [this, next, coord, result](const Status& sent) mutable {
-        {
-          std::lock_guard lk(stage_mu);
-          if (next_peer == next) next_address.clear();  // the next wiring connects afresh
-        }
-        report_data_error(sent.message(), "next");
-        result.error = opt.name + ": could not hand batch to the next stage: " + sent.message();
-        send_result(coord, result);
-      });
-      write_trace({});
+      run_step(msg, was_ready, arrived, prev_end, ready_at_end);
     }
+  }
+
+  // What a step reads of the stage, copied under stage_mu.
+  struct StepStage {
+    std::shared_ptr<StageExecutor> ex;
+    AssignMsg a;
+    PeerId next, coord;
+  };
+
+  // Where a step's outgoing activations went: the handoff slot (-1: none asked for), its
+  // size in bytes, and how long the step waited for the slot (not busy time).
+  struct StepOutput {
+    int slot = -1;
+    size_t bytes = 0;
+    Clock::duration waited{};
+  };
+
+  // A step's times: between steps (StepTrace's wait_input and idle_ready) and in it.
+  struct StepTiming {
+    Clock::time_point start;
+    Clock::duration wait_input{}, idle_ready{}, busy{};
+    int64_t sent_ns_before = 0;  // the handoff's send_ns_total when the step began
+  };
+
+  // Runs the micro-batch `msg` (under run_mu) and sends on what it made. `prev_end` is when
+  // the previous step ended; `ready_at_end` gets what the look for the next input found.
+  void run_step(transport::Message& msg, bool was_ready, Clock::time_point arrived, Clock::time_point& prev_end,
+                std::optional<Received>& ready_at_end) {
+    const std::optional<StepStage> st = ready_stage();
+    if (!st) return;
+    auto header = std::span<const uint8_t>(reinterpret_cast<const uint8_t*>(msg.header.data()), msg.header.size());
+    auto batch = decode_microbatch(header);
+    BatchResult result;
+    if (!batch) {
+      result.error = opt.name + ": " + batch.error();
+      send_result(st->coord, result);
+      return;
+    }
+    if (batch->epoch != st->a.epoch) {  // a batch from before a re-plan or failover: fenced off
+      spdlog::info("{}: dropped a stale micro-batch (batch {}, epoch {}; this stage runs epoch {})", opt.name,
+                   batch->batch_id, batch->epoch, st->a.epoch);
+      return;
+    }
+    result.batch_id = batch->batch_id, result.pipeline = batch->pipeline, result.epoch = batch->epoch;
+    // The outgoing activations go into a free send slot, asked for once the layers have run
+    // (on a GPU: been queued); waiting for the slot is not busy time.
+    StepTiming timing = start_step(was_ready, arrived, prev_end);
+    StepOutput out;
+    const ActivationSink sink = activation_sink(direct_to(st->next), *st->ex, out);
+    Status s = st->ex->run(*batch, msg.payload.view(), sink, st->a.next_address.empty() ? &result : nullptr);
+    prev_end = Clock::now();
+    timing.busy = prev_end - timing.start - out.waited;
+    ready_at_end = peek_next_input();
+    if (s && !st->a.next_address.empty() && out.slot < 0) s = Status::error("the stage handed on no activations");
+    if (!s && out.slot >= 0) handoff->cancel(out.slot);
+    busy_ns += nanoseconds(timing.busy);
+    ++batches;
+    publish_stats();
+    StepRecord rec;
+    if (trace) rec = step_record(st->a, *batch, *st->ex, timing, out);
+    if (!s) {
+      result.error = opt.name + " (stage " + std::to_string(st->a.stage) + "): " + s.message();
+      const auto s0 = Clock::now();
+      send_result(st->coord, result);
+      write_trace(rec, timing, Clock::now() - s0);
+      return;
+    }
+    if (st->a.next_address.empty()) return finish_last_stage(*st, result, rec, timing, ready_at_end.has_value());
+    hand_on(*st, std::move(msg.header), *batch, std::move(result), out);
+    write_trace(rec, timing, {});
+  }
+
+  // The stage as a step sees it; none (the micro-batch dropped) when it is not ready.
+  std::optional<StepStage> ready_stage() {
+    std::lock_guard lk(stage_mu);
+    if (!executor || state != WorkerState::Ready) {  // cannot happen while the compute thread runs
+      spdlog::warn("{}: dropped a micro-batch: the stage is {}", opt.name, executor ? "not ready" : "not loaded");
+      return std::nullopt;
+    }
+    return StepStage{.ex = executor, .a = *assignment, .next = next_peer, .coord = coord_peer};
+  }
+
+  // Counts the time before the step that begins now: waiting for its input, or sitting with it.
+  StepTiming start_step(bool was_ready, Clock::time_point arrived, Clock::time_point prev_end) {
+    StepTiming t{.start = Clock::now()};
+    t.wait_input = was_ready ? Clock::duration{} : std::max(Clock::duration{}, arrived - prev_end);
+    t.idle_ready = t.start - (was_ready ? prev_end : std::max(prev_end, arrived));
+    wait_input_ns += nanoseconds(t.wait_input);
+    idle_ready_ns += nanoseconds(t.idle_ready);
+    t.sent_ns_before = handoff->send_ns_total();
+    return t;
+  }
+
+  // Whether activations to `next` take the direct path: device slots when this worker and the
+  // next stage both move CUDA memory. Logs when that changes.
+  bool direct_to(PeerId next) {
+    const bool direct = direct_capable() && next != transport::kNoPeer && channel->peer_takes_device_memory(next);
+    if (next != transport::kNoPeer && direct_to_next != direct) {
+      direct_to_next = direct;
+      spdlog::info("{}: activations to the next stage go {}", opt.name,
+                   direct ? "direct, GPU to GPU (device memory through UCX), micro-batches of " +
+                                std::to_string(direct_min_bytes()) + " bytes or more; staged below"
+                          : (opt.stage.backend == Backend::Cuda ? "staged, through page-locked host memory"
+                                                                : "staged, from host memory"));
+    }
+    return direct;
+  }
+
+  // Where `ex` writes a step's outgoing activations: a free send slot (a device one on the
+  // direct path), recorded in `out`.
+  ActivationSink activation_sink(bool direct, StageExecutor& ex, StepOutput& out) {
+    return [this, direct, &ex, &out](size_t bytes) -> Expected<std::span<std::byte>> {
+      const auto w0 = Clock::now();
+      auto got = direct && bytes >= direct_min_bytes()
+                     ? handoff->acquire(bytes, [&](size_t n) { return device_slot(n); }, /*device=*/true)
+                     : handoff->acquire(bytes, [&](size_t n) { return ex.backend().allocate_host(n); });
+      out.waited += Clock::now() - w0;
+      if (!got) return got.status();
+      out.slot = *got;
+      out.bytes = bytes;
+      return handoff->slot(out.slot).first(bytes);
+    };
+  }
+
+  // Looks, without waiting, whether the next input is there; none when nothing is waiting
+  // or the thread is stopping.
+  std::optional<Received> peek_next_input() {
+    if (compute_stop) return std::nullopt;
+    Received got = channel->recv(std::chrono::milliseconds(0));
+    if (got && !got->has_value()) return std::nullopt;  // nothing waiting
+    return std::optional<Received>(std::move(got));
+  }
+
+  // The trace line of a step that has run (send_ms is filled in by write_trace).
+  StepRecord step_record(const AssignMsg& a, const MicroBatch& batch, const StageExecutor& ex,
+                         const StepTiming& t, const StepOutput& out) const {
+    StepRecord rec;
+    rec.t = std::chrono::duration<double>(t.start.time_since_epoch()).count();
+    rec.stage = a.stage, rec.batch = batch.batch_id, rec.epoch = batch.epoch;
+    rec.seqs = int64_t(batch.seqs.size()), rec.frees = int64_t(batch.free_seq_ids.size());
+    for (const SeqStep& w : batch.seqs) (w.prefill ? rec.prefill_rows : rec.decode_rows) += w.slice.num_tokens;
+    rec.compute_ms = milliseconds(t.busy), rec.wait_input_ms = milliseconds(t.wait_input);
+    rec.idle_ready_ms = milliseconds(t.idle_ready);
+    rec.slot_wait_ms = milliseconds(out.waited), rec.sample_ms = ex.last_sample_seconds() * 1e3;
+    return rec;
+  }
+
+  void write_trace(StepRecord& rec, const StepTiming& t, Clock::duration send) {
+    if (!trace) return;
+    // What the handoff thread spent sending since this step began (mostly the previous
+    // step's activations, or on the last stage its result); a failed step's error result
+    // is sent on this thread (`send`).
+    rec.send_ms = milliseconds(send) + double(handoff->send_ns_total() - t.sent_ns_before) * 1e-6;
+    trace->write(rec);
+  }
+
+  // The last stage sends the step's result to the coordinator. With the next input already
+  // waiting, the result goes out on the handoff's thread (like activations) so the next step
+  // starts at once; with none waiting this thread has nothing else to do, and sends it itself,
+  // sparing the wake-up of another thread (a one-stage pipeline's next input cannot come
+  // before the coordinator has this).
+  void finish_last_stage(const StepStage& st, BatchResult& result, StepRecord& rec, const StepTiming& t,
+                         bool next_waiting) {
+    result.busy_seconds = std::chrono::duration<double>(t.busy).count();
+    const auto s0 = Clock::now();
+    if (next_waiting) {
+      queue_result(st.coord, result, st.ex);
+      if (trace) rec.slot_wait_ms += milliseconds(Clock::now() - s0);
+      write_trace(rec, t, {});
+    } else {
+      if (!handoff->idle()) handoff->drain();  // results leave in order
+      send_result(st.coord, result);
+      write_trace(rec, t, Clock::now() - s0);
+    }
+  }
+
+  // Queues the step's activations (slot `out`) to the next stage, with `header`. The header
+  // goes on as it came (admissions unread), saying what the payload now holds.
+  void hand_on(const StepStage& st, std::vector<std::byte> header, const MicroBatch& batch,
+               BatchResult result, const StepOutput& out) {
+    if (batch.activation_dtype != st.ex->activation_dtype())
+      (void)patch_activation_dtype(header, st.ex->activation_dtype());  // it decoded: it is a header
+    handoff->submit(out.slot, st.next, std::move(header), out.bytes,
+                    [this, next = st.next, coord = st.coord, result = std::move(result)](const Status& sent) mutable {
+                      {
+                        std::lock_guard lk(stage_mu);
+                        if (next_peer == next) next_address.clear();  // the next wiring connects afresh
+                      }
+                      report_data_error(sent.message(), "next");
+                      result.error = opt.name + ": could not hand batch to the next stage: " + sent.message();
+                      send_result(coord, result);
+                    });
   }
 
   // A device slot of `bytes` on this stage's GPU (the direct path); null when none is left.

@@ -64,6 +64,80 @@ __device__ __forceinline__ void load_tile(T* tile, int nrows, int D, bool vec, R
   }
 }
 
+// S[16w.., :] = Q[16w.., :] K^T: this warp's 16 query rows against the key tile, into sS.
+template <class T, int DP>
+__device__ __forceinline__ void warp_scores(float* sS, const T* sQ, const T* sK, int warp) {
+  constexpr int kLdT = DP + 8;
+  wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc[kBc / 16];
+#pragma unroll
+  for (int j = 0; j < kBc / 16; ++j) wmma::fill_fragment(acc[j], 0.f);
+#pragma unroll
+  for (int kk = 0; kk < DP / 16; ++kk) {
+    wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> a;
+    wmma::load_matrix_sync(a, sQ + warp * 16 * kLdT + kk * 16, kLdT);
+#pragma unroll
+    for (int j = 0; j < kBc / 16; ++j) {
+      wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::col_major> b;
+      wmma::load_matrix_sync(b, sK + j * 16 * kLdT + kk * 16, kLdT);
+      wmma::mma_sync(acc[j], a, b, acc[j]);
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < kBc / 16; ++j)
+    wmma::store_matrix_sync(sS + warp * 16 * kLdS + j * 16, acc[j], kLdS, wmma::mem_row_major);
+}
+
+// Online softmax of this warp's 16 rows over the key tile at kt0 (causal: row r sees
+// positions up to pos0 + r); lane owns columns lane and lane + 32. P goes to sP, the rows of
+// sO are rescaled, m_row and l_row move on.
+template <class T, int DP>
+__device__ __forceinline__ void warp_online_softmax(float (&m_row)[16], float (&l_row)[16], T* sP, float* sO,
+                                                    const float* sS, int warp, int lane, int pos0, int kt0, int n_kv,
+                                                    float scale) {
+  constexpr int kLdO = DP + 4;
+#pragma unroll
+  for (int i = 0; i < 16; ++i) {
+    const int r = warp * 16 + i;
+    const int qpos = pos0 + r;
+    const int t_a = kt0 + lane, t_b = kt0 + lane + 32;
+    const float sa = (t_a <= qpos && t_a < n_kv) ? sS[r * kLdS + lane] * scale : -INFINITY;
+    const float sb = (t_b <= qpos && t_b < n_kv) ? sS[r * kLdS + lane + 32] * scale : -INFINITY;
+    const float m_new = fmaxf(m_row[i], warp_max(fmaxf(sa, sb)));
+    float alpha = 1.f, pa = 0.f, pb = 0.f;
+    if (m_new != -INFINITY) {
+      alpha = expf(m_row[i] - m_new);
+      pa = expf(sa - m_new);
+      pb = expf(sb - m_new);
+    }
+    l_row[i] = l_row[i] * alpha + warp_sum(pa + pb);
+    m_row[i] = m_new;
+    sP[r * kLdP + lane] = from_float<T>(pa);
+    sP[r * kLdP + lane + 32] = from_float<T>(pb);
+    if (alpha != 1.f)
+      for (int d = lane; d < DP; d += 32) sO[r * kLdO + d] *= alpha;
+  }
+}
+
+// O[16w.., :] += P[16w.., :] V for this warp's 16 rows.
+template <class T, int DP>
+__device__ __forceinline__ void warp_accumulate_pv(float* sO, const T* sP, const T* sV, int warp) {
+  constexpr int kLdT = DP + 8, kLdO = DP + 4;
+#pragma unroll
+  for (int dj = 0; dj < DP / 16; ++dj) {
+    wmma::fragment<wmma::accumulator, 16, 16, 16, float> o;
+    wmma::load_matrix_sync(o, sO + warp * 16 * kLdO + dj * 16, kLdO, wmma::mem_row_major);
+#pragma unroll
+    for (int kk = 0; kk < kBc / 16; ++kk) {
+      wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> a;
+      wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::row_major> b;
+      wmma::load_matrix_sync(a, sP + warp * 16 * kLdP + kk * 16, kLdP);
+      wmma::load_matrix_sync(b, sV + kk * 16 * kLdT + dj * 16, kLdT);
+      wmma::mma_sync(o, a, b, o);
+    }
+    wmma::store_matrix_sync(sO + warp * 16 * kLdO + dj * 16, o, kLdO, wmma::mem_row_major);
+  }
+}
+
 template <class T, int DP, class Kv>
 __global__ void __launch_bounds__(kThreads)
     flash_attention_kernel(T* __restrict__ out, const T* q_base, int64_t q_stride, Kv kv,
@@ -106,68 +180,11 @@ __global__ void __launch_bounds__(kThreads)
     load_tile<T, DP>(sK, nk, D, vec, [&](int r) { return kv.key(s, h, kt0 + r); });
     load_tile<T, DP>(sV, nk, D, vec, [&](int r) { return kv.value(s, h, kt0 + r); });
     __syncthreads();
-
-    // S[16w.., :] = Q[16w.., :] K^T
-    {
-      wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc[kBc / 16];
-#pragma unroll
-      for (int j = 0; j < kBc / 16; ++j) wmma::fill_fragment(acc[j], 0.f);
-#pragma unroll
-      for (int kk = 0; kk < DP / 16; ++kk) {
-        wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> a;
-        wmma::load_matrix_sync(a, sQ + warp * 16 * kLdT + kk * 16, kLdT);
-#pragma unroll
-        for (int j = 0; j < kBc / 16; ++j) {
-          wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::col_major> b;
-          wmma::load_matrix_sync(b, sK + j * 16 * kLdT + kk * 16, kLdT);
-          wmma::mma_sync(acc[j], a, b, acc[j]);
-        }
-      }
-#pragma unroll
-      for (int j = 0; j < kBc / 16; ++j)
-        wmma::store_matrix_sync(sS + warp * 16 * kLdS + j * 16, acc[j], kLdS, wmma::mem_row_major);
-    }
+    warp_scores<T, DP>(sS, sQ, sK, warp);
     __syncwarp();
-
-    // Online softmax of this warp's 16 rows; lane owns columns lane and lane + 32.
-#pragma unroll
-    for (int i = 0; i < 16; ++i) {
-      const int r = warp * 16 + i;
-      const int qpos = pos0 + r;
-      const int t_a = kt0 + lane, t_b = kt0 + lane + 32;
-      const float sa = (t_a <= qpos && t_a < n_kv) ? sS[r * kLdS + lane] * scale : -INFINITY;
-      const float sb = (t_b <= qpos && t_b < n_kv) ? sS[r * kLdS + lane + 32] * scale : -INFINITY;
-      const float m_new = fmaxf(m_row[i], warp_max(fmaxf(sa, sb)));
-      float alpha = 1.f, pa = 0.f, pb = 0.f;
-      if (m_new != -INFINITY) {
-        alpha = expf(m_row[i] - m_new);
-        pa = expf(sa - m_new);
-        pb = expf(sb - m_new);
-      }
-      l_row[i] = l_row[i] * alpha + warp_sum(pa + pb);
-      m_row[i] = m_new;
-      sP[r * kLdP + lane] = from_float<T>(pa);
-      sP[r * kLdP + lane + 32] = from_float<T>(pb);
-      if (alpha != 1.f)
-        for (int d = lane; d < DP; d += 32) sO[r * kLdO + d] *= alpha;
-    }
+    warp_online_softmax<T, DP>(m_row, l_row, sP, sO, sS, warp, lane, pos0, kt0, n_kv, scale);
     __syncwarp();
-
-    // O[16w.., :] += P[16w.., :] V
-#pragma unroll
-    for (int dj = 0; dj < DP / 16; ++dj) {
-      wmma::fragment<wmma::accumulator, 16, 16, 16, float> o;
-      wmma::load_matrix_sync(o, sO + warp * 16 * kLdO + dj * 16, kLdO, wmma::mem_row_major);
-#pragma unroll
-      for (int kk = 0; kk < kBc / 16; ++kk) {
-        wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> a;
-        wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::row_major> b;
-        wmma::load_matrix_sync(a, sP + warp * 16 * kLdP + kk * 16, kLdP);
-        wmma::load_matrix_sync(b, sV + kk * 16 * kLdT + dj * 16, kLdT);
-        wmma::mma_sync(o, a, b, o);
-      }
-      wmma::store_matrix_sync(sO + warp * 16 * kLdO + dj * 16, o, kLdO, wmma::mem_row_major);
-    }
+    warp_accumulate_pv<T, DP>(sO, sP, sV, warp);
     __syncwarp();
   }
 

@@ -176,6 +176,92 @@ __device__ __forceinline__ void load_batch(float (&kf)[U][MAXC][VEC], float (&vf
   }
 }
 
+// q's row into qf (null: zeros), each value times scale.
+template <class T, int VEC, int MAXC>
+__device__ __forceinline__ void load_scaled_q(float (&qf)[MAXC][VEC], const T* q, int gl, int G, int D, float scale) {
+  load_row<T, VEC, MAXC>(q, gl, G, D, qf);
+#pragma unroll
+  for (int c = 0; c < MAXC; ++c)
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) qf[c][j] = __fmul_rn(qf[c][j], scale);
+}
+
+// Paged mode, once q and the new K/V are written: the new position's K and V into the first
+// batch where it is in it, and (block z == 0) into the cache.
+template <class T, int VEC, int MAXC, int U, class Kv>
+__device__ __forceinline__ void take_new_token(float (&kf)[U][MAXC][VEC], float (&vf)[U][MAXC][VEC],
+                                               const bool (&valid)[U], const Kv& kv, const T* new_k, const T* new_v,
+                                               int s, int h, int z, int t_new, int ngroups, int group, int gl, int G,
+                                               int D) {
+#pragma unroll
+  for (int u = 0; u < U; ++u)
+    if (z * kPiece + u * ngroups + group == t_new && valid[u]) {
+      load_row<T, VEC, MAXC>(new_k, gl, G, D, kf[u]);
+      load_row<T, VEC, MAXC>(new_v, gl, G, D, vf[u]);
+    }
+  if (z == 0) {
+    T* kd = kv.k + kv.offset(s, h, t_new);
+    T* vd = kv.v + kv.offset(s, h, t_new);
+    for (int i = threadIdx.x; i < D; i += blockDim.x) {
+      kd[i] = new_k[i];
+      vd[i] = new_v[i];
+    }
+  }
+}
+
+// A group's pass over positions [t_begin, t_end) of a piece, `step` at a time (U batches;
+// block z's first batch is loaded already): its running max m, sum l and accumulator acc.
+template <class T, int VEC, int MAXC, int U, bool APPEND, class Kv>
+__device__ __forceinline__ void scan_piece(float& m, float& l, float (&acc)[MAXC][VEC], float (&kf)[U][MAXC][VEC],
+                                           float (&vf)[U][MAXC][VEC], bool (&valid)[U],
+                                           const float (&qf)[MAXC][VEC], const Kv& kv, const T* new_k,
+                                           const T* new_v, int s, int h, int z, int t_begin, int t_end, int step,
+                                           int ngroups, int group, int gl, int G, int D, int t_new) {
+  m = -INFINITY, l = 0.f;
+#pragma unroll
+  for (int c = 0; c < MAXC; ++c)
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) acc[c][j] = 0.f;
+  // The loop bound is uniform over the block, so every lane reaches every shuffle.
+  for (int base = t_begin; base < t_end; base += step) {
+    if (base != z * kPiece)
+      load_batch<T, VEC, MAXC, U, APPEND>(kf, vf, valid, kv, new_k, new_v, s, h, base, ngroups, group, gl, G, D,
+                                          t_end, t_new, /*new_ready=*/true);
+    float dot[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) dot[u] = group_dot<VEC, MAXC>(qf, kf[u], G);
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+      if (valid[u]) online_update<VEC, MAXC>(m, l, acc, dot[u], vf[u]);
+  }
+}
+
+// Several pieces: the last of the row's `participants` blocks to finish (counted in
+// *counter, which it resets for the next launch) merges the pieces' states in piece order
+// into o; the others leave.
+template <class T>
+__device__ __forceinline__ void merge_pieces_if_last(T* o, const float* parts, int* counter, int participants,
+                                                     int pieces, int D, int& is_last) {
+  __threadfence();  // this block's pieces are visible device-wide before the counter moves
+  __syncthreads();
+  if (threadIdx.x == 0) is_last = atomicAdd(counter, 1) == participants - 1;
+  __syncthreads();
+  if (!is_last) return;
+  if (threadIdx.x == 0) *counter = 0;  // ready for the next launch (next layer, next step)
+  __threadfence();
+  for (int i = threadIdx.x; i < D; i += blockDim.x) {
+    float M = __ldcg(parts), L = __ldcg(parts + 1), O = __ldcg(parts + 2 + i);
+    for (int p = 1; p < pieces; ++p) {
+      const float* part = parts + int64_t(p) * (D + 2);
+      const MergeFactors f = merge_factors(M, __ldcg(part));
+      L = merge_value(L, __ldcg(part + 1), f);
+      O = merge_value(O, __ldcg(part + 2 + i), f);
+      M = f.M;
+    }
+    o[i] = from_float<T>(__fdiv_rn(O, L));
+  }
+}
+
 // ---- decode ---------------------------------------------------------------------------------
 //
 // Paged mode (APPEND) relies on this: the cached positions before kv_len - 1 of this layer
@@ -226,50 +312,19 @@ __global__ void __launch_bounds__(kThreads, 4)
   }
   if constexpr (APPEND) {
     grid_dependency_wait();  // q and the new K/V are the QKV projection's output
-#pragma unroll
-    for (int u = 0; u < U; ++u)
-      if (z * kPiece + u * ngroups + group == t_new && valid[u]) {
-        load_row<T, VEC, MAXC>(new_k, gl, G, D, kf[u]);
-        load_row<T, VEC, MAXC>(new_v, gl, G, D, vf[u]);
-      }
-    if (z == 0) {
-      T* kd = kv.k + kv.offset(s, h, t_new);
-      T* vd = kv.v + kv.offset(s, h, t_new);
-      for (int i = threadIdx.x; i < D; i += blockDim.x) {
-        kd[i] = new_k[i];
-        vd[i] = new_v[i];
-      }
-    }
+    take_new_token<T, VEC, MAXC, U>(kf, vf, valid, kv, new_k, new_v, s, h, z, t_new, ngroups, group, gl, G, D);
   }
 
   float qf[MAXC][VEC];
-  load_row<T, VEC, MAXC>(q, gl, G, D, qf);
-#pragma unroll
-  for (int c = 0; c < MAXC; ++c)
-#pragma unroll
-    for (int j = 0; j < VEC; ++j) qf[c][j] = __fmul_rn(qf[c][j], scale);
+  load_scaled_q<T, VEC, MAXC>(qf, q, gl, G, D, scale);
 
   float* parts = partial + (int64_t(s) * n_head + h) * max_pieces * (D + 2);
   for (int p = z; p < pieces; p += Z) {
     const int t_begin = p * kPiece, t_end = min(kv_len, t_begin + kPiece);
-    float m = -INFINITY, l = 0.f;
+    float m, l;
     float acc[MAXC][VEC];
-#pragma unroll
-    for (int c = 0; c < MAXC; ++c)
-#pragma unroll
-      for (int j = 0; j < VEC; ++j) acc[c][j] = 0.f;
-    // The loop bound is uniform over the block, so every lane reaches every shuffle.
-    for (int base = t_begin; base < t_end; base += step) {
-      if (base != z * kPiece)
-        load_batch<T, VEC, MAXC, U, APPEND>(kf, vf, valid, kv, new_k, new_v, s, h, base, ngroups, group, gl, G, D,
-                                            t_end, t_new, /*new_ready=*/true);
-      float dot[U];
-#pragma unroll
-      for (int u = 0; u < U; ++u) dot[u] = group_dot<VEC, MAXC>(qf, kf[u], G);
-#pragma unroll
-      for (int u = 0; u < U; ++u)
-        if (valid[u]) online_update<VEC, MAXC>(m, l, acc, dot[u], vf[u]);
-    }
+    scan_piece<T, VEC, MAXC, U, APPEND>(m, l, acc, kf, vf, valid, qf, kv, new_k, new_v, s, h, z, t_begin, t_end, step,
+                                        ngroups, group, gl, G, D, t_new);
     __syncthreads();  // the previous piece's readers of sm are done
     store_group<VEC, MAXC>(sm, group, gl, G, D, m, l, acc);
     __syncthreads();
@@ -285,25 +340,7 @@ __global__ void __launch_bounds__(kThreads, 4)
   }
 
   // Several pieces: the last block to finish merges them in piece order.
-  __threadfence();  // this block's pieces are visible device-wide before the counter moves
-  __syncthreads();
-  int* counter = counters + int64_t(s) * n_head + h;
-  if (threadIdx.x == 0) is_last = atomicAdd(counter, 1) == min(Z, pieces) - 1;
-  __syncthreads();
-  if (!is_last) return;
-  if (threadIdx.x == 0) *counter = 0;  // ready for the next launch (next layer, next step)
-  __threadfence();
-  for (int i = threadIdx.x; i < D; i += blockDim.x) {
-    float M = __ldcg(parts), L = __ldcg(parts + 1), O = __ldcg(parts + 2 + i);
-    for (int p = 1; p < pieces; ++p) {
-      const float* part = parts + int64_t(p) * (D + 2);
-      const MergeFactors f = merge_factors(M, __ldcg(part));
-      L = merge_value(L, __ldcg(part + 1), f);
-      O = merge_value(O, __ldcg(part + 2 + i), f);
-      M = f.M;
-    }
-    o[i] = from_float<T>(__fdiv_rn(O, L));
-  }
+  merge_pieces_if_last<T>(o, parts, counters + int64_t(s) * n_head + h, min(Z, pieces), pieces, D, is_last);
 }
 
 // ---- context --------------------------------------------------------------------------------

@@ -75,6 +75,88 @@ constexpr size_t decode_warp_smem() {
   return FP8 ? piece_smem_bytes<D>(sizeof(T)) / 2 + fp8_stage_bytes<D>() : piece_smem_bytes<D>(sizeof(T));
 }
 
+// A decode warp's row: sequence s, head h, the K/V length, and the new token at t_new (new_k,
+// new_v: its K and V in the QKV projection's output).
+template <class T>
+struct DecodeRow {
+  int s, h, kv_len, t_new;
+  const T* new_k;
+  const T* new_v;
+};
+
+// The fused append: the new token's K and V into the cache (FP8: quantised with the scales
+// s_new, which go beside them).
+template <class T, int D, bool FP8>
+__device__ __forceinline__ void append_new_token(PagedKv<T> kv, Fp8Kv f8, const DecodeRow<T>& row,
+                                                 const float (&s_new)[2], int lane) {
+  const int s = row.s, h = row.h, t_new = row.t_new;
+  const T* new_k = row.new_k;
+  const T* new_v = row.new_v;
+  if constexpr (FP8) {
+    uint8_t* kd = f8.kv.k + f8.kv.offset(s, h, t_new);
+    uint8_t* vd = f8.kv.v + f8.kv.offset(s, h, t_new);
+    for (int d = lane; d < D; d += 32) kd[d] = quantize_one(to_float(new_k[d]), s_new[0]), vd[d] = quantize_one(to_float(new_v[d]), s_new[1]);
+    if (lane == 0) {
+      const int64_t o = f8.scale_offset(s, h, t_new);
+      const_cast<float*>(f8.ks)[o] = s_new[0];
+      const_cast<float*>(f8.vs)[o] = s_new[1];
+    }
+  } else {
+    T* kd = kv.k + kv.offset(s, h, t_new);
+    T* vd = kv.v + kv.offset(s, h, t_new);
+    for (int d = lane * 8; d < D; d += 32 * 8) {
+      *reinterpret_cast<uint4*>(kd + d) = *reinterpret_cast<const uint4*>(new_k + d);
+      *reinterpret_cast<uint4*>(vd + d) = *reinterpret_cast<const uint4*>(new_v + d);
+    }
+  }
+}
+
+// The pieces z, z + Z, ... of the row: each one's state, stored to parts (`spread`) or merged
+// into run. One group in flight per piece, the next piece's issued as soon as this one's is
+// in the tile: bf16/fp16 after its P V has read the tile, FP8 right after the dequantisation.
+// (Loading the next K during this piece's P V measured slower on the H100: 89% of the
+// floor against 96% at batch 256.) `any` and `is_new` say where a position's K and V are.
+template <class T, int D, bool FP8, class Any, class IsNew>
+__device__ __forceinline__ void decode_pieces(TileState<D>& run, float* parts, bool spread, T* sK, T* sV, uint8_t* st,
+                                              Fp8Kv f8, const DecodeRow<T>& row, const uint32_t (&q)[D / 16][4],
+                                              const int (&pos)[2], const float (&s_new)[2], int z, int Z, int pieces,
+                                              int lane, float scale_log2, Any any, IsNew is_new) {
+  constexpr int kStride = D + 4;  // floats per piece state {m, l, O[D], pad}: 16-byte aligned
+  const int s = row.s, h = row.h, kv_len = row.kv_len, t_new = row.t_new;
+  TileState<D> piece;
+  for (int pc = z; pc < pieces; pc += Z) {
+    const int next = pc + Z < pieces ? pc + Z : -1;
+    cp_async_wait<1>();  // all but the newest group: this piece's (the newest is empty)
+    __syncwarp();
+    if constexpr (FP8) {
+      // K dequantised into the tile, the scores, then V into the same rows; the next piece
+      // loads from then on, during P V. (Loading the next K as soon as this K was dequantised,
+      // V after, measured slower on the H100: 5,910 against 5,548 us at batch 256 and 4,096.)
+      dequant_piece<T, D>(sK, nullptr, st, pc * kPiece, lane, 32, t_new, row.new_k, row.new_v, s_new);
+      __syncwarp();
+      uint32_t p[4][4];
+      piece_scores<T, D>(piece, p, q, sK, pc * kPiece, pos, scale_log2);
+      __syncwarp();  // every lane is done with K: V takes its rows
+      dequant_piece<T, D>(nullptr, sV, st, pc * kPiece, lane, 32, t_new, row.new_k, row.new_v, s_new);
+      __syncwarp();  // the staging is free
+      if (next >= 0) load_piece_fp8<D>(st, f8, s, h, next * kPiece, kv_len, lane, 32, is_new);
+      cp_async_commit();
+      cp_async_commit();
+      piece_values<T, D>(piece, p, sV);
+    } else {
+      piece_state<T, D>(piece, q, sK, sV, pc * kPiece, pos, scale_log2);
+    }
+    __syncwarp();  // every lane is done with this piece's K and V
+    if constexpr (!FP8) {
+      if (next >= 0) load_piece<T, D>(sK, sV, next * kPiece, kv_len, lane, 32, any);
+      cp_async_commit();
+      cp_async_commit();
+    }
+    if (spread) store_partial<D>(parts + int64_t(pc) * kStride, piece);
+    else merge<D>(run, piece, 0, pc == 0);
+  }
+}
+
 template <class T, int D, bool FP8>
 __global__ void __launch_bounds__(kDecodeWarps * 32)
     decode_tiles_kernel(T* __restrict__ out, const T* qkv, PagedKv<T> kv, Fp8Kv f8,
@@ -99,6 +181,7 @@ __global__ void __launch_bounds__(kDecodeWarps * 32)
   const T* q_row = qkv + int64_t(s) * 3 * C + int64_t(h) * D;
   const T* new_k = q_row + C;
   const T* new_v = q_row + 2 * C;
+  const DecodeRow<T> row{s, h, kv_len, t_new, new_k, new_v};
   auto cached = [&](int t, const T*& k, const T*& v) {
     if (t == t_new) return false;
     k = kv.key(s, h, t), v = kv.value(s, h, t);
@@ -128,25 +211,7 @@ __global__ void __launch_bounds__(kDecodeWarps * 32)
   }
   cp_async_commit();
   cp_async_commit();  // an empty group: one group per piece, the newest always empty at a wait
-  if (z == 0) {  // the fused append
-    if constexpr (FP8) {
-      uint8_t* kd = f8.kv.k + f8.kv.offset(s, h, t_new);
-      uint8_t* vd = f8.kv.v + f8.kv.offset(s, h, t_new);
-      for (int d = lane; d < D; d += 32) kd[d] = quantize_one(to_float(new_k[d]), s_new[0]), vd[d] = quantize_one(to_float(new_v[d]), s_new[1]);
-      if (lane == 0) {
-        const int64_t o = f8.scale_offset(s, h, t_new);
-        const_cast<float*>(f8.ks)[o] = s_new[0];
-        const_cast<float*>(f8.vs)[o] = s_new[1];
-      }
-    } else {
-      T* kd = kv.k + kv.offset(s, h, t_new);
-      T* vd = kv.v + kv.offset(s, h, t_new);
-      for (int d = lane * 8; d < D; d += 32 * 8) {
-        *reinterpret_cast<uint4*>(kd + d) = *reinterpret_cast<const uint4*>(new_k + d);
-        *reinterpret_cast<uint4*>(vd + d) = *reinterpret_cast<const uint4*>(new_v + d);
-      }
-    }
-  }
+  if (z == 0) append_new_token<T, D, FP8>(kv, f8, row, s_new, lane);
 
   uint32_t q[D / 16][4];
   load_q<D>(q, (lane >> 2) == 0 ? q_row : nullptr, nullptr);
@@ -154,43 +219,9 @@ __global__ void __launch_bounds__(kDecodeWarps * 32)
   const bool spread = Z > 1 && pieces > 1;
   constexpr int kStride = D + 4;  // floats per piece state {m, l, O[D], pad}: 16-byte aligned
   float* parts = partial + (int64_t(s) * n_head + h) * max_pieces * kStride;
-
-  // One group in flight per piece, the next piece's issued as soon as this one's is in the
-  // tile: bf16/fp16 after its P V has read the tile, FP8 right after the dequantisation.
-  // (Loading the next K during this piece's P V measured slower on the H100: 89% of the
-  // floor against 96% at batch 256.)
-  TileState<D> run, piece;
-  for (int pc = z; pc < pieces; pc += Z) {
-    const int next = pc + Z < pieces ? pc + Z : -1;
-    cp_async_wait<1>();  // all but the newest group: this piece's (the newest is empty)
-    __syncwarp();
-    if constexpr (FP8) {
-      // K dequantised into the tile, the scores, then V into the same rows; the next piece
-      // loads from then on, during P V. (Loading the next K as soon as this K was dequantised,
-      // V after, measured slower on the H100: 5,910 against 5,548 us at batch 256 and 4,096.)
-      dequant_piece<T, D>(sK, nullptr, st, pc * kPiece, lane, 32, t_new, new_k, new_v, s_new);
-      __syncwarp();
-      uint32_t p[4][4];
-      piece_scores<T, D>(piece, p, q, sK, pc * kPiece, pos, scale_log2);
-      __syncwarp();  // every lane is done with K: V takes its rows
-      dequant_piece<T, D>(nullptr, sV, st, pc * kPiece, lane, 32, t_new, new_k, new_v, s_new);
-      __syncwarp();  // the staging is free
-      if (next >= 0) load_piece_fp8<D>(st, f8, s, h, next * kPiece, kv_len, lane, 32, is_new);
-      cp_async_commit();
-      cp_async_commit();
-      piece_values<T, D>(piece, p, sV);
-    } else {
-      piece_state<T, D>(piece, q, sK, sV, pc * kPiece, pos, scale_log2);
-    }
-    __syncwarp();  // every lane is done with this piece's K and V
-    if constexpr (!FP8) {
-      if (next >= 0) load_piece<T, D>(sK, sV, next * kPiece, kv_len, lane, 32, any);
-      cp_async_commit();
-      cp_async_commit();
-    }
-    if (spread) store_partial<D>(parts + int64_t(pc) * kStride, piece);
-    else merge<D>(run, piece, 0, pc == 0);
-  }
+  TileState<D> run;
+  decode_pieces<T, D, FP8>(run, parts, spread, sK, sV, st, f8, row, q, pos, s_new, z, Z, pieces, lane, scale_log2, any,
+                           is_new);
   cp_async_wait<0>();
   T* o = out + int64_t(s) * C + int64_t(h) * D;
   if (!spread) {

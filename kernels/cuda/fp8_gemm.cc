@@ -87,6 +87,9 @@ struct Gemm::Fp8State {
   std::map<Key, Anchor> anchors;              // key with T = 0
   std::map<Key, const Plan*> timed_buckets;  // fast mode: key with T = its bucket -> the timed plan
   std::map<Key, const Plan*> det_buckets;    // deterministic mode: the same, among the anchor's class
+
+  struct Call;
+  void reserve_workspace(size_t need, bool capturing);
 };
 
 void Gemm::Fp8StateDeleter::operator()(Fp8State* s) const { delete s; }
@@ -125,12 +128,10 @@ std::string shape_text(int64_t T_, int64_t K, int64_t N) {
   return "T=" + std::to_string(T_) + " K=" + std::to_string(K) + " N=" + std::to_string(N);
 }
 
-}  // namespace
-
-template <class T>
-void Gemm::run_fp8(T* out, const T* in, const uint8_t* w, const float* w_scales, const T* bias, int64_t T_, int64_t K,
-                   int64_t N, GemmAct act, cudaStream_t stream) {
-  static_assert(std::is_same_v<T, __half> || std::is_same_v<T, __nv_bfloat16>, "T is __half or __nv_bfloat16");
+// Throws unless run_fp8 can run the problem: no null pointer, T, K and N in range, cuBLASLt's
+// FP8 multiples of 16 and 16-byte alignment.
+void check_fp8_arguments(const void* out, const void* in, const void* w, const void* w_scales, int64_t T_, int64_t K,
+                         int64_t N) {
   std::string missing;
   for (auto [p, name] : {std::pair<const void*, const char*>{out, "out"}, {in, "in"}, {w, "w"}, {w_scales, "w_scales"}})
     if (p == nullptr) missing += std::string(missing.empty() ? "" : ", ") + name;
@@ -141,34 +142,233 @@ void Gemm::run_fp8(T* out, const T* in, const uint8_t* w, const float* w_scales,
     throw Error("fp8 gemm: K and N must be multiples of 16 for cuBLASLt's FP8 products (" + shape_text(T_, K, N) + ")");
   if (lt_alignment(out) < 16 || lt_alignment(w) < 16 || lt_alignment(in) < 16)
     throw Error("fp8 gemm: out, in and w must be 16-byte aligned");
+}
+
+// The most rows whose FP8 workspace fits in `bytes`.
+int64_t rows_fitting(size_t bytes, int64_t K, int64_t N) {
+  int64_t r = int64_t(bytes / size_t(K + 4 + 4 * N));
+  while (r > 0 && Gemm::fp8_workspace_bytes(r, K, N) > bytes) --r;
+  return r;
+}
+
+bool stream_capturing(cudaStream_t stream) {
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
+  return capture != cudaStreamCaptureStatusNone;
+}
+
+// The parts of the FP8 workspace (layout at the top of this file) for `rows` rows.
+struct Fp8WorkspaceParts {
+  float* sums;  // rows x N fp32
+  uint8_t* qa;  // rows x K E4M3
+  float* sa;    // rows fp32 row scales
+};
+
+Fp8WorkspaceParts carve_fp8_workspace(void* workspace, int64_t rows, int64_t K, int64_t N) {
+  auto* base = reinterpret_cast<uint8_t*>(align_up(int64_t(reinterpret_cast<uintptr_t>(workspace)), 256));
+  float* sums = reinterpret_cast<float*>(base);
+  uint8_t* qa = base + align_up(rows * N * 4, 256);
+  float* sa = reinterpret_cast<float*>(qa + align_up(rows * K, 256));
+  return {sums, qa, sa};
+}
+
+}  // namespace
+
+// One run_fp8 call: its problem (key, with T set per plan), where its sums and quantised rows
+// live, and the choice of the plan for each block of rows.
+struct Gemm::Fp8State::Call {
+  Gemm& gemm;
+  Fp8State& s;
+  Key key;
+  bool capturing;
+  int64_t rows_per_call;
+  const uint8_t* w;
+  const uint8_t* qa;
+  float* sums;
+  cudaStream_t stream;
+
+  uint64_t ws() const { return gemm.workspace_.bytes(); }
+
+  cublasStatus_t matmul(const Fp8Problem& p, const cublasLtMatmulAlgo_t& algo) const {
+    const float alpha = 1.f, beta = 0.f;
+    return cublasLtMatmul(gemm.lt_, p.desc, &alpha, w, p.a, qa, p.b, &beta, sums, p.d, sums, p.d, &algo,
+                          gemm.workspace_.get(), gemm.workspace_.bytes(), stream);
+  }
+
+  // One call of `algo` on this call's first rows (already quantised), outside graph capture:
+  // cuBLASLt may accept an algorithm in the heuristic and refuse it in the call. Its sums are
+  // overwritten by the real call that follows.
+  bool trial(const cublasLtMatmulAlgo_t& algo) const {
+    if (capturing) return true;
+    Fp8Problem p(rows_per_call, key.K, key.N, gemm.options_.fp8_fast_accum);
+    return lt_accepts(gemm.lt_, p, algo, ws()) && matmul(p, algo) == CUBLAS_STATUS_SUCCESS;
+  }
+
+  const Plan& keep(const Key& k, std::unique_ptr<Plan> plan) { return *s.plans.emplace(k, std::move(plan)).first->second; }
+
+  // Whether `algo` takes every T of kProbeRows.
+  bool accepts_every_probe(const cublasLtMatmulAlgo_t& algo) const {
+    for (int64_t t : kProbeRows) {
+      Fp8Problem pt(t, key.K, key.N, gemm.options_.fp8_fast_accum);
+      if (!lt_accepts(gemm.lt_, pt, algo, ws())) return false;
+    }
+    return true;
+  }
+
+  // Deterministic mode: the shape's fixed algorithm (chosen once, without timing).
+  const Anchor& anchor() {
+    const int64_t K = key.K, N = key.N;
+    Key ak = key;
+    ak.T = 0;
+    if (auto it = s.anchors.find(ak); it != s.anchors.end()) return it->second;
+    Fp8Problem p(kFp8AnchorRows, K, N, gemm.options_.fp8_fast_accum);
+    const auto results = lt_proposals(gemm.lt_, p, key.align, ws(), kHeuristicResults);
+    for (const auto& r : results) {
+      cublasLtMatmulAlgo_t algo = r.algo;
+      // The same kernel without the split, if cuBLASLt takes it.
+      if (lt_splits_k(algo) && !lt_unsplit(algo)) continue;
+      if (!accepts_every_probe(algo) || !trial(algo)) continue;
+      Anchor a{algo, lt_algo_name(algo) + " (fixed for every T)"};
+      return s.anchors.emplace(ak, a).first->second;
+    }
+    const std::string shape = "K=" + std::to_string(K) + " N=" + std::to_string(N) +
+                              " (E4M3 x E4M3 -> fp32 sums, T=" + std::to_string(kFp8AnchorRows) + ")";
+    if (results.empty()) throw Error("fp8 gemm: cuBLASLt proposes no FP8 algorithm for " + shape);
+    throw Error("fp8 gemm: none of the " + std::to_string(results.size()) + " FP8 algorithms cuBLASLt proposes for " +
+                shape + " runs without a split along K, accepts every T from 1 to " +
+                std::to_string(kProbeRows[std::size(kProbeRows) - 1]) + " and completes a first call");
+  }
+
+  // The plan for `rows` rows, made the first time.
+  const Plan& plan(int64_t rows) {
+    Key k = key;
+    k.T = rows;
+    if (auto it = s.plans.find(k); it != s.plans.end()) return *it->second;
+    auto plan = std::make_unique<Plan>();
+    plan->problem = std::make_unique<Fp8Problem>(rows, key.K, key.N, gemm.options_.fp8_fast_accum);
+    return gemm.options_.deterministic ? deterministic_plan(k, std::move(plan)) : fast_plan(k, std::move(plan));
+  }
+
+  // Another T of k's bucket was timed (`timed`): its algorithm, if cuBLASLt takes it here.
+  bool reuse_bucket_plan(const std::map<Key, const Plan*>& timed, const Key& bk, Plan& plan) const {
+    auto it = timed.find(bk);
+    if (it == timed.end() || !lt_accepts(gemm.lt_, *plan.problem, it->second->algo, ws())) return false;
+    plan.algo = it->second->algo;
+    plan.choice = "as its bucket's timed plan (" + it->second->choice + ")";
+    return true;
+  }
+
+  // Deterministic mode: the anchor, or an algorithm that gives its bits.
+  const Plan& deterministic_plan(const Key& k, std::unique_ptr<Plan> plan) {
+    const Anchor& a = anchor();
+    if (!lt_accepts(gemm.lt_, *plan->problem, a.algo, ws()))
+      throw Error("fp8 gemm: the fixed algorithm of K=" + std::to_string(key.K) + " N=" + std::to_string(key.N) +
+                  " refuses T=" + std::to_string(k.T));
+    plan->algo = a.algo;
+    plan->choice = a.choice;
+    // Another T of this bucket was timed: its algorithm, if cuBLASLt takes it here (it gave
+    // the anchor's bits there; unsplit FP8 algorithms are one class, docs/PERFORMANCE.md).
+    Key bk = bucket_of(k);
+    if (reuse_bucket_plan(s.det_buckets, bk, *plan)) return keep(k, std::move(plan));
+    if (!gemm.options_.tuning || capturing) return keep(k, std::move(plan));
+    const std::vector<cublasLtMatmulAlgo_t> held = anchor_class(*plan->problem, k.T, a.algo);
+    float best = -1.f;
+    for (const cublasLtMatmulAlgo_t& algo : held) {
+      const float ms = gemm.time_ms(stream, [&] { return matmul(*plan->problem, algo) == CUBLAS_STATUS_SUCCESS; });
+      if (ms >= 0 && (best < 0 || ms < best)) best = ms, plan->algo = algo;
+    }
+    plan->ms = best;
+    plan->choice = lt_algo_name(plan->algo) + " (timed among " + std::to_string(held.size()) +
+                   " with the anchor's bits; anchor " + lt_algo_name(a.algo) + ")";
+    const Plan& chosen = keep(k, std::move(plan));
+    s.det_buckets.emplace(bk, &chosen);
+    return chosen;
+  }
+
+  // The anchor and the unsplit proposals for problem `p` (`rows` rows) that give this call's
+  // rows the anchor's sums bit for bit (the sums of every row, on the caller's own quantised
+  // rows): the algorithms deterministic mode times.
+  std::vector<cublasLtMatmulAlgo_t> anchor_class(const Fp8Problem& p, int64_t rows,
+                                                 const cublasLtMatmulAlgo_t& anchor_algo) const {
+    const size_t sum_bytes = size_t(rows * key.N) * sizeof(float);
+    std::vector<unsigned char> want(sum_bytes), got(sum_bytes);
+    CUDA_CHECK(matmul(p, anchor_algo));
+    CUDA_CHECK(cudaMemcpyAsync(want.data(), sums, sum_bytes, cudaMemcpyDeviceToHost, stream));
+    CUDA_CHECK(cudaStreamSynchronize(stream));
+    std::vector<cublasLtMatmulAlgo_t> held{anchor_algo};
+    for (const auto& r : lt_proposals(gemm.lt_, p, key.align, ws(), kHeuristicResults)) {
+      cublasLtMatmulAlgo_t algo = r.algo;
+      if (held.size() >= size_t(kMaxCandidates)) break;
+      if ((lt_splits_k(algo) && !lt_unsplit(algo)) || !lt_accepts(gemm.lt_, p, algo, ws())) continue;
+      if (matmul(p, algo) != CUBLAS_STATUS_SUCCESS) continue;
+      CUDA_CHECK(cudaMemcpyAsync(got.data(), sums, sum_bytes, cudaMemcpyDeviceToHost, stream));
+      CUDA_CHECK(cudaStreamSynchronize(stream));
+      if (std::memcmp(got.data(), want.data(), sum_bytes) == 0) held.push_back(algo);
+    }
+    return held;
+  }
+
+  // Fast mode: the bucket's timed algorithm, else the heuristic's proposals timed.
+  const Plan& fast_plan(const Key& k, std::unique_ptr<Plan> plan) {
+    const int64_t rows = k.T;
+    Key bk = bucket_of(k);
+    if (reuse_bucket_plan(s.timed_buckets, bk, *plan)) return keep(k, std::move(plan));
+    const auto results = lt_proposals(gemm.lt_, *plan->problem, key.align, ws(), kHeuristicResults);
+    if (results.empty())
+      throw Error("fp8 gemm: cuBLASLt offers no FP8 algorithm (E4M3 x E4M3 -> fp32) for " +
+                  shape_text(rows, key.K, key.N));
+    if (!gemm.options_.tuning || capturing || results.size() == 1) {
+      plan->algo = results[0].algo;
+      plan->choice = lt_algo_name(results[0].algo) + " (heuristic #0, untimed)";
+      return keep(k, std::move(plan));
+    }
+    // Timed on the caller's buffers: the activations are quantised already (run_fp8).
+    float best = -1.f;
+    size_t best_i = 0;
+    for (size_t i = 0; i < results.size() && i < size_t(kMaxCandidates); ++i) {
+      const float ms =
+          gemm.time_ms(stream, [&] { return matmul(*plan->problem, results[i].algo) == CUBLAS_STATUS_SUCCESS; });
+      if (ms >= 0 && (best < 0 || ms < best)) best = ms, best_i = i;
+    }
+    if (best < 0) throw Error("fp8 gemm: every cuBLASLt candidate failed for " + shape_text(rows, key.K, key.N));
+    plan->algo = results[best_i].algo;
+    plan->ms = best;
+    plan->choice =
+        lt_algo_name(plan->algo) + " (#" + std::to_string(best_i) + " of " + std::to_string(results.size()) + ")";
+    const Plan& chosen = keep(k, std::move(plan));
+    s.timed_buckets.emplace(bk, &chosen);
+    return chosen;
+  }
+};
+
+// The FP8 workspace for `need` bytes: the Gemm's own is (re)allocated when there is none, or
+// when it is too small and the stream is not being captured.
+void Gemm::Fp8State::reserve_workspace(size_t need, bool capturing) {
+  if (workspace == nullptr || (owned.get() != nullptr && workspace_bytes < need && !capturing)) {
+    if (capturing) throw Error("fp8 gemm: no FP8 workspace, and none can be allocated during graph capture");
+    owned = DeviceBuffer();
+    owned = device_alloc(std::max(need, size_t(4) << 20), "gemm", "FP8 workspace");
+    workspace = owned.get(), workspace_bytes = owned.bytes();
+  }
+}
+
+template <class T>
+void Gemm::run_fp8(T* out, const T* in, const uint8_t* w, const float* w_scales, const T* bias, int64_t T_, int64_t K,
+                   int64_t N, GemmAct act, cudaStream_t stream) {
+  static_assert(std::is_same_v<T, __half> || std::is_same_v<T, __nv_bfloat16>, "T is __half or __nv_bfloat16");
+  check_fp8_arguments(out, in, w, w_scales, T_, K, N);
   check_device();
   Fp8State& s = fp8_state();
 
   // The workspace (layout at the top of this file), sized for rows_per_call rows.
-  auto rows_fitting = [&](size_t bytes) {
-    int64_t r = int64_t(bytes / size_t(K + 4 + 4 * N));
-    while (r > 0 && fp8_workspace_bytes(r, K, N) > bytes) --r;
-    return r;
-  };
-  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-  CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
-  const bool capturing = capture != cudaStreamCaptureStatusNone;
-  const size_t need = fp8_workspace_bytes(T_, K, N);
-  if (s.workspace == nullptr || (s.owned.get() != nullptr && s.workspace_bytes < need && !capturing)) {
-    if (capturing) throw Error("fp8 gemm: no FP8 workspace, and none can be allocated during graph capture");
-    s.owned = DeviceBuffer();
-    s.owned = device_alloc(std::max(need, size_t(4) << 20), "gemm", "FP8 workspace");
-    s.workspace = s.owned.get(), s.workspace_bytes = s.owned.bytes();
-  }
-  const int64_t rows_per_call = std::min(T_, rows_fitting(s.workspace_bytes));
+  const bool capturing = stream_capturing(stream);
+  s.reserve_workspace(fp8_workspace_bytes(T_, K, N), capturing);
+  const int64_t rows_per_call = std::min(T_, rows_fitting(s.workspace_bytes, K, N));
   if (rows_per_call <= 0)
     throw Error("fp8 gemm: the FP8 workspace (" + std::to_string(s.workspace_bytes) +
                 " bytes) cannot hold a row of K=" + std::to_string(K) + " N=" + std::to_string(N) + " (" +
                 std::to_string(fp8_workspace_bytes(1, K, N)) + " bytes)");
-  auto* base = reinterpret_cast<uint8_t*>(align_up(int64_t(reinterpret_cast<uintptr_t>(s.workspace)), 256));
-  float* sums = reinterpret_cast<float*>(base);
-  uint8_t* qa = base + align_up(rows_per_call * N * 4, 256);
-  float* sa = reinterpret_cast<float*>(qa + align_up(rows_per_call * K, 256));
+  const Fp8WorkspaceParts parts = carve_fp8_workspace(s.workspace, rows_per_call, K, N);
 
   // The cuBLASLt problem does not depend on the bias, the activation or out (the epilogue is
   // ours): one plan for all of them.
@@ -178,146 +378,15 @@ void Gemm::run_fp8(T* out, const T* in, const uint8_t* w, const float* w_scales,
   key.out_type = int(CUDA_R_32F);
   key.align = lt_alignment(w);
   key.K = K, key.N = N;
-  const uint64_t ws = workspace_.bytes();
-  const float alpha = 1.f, beta = 0.f;
-  auto matmul = [&](const Fp8Problem& p, const cublasLtMatmulAlgo_t& algo) {
-    return cublasLtMatmul(lt_, p.desc, &alpha, w, p.a, qa, p.b, &beta, sums, p.d, sums, p.d, &algo, workspace_.get(),
-                          workspace_.bytes(), stream);
-  };
-
-  // One call of `algo` on this call's first rows (already quantised), outside graph capture:
-  // cuBLASLt may accept an algorithm in the heuristic and refuse it in the call. Its sums are
-  // overwritten by the real call that follows.
-  auto trial = [&](const cublasLtMatmulAlgo_t& algo) {
-    if (capturing) return true;
-    Fp8Problem p(rows_per_call, K, N, options_.fp8_fast_accum);
-    return lt_accepts(lt_, p, algo, ws) && matmul(p, algo) == CUBLAS_STATUS_SUCCESS;
-  };
-
-  // Deterministic mode: the shape's fixed algorithm (chosen once, without timing).
-  auto anchor_of = [&]() -> const Fp8State::Anchor& {
-    Key ak = key;
-    ak.T = 0;
-    if (auto it = s.anchors.find(ak); it != s.anchors.end()) return it->second;
-    Fp8Problem p(kFp8AnchorRows, K, N, options_.fp8_fast_accum);
-    const auto results = lt_proposals(lt_, p, key.align, ws, kHeuristicResults);
-    for (const auto& r : results) {
-      cublasLtMatmulAlgo_t algo = r.algo;
-      // The same kernel without the split, if cuBLASLt takes it.
-      if (lt_splits_k(algo) && !lt_unsplit(algo)) continue;
-      bool all = true;
-      for (int64_t t : kProbeRows) {
-        Fp8Problem pt(t, K, N, options_.fp8_fast_accum);
-        if (!lt_accepts(lt_, pt, algo, ws)) {
-          all = false;
-          break;
-        }
-      }
-      if (!all || !trial(algo)) continue;
-      Fp8State::Anchor a{algo, lt_algo_name(algo) + " (fixed for every T)"};
-      return s.anchors.emplace(ak, a).first->second;
-    }
-    const std::string shape = "K=" + std::to_string(K) + " N=" + std::to_string(N) +
-                              " (E4M3 x E4M3 -> fp32 sums, T=" + std::to_string(kFp8AnchorRows) + ")";
-    if (results.empty()) throw Error("fp8 gemm: cuBLASLt proposes no FP8 algorithm for " + shape);
-    throw Error("fp8 gemm: none of the " + std::to_string(results.size()) + " FP8 algorithms cuBLASLt proposes for " +
-                shape + " runs without a split along K, accepts every T from 1 to " +
-                std::to_string(kProbeRows[std::size(kProbeRows) - 1]) + " and completes a first call");
-  };
-
-  auto plan_of = [&](int64_t rows) -> const Fp8State::Plan& {
-    Key k = key;
-    k.T = rows;
-    if (auto it = s.plans.find(k); it != s.plans.end()) return *it->second;
-    auto plan = std::make_unique<Fp8State::Plan>();
-    if (options_.deterministic) {
-      const Fp8State::Anchor& a = anchor_of();
-      plan->problem = std::make_unique<Fp8Problem>(rows, K, N, options_.fp8_fast_accum);
-      if (!lt_accepts(lt_, *plan->problem, a.algo, ws))
-        throw Error("fp8 gemm: the fixed algorithm of K=" + std::to_string(K) + " N=" + std::to_string(N) +
-                    " refuses T=" + std::to_string(rows));
-      plan->algo = a.algo;
-      plan->choice = a.choice;
-      // Another T of this bucket was timed: its algorithm, if cuBLASLt takes it here (it gave
-      // the anchor's bits there; unsplit FP8 algorithms are one class, docs/PERFORMANCE.md).
-      Key bk = bucket_of(k);
-      if (auto it = s.det_buckets.find(bk); it != s.det_buckets.end() &&
-                                            lt_accepts(lt_, *plan->problem, it->second->algo, ws)) {
-        plan->algo = it->second->algo;
-        plan->choice = "as its bucket's timed plan (" + it->second->choice + ")";
-        return *s.plans.emplace(k, std::move(plan)).first->second;
-      }
-      if (!options_.tuning || capturing) return *s.plans.emplace(k, std::move(plan)).first->second;
-      // Timed among the unsplit proposals for this T that give this call's rows the anchor's
-      // sums bit for bit (the sums of every row, on the caller's own quantised rows).
-      const size_t sum_bytes = size_t(rows * N) * sizeof(float);
-      std::vector<unsigned char> want(sum_bytes), got(sum_bytes);
-      CUDA_CHECK(matmul(*plan->problem, a.algo));
-      CUDA_CHECK(cudaMemcpyAsync(want.data(), sums, sum_bytes, cudaMemcpyDeviceToHost, stream));
-      CUDA_CHECK(cudaStreamSynchronize(stream));
-      std::vector<cublasLtMatmulAlgo_t> held{a.algo};
-      for (const auto& r : lt_proposals(lt_, *plan->problem, key.align, ws, kHeuristicResults)) {
-        cublasLtMatmulAlgo_t algo = r.algo;
-        if (held.size() >= size_t(kMaxCandidates)) break;
-        if ((lt_splits_k(algo) && !lt_unsplit(algo)) || !lt_accepts(lt_, *plan->problem, algo, ws)) continue;
-        if (matmul(*plan->problem, algo) != CUBLAS_STATUS_SUCCESS) continue;
-        CUDA_CHECK(cudaMemcpyAsync(got.data(), sums, sum_bytes, cudaMemcpyDeviceToHost, stream));
-        CUDA_CHECK(cudaStreamSynchronize(stream));
-        if (std::memcmp(got.data(), want.data(), sum_bytes) == 0) held.push_back(algo);
-      }
-      float best = -1.f;
-      for (const cublasLtMatmulAlgo_t& algo : held) {
-        const float ms = time_ms(stream, [&] { return matmul(*plan->problem, algo) == CUBLAS_STATUS_SUCCESS; });
-        if (ms >= 0 && (best < 0 || ms < best)) best = ms, plan->algo = algo;
-      }
-      plan->ms = best;
-      plan->choice = lt_algo_name(plan->algo) + " (timed among " + std::to_string(held.size()) +
-                     " with the anchor's bits; anchor " + lt_algo_name(a.algo) + ")";
-      const Fp8State::Plan& chosen = *s.plans.emplace(k, std::move(plan)).first->second;
-      s.det_buckets.emplace(bk, &chosen);
-      return chosen;
-    }
-    // Fast mode: another T of this bucket was timed: its algorithm, if cuBLASLt takes it here.
-    Key bk = bucket_of(k);
-    plan->problem = std::make_unique<Fp8Problem>(rows, K, N, options_.fp8_fast_accum);
-    if (auto it = s.timed_buckets.find(bk); it != s.timed_buckets.end() &&
-                                            lt_accepts(lt_, *plan->problem, it->second->algo, ws)) {
-      plan->algo = it->second->algo;
-      plan->choice = "as its bucket's timed plan (" + it->second->choice + ")";
-      return *s.plans.emplace(k, std::move(plan)).first->second;
-    }
-    const auto results = lt_proposals(lt_, *plan->problem, key.align, ws, kHeuristicResults);
-    if (results.empty())
-      throw Error("fp8 gemm: cuBLASLt offers no FP8 algorithm (E4M3 x E4M3 -> fp32) for " + shape_text(rows, K, N));
-    if (!options_.tuning || capturing || results.size() == 1) {
-      plan->algo = results[0].algo;
-      plan->choice = lt_algo_name(results[0].algo) + " (heuristic #0, untimed)";
-      return *s.plans.emplace(k, std::move(plan)).first->second;
-    }
-    // Timed on the caller's buffers: the activations are quantised already (below).
-    float best = -1.f;
-    size_t best_i = 0;
-    for (size_t i = 0; i < results.size() && i < size_t(kMaxCandidates); ++i) {
-      const float ms =
-          time_ms(stream, [&] { return matmul(*plan->problem, results[i].algo) == CUBLAS_STATUS_SUCCESS; });
-      if (ms >= 0 && (best < 0 || ms < best)) best = ms, best_i = i;
-    }
-    if (best < 0) throw Error("fp8 gemm: every cuBLASLt candidate failed for " + shape_text(rows, K, N));
-    plan->algo = results[best_i].algo;
-    plan->ms = best;
-    plan->choice =
-        lt_algo_name(plan->algo) + " (#" + std::to_string(best_i) + " of " + std::to_string(results.size()) + ")";
-    const Fp8State::Plan& chosen = *s.plans.emplace(k, std::move(plan)).first->second;
-    s.timed_buckets.emplace(bk, &chosen);
-    return chosen;
-  };
+  Fp8State::Call call{.gemm = *this, .s = s, .key = key, .capturing = capturing, .rows_per_call = rows_per_call,
+                      .w = w, .qa = parts.qa, .sums = parts.sums, .stream = stream};
 
   for (int64_t r0 = 0; r0 < T_; r0 += rows_per_call) {
     const int64_t rows = std::min(rows_per_call, T_ - r0);
-    quantize_rows_fp8<T>(qa, sa, in + r0 * K, rows, K, stream);
-    const Fp8State::Plan& plan = plan_of(rows);
-    CUDA_CHECK(matmul(*plan.problem, plan.algo));
-    fp8_scale_epilogue<T>(out + r0 * N, sums, sa, w_scales, bias, rows, N, int(act), stream);
+    quantize_rows_fp8<T>(parts.qa, parts.sa, in + r0 * K, rows, K, stream);
+    const Fp8State::Plan& plan = call.plan(rows);
+    CUDA_CHECK(call.matmul(*plan.problem, plan.algo));
+    fp8_scale_epilogue<T>(out + r0 * N, parts.sums, parts.sa, w_scales, bias, rows, N, int(act), stream);
   }
 }
 

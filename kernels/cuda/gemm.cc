@@ -52,6 +52,23 @@ struct Gemm::Plan : LtDescriptors {  // the cuBLASLt descriptors when cuBLASLt r
   cublasLtMatmulAlgo_t algo{};
   float ms = -1.f;  // measured time of the choice; -1: untimed
   std::string choice;
+
+  // Untimed: the GEMV for tiny T (it is built for that case), else the heuristic's first.
+  void choose_untimed(const std::vector<cublasLtMatmulHeuristicResult_t>& results, bool gemv_ok, int64_t T) {
+    if (gemv_ok && (results.empty() || T <= 4)) {
+      use_gemv = true;
+      choice = "gemv (untimed)";
+    } else {
+      algo = results[0].algo;
+      choice = "cublasLt heuristic #0 (untimed)";
+    }
+  }
+
+  // Times each of `results` (and the GEMV when gemv_ok) on the caller's buffers and keeps the
+  // fastest. `out` is overwritten; the caller's run follows.
+  void choose_timed(Gemm& g, const Key& key, const std::vector<cublasLtMatmulHeuristicResult_t>& results,
+                    bool gemv_ok, const void* out, const void* in, const void* w, const void* bias,
+                    cudaStream_t stream);
 };
 
 namespace {
@@ -159,51 +176,48 @@ Gemm::Plan& Gemm::plan_for(const Key& key, const void* out, const void* in, cons
   const bool timed = options_.tuning && capture == cudaStreamCaptureStatusNone && (found + int(gemv_ok)) > 1;
 
   if (!timed) {
-    // Untimed: the GEMV for tiny T (it is built for that case), else the heuristic's first.
-    if (gemv_ok && (found == 0 || key.T <= 4)) {
-      plan->use_gemv = true;
-      plan->choice = "gemv (untimed)";
-    } else {
-      plan->algo = results[0].algo;
-      plan->choice = "cublasLt heuristic #0 (untimed)";
-    }
+    plan->choose_untimed(results, gemv_ok, key.T);
     return *plans_.emplace(key, std::move(plan)).first->second;
   }
+  plan->choose_timed(*this, key, results, gemv_ok, out, in, w, bias, stream);
+  Plan& chosen = *plans_.emplace(key, std::move(plan)).first->second;
+  timed_buckets_.emplace(bucket_of(key), &chosen);
+  return chosen;
+}
 
-  // Time each candidate on the caller's buffers. `out` is overwritten; the caller's run follows.
-  auto time_it = [&](const std::function<bool()>& fn) { return time_ms(stream, fn); };
-
+void Gemm::Plan::choose_timed(Gemm& g, const Key& key, const std::vector<cublasLtMatmulHeuristicResult_t>& results,
+                              bool gemv_ok, const void* out, const void* in, const void* w, const void* bias,
+                              cudaStream_t stream) {
+  auto time_it = [&](const std::function<bool()>& fn) { return g.time_ms(stream, fn); };
+  const int found = int(results.size());
   float best = -1.f;
   int best_index = -2;  // -1: gemv, >= 0: heuristic result
   const float alpha = 1.f, beta = 0.f;
   for (int i = 0; i < found; ++i) {
-    const float ms = time_it([&] {
-      const cublasStatus_t s = cublasLtMatmul(lt_, plan->desc, &alpha, w, plan->a, in, plan->b, &beta, out,
-                                              plan->d, const_cast<void*>(out), plan->d, &results[i].algo,
-                                              workspace_.get(), workspace_.bytes(), stream);
+    const float elapsed = time_it([&] {
+      const cublasStatus_t s = cublasLtMatmul(g.lt_, desc, &alpha, w, a, in, b, &beta, out, d,
+                                              const_cast<void*>(out), d, &results[i].algo, g.workspace_.get(),
+                                              g.workspace_.bytes(), stream);
       return s == CUBLAS_STATUS_SUCCESS;
     });
-    if (ms >= 0 && (best < 0 || ms < best)) best = ms, best_index = i;
+    if (elapsed >= 0 && (best < 0 || elapsed < best)) best = elapsed, best_index = i;
   }
   if (gemv_ok) {
-    const float ms = time_it([&] {
-      execute_gemv_for_timing(key, const_cast<void*>(out), in, w, bias, stream);
+    const float elapsed = time_it([&] {
+      g.execute_gemv_for_timing(key, const_cast<void*>(out), in, w, bias, stream);
       return true;
     });
-    if (best < 0 || ms < best) best = ms, best_index = -1;
+    if (best < 0 || elapsed < best) best = elapsed, best_index = -1;
   }
   if (best_index == -2) throw Error("gemm: every cuBLASLt candidate failed for T=" + std::to_string(key.T));
-  plan->ms = best;
+  ms = best;
   if (best_index == -1) {
-    plan->use_gemv = true;
-    plan->choice = "gemv";
+    use_gemv = true;
+    choice = "gemv";
   } else {
-    plan->algo = results[best_index].algo;
-    plan->choice = "cublasLt #" + std::to_string(best_index) + " of " + std::to_string(found);
+    algo = results[best_index].algo;
+    choice = "cublasLt #" + std::to_string(best_index) + " of " + std::to_string(found);
   }
-  Plan& chosen = *plans_.emplace(key, std::move(plan)).first->second;
-  timed_buckets_.emplace(bucket_of(key), &chosen);
-  return chosen;
 }
 
 void Gemm::check_device() const {

@@ -120,6 +120,9 @@ struct Gemm::SeqState {
   std::map<Key, SeqFamily> families;  // key with T = 0
   std::map<Key, std::unique_ptr<SeqPlan>> plans;
   std::map<Key, const SeqPlan*> timed_buckets;  // key with T = its bucket
+
+  template <class T, class OutT>
+  struct Call;
 };
 
 void Gemm::SeqStateDeleter::operator()(SeqState* s) const { delete s; }
@@ -243,6 +246,101 @@ int Gemm::seq_admit(SeqFamily& f, const cublasLtMatmulAlgo_t& algo, const void* 
   return int(f.members.size()) - 1;
 }
 
+// One run_sequential call: the caller's buffers and shape, and its family's members.
+template <class T, class OutT>
+struct Gemm::SeqState::Call {
+  Gemm& gemm;
+  SeqFamily& f;
+  OutT* out;
+  const T* in;
+  const T* w;
+  const T* bias;
+  int64_t T_, K, N;
+  GemmAct act;
+  cudaStream_t stream;
+
+  // Runs plan `p`: the sequential GEMV, or a member with the activation after it.
+  bool launch(const SeqPlan& p) const {
+    if (p.member == kGemv) {
+      detail::gemv_seq<T, OutT>(out, in, w, bias, T_, K, N, act, stream);
+      return true;
+    }
+    if (!seq_matmul(gemm.lt_, *p.problem, f.members[size_t(p.member)], w, bias, in, out, gemm.workspace_, stream))
+      return false;
+    if constexpr (!std::is_same_v<OutT, float>) {
+      if (act != GemmAct::None)
+        add_bias_gelu<T>(out, bias, T_, N, act == GemmAct::GeluTanh ? Activation::GeluNew : Activation::Gelu, stream);
+    }
+    return true;
+  }
+
+  std::string name(int m) const {
+    return m == kGemv ? std::string("sequential GEMV") : lt_algo_name(f.members[size_t(m)]) + (m == 0 ? " (canonical)" : "");
+  }
+
+  // The plan for `key` (this call's T), made the first time.
+  std::unique_ptr<SeqPlan> make_plan(const Key& key, bool gemv_ok, bool capturing) const {
+    const uint64_t ws = gemm.workspace_.bytes();
+    auto plan = std::make_unique<SeqPlan>();
+    const bool bias_epi = key.has_bias && act == GemmAct::None;
+    plan->problem = std::make_unique<SeqProblem>(key.in_type, key.out_type, T_, K, N, bias_epi);
+    const bool timed = gemm.options_.tuning && !capturing;
+    // Another T of this bucket was timed: its choice, if it runs this T.
+    if (auto b = gemm.seq_->timed_buckets.find(bucket_of(key)); b != gemm.seq_->timed_buckets.end()) {
+      const int m = b->second->member;
+      if ((m == kGemv && gemv_ok) || (m >= 0 && lt_accepts(gemm.lt_, *plan->problem, f.members[size_t(m)], ws))) {
+        plan->member = m;
+        plan->choice = "as its bucket's timed plan (" + b->second->choice + ")";
+      }
+    }
+    if (plan->choice.empty()) choose(*plan, candidates(*plan->problem, key.align, gemv_ok, timed), timed);
+    return plan;
+  }
+
+  // The members (and kGemv) that run problem `p` with the canonical's bits; when `timed`, the
+  // unsplit proposals for `p` are probed and admitted to the family first.
+  std::vector<int> candidates(const SeqProblem& p, int align, bool gemv_ok, bool timed) const {
+    const uint64_t ws = gemm.workspace_.bytes();
+    std::vector<int> candidates;  // member indices, kGemv
+    if (gemv_ok) candidates.push_back(kGemv);
+    if (lt_accepts(gemm.lt_, p, f.members[0], ws)) candidates.push_back(0);
+    if (timed) {
+      for (const auto& r : lt_proposals(gemm.lt_, p, align, ws, kSeqProposals)) {
+        cublasLtMatmulAlgo_t algo = r.algo;
+        if (lt_splits_k(algo) && !lt_unsplit(algo)) continue;
+        if (!lt_accepts(gemm.lt_, p, algo, ws)) continue;
+        const int m = gemm.seq_admit(f, algo, w, bias, stream);
+        if (m >= 0 && std::find(candidates.begin(), candidates.end(), m) == candidates.end()) candidates.push_back(m);
+      }
+    }
+    if (candidates.empty())
+      throw Error("gemm: no sequential-order plan runs T=" + std::to_string(T_) + " K=" + std::to_string(K) +
+                  " N=" + std::to_string(N) + " (the canonical algorithm refuses it)");
+    return candidates;
+  }
+
+  // Sets plan's member: the first candidate untimed, else the fastest on the caller's buffers.
+  void choose(SeqPlan& plan, const std::vector<int>& candidates, bool timed) const {
+    SeqPlan trial;
+    trial.problem = std::move(plan.problem);
+    if (!timed || candidates.size() == 1) {
+      plan.member = candidates[0];
+      plan.choice = name(candidates[0]) + " (untimed)";
+    } else {
+      float best = -1.f;
+      for (int m : candidates) {
+        trial.member = m;
+        const float ms = gemm.time_ms(stream, [&] { return launch(trial); });
+        if (ms >= 0 && (best < 0 || ms < best)) best = ms, plan.member = m;
+      }
+      if (best < 0) throw Error("gemm: every sequential-order candidate failed for T=" + std::to_string(T_));
+      plan.ms = best;
+      plan.choice = name(plan.member) + " of " + std::to_string(candidates.size());
+    }
+    plan.problem = std::move(trial.problem);
+  }
+};
+
 template <class T, class OutT>
 bool Gemm::run_sequential(OutT* out, const T* in, const T* w, const T* bias, int64_t T_, int64_t K, int64_t N,
                           GemmAct act, cudaStream_t stream) {
@@ -257,80 +355,21 @@ bool Gemm::run_sequential(OutT* out, const T* in, const T* w, const T* bias, int
   SeqFamily& f = seq_family<T, OutT>(key, w, bias, stream);
   if (!f.usable) return false;
   key.T = T_;
-  const uint64_t ws = workspace_.bytes();
   const bool gemv_ok = f.gemv && detail::gemv_seq_supported(T_, K, N, in, w);
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
   CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
   const bool capturing = capture != cudaStreamCaptureStatusNone;
-  auto launch = [&](const SeqPlan& p) {
-    if (p.member == kGemv) {
-      detail::gemv_seq<T, OutT>(out, in, w, bias, T_, K, N, act, stream);
-      return true;
-    }
-    if (!seq_matmul(lt_, *p.problem, f.members[size_t(p.member)], w, bias, in, out, workspace_, stream)) return false;
-    if constexpr (!std::is_same_v<OutT, float>) {
-      if (act != GemmAct::None)
-        add_bias_gelu<T>(out, bias, T_, N, act == GemmAct::GeluTanh ? Activation::GeluNew : Activation::Gelu, stream);
-    }
-    return true;
-  };
+  const SeqState::Call<T, OutT> call{.gemm = *this, .f = f, .out = out, .in = in, .w = w, .bias = bias,
+                                     .T_ = T_, .K = K, .N = N, .act = act, .stream = stream};
 
   auto it = seq_->plans.find(key);
   if (it == seq_->plans.end()) {
-    auto plan = std::make_unique<SeqPlan>();
-    const bool bias_epi = key.has_bias && act == GemmAct::None;
-    plan->problem = std::make_unique<SeqProblem>(key.in_type, key.out_type, T_, K, N, bias_epi);
-    const bool timed = options_.tuning && !capturing;
-    // Another T of this bucket was timed: its choice, if it runs this T.
-    if (auto b = seq_->timed_buckets.find(bucket_of(key)); b != seq_->timed_buckets.end()) {
-      const int m = b->second->member;
-      if ((m == kGemv && gemv_ok) || (m >= 0 && lt_accepts(lt_, *plan->problem, f.members[size_t(m)], ws))) {
-        plan->member = m;
-        plan->choice = "as its bucket's timed plan (" + b->second->choice + ")";
-      }
-    }
-    if (plan->choice.empty()) {
-      std::vector<int> candidates;  // member indices, kGemv
-      if (gemv_ok) candidates.push_back(kGemv);
-      if (lt_accepts(lt_, *plan->problem, f.members[0], ws)) candidates.push_back(0);
-      if (timed) {
-        for (const auto& r : lt_proposals(lt_, *plan->problem, key.align, ws, kSeqProposals)) {
-          cublasLtMatmulAlgo_t algo = r.algo;
-          if (lt_splits_k(algo) && !lt_unsplit(algo)) continue;
-          if (!lt_accepts(lt_, *plan->problem, algo, ws)) continue;
-          const int m = seq_admit(f, algo, w, bias, stream);
-          if (m >= 0 && std::find(candidates.begin(), candidates.end(), m) == candidates.end()) candidates.push_back(m);
-        }
-      }
-      if (candidates.empty())
-        throw Error("gemm: no sequential-order plan runs T=" + std::to_string(T_) + " K=" + std::to_string(K) +
-                    " N=" + std::to_string(N) + " (the canonical algorithm refuses it)");
-      auto name = [&](int m) {
-        return m == kGemv ? std::string("sequential GEMV") : lt_algo_name(f.members[size_t(m)]) + (m == 0 ? " (canonical)" : "");
-      };
-      SeqPlan trial;
-      trial.problem = std::move(plan->problem);
-      if (!timed || candidates.size() == 1) {
-        plan->member = candidates[0];
-        plan->choice = name(candidates[0]) + " (untimed)";
-      } else {
-        float best = -1.f;
-        for (int m : candidates) {
-          trial.member = m;
-          const float ms = time_ms(stream, [&] { return launch(trial); });
-          if (ms >= 0 && (best < 0 || ms < best)) best = ms, plan->member = m;
-        }
-        if (best < 0) throw Error("gemm: every sequential-order candidate failed for T=" + std::to_string(T_));
-        plan->ms = best;
-        plan->choice = name(plan->member) + " of " + std::to_string(candidates.size());
-      }
-      plan->problem = std::move(trial.problem);
-    }
+    std::unique_ptr<SeqPlan> plan = call.make_plan(key, gemv_ok, capturing);
     const bool timed_plan = plan->ms >= 0;
     it = seq_->plans.emplace(key, std::move(plan)).first;
     if (timed_plan) seq_->timed_buckets.emplace(bucket_of(key), it->second.get());
   }
-  if (!launch(*it->second))
+  if (!call.launch(*it->second))
     throw Error("gemm: cuBLASLt failed a planned sequential-order product T=" + std::to_string(T_) +
                 " K=" + std::to_string(K) + " N=" + std::to_string(N));
   return true;

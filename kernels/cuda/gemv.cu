@@ -39,6 +39,102 @@ __device__ __forceinline__ void fma_chunk(float (&acc)[ROWS][TOK], const uint4 (
 // and up to l2_prefetch_bytes more of each row are prefetched into L2: the weight stream
 // starts while the kernel before (attention, LayerNorm) still runs. After that the loop is
 // software-pipelined: the next U runs are in flight while the current ones are used.
+// Up to l2_prefetch_bytes of each weight row past this warp's first U runs, into L2.
+template <class T, int ROWS, int KS, int U>
+__device__ __forceinline__ void prefetch_rows_l2(const uint4* (&wr)[ROWS], int K, int lane, int slice,
+                                                 int l2_prefetch_bytes) {
+  constexpr int kStride = 32 * KS;
+  const int row_bytes = K * int(sizeof(T));
+  const int lo = kStride * U * 16, hi = min(row_bytes, lo + l2_prefetch_bytes);
+  for (int off = lo + (lane + 32 * slice) * 128; off < hi; off += kStride * 128)
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r)
+      asm volatile("prefetch.global.L2 [%0];" ::"l"(reinterpret_cast<const char*>(wr[r]) + off));
+}
+
+// This warp's runs of its rows into acc, from chunk c on, wv holding its first U runs when
+// there are U: U runs at a time, the next U loading while the current ones are used, then
+// the runs left one at a time.
+template <class T, class OutT, int TOK, int ROWS, int KS, int U>
+__device__ __forceinline__ void stream_rows(float (&acc)[ROWS][TOK], uint4 (&wv)[U][ROWS], const uint4* (&wr)[ROWS],
+                                            const uint4* xv, int c, int nchunk) {
+  constexpr int kStride = 32 * KS;
+  for (; c + kStride * (U - 1) < nchunk; c += kStride * U) {
+    const int cn = c + kStride * U;
+    const bool more = cn + kStride * (U - 1) < nchunk;
+    uint4 nx[U][ROWS];
+    if (more) {
+#pragma unroll
+      for (int u = 0; u < U; ++u)
+#pragma unroll
+        for (int r = 0; r < ROWS; ++r) nx[u][r] = __ldcs(wr[r] + cn + kStride * u);
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) fma_chunk<T, OutT, TOK, ROWS>(acc, wv[u], xv, nchunk, c + kStride * u);
+    if (more) {
+#pragma unroll
+      for (int u = 0; u < U; ++u)
+#pragma unroll
+        for (int r = 0; r < ROWS; ++r) wv[u][r] = nx[u][r];
+    }
+  }
+  for (; c < nchunk; c += kStride) {
+    uint4 one[ROWS];
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) one[r] = __ldcs(wr[r] + c);
+    fma_chunk<T, OutT, TOK, ROWS>(acc, one, xv, nchunk, c);
+  }
+}
+
+// Each row's sums over the warp's lanes (warp_sum); with KS > 1, lane 0 shares them in
+// `partial` for the slices' addition.
+template <int TOK, int ROWS, int KS, int kRows>
+__device__ __forceinline__ void sum_lanes(float (&acc)[ROWS][TOK], float (&partial)[kRows][ROWS][TOK], int warp,
+                                          int lane) {
+#pragma unroll
+  for (int r = 0; r < ROWS; ++r)
+#pragma unroll
+    for (int t = 0; t < TOK; ++t) acc[r][t] = warp_sum(acc[r][t]);
+  if constexpr (KS > 1) {
+    if (lane == 0)
+#pragma unroll
+      for (int r = 0; r < ROWS; ++r)
+#pragma unroll
+        for (int t = 0; t < TOK; ++t) partial[warp][r][t] = acc[r][t];
+  }
+}
+
+// Slice 0's warp: the KS slices' sums added in slice order from `partial`, into acc.
+template <int TOK, int ROWS, int KS, int kRows>
+__device__ __forceinline__ void add_slices(float (&acc)[ROWS][TOK], const float (&partial)[kRows][ROWS][TOK],
+                                           int warp) {
+#pragma unroll
+  for (int r = 0; r < ROWS; ++r)
+#pragma unroll
+    for (int t = 0; t < TOK; ++t) {
+      float sum = partial[warp][r][t];
+#pragma unroll
+      for (int k = 1; k < KS; ++k) sum += partial[warp + k][r][t];
+      acc[r][t] = sum;
+    }
+}
+
+// act(acc + bias) of rows [n0, n0 + ROWS) below N, each output stored by one lane.
+template <class T, class OutT, int TOK, int ROWS>
+__device__ __forceinline__ void write_rows(OutT* out, const float (&acc)[ROWS][TOK], const T* bias, int n0, int N,
+                                           int lane, int act) {
+#pragma unroll
+  for (int r = 0; r < ROWS; ++r) {
+    const int n = n0 + r;
+    const float b = (bias != nullptr && n < N) ? to_float(bias[n]) : 0.f;
+#pragma unroll
+    for (int t = 0; t < TOK; ++t) {
+      const float v = activate(acc[r][t] + b, act);
+      if (n < N && lane == ((r * TOK + t) & 31)) out[int64_t(t) * N + n] = from_float<OutT>(v);
+    }
+  }
+}
+
 template <class T, class OutT, int TOK, int ROWS, int KS>
 __global__ void __launch_bounds__(kWarps * 32)
     gemv_nk_kernel(OutT* __restrict__ out, const T* __restrict__ x, const T* __restrict__ w,
@@ -69,14 +165,7 @@ __global__ void __launch_bounds__(kWarps * 32)
 #pragma unroll
       for (int r = 0; r < ROWS; ++r) wv[u][r] = __ldcs(wr[r] + c + kStride * u);
   }
-  if (active && l2_prefetch_bytes > 0) {
-    const int row_bytes = K * int(sizeof(T));
-    const int lo = kStride * U * 16, hi = min(row_bytes, lo + l2_prefetch_bytes);
-    for (int off = lo + (lane + 32 * slice) * 128; off < hi; off += kStride * 128)
-#pragma unroll
-      for (int r = 0; r < ROWS; ++r)
-        asm volatile("prefetch.global.L2 [%0];" ::"l"(reinterpret_cast<const char*>(wr[r]) + off));
-  }
+  if (active && l2_prefetch_bytes > 0) prefetch_rows_l2<T, ROWS, KS, U>(wr, K, lane, slice, l2_prefetch_bytes);
   grid_dependency_wait();  // x is the previous kernel's output
 
   float acc[ROWS][TOK];
@@ -85,67 +174,15 @@ __global__ void __launch_bounds__(kWarps * 32)
 #pragma unroll
     for (int t = 0; t < TOK; ++t) acc[r][t] = 0.f;
 
-  if (active) {
-    for (; c + kStride * (U - 1) < nchunk; c += kStride * U) {
-      const int cn = c + kStride * U;
-      const bool more = cn + kStride * (U - 1) < nchunk;
-      uint4 nx[U][ROWS];
-      if (more) {
-#pragma unroll
-        for (int u = 0; u < U; ++u)
-#pragma unroll
-          for (int r = 0; r < ROWS; ++r) nx[u][r] = __ldcs(wr[r] + cn + kStride * u);
-      }
-#pragma unroll
-      for (int u = 0; u < U; ++u) fma_chunk<T, OutT, TOK, ROWS>(acc, wv[u], xv, nchunk, c + kStride * u);
-      if (more) {
-#pragma unroll
-        for (int u = 0; u < U; ++u)
-#pragma unroll
-          for (int r = 0; r < ROWS; ++r) wv[u][r] = nx[u][r];
-      }
-    }
-    for (; c < nchunk; c += kStride) {
-      uint4 one[ROWS];
-#pragma unroll
-      for (int r = 0; r < ROWS; ++r) one[r] = __ldcs(wr[r] + c);
-      fma_chunk<T, OutT, TOK, ROWS>(acc, one, xv, nchunk, c);
-    }
-  }
-#pragma unroll
-  for (int r = 0; r < ROWS; ++r)
-#pragma unroll
-    for (int t = 0; t < TOK; ++t) acc[r][t] = warp_sum(acc[r][t]);
+  if (active) stream_rows<T, OutT, TOK, ROWS, KS, U>(acc, wv, wr, xv, c, nchunk);
+  sum_lanes<TOK, ROWS, KS>(acc, partial, warp, lane);
   if constexpr (KS > 1) {
-    if (lane == 0)
-#pragma unroll
-      for (int r = 0; r < ROWS; ++r)
-#pragma unroll
-        for (int t = 0; t < TOK; ++t) partial[warp][r][t] = acc[r][t];
     __syncthreads();
     if (slice != 0) return;
-#pragma unroll
-    for (int r = 0; r < ROWS; ++r)
-#pragma unroll
-      for (int t = 0; t < TOK; ++t) {
-        float sum = partial[warp][r][t];
-#pragma unroll
-        for (int k = 1; k < KS; ++k) sum += partial[warp + k][r][t];
-        acc[r][t] = sum;
-      }
+    add_slices<TOK, ROWS, KS>(acc, partial, warp);
   }
   if (!active) return;
-
-#pragma unroll
-  for (int r = 0; r < ROWS; ++r) {
-    const int n = n0 + r;
-    const float b = (bias != nullptr && n < N) ? to_float(bias[n]) : 0.f;
-#pragma unroll
-    for (int t = 0; t < TOK; ++t) {
-      const float v = activate(acc[r][t] + b, act);
-      if (n < N && lane == ((r * TOK + t) & 31)) out[int64_t(t) * N + n] = from_float<OutT>(v);
-    }
-  }
+  write_rows<T, OutT>(out, acc, bias, n0, N, lane, act);
 }
 
 // K slices per row: enough warps in flight for small N (see the kernel). `forced` (1, 2 or 4;

@@ -135,6 +135,156 @@ __device__ __forceinline__ float tile_epilogue(float v, const float* scales, int
   else return activate(__fadd_rn(v, b), act);
 }
 
+// A thread's place in the block: its warp's (wm, wn, wk) in the kWarpsM x kWarpsN x kWarpsK
+// layout, and its lane's group g (accumulator rows g, g + 8) and t (columns 2t, 2t + 1).
+struct TileLane {
+  int wm, wn, wk, g, t;
+};
+
+// Weight rows [n0, n0 + BN) at k-tile kt into a stage (dst): cp.async when kAligned, else
+// guarded chunks; zero outside the matrix.
+template <class Cfg, class W, bool kAligned>
+__device__ __forceinline__ void load_weight_tile(W* dst, const W* w, int tid, int n0, int kt, int K, int N) {
+  using WT = WeightTile<Cfg, W>;
+  constexpr int E = WT::kElemsPerChunk, kRowChunks = Cfg::BK / E;
+#pragma unroll
+  for (int i = 0; i < Cfg::BN * kRowChunks / Cfg::kThreads; ++i) {
+    const int idx = tid + i * Cfg::kThreads, r = idx / kRowChunks, c = idx % kRowChunks;
+    const int n = n0 + r, k = kt * Cfg::BK + E * c;
+    W* d = dst + r * WT::kRow + WT::chunk_at(r, c);
+    if constexpr (kAligned) {
+      const bool inside = n < N && k < K;
+      cp_async16(d, inside ? w + int64_t(n) * K + k : w, inside ? 16 : 0);
+    } else {
+      *reinterpret_cast<uint4*>(d) = n < N ? guarded_chunk<E>(w + int64_t(n) * K, k, K) : make_uint4(0, 0, 0, 0);
+    }
+  }
+}
+
+// Activation rows [m0, m0 + BM) at k-tile kt into a stage (dst), as load_weight_tile.
+template <class Cfg, class T, bool kAligned>
+__device__ __forceinline__ void load_activation_tile(T* dst, const T* x, int tid, int m0, int kt, int K, int T_) {
+  constexpr int kRowChunks = Cfg::BK / 8;
+#pragma unroll
+  for (int i = 0; i < Cfg::BM * kRowChunks / Cfg::kThreads; ++i) {
+    const int idx = tid + i * Cfg::kThreads, r = idx / kRowChunks, c = idx % kRowChunks;
+    const int m = m0 + r, k = kt * Cfg::BK + 8 * c;
+    T* d = dst + r * Cfg::kARow + 8 * c;
+    if constexpr (kAligned) {
+      const bool inside = m < T_ && k < K;
+      cp_async16(d, inside ? x + int64_t(m) * K + k : x, inside ? 16 : 0);
+    } else {
+      *reinterpret_cast<uint4*>(d) = m < T_ ? guarded_chunk<8>(x + int64_t(m) * K, k, K) : make_uint4(0, 0, 0, 0);
+    }
+  }
+}
+
+// One stage (as, bs) on this warp's accumulators: its 64-wide slice, MMA steps 2h + jj for
+// h, jj in {0, 1}, in that order.
+template <class Cfg, class T, class W>
+__device__ __forceinline__ void mma_stage(float (&acc)[Cfg::MT][Cfg::NT][4], const T* as, const W* bs,
+                                          const TileLane& l) {
+  using WT = WeightTile<Cfg, W>;
+  constexpr int MT = Cfg::MT, NT = Cfg::NT;
+  [[maybe_unused]] uint4 bq[NT];  // int8: 16 weights of row (8j + g) at k [64 wk + 16t, +16)
+  if constexpr (WT::kInt8) {
+#pragma unroll
+    for (int j = 0; j < NT; ++j) {
+      const int r = l.wn * Cfg::kWarpN + 8 * j + l.g;
+      bq[j] = *reinterpret_cast<const uint4*>(bs + r * WT::kRow + WT::chunk_at(r, 4 * l.wk + l.t));
+    }
+  }
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {  // steps 2h and 2h + 1
+    uint32_t bc[NT][2][2];        // their weights as pairs of T
+#pragma unroll
+    for (int j = 0; j < NT; ++j) {
+      if constexpr (WT::kInt8) {
+#pragma unroll
+        for (int jj = 0; jj < 2; ++jj) int8x4_to_pairs<T>(word(bq[j], 2 * h + jj), bc[j][jj][0], bc[j][jj][1]);
+      } else {  // 8 weights of row (8j + g) at k [64 wk + 16t + 8h, +8), as the activations
+        const int r = l.wn * Cfg::kWarpN + 8 * j + l.g;
+        const uint4 bw = *reinterpret_cast<const uint4*>(bs + r * WT::kRow + 64 * l.wk + 16 * l.t + 8 * h);
+#pragma unroll
+        for (int jj = 0; jj < 2; ++jj) bc[j][jj][0] = word(bw, 2 * jj), bc[j][jj][1] = word(bw, 2 * jj + 1);
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < MT; ++i) {
+      uint4 av[2];  // rows g and g + 8 of MMA tile i at k [64 wk + 16t + 8h, +8)
+#pragma unroll
+      for (int rr = 0; rr < 2; ++rr) {
+        const int r = l.wm * Cfg::kWarpM + 16 * i + 8 * rr + l.g;
+        av[rr] = *reinterpret_cast<const uint4*>(as + r * Cfg::kARow + 64 * l.wk + 16 * l.t + 8 * h);
+      }
+#pragma unroll
+      for (int jj = 0; jj < 2; ++jj) {
+        const uint32_t a[4] = {word(av[0], 2 * jj), word(av[1], 2 * jj), word(av[0], 2 * jj + 1),
+                               word(av[1], 2 * jj + 1)};
+#pragma unroll
+        for (int j = 0; j < NT; ++j) mma_m16n8k16<T>(acc[i][j], a, bc[j][jj][0], bc[j][jj][1]);
+      }
+    }
+  }
+}
+
+// Several splits: this warp's chain (its accumulators, fp32) into its [T_][N] slice `mine` of
+// chains, for add_chains_kernel to add.
+template <class Cfg>
+__device__ __forceinline__ void store_chain(float* mine, const float (&acc)[Cfg::MT][Cfg::NT][4], const TileLane& l,
+                                            int m0, int n0, int T_, int N) {
+#pragma unroll
+  for (int i = 0; i < Cfg::MT; ++i)
+#pragma unroll
+    for (int j = 0; j < Cfg::NT; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {  // accumulator rows g, g + 8; columns 2t, 2t + 1
+        const int m = m0 + l.wm * Cfg::kWarpM + 16 * i + 8 * (e >> 1) + l.g;
+        const int n = n0 + l.wn * Cfg::kWarpN + 8 * j + 2 * l.t + (e & 1);
+        if (m < T_ && n < N) mine[int64_t(m) * N + n] = acc[i][j][e];
+      }
+}
+
+// One split: the K slices' tiles summed into `tile` (BM x kOutRow fp32 in shared memory) in
+// slice order, one slice's warps at a time.
+template <class Cfg>
+__device__ __forceinline__ void sum_slices(float* tile, const float (&acc)[Cfg::MT][Cfg::NT][4], const TileLane& l) {
+#pragma unroll 1
+  for (int s = 0; s < Cfg::kWarpsK; ++s) {
+    if (l.wk == s) {
+#pragma unroll
+      for (int i = 0; i < Cfg::MT; ++i)
+#pragma unroll
+        for (int j = 0; j < Cfg::NT; ++j)
+#pragma unroll
+          for (int hr = 0; hr < 2; ++hr) {  // accumulator rows g and g + 8, columns 2t, 2t + 1
+            const int r = l.wm * Cfg::kWarpM + 16 * i + 8 * hr + l.g, c = l.wn * Cfg::kWarpN + 8 * j + 2 * l.t;
+            float2* p = reinterpret_cast<float2*>(tile + r * Cfg::kOutRow + c);
+            float2 v = make_float2(acc[i][j][2 * hr], acc[i][j][2 * hr + 1]);
+            if (s > 0) {
+              const float2 o = *p;
+              v.x = __fadd_rn(o.x, v.x), v.y = __fadd_rn(o.y, v.y);
+            }
+            *p = v;
+          }
+    }
+    __syncthreads();
+  }
+}
+
+// The summed tile out, with the bias and activation (tile_epilogue), in coalesced stores.
+template <class Cfg, class T, class W, class OutT>
+__device__ __forceinline__ void write_tile(OutT* out, const float* tile, const float* scales, const T* bias, int tid,
+                                           int m0, int n0, int T_, int N, int act) {
+  for (int idx = tid; idx < Cfg::BM * Cfg::BN; idx += Cfg::kThreads) {
+    const int r = idx / Cfg::BN, c = idx % Cfg::BN, m = m0 + r, n = n0 + c;
+    if (m < T_ && n < N) {
+      const float b = bias != nullptr ? to_float(bias[n]) : 0.f;
+      out[int64_t(m) * N + n] = from_float<OutT>(tile_epilogue<W>(tile[r * Cfg::kOutRow + c], scales, n, b, act));
+    }
+  }
+}
+
 // chains: null for one split; else [gridDim.z * kWarpsK][T_][N] fp32 (out, scales, bias unused).
 template <class T, class W, class OutT, class Cfg, bool kAligned>
 __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
@@ -142,55 +292,29 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
                     const float* __restrict__ scales, const T* __restrict__ bias, int T_, int K, int N, int act,
                     float* __restrict__ chains) {
   using WT = WeightTile<Cfg, W>;
-  constexpr int BM = Cfg::BM, BN = Cfg::BN, BK = Cfg::BK, S = Cfg::kStages;
-  constexpr int MT = Cfg::MT, NT = Cfg::NT, kThreads = Cfg::kThreads;
+  constexpr int BM = Cfg::BM, BN = Cfg::BN, S = Cfg::kStages;
+  constexpr int MT = Cfg::MT, NT = Cfg::NT;
   extern __shared__ __align__(16) unsigned char smem[];
   grid_dependents_launch();
   const int m0 = blockIdx.x * BM, n0 = blockIdx.y * BN;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
   const int wk = warp / (Cfg::kWarpsM * Cfg::kWarpsN);
   const int wm = (warp / Cfg::kWarpsN) % Cfg::kWarpsM, wn = warp % Cfg::kWarpsN;
+  const TileLane l{.wm = wm, .wn = wn, .wk = wk, .g = g, .t = t};
   // This block's k-tiles: z, z + splits, ...; `ktiles` of them, local tile i being z + i splits.
   const int splits = gridDim.z, z = blockIdx.z;
-  const int all_tiles = (K + BK - 1) / BK;
+  const int all_tiles = (K + Cfg::BK - 1) / Cfg::BK;
   const int ktiles = all_tiles > z ? (all_tiles - z + splits - 1) / splits : 0;
 
   auto a_stage = [&](int s) { return reinterpret_cast<T*>(smem + s * WT::kStageBytes); };
   auto b_stage = [&](int s) { return reinterpret_cast<W*>(smem + s * WT::kStageBytes + Cfg::kABytes); };
-
   auto load_b = [&](int s, int local) {
     const int kt = z + local * splits;
-    constexpr int E = WT::kElemsPerChunk, kRowChunks = BK / E;
-    W* dst = b_stage(s);
-#pragma unroll
-    for (int i = 0; i < BN * kRowChunks / kThreads; ++i) {
-      const int idx = tid + i * kThreads, r = idx / kRowChunks, c = idx % kRowChunks;
-      const int n = n0 + r, k = kt * BK + E * c;
-      W* d = dst + r * WT::kRow + WT::chunk_at(r, c);
-      if constexpr (kAligned) {
-        const bool inside = n < N && k < K;
-        cp_async16(d, inside ? w + int64_t(n) * K + k : w, inside ? 16 : 0);
-      } else {
-        *reinterpret_cast<uint4*>(d) = n < N ? guarded_chunk<E>(w + int64_t(n) * K, k, K) : make_uint4(0, 0, 0, 0);
-      }
-    }
+    load_weight_tile<Cfg, W, kAligned>(b_stage(s), w, tid, n0, kt, K, N);
   };
   auto load_a = [&](int s, int local) {
     const int kt = z + local * splits;
-    constexpr int kRowChunks = BK / 8;
-    T* dst = a_stage(s);
-#pragma unroll
-    for (int i = 0; i < BM * kRowChunks / kThreads; ++i) {
-      const int idx = tid + i * kThreads, r = idx / kRowChunks, c = idx % kRowChunks;
-      const int m = m0 + r, k = kt * BK + 8 * c;
-      T* d = dst + r * Cfg::kARow + 8 * c;
-      if constexpr (kAligned) {
-        const bool inside = m < T_ && k < K;
-        cp_async16(d, inside ? x + int64_t(m) * K + k : x, inside ? 16 : 0);
-      } else {
-        *reinterpret_cast<uint4*>(d) = m < T_ ? guarded_chunk<8>(x + int64_t(m) * K, k, K) : make_uint4(0, 0, 0, 0);
-      }
-    }
+    load_activation_tile<Cfg, T, kAligned>(a_stage(s), x, tid, m0, kt, K, T_);
   };
 
   float acc[MT][NT][4];
@@ -200,52 +324,6 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
     for (int j = 0; j < NT; ++j)
 #pragma unroll
       for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.f;
-
-  // One 64-wide slice of this warp: MMA steps 2h + jj for h, jj in {0, 1}, in that order.
-  auto compute = [&](int s) {
-    const T* as = a_stage(s);
-    const W* bs = b_stage(s);
-    [[maybe_unused]] uint4 bq[NT];  // int8: 16 weights of row (8j + g) at k [64 wk + 16t, +16)
-    if constexpr (WT::kInt8) {
-#pragma unroll
-      for (int j = 0; j < NT; ++j) {
-        const int r = wn * Cfg::kWarpN + 8 * j + g;
-        bq[j] = *reinterpret_cast<const uint4*>(bs + r * WT::kRow + WT::chunk_at(r, 4 * wk + t));
-      }
-    }
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {  // steps 2h and 2h + 1
-      uint32_t bc[NT][2][2];        // their weights as pairs of T
-#pragma unroll
-      for (int j = 0; j < NT; ++j) {
-        if constexpr (WT::kInt8) {
-#pragma unroll
-          for (int jj = 0; jj < 2; ++jj) int8x4_to_pairs<T>(word(bq[j], 2 * h + jj), bc[j][jj][0], bc[j][jj][1]);
-        } else {  // 8 weights of row (8j + g) at k [64 wk + 16t + 8h, +8), as the activations
-          const int r = wn * Cfg::kWarpN + 8 * j + g;
-          const uint4 bw = *reinterpret_cast<const uint4*>(bs + r * WT::kRow + 64 * wk + 16 * t + 8 * h);
-#pragma unroll
-          for (int jj = 0; jj < 2; ++jj) bc[j][jj][0] = word(bw, 2 * jj), bc[j][jj][1] = word(bw, 2 * jj + 1);
-        }
-      }
-#pragma unroll
-      for (int i = 0; i < MT; ++i) {
-        uint4 av[2];  // rows g and g + 8 of MMA tile i at k [64 wk + 16t + 8h, +8)
-#pragma unroll
-        for (int rr = 0; rr < 2; ++rr) {
-          const int r = wm * Cfg::kWarpM + 16 * i + 8 * rr + g;
-          av[rr] = *reinterpret_cast<const uint4*>(as + r * Cfg::kARow + 64 * wk + 16 * t + 8 * h);
-        }
-#pragma unroll
-        for (int jj = 0; jj < 2; ++jj) {
-          const uint32_t a[4] = {word(av[0], 2 * jj), word(av[1], 2 * jj), word(av[0], 2 * jj + 1),
-                                 word(av[1], 2 * jj + 1)};
-#pragma unroll
-          for (int j = 0; j < NT; ++j) mma_m16n8k16<T>(acc[i][j], a, bc[j][jj][0], bc[j][jj][1]);
-        }
-      }
-    }
-  };
 
   // Prologue. Weights never change: their first tiles are requested before the wait for the
   // previous kernel (PDL); they join the first commit group with the first activation tile.
@@ -270,56 +348,19 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
       load_a(next % S, next);
     }
     cp_async_commit();
-    compute(kt % S);
+    mma_stage<Cfg>(acc, a_stage(kt % S), b_stage(kt % S), l);
   }
   cp_async_wait<0>();
   __syncthreads();
 
   if (chains != nullptr) {  // several splits: each warp's chain out, added by add_chains_kernel
-    float* mine = chains + int64_t(z * Cfg::kWarpsK + wk) * T_ * N;
-#pragma unroll
-    for (int i = 0; i < MT; ++i)
-#pragma unroll
-      for (int j = 0; j < NT; ++j)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {  // accumulator rows g, g + 8; columns 2t, 2t + 1
-          const int m = m0 + wm * Cfg::kWarpM + 16 * i + 8 * (e >> 1) + g;
-          const int n = n0 + wn * Cfg::kWarpN + 8 * j + 2 * t + (e & 1);
-          if (m < T_ && n < N) mine[int64_t(m) * N + n] = acc[i][j][e];
-        }
+    store_chain<Cfg>(chains + int64_t(z * Cfg::kWarpsK + l.wk) * T_ * N, acc, l, m0, n0, T_, N);
     return;
   }
-
   // Epilogue: the K slices' tiles summed in slice order, then the bias and activation.
   float* tile = reinterpret_cast<float*>(smem);
-#pragma unroll 1
-  for (int s = 0; s < Cfg::kWarpsK; ++s) {
-    if (wk == s) {
-#pragma unroll
-      for (int i = 0; i < MT; ++i)
-#pragma unroll
-        for (int j = 0; j < NT; ++j)
-#pragma unroll
-          for (int hr = 0; hr < 2; ++hr) {  // accumulator rows g and g + 8, columns 2t, 2t + 1
-            const int r = wm * Cfg::kWarpM + 16 * i + 8 * hr + g, c = wn * Cfg::kWarpN + 8 * j + 2 * t;
-            float2* p = reinterpret_cast<float2*>(tile + r * Cfg::kOutRow + c);
-            float2 v = make_float2(acc[i][j][2 * hr], acc[i][j][2 * hr + 1]);
-            if (s > 0) {
-              const float2 o = *p;
-              v.x = __fadd_rn(o.x, v.x), v.y = __fadd_rn(o.y, v.y);
-            }
-            *p = v;
-          }
-    }
-    __syncthreads();
-  }
-  for (int idx = tid; idx < BM * BN; idx += kThreads) {
-    const int r = idx / BN, c = idx % BN, m = m0 + r, n = n0 + c;
-    if (m < T_ && n < N) {
-      const float b = bias != nullptr ? to_float(bias[n]) : 0.f;
-      out[int64_t(m) * N + n] = from_float<OutT>(tile_epilogue<W>(tile[r * Cfg::kOutRow + c], scales, n, b, act));
-    }
-  }
+  sum_slices<Cfg>(tile, acc, l);
+  write_tile<Cfg, T, W>(out, tile, scales, bias, tid, m0, n0, T_, N, act);
 }
 
 template <class T, class W, class OutT, class Cfg, bool kAligned>

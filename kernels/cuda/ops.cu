@@ -72,41 +72,30 @@ __device__ __forceinline__ void store_items(T* p, const float (&f)[V]) {
   }
 }
 
-// fused == false: v = in[row]. fused == true: v = round(residual[row] + x[row] + bias), stored
-// back to residual. Then, when gamma != null, out[row] = LN(v).
-//
-// One block per row, one item (V elements) per thread where the row allows (NPT = 1), so a
-// row of a decode step is spread over many warps: the kernel is latency-bound and a single
-// warp walking the row serially is several times slower. With PRE (NPT = 1) the immutable
-// gamma, beta and bias are loaded before grid_dependency_wait(), overlapping the kernel
-// before.
-template <class T, int V, int NPT, bool FUSED, bool PRE>
-__global__ void __launch_bounds__(1024)
-    layernorm_kernel(T* __restrict__ out, const T* in, const T* __restrict__ gamma, const T* __restrict__ beta,
-                     int64_t C, float eps, T* residual, const T* __restrict__ x, const T* __restrict__ bias) {
-  __shared__ float scratch[32];
-  grid_dependents_launch();
-  const int64_t row = blockIdx.x;
-  const int64_t items = C / V;
-  constexpr int P = PRE ? NPT : 1;
-  float g[P][V], b[P][V], bs[P][V];
-  if constexpr (PRE) {
+// PRE: this thread's items of gamma, beta and (FUSED) bias, zero where absent or past the row.
+template <class T, int V, int NPT, bool FUSED>
+__device__ __forceinline__ void preload_ln_params(float (&g)[NPT][V], float (&b)[NPT][V], float (&bs)[NPT][V],
+                                                  const T* gamma, const T* beta, const T* bias, int64_t items) {
 #pragma unroll
-    for (int k = 0; k < NPT; ++k) {
-      const int64_t item = threadIdx.x + int64_t(k) * blockDim.x;
+  for (int k = 0; k < NPT; ++k) {
+    const int64_t item = threadIdx.x + int64_t(k) * blockDim.x;
 #pragma unroll
-      for (int j = 0; j < V; ++j) g[k][j] = b[k][j] = bs[k][j] = 0.f;
-      if (item < items) {
-        if (gamma != nullptr) {
-          load_items<T, V>(gamma + item * V, g[k]);
-          load_items<T, V>(beta + item * V, b[k]);
-        }
-        if (FUSED && bias != nullptr) load_items<T, V>(bias + item * V, bs[k]);
+    for (int j = 0; j < V; ++j) g[k][j] = b[k][j] = bs[k][j] = 0.f;
+    if (item < items) {
+      if (gamma != nullptr) {
+        load_items<T, V>(gamma + item * V, g[k]);
+        load_items<T, V>(beta + item * V, b[k]);
       }
+      if (FUSED && bias != nullptr) load_items<T, V>(bias + item * V, bs[k]);
     }
   }
-  grid_dependency_wait();
-  float v[NPT][V];
+}
+
+// This thread's items of row `row` into v (fused: the residual added and stored back, see
+// layernorm_kernel); returns their sum.
+template <class T, int V, int NPT, bool FUSED, bool PRE, int P>
+__device__ __forceinline__ float load_ln_row(float (&v)[NPT][V], const T* in, T* residual, const T* x, const T* bias,
+                                             const float (&bs)[P][V], int64_t row, int64_t C, int64_t items) {
   float sum = 0.f;
 #pragma unroll
   for (int k = 0; k < NPT; ++k) {
@@ -138,8 +127,12 @@ __global__ void __launch_bounds__(1024)
       for (int j = 0; j < V; ++j) sum += v[k][j];
     }
   }
-  if (gamma == nullptr) return;  // fused add only; uniform across the block
-  const float mean = block_sum(sum, scratch) / float(C);
+  return sum;
+}
+
+// The sum of (v - mean)^2 over this thread's items.
+template <int V, int NPT>
+__device__ __forceinline__ float sum_squared_deviations(const float (&v)[NPT][V], float mean, int64_t items) {
   float sq = 0.f;
 #pragma unroll
   for (int k = 0; k < NPT; ++k) {
@@ -152,8 +145,15 @@ __global__ void __launch_bounds__(1024)
       }
     }
   }
-  const float var = block_sum(sq, scratch) / float(C);
-  const float rstd = 1.f / sqrtf(var + eps);
+  return sq;
+}
+
+// out[row] = (v - mean) * rstd * gamma + beta for this thread's items (gamma, beta preloaded
+// in g, b with PRE).
+template <class T, int V, int NPT, bool PRE, int P>
+__device__ __forceinline__ void write_ln_row(T* out, const float (&v)[NPT][V], const float (&g)[P][V],
+                                             const float (&b)[P][V], const T* gamma, const T* beta, float mean,
+                                             float rstd, int64_t row, int64_t C, int64_t items) {
 #pragma unroll
   for (int k = 0; k < NPT; ++k) {
     const int64_t item = threadIdx.x + int64_t(k) * blockDim.x;
@@ -173,6 +173,36 @@ __global__ void __launch_bounds__(1024)
       store_items<T, V>(out + row * C + col, o);
     }
   }
+}
+
+// fused == false: v = in[row]. fused == true: v = round(residual[row] + x[row] + bias), stored
+// back to residual. Then, when gamma != null, out[row] = LN(v).
+//
+// One block per row, one item (V elements) per thread where the row allows (NPT = 1), so a
+// row of a decode step is spread over many warps: the kernel is latency-bound and a single
+// warp walking the row serially is several times slower. With PRE (NPT = 1) the immutable
+// gamma, beta and bias are loaded before grid_dependency_wait(), overlapping the kernel
+// before.
+template <class T, int V, int NPT, bool FUSED, bool PRE>
+__global__ void __launch_bounds__(1024)
+    layernorm_kernel(T* __restrict__ out, const T* in, const T* __restrict__ gamma, const T* __restrict__ beta,
+                     int64_t C, float eps, T* residual, const T* __restrict__ x, const T* __restrict__ bias) {
+  __shared__ float scratch[32];
+  grid_dependents_launch();
+  const int64_t row = blockIdx.x;
+  const int64_t items = C / V;
+  constexpr int P = PRE ? NPT : 1;
+  float g[P][V], b[P][V], bs[P][V];
+  if constexpr (PRE) preload_ln_params<T, V, NPT, FUSED>(g, b, bs, gamma, beta, bias, items);
+  grid_dependency_wait();
+  float v[NPT][V];
+  const float sum = load_ln_row<T, V, NPT, FUSED, PRE>(v, in, residual, x, bias, bs, row, C, items);
+  if (gamma == nullptr) return;  // fused add only; uniform across the block
+  const float mean = block_sum(sum, scratch) / float(C);
+  const float sq = sum_squared_deviations(v, mean, items);
+  const float var = block_sum(sq, scratch) / float(C);
+  const float rstd = 1.f / sqrtf(var + eps);
+  write_ln_row<T, V, NPT, PRE>(out, v, g, b, gamma, beta, mean, rstd, row, C, items);
 }
 
 // Threads: one item each up to 1024, then NPT items each (vector path: C <= 1024 * 4 * 8;

@@ -73,6 +73,48 @@ __global__ void __launch_bounds__(kQuantThreads)
 constexpr int kGemvWarps = 8;
 constexpr int kGemvRun = 4;  // 64-wide chunks per run
 
+// A run of U 64-wide chunks from c0 of weight rows w0, w1 (lane t's pieces 4c + t); zeros past K.
+template <int U>
+__device__ __forceinline__ void load_int8_run(uint4 (&dst)[U][2], const uint4* w0, const uint4* w1, int c0, int t,
+                                              int pieces) {
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    const int p = 4 * (c0 + u) + t;
+    if (p < pieces) {
+      dst[u][0] = __ldcs(w0 + p);
+      dst[u][1] = __ldcs(w1 + p);
+    } else {
+      dst[u][0] = dst[u][1] = make_uint4(0, 0, 0, 0);
+    }
+  }
+}
+
+// The MMAs of the run `cur` (chunks c0 ..) on the two chains of acc, the weights converted
+// to T in registers, token g's activations (xr; zeros without a token) read per piece.
+template <class T, int U>
+__device__ __forceinline__ void mma_int8_run(float (&acc)[2][4], const uint4 (&cur)[U][2], const uint4* xr,
+                                             bool has_token, int c0, int nchunk, int t, int pieces) {
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    if (c0 + u < nchunk) {  // the same for the whole warp
+      const int p = 4 * (c0 + u) + t;
+      uint4 xa = make_uint4(0, 0, 0, 0), xb = xa;  // token g's k [16p, 16p + 16)
+      if (has_token && p < pieces) {
+        xa = __ldg(xr + 2 * p);
+        xb = __ldg(xr + 2 * p + 1);
+      }
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        uint32_t a[4];
+        int8x4_to_pairs<T>(word(cur[u][0], j), a[0], a[2]);
+        int8x4_to_pairs<T>(word(cur[u][1], j), a[1], a[3]);
+        const uint4& xv = j < 2 ? xa : xb;
+        mma_m16n8k16<T>(acc[j & 1], a, word(xv, 2 * (j & 1)), word(xv, 2 * (j & 1) + 1));
+      }
+    }
+  }
+}
+
 template <class T, class OutT, int KS>
 __global__ void __launch_bounds__(kGemvWarps * 32)
     int8_gemv_kernel(OutT* __restrict__ out, const T* __restrict__ x, const int8_t* __restrict__ w,
@@ -93,22 +135,9 @@ __global__ void __launch_bounds__(kGemvWarps * 32)
   const int pieces = K >> 4;            // 16-byte pieces per row (K % 16 == 0)
   const int nchunk = (pieces + 3) >> 2;  // chunk c = pieces 4c .. 4c + 3; lane t takes 4c + t
 
-  auto load_run = [&](uint4 (&dst)[U][2], int c0) {
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int p = 4 * (c0 + u) + t;
-      if (p < pieces) {
-        dst[u][0] = __ldcs(w0 + p);
-        dst[u][1] = __ldcs(w1 + p);
-      } else {
-        dst[u][0] = dst[u][1] = make_uint4(0, 0, 0, 0);
-      }
-    }
-  };
-
   uint4 cur[U][2];
   int c0 = slice * U;
-  if (active) load_run(cur, c0);
+  if (active) load_int8_run(cur, w0, w1, c0, t, pieces);
   const float s0 = scales[row0], s1 = scales[row1];
   const float b0 = bias != nullptr ? to_float(bias[row0]) : 0.f;
   const float b1 = bias != nullptr ? to_float(bias[row1]) : 0.f;
@@ -118,29 +147,11 @@ __global__ void __launch_bounds__(kGemvWarps * 32)
   if (active) {
     const bool has_token = g < T_;
     const uint4* xr = reinterpret_cast<const uint4*>(x + int64_t(has_token ? g : 0) * K);
-    for (; c0 < nchunk; c0 += KS * U) {
+    for (; c0 < nchunk; c0 += KS * U) {  // the next run loads while this one is used
       const int cn = c0 + KS * U;
       uint4 nxt[U][2];
-      if (cn < nchunk) load_run(nxt, cn);
-#pragma unroll
-      for (int u = 0; u < U; ++u) {
-        if (c0 + u < nchunk) {  // the same for the whole warp
-          const int p = 4 * (c0 + u) + t;
-          uint4 xa = make_uint4(0, 0, 0, 0), xb = xa;  // token g's k [16p, 16p + 16)
-          if (has_token && p < pieces) {
-            xa = __ldg(xr + 2 * p);
-            xb = __ldg(xr + 2 * p + 1);
-          }
-#pragma unroll
-          for (int j = 0; j < 4; ++j) {
-            uint32_t a[4];
-            int8x4_to_pairs<T>(word(cur[u][0], j), a[0], a[2]);
-            int8x4_to_pairs<T>(word(cur[u][1], j), a[1], a[3]);
-            const uint4& xv = j < 2 ? xa : xb;
-            mma_m16n8k16<T>(acc[j & 1], a, word(xv, 2 * (j & 1)), word(xv, 2 * (j & 1) + 1));
-          }
-        }
-      }
+      if (cn < nchunk) load_int8_run(nxt, w0, w1, cn, t, pieces);
+      mma_int8_run<T>(acc, cur, xr, has_token, c0, nchunk, t, pieces);
       if (cn < nchunk) {
 #pragma unroll
         for (int u = 0; u < U; ++u) cur[u][0] = nxt[u][0], cur[u][1] = nxt[u][1];
@@ -151,7 +162,7 @@ __global__ void __launch_bounds__(kGemvWarps * 32)
   float r[4];
 #pragma unroll
   for (int i = 0; i < 4; ++i) r[i] = acc[0][i] + acc[1][i];
-  if constexpr (KS > 1) {
+  if constexpr (KS > 1) {  // the slices' sums added in slice order, into slice 0's warp
     partial[warp][lane] = make_float4(r[0], r[1], r[2], r[3]);
     __syncthreads();
     if (slice != 0) return;

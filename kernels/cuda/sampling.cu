@@ -189,37 +189,19 @@ __global__ void __launch_bounds__(kThreads) prepare_kernel(float* logits, const 
   if (threadIdx.x == 0) seg_end[r] = int(int64_t(r) * V + (selects_top_k(p, V) ? 0 : V));
 }
 
-// Step 4 for a top-k row: its first top_k candidates in order, as the radix sort would give
-// them. A radix select over the keys' four bytes (a block histogram each) finds the k-th
-// key; the keys above it, and the lowest ids among those equal to it (an ordered block
-// compaction), are the candidates, then sorted in shared memory (bitonic). The row's keys
-// are read from global memory once into dynamic shared memory when they fit (`cached`:
-// a vocabulary up to ~56k on an H100), else every pass reads the logits again.
-__global__ void __launch_bounds__(kSelectThreads)
-    topk_select_kernel(const float* logits, const RowParams* params, int64_t V, bool cached, float* sorted_keys,
-                       int32_t* sorted_ids) {
-  using BlockScan = cub::BlockScan<int, kSelectThreads>;
-  __shared__ typename BlockScan::TempStorage scan_storage;
-  __shared__ int hist[256];
-  __shared__ unsigned long long cand[kSelectMax];
-  __shared__ uint32_t s_prefix;
-  __shared__ int s_need, s_above;
-  extern __shared__ uint32_t row_keys[];
-  const int r = blockIdx.x;
-  const RowParams p = params[r];
-  if (!selects_top_k(p, V)) return;
-  const int k = p.top_k;
-  const float* l = logits + int64_t(r) * V;
-  if (cached) {
-    for (int64_t i = threadIdx.x; i < V; i += blockDim.x) row_keys[i] = order_bits(l[i]);
-    __syncthreads();
-  }
-  auto key = [&](int64_t i) { return cached ? row_keys[i] : order_bits(l[i]); };
+using SelectScan = cub::BlockScan<int, kSelectThreads>;
 
-  // The k-th largest key, a byte at a time from the top; `need`: how many keys equal to it
-  // belong to the top k.
-  uint32_t prefix = 0, mask = 0;
-  int need = k;
+// Key i of a row: from the shared copy when `cached`, else from the logits l.
+__device__ __forceinline__ uint32_t row_key(const float* l, const uint32_t* row_keys, bool cached, int64_t i) {
+  return cached ? row_keys[i] : order_bits(l[i]);
+}
+
+// The k-th largest key of the row, a byte at a time from the top (a block histogram each),
+// into prefix; `need`: how many keys equal to it belong to the top k (k on entry).
+__device__ __forceinline__ void select_kth_key(const float* l, const uint32_t* row_keys, bool cached, int64_t V,
+                                               int (&hist)[256], uint32_t& s_prefix, int& s_need, uint32_t& prefix,
+                                               int& need) {
+  uint32_t mask = 0;
   for (int shift = 24; shift >= 0; shift -= 8) {
     for (int i = threadIdx.x; i < 256; i += blockDim.x) hist[i] = 0;
     __syncthreads();
@@ -228,7 +210,7 @@ __global__ void __launch_bounds__(kSelectThreads)
       const int64_t i = base + threadIdx.x;
       uint32_t digit = 256;  // none
       if (i < V) {
-        const uint32_t u = key(i);
+        const uint32_t u = row_key(l, row_keys, cached, i);
         if ((u & mask) == prefix) digit = (u >> shift) & 0xffu;
       }
       const unsigned peers = __match_any_sync(0xffffffffu, digit);
@@ -244,29 +226,36 @@ __global__ void __launch_bounds__(kSelectThreads)
     __syncthreads();
     prefix = s_prefix, need = s_need, mask |= 0xffu << shift;
   }
+}
 
-  // Candidates: every key above the k-th (k - need of them, any order), then the `need`
-  // lowest ids holding it; the rest of the array sorts last.
+// Candidates: every key above the k-th (`prefix`; k - need of them, any order), then the
+// `need` lowest ids holding it (an ordered block compaction); the rest of cand sorts last.
+__device__ __forceinline__ void gather_candidates(const float* l, const uint32_t* row_keys, bool cached, int64_t V,
+                                                  int k, uint32_t prefix, int need,
+                                                  unsigned long long (&cand)[kSelectMax], int& s_above,
+                                                  SelectScan::TempStorage& scan_storage) {
   for (int i = threadIdx.x; i < kSelectMax; i += blockDim.x) cand[i] = 0;
   if (threadIdx.x == 0) s_above = 0;
   __syncthreads();
   for (int64_t i = threadIdx.x; i < V; i += blockDim.x) {
-    const uint32_t u = key(i);
+    const uint32_t u = row_key(l, row_keys, cached, i);
     if (u > prefix) cand[atomicAdd(&s_above, 1)] = candidate(u, i);
   }
   int taken = 0;
   for (int64_t base = 0; base < V && taken < need; base += blockDim.x) {
     const int64_t i = base + threadIdx.x;
-    const int equal = i < V && key(i) == prefix ? 1 : 0;
+    const int equal = i < V && row_key(l, row_keys, cached, i) == prefix ? 1 : 0;
     int at = 0, total = 0;
-    BlockScan(scan_storage).ExclusiveSum(equal, at, total);
+    SelectScan(scan_storage).ExclusiveSum(equal, at, total);
     if (equal && taken + at < need) cand[k - need + taken + at] = candidate(prefix, i);
     taken += total;
     __syncthreads();  // scan_storage reuse
   }
   __syncthreads();
+}
 
-  // Bitonic sort, descending.
+// Bitonic sort of cand in shared memory, descending.
+__device__ __forceinline__ void bitonic_sort_descending(unsigned long long (&cand)[kSelectMax]) {
   for (int size = 2; size <= kSelectMax; size <<= 1)
     for (int stride = size / 2; stride > 0; stride >>= 1) {
       for (int i = threadIdx.x; i < kSelectMax; i += blockDim.x) {
@@ -278,6 +267,37 @@ __global__ void __launch_bounds__(kSelectThreads)
       }
       __syncthreads();
     }
+}
+
+// Step 4 for a top-k row: its first top_k candidates in order, as the radix sort would give
+// them. A radix select over the keys' four bytes (a block histogram each) finds the k-th
+// key; the keys above it, and the lowest ids among those equal to it (an ordered block
+// compaction), are the candidates, then sorted in shared memory (bitonic). The row's keys
+// are read from global memory once into dynamic shared memory when they fit (`cached`:
+// a vocabulary up to ~56k on an H100), else every pass reads the logits again.
+__global__ void __launch_bounds__(kSelectThreads)
+    topk_select_kernel(const float* logits, const RowParams* params, int64_t V, bool cached, float* sorted_keys,
+                       int32_t* sorted_ids) {
+  __shared__ SelectScan::TempStorage scan_storage;
+  __shared__ int hist[256];
+  __shared__ unsigned long long cand[kSelectMax];
+  __shared__ uint32_t s_prefix;
+  __shared__ int s_need, s_above;
+  extern __shared__ uint32_t row_keys[];
+  const int r = blockIdx.x;
+  const RowParams p = params[r];
+  if (!selects_top_k(p, V)) return;
+  const int k = p.top_k;
+  const float* l = logits + int64_t(r) * V;
+  if (cached) {
+    for (int64_t i = threadIdx.x; i < V; i += blockDim.x) row_keys[i] = order_bits(l[i]);
+    __syncthreads();
+  }
+  uint32_t prefix = 0;
+  int need = k;
+  select_kth_key(l, row_keys, cached, V, hist, s_prefix, s_need, prefix, need);
+  gather_candidates(l, row_keys, cached, V, k, prefix, need, cand, s_above, scan_storage);
+  bitonic_sort_descending(cand);
   for (int j = threadIdx.x; j < k; j += blockDim.x) {
     const int32_t id = int32_t(0xffffffffu - uint32_t(cand[j]));
     sorted_ids[int64_t(r) * V + j] = id;
