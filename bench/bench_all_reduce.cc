@@ -1,4 +1,4 @@
-// All-reduce of fp16 sums over the GPUs of this machine: the custom kernel (one-shot and
+// All-reduce of fp16 sums over the GPUs of this machine: the custom kernel (push, one-shot and
 // two-shot, kernels/cuda/custom_all_reduce.h) against NCCL, in the same run, for message
 // sizes from --min to --max bytes (doubling). Each method's calls are captured in one CUDA
 // graph per GPU (--iters calls) so host launch costs do not count; a graph is replayed
@@ -9,6 +9,7 @@
 //   conveyor-bench-all-reduce [--gpus N] [--min 2048] [--max 67108864] [--iters 50] [--repeats 7]
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -175,7 +176,8 @@ int main(int argc, char** argv) {
   NCCL_CHECK(ncclGetVersion(&nccl_version));
   std::printf("# %d x %s, NCCL %d, fp16 sum, %d calls per graph, median of %d replays; busbw = bytes/t x 2(R-1)/R\n",
               n_gpus, prop.name, nccl_version, iters, repeats);
-  std::printf("%10s %12s %12s %12s %10s %10s %12s %12s %12s %12s\n", "bytes", "one-shot us", "two-shot us", "nccl us",
+  std::printf("%10s %12s %12s %12s %12s %10s %10s %12s %12s %12s %12s\n", "bytes", "push us", "one-shot us",
+              "two-shot us", "nccl us",
               "auto/nccl", "best/nccl", "auto GB/s", "nccl GB/s", "eager auto", "eager nccl");
   const double bus = 2.0 * (n_gpus - 1) / n_gpus;
   for (size_t bytes = min_bytes; bytes <= max_bytes; bytes *= 2) {
@@ -191,6 +193,8 @@ int main(int argc, char** argv) {
         }
       });
     };
+    const bool pushes = bytes <= CustomAllReduce::kPushMaxBytes;
+    const double push = pushes ? custom(CustomAllReduce::Algo::Push) : std::nan("");
     const double one = custom(CustomAllReduce::Algo::OneShot), two = custom(CustomAllReduce::Algo::TwoShot);
     auto nccl_call = [&] {
       NCCL_CHECK(ncclGroupStart());
@@ -202,14 +206,15 @@ int main(int argc, char** argv) {
       NCCL_CHECK(ncclGroupEnd());
     };
     const double nccl = time_graphs(gpus, iters, repeats, nccl_call);
-    const double automatic = n_gpus == 2 || bytes <= CustomAllReduce::kOneShotMaxBytes ? one : two;
+    const double automatic = pushes ? push : n_gpus == 2 || bytes <= CustomAllReduce::kOneShotMaxBytes ? one : two;
+    const double best = std::min(pushes ? push : one, std::min(one, two));
     const double eager_custom = time_eager(gpus, iters, repeats, [&] {
       for (int r = 0; r < n_gpus; ++r)
         if (!(*ar)->all_reduce(r, gpus[size_t(r)].data.as<__half>(), count, gpus[size_t(r)].stream)) std::exit(1);
     });
     const double eager_nccl = time_eager(gpus, iters, repeats, nccl_call);
-    std::printf("%10zu %12.2f %12.2f %12.2f %10.2f %10.2f %12.1f %12.1f %12.2f %12.2f\n", bytes, one, two, nccl,
-                automatic / nccl, std::min(one, two) / nccl, double(bytes) / automatic * 1e-3 * bus,
+    std::printf("%10zu %12.2f %12.2f %12.2f %12.2f %10.2f %10.2f %12.1f %12.1f %12.2f %12.2f\n", bytes, push, one, two,
+                nccl, automatic / nccl, best / nccl, double(bytes) / automatic * 1e-3 * bus,
                 double(bytes) / nccl * 1e-3 * bus, eager_custom, eager_nccl);
     std::fflush(stdout);
   }

@@ -14,14 +14,16 @@
 //   conveyor-bench-gpu-decode [--shapes gpt2-xl,gpt3-6.7b] [--batches 1,8,32,128]
 //       [--prompts 128,1024] [--new-tokens 128] [--dtype f16|bf16] [--max-tokens 8192]
 //       [--kv-fraction 0.9] [--no-graphs] [--tp N] [--pp N] [--weights dtype,int8,fp8] [--int8]
-//       [--fp8] [--fused-ar] [--csv FILE] [--modes det,fast]
+//       [--fp8] [--fused-ar] [--ar-push-max BYTES] [--csv FILE] [--modes det,fast]
 //
 // --tp N runs each stage over N GPUs (ranks share GPUs where the machine has fewer than
 // tp x pp: a correctness run only, its times mean nothing). --weights: the layer matrices in
 // the stage's dtype, int8 weight-only (quant.h) and/or FP8 weights and activations (fp8.h,
 // Hopper), each built in turn, the rows of int8 and fp8 showing the dtype's ms/token over
 // theirs ("x dtype"); --int8 and --fp8 are --weights int8 and --weights fp8. --fused-ar: tensor-parallel decode steps join the all-reduce with the
-// bias, residual and LayerNorm after it (GpuStageOptions::fused_all_reduce). --modes: det
+// bias, residual and LayerNorm after it (GpuStageOptions::fused_all_reduce). --ar-push-max:
+// tensor-parallel all-reduces up to BYTES take the push call (GpuStageOptions::
+// all_reduce_push_max_bytes; 0: the one-shot pull of before, to compare). --modes: det
 // (the default: fixed-order kernels, GpuStageOptions::deterministic) and/or fast (the fastest
 // kernels of each shape, whose sums follow the batch); both run each configuration side by
 // side, the stage built once per mode, and the fast rows show det's time over theirs.
@@ -83,6 +85,7 @@ struct Args {
   bool graphs = true;
   int tp = 1, pp = 1;
   bool fused_ar = false;
+  long long ar_push_max = -1;  // -1: the stage's default
   std::vector<std::string> weights = {"dtype"};  // dtype, int8, fp8
   std::string csv;
   std::vector<std::string> modes = {"det"};
@@ -92,7 +95,8 @@ struct Args {
   std::fprintf(stderr,
                "usage: conveyor-bench-gpu-decode [--shapes S,..] [--batches N,..] [--prompts N,..] [--new-tokens N]\n"
                "       [--dtype f16|bf16] [--max-tokens N] [--kv-fraction F] [--no-graphs] [--tp N] [--pp N]\n"
-               "       [--weights dtype,int8,fp8] [--int8] [--fp8] [--fused-ar] [--csv FILE] [--modes det,fast]\n");
+               "       [--weights dtype,int8,fp8] [--int8] [--fp8] [--fused-ar] [--ar-push-max BYTES] [--csv FILE]\n"
+               "       [--modes det,fast]\n");
   std::exit(2);
 }
 
@@ -118,6 +122,7 @@ Args parse(int argc, char** argv) {
     else if (k == "--fp8") a.weights = {"fp8"};
     else if (k == "--weights") a.weights = split(val());
     else if (k == "--fused-ar") a.fused_ar = true;
+    else if (k == "--ar-push-max") a.ar_push_max = std::stoll(val());
     else if (k == "--csv") a.csv = val();
     else if (k == "--modes") a.modes = split(val());
     else usage();
@@ -356,6 +361,7 @@ int main(int argc, char** argv) {
       o.int8_weights = int8;
       o.fp8 = fp8;
       o.fused_all_reduce = args.fused_ar;
+      if (args.ar_push_max >= 0) o.all_reduce_push_max_bytes = size_t(args.ar_push_max);
       o.gemm = process_options().kernels.gemm;  // CONVEYOR_GEMM_ORDER and the rest
       o.deterministic = mode == "det";
       const auto t0 = Clock::now();

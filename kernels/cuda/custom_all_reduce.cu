@@ -126,6 +126,92 @@ __global__ void __launch_bounds__(kThreads) all_reduce_kernel(Peers peers, T* da
   }
 }
 
+// ---- push: the flag in the data, no barrier ----
+
+struct PushPeers {
+  uint4* recv[kMaxRanks];  // every rank's push area: [2 halves][ranks slots][slot_lines]
+};
+
+// 16-byte lines {4 data bytes, flag, 4 data bytes, flag}: one store, one load, and a line
+// whose two flags are this call's carries this call's 8 data bytes (4 elements).
+__device__ __forceinline__ void store_pushed(uint4* p, uint2 data, uint32_t flag) {
+  asm volatile("st.volatile.global.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(data.x), "r"(flag), "r"(data.y),
+               "r"(flag)
+               : "memory");
+}
+__device__ __forceinline__ uint2 wait_pushed(const uint4* p, uint32_t flag) {
+  uint32_t a, fa, b, fb;
+  do {
+    asm volatile("ld.volatile.global.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(a), "=r"(fa), "=r"(b), "=r"(fb) : "l"(p) : "memory");
+  } while (fa != flag || fb != flag);
+  return make_uint2(a, b);
+}
+
+// Line i (elements 4i..4i+3) of a message of n elements: one 8-byte access when whole and
+// aligned, else per element with zeros past the end.
+template <class T>
+__device__ __forceinline__ uint2 load_four(const T* data, int64_t i, int64_t n, bool aligned) {
+  if (aligned && (i + 1) * 4 <= n) return reinterpret_cast<const uint2*>(data)[i];
+  __align__(8) T h[4];
+  for (int k = 0; k < 4; ++k) h[k] = i * 4 + k < n ? data[i * 4 + k] : from_float<T>(0.0f);
+  return *reinterpret_cast<const uint2*>(h);
+}
+template <class T>
+__device__ __forceinline__ void store_four(T* data, int64_t i, int64_t n, bool aligned, uint2 v) {
+  if (aligned && (i + 1) * 4 <= n) {
+    reinterpret_cast<uint2*>(data)[i] = v;
+    return;
+  }
+  const T* h = reinterpret_cast<const T*>(&v);
+  for (int k = 0; k < 4; ++k)
+    if (i * 4 + k < n) data[i * 4 + k] = h[k];
+}
+
+// Adds the 4 elements of `line` to acc in fp32.
+template <class T>
+__device__ __forceinline__ void add_line(float (&acc)[4], uint2 line) {
+  using T2 = typename detail::Pair<T>::type;
+  const float2 lo = to_float2(*reinterpret_cast<const T2*>(&line.x)), hi = to_float2(*reinterpret_cast<const T2*>(&line.y));
+  acc[0] += lo.x, acc[1] += lo.y, acc[2] += hi.x, acc[3] += hi.y;
+}
+
+// Every thread pushes its lines of the input to every peer (slot `rank` of their areas),
+// then sums its lines over ranks 0..R-1 in order, its own from the input, the others as they
+// arrive, in fp32 rounded to T once. Call c uses half c % 2 with flag c + 1: a rank pushes
+// into a half again two calls later, after it received every line of the peer's call in
+// between, which the peer pushes only once its earlier call, and its reads of that half,
+// are over. The call counter (state[0], state[1]) is all_reduce_kernel's: one sequence.
+template <class T>
+__global__ void __launch_bounds__(kThreads) push_all_reduce_kernel(PushPeers peers, T* data, int64_t n, int rank,
+                                                                   int ranks, bool aligned, uint32_t* state,
+                                                                   int64_t slot_lines) {
+  using T2 = typename detail::Pair<T>::type;
+  __shared__ uint32_t call_s;
+  if (threadIdx.x == 0) call_s = *reinterpret_cast<volatile uint32_t*>(state);
+  __syncthreads();
+  const uint32_t call = call_s, flag = call + 1;
+  const int64_t lines = (n + 3) / 4, half = int64_t(call & 1) * ranks * slot_lines;
+  const int64_t first = int64_t(blockIdx.x) * blockDim.x + threadIdx.x, stride = int64_t(gridDim.x) * blockDim.x;
+  for (int64_t i = first; i < lines; i += stride) {
+    const uint2 v = load_four(data, i, n, aligned);
+    for (int p = 0; p < ranks; ++p)
+      if (p != rank) store_pushed(peers.recv[p] + half + rank * slot_lines + i, v, flag);
+  }
+  const uint4* mine = peers.recv[rank] + half;
+  for (int64_t i = first; i < lines; i += stride) {
+    float acc[4] = {};
+    for (int p = 0; p < ranks; ++p)
+      add_line<T>(acc, p == rank ? load_four(data, i, n, aligned) : wait_pushed(mine + p * slot_lines + i, flag));
+    const T2 lo = from_float2<T>(make_float2(acc[0], acc[1])), hi = from_float2<T>(make_float2(acc[2], acc[3]));
+    store_four(data, i, n, aligned, make_uint2(*reinterpret_cast<const uint32_t*>(&lo), *reinterpret_cast<const uint32_t*>(&hi)));
+  }
+  __syncthreads();
+  if (threadIdx.x == 0 && atomicAdd(state + 1, 1u) == gridDim.x - 1) {  // the last block of this call
+    state[1] = 0;
+    state[0] = call + 1;
+  }
+}
+
 // ---- the fused decode step: push with the flag in the data, then residual and LayerNorm ----
 
 constexpr int kFusedThreads = 512;
@@ -217,7 +303,7 @@ __global__ void __launch_bounds__(kFusedThreads)
 }  // namespace
 
 Expected<std::unique_ptr<CustomAllReduce>> CustomAllReduce::create(const std::vector<int>& devices, size_t max_bytes,
-                                                                  int64_t fused_max_elems) {
+                                                                  int64_t fused_max_elems, size_t push_max_bytes) {
   const int R = int(devices.size());
   if (R < 2 || R > kMaxRanks)
     return Status::error("custom all-reduce: " + std::to_string(R) + " GPUs given; it needs 2 to " + std::to_string(kMaxRanks));
@@ -226,9 +312,13 @@ Expected<std::unique_ptr<CustomAllReduce>> CustomAllReduce::create(const std::ve
   ar->max_bytes_ = max_bytes;
   ar->fused_max_elems_ = std::max<int64_t>(0, fused_max_elems) / 2 * 2;
   ar->slot_lines_ = ar->fused_max_elems_ / 2;
+  ar->push_max_bytes_ = std::min({max_bytes, push_max_bytes, kPushMaxBytes});
+  ar->push_lines_ = int64_t((ar->push_max_bytes_ + 7) / 8);
+  ar->distinct_ = std::set<int>(devices.begin(), devices.end()).size() == devices.size();
   const size_t buf_bytes = 2 * ((max_bytes + 15) / 16 * 16);  // two halves, alternate calls
   const size_t flag_bytes = size_t(kMaxBlocks) * kMaxRanks * sizeof(uint32_t), counter_bytes = 4 * sizeof(uint32_t);
   const size_t recv_bytes = size_t(2 * kMaxRanks * ar->slot_lines_) * sizeof(uint2);  // zeros: no flag matches
+  const size_t push_bytes = size_t(2 * R * ar->push_lines_) * sizeof(uint4);            // zeros too
   try {
     for (int a = 0; a < R; ++a)
       for (int b = 0; b < R; ++b) {
@@ -249,10 +339,13 @@ Expected<std::unique_ptr<CustomAllReduce>> CustomAllReduce::create(const std::ve
         if (e == cudaErrorPeerAccessAlreadyEnabled) (void)cudaGetLastError();
         else CUDA_CHECK(e);
       }
-      DeviceBuffer mem = device_alloc(buf_bytes + flag_bytes + counter_bytes + recv_bytes, "custom all-reduce",
-                                      "staging buffer and flags on GPU " + std::to_string(devices[size_t(r)]));
-      CUDA_CHECK(cudaMemset(mem.as<char>() + buf_bytes, 0, flag_bytes + counter_bytes + recv_bytes));
-      ar->recv_.push_back(reinterpret_cast<uint2*>(mem.as<char>() + buf_bytes + flag_bytes + counter_bytes));
+      DeviceBuffer mem =
+          device_alloc(buf_bytes + flag_bytes + counter_bytes + recv_bytes + push_bytes, "custom all-reduce",
+                       "staging buffer and flags on GPU " + std::to_string(devices[size_t(r)]));
+      CUDA_CHECK(cudaMemset(mem.as<char>() + buf_bytes, 0, flag_bytes + counter_bytes + recv_bytes + push_bytes));
+      char* const recv = mem.as<char>() + buf_bytes + flag_bytes + counter_bytes;
+      ar->recv_.push_back(reinterpret_cast<uint2*>(recv));
+      ar->push_.push_back(reinterpret_cast<uint4*>(recv + recv_bytes));
       ar->buffers_.push_back(mem.as<uint4>());
       ar->flags_.push_back(reinterpret_cast<uint32_t*>(mem.as<char>() + buf_bytes));
       ar->counters_.push_back(reinterpret_cast<uint32_t*>(mem.as<char>() + buf_bytes + flag_bytes));
@@ -283,6 +376,12 @@ Status CustomAllReduce::all_reduce(int rank, T* data, size_t count, cudaStream_t
     return Status::error("custom all-reduce: " + std::to_string(count * sizeof(T)) + " bytes exceed the buffers' " +
                          std::to_string(max_bytes_));
   if (count == 0) return ok_status();
+  if (algo == Algo::Push && count * sizeof(T) > push_max_bytes_)
+    return Status::error("custom all-reduce: a push call takes at most " + std::to_string(push_max_bytes_) +
+                         " bytes, not " + std::to_string(count * sizeof(T)));
+  if (algo == Algo::Push || (algo == Algo::Auto && distinct_ && count * sizeof(T) <= push_max_bytes_))
+    return push(rank, data, count, reinterpret_cast<uintptr_t>(data) % 8 == 0, stream);
+  const bool aligned = reinterpret_cast<uintptr_t>(data) % 16 == 0;
   Peers peers{};
   for (int p = 0; p < R; ++p) peers.buf[p] = buffers_[size_t(p)], peers.flags[p] = flags_[size_t(p)];
   const bool two_shot =
@@ -292,7 +391,6 @@ Status CustomAllReduce::all_reduce(int rank, T* data, size_t count, cudaStream_t
   // block waits for the same block on the peers; ranks sharing a GPU need room for all of
   // theirs). The same on every rank for a count.
   const int blocks = int(std::min<int64_t>(kMaxBlocks, std::max<int64_t>(1, units / (two_shot ? 1024 : 256))));
-  const bool aligned = reinterpret_cast<uintptr_t>(data) % 16 == 0;
   const int64_t half_units = int64_t((max_bytes_ + 15) / 16);
   DeviceGuard on(devices_[size_t(rank)]);
   if (two_shot)
@@ -301,6 +399,21 @@ Status CustomAllReduce::all_reduce(int rank, T* data, size_t count, cudaStream_t
   else
     all_reduce_kernel<T, false><<<blocks, kThreads, 0, stream>>>(peers, data, int64_t(count), rank, R, aligned,
                                                                  counters_[size_t(rank)], half_units);
+  const cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess) return Status::error(std::string("custom all-reduce: launch: ") + cudaGetErrorString(e));
+  return ok_status();
+}
+
+template <class T>
+Status CustomAllReduce::push(int rank, T* data, size_t count, bool aligned, cudaStream_t stream) {
+  PushPeers peers{};
+  for (int p = 0; p < ranks(); ++p) peers.recv[p] = push_[size_t(p)];
+  // A line a thread, as many blocks as that takes (co-resident: see all_reduce's blocks).
+  const int64_t lines = int64_t((count + 3) / 4);
+  const int blocks = int(std::clamp<int64_t>((lines + kThreads - 1) / kThreads, 1, kMaxBlocks));
+  DeviceGuard on(devices_[size_t(rank)]);
+  push_all_reduce_kernel<T><<<blocks, kThreads, 0, stream>>>(peers, data, int64_t(count), rank, ranks(), aligned,
+                                                              counters_[size_t(rank)], push_lines_);
   const cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess) return Status::error(std::string("custom all-reduce: launch: ") + cudaGetErrorString(e));
   return ok_status();

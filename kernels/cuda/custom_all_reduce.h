@@ -6,7 +6,12 @@
 // memory; peer access is enabled between all pairs, so a kernel on one GPU reads the other
 // GPUs' buffers directly and signals them by storing into their flags. One kernel per call
 // and rank, no host round trip:
-//   one-shot (small messages): each block copies its slice of the input into the rank's
+//   push (small messages, the default up to kPushMaxBytes): each rank stores its input into
+//     every peer's receive area as 16-byte lines of 8 data bytes and two copies of the call's
+//     flag (NCCL's LL protocol), then sums, in rank order, its own input and the lines the
+//     peers pushed to it as they arrive: no barrier, no fence, no read across NVLink, one
+//     write latency. The lines double the bytes on the wire, so larger messages pull:
+//   one-shot: each block copies its slice of the input into the rank's
 //     buffer, meets the same block of every other rank at a flag barrier, then sums that
 //     slice over all ranks' buffers in rank order (so every rank gets the same bits) into
 //     the output;
@@ -52,23 +57,27 @@ namespace conveyor::cuda {
 
 class CustomAllReduce {
  public:
-  enum class Algo { Auto, OneShot, TwoShot };
+  enum class Algo { Auto, Push, OneShot, TwoShot };
 
   // Enables peer access between `devices` (2 to 8 ranks' GPUs, each able to reach every other)
   // and allocates on each a staging buffer of `max_bytes` and the flags. Errors name the
   // pair without peer access or the failed call.
   // fused_max_elems (rows x width, even) sizes the fused call's receive areas: 2 halves x
   // 8 slots x fused_max_elems / 2 lines of 8 bytes on each GPU (0: no fused call).
+  // push_max_bytes (at most kPushMaxBytes) sizes the push call's receive areas: 2 halves x
+  // ranks x push_max_bytes x 2 on each GPU; Auto pushes up to it (0: never).
   static Expected<std::unique_ptr<CustomAllReduce>> create(const std::vector<int>& devices, size_t max_bytes,
-                                                           int64_t fused_max_elems = 0);
+                                                           int64_t fused_max_elems = 0,
+                                                           size_t push_max_bytes = kPushMaxBytes);
   ~CustomAllReduce();
   CustomAllReduce(const CustomAllReduce&) = delete;
   CustomAllReduce& operator=(const CustomAllReduce&) = delete;
 
   int ranks() const { return int(devices_.size()); }
   size_t max_bytes() const { return max_bytes_; }
-  // Auto: one-shot on 2 GPUs (two-shot reads as much there and adds a barrier), else
-  // one-shot up to kOneShotMaxBytes and two-shot above.
+  // Auto: push up to create's push_max_bytes (ranks on distinct GPUs); above, one-shot on 2 GPUs (two-shot reads as much there
+  // and adds a barrier), else one-shot up to kOneShotMaxBytes and two-shot above.
+  static constexpr size_t kPushMaxBytes = 256 << 10;
   static constexpr size_t kOneShotMaxBytes = 256 << 10;
   // Above this, NCCL is faster (2 H200s over NVLink, conveyor-bench-all-reduce,
   // docs/PERFORMANCE.md): a caller hands larger messages to NCCL.
@@ -94,6 +103,11 @@ class CustomAllReduce {
 
  private:
   CustomAllReduce() = default;
+  // The push call (Algo::Push): count * sizeof(T) <= push_max_bytes_. Its ranks
+  // wait for each other's stores with no barrier, like the fused call's, so Auto pushes only
+  // when no two ranks share a GPU.
+  template <class T>
+  Status push(int rank, T* data, size_t count, bool aligned, cudaStream_t stream);
 
   std::vector<int> devices_;
   size_t max_bytes_ = 0;
@@ -103,7 +117,10 @@ class CustomAllReduce {
   std::vector<uint32_t*> counters_;   // per rank: calls finished, blocks of the running call finished (all_reduce),
                                       // then the same two for the fused calls
   std::vector<uint2*> recv_;          // per rank: the fused calls' receive area
-  int64_t fused_max_elems_ = 0, slot_lines_ = 0;
+  std::vector<uint4*> push_;          // per rank: the push calls' receive area, [2 halves][ranks][push_lines_]
+  int64_t fused_max_elems_ = 0, slot_lines_ = 0, push_lines_ = 0;
+  size_t push_max_bytes_ = 0;  // Auto pushes up to this (create's push_max_bytes, within max_bytes)
+  bool distinct_ = true;  // no two ranks on one GPU: Auto may push (see push())
 };
 
 }  // namespace conveyor::cuda

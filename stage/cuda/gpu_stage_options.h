@@ -3,6 +3,7 @@
 // (GpuStageShape, gpu_stage_shape.h).
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <string>
 
@@ -39,6 +40,10 @@ struct GpuStageOptions {
   // the next LayerNorm in one kernel (CustomAllReduce::all_reduce_residual_layernorm).
   // Off until it is measured on several GPUs: so far it ran on ranks sharing one GPU only.
   bool fused_all_reduce = false;
+  // Tensor parallel: messages up to this many bytes take the custom all-reduce's push call
+  // (CustomAllReduce::Algo::Push; 0: never). Its default, 256 KiB, is
+  // CustomAllReduce::kPushMaxBytes; the benches set it to compare the calls in one run.
+  size_t all_reduce_push_max_bytes = size_t(256) << 10;
   // Deterministic (the default): every product takes the fixed-order tiles (fixed_gemm.h) and
   // prompts the fixed-order attention (attention.h), so a sequence's logits and K/V are the
   // same bits alone or in any batch, chunked any way, and rebuilt after a failover. Off

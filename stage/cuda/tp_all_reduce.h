@@ -1,7 +1,10 @@
-// TpAllReduce: the all-reduce a tensor-parallel GPU stage calls twice per layer. Messages
-// up to CustomAllReduce::kNcclCrossoverBytes go through the custom peer-memory kernel
-// (faster there, docs/PERFORMANCE.md); larger ones through NCCL, so it is never slower
-// than NCCL. One object per stage; rank r's calls come from the thread that drives GPU r
+// TpAllReduce: the all-reduce a tensor-parallel GPU stage calls twice per layer, exact: the
+// ranks' values are summed in rank order in fp32 and rounded once, whatever the message's
+// size, so a row's sum does not depend on the batch or chunk it travels in. On two GPUs,
+// messages up to CustomAllReduce::kNcclCrossoverBytes go through the custom peer-memory
+// kernel (faster there, docs/PERFORMANCE.md) and larger ones through NCCL, whose sum of
+// two values is the same bits. With three GPUs or more the custom kernel takes every size
+// (NCCL's order is not rank order), its buffers sized for the largest message. One object per stage; rank r's calls come from the thread that drives GPU r
 // (NCCL requires that, or group calls, when one thread drives several GPUs).
 //
 // Ranks may share a GPU (tests of a tensor-parallel stage on a one-GPU machine). NCCL
@@ -35,8 +38,10 @@ class TpAllReduce {
   // The GPUs of the group, in rank order; `max_bytes` bounds one message, fused_max_elems
   // one fused decode step (rows x width). NCCL communicators for all of them (distinct
   // GPUs) and the custom kernel's buffers.
+  // push_max_bytes: the custom kernel's push call up to this size (CustomAllReduce::create).
   static Expected<std::unique_ptr<TpAllReduce>> create(const std::vector<int>& devices,
-                                                       size_t max_bytes = size_t(1) << 30, int64_t fused_max_elems = 0);
+                                                       size_t max_bytes = size_t(1) << 30, int64_t fused_max_elems = 0,
+                                                       size_t push_max_bytes = CustomAllReduce::kPushMaxBytes);
   ~TpAllReduce();
   TpAllReduce(const TpAllReduce&) = delete;
   TpAllReduce& operator=(const TpAllReduce&) = delete;

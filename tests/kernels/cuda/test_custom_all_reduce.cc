@@ -130,10 +130,11 @@ TEST_F(CustomAllReduceTest, ExactForIntegersWithinRoundingForRandomEverySize) {
                                      kMaxBytes / 2 - 1, kMaxBytes / 2};
   uint32_t seed = 1;
   for (size_t n : sizes)
-    for (Algo algo : {Algo::OneShot, Algo::TwoShot, Algo::Auto})
+    for (Algo algo : {Algo::Push, Algo::OneShot, Algo::TwoShot, Algo::Auto})
       for (bool integers : {true, false})
         for (size_t offset : {size_t(0), size_t(3)}) {
           if (offset && n * 2 + offset * 2 > kMaxBytes + 64) continue;
+          if (algo == Algo::Push && n * 2 > CustomAllReduce::kPushMaxBytes) continue;
           const std::string what = "n " + std::to_string(n) + " algo " + std::to_string(int(algo)) +
                                    (integers ? " integers" : " random") + " offset " + std::to_string(offset);
           upload(n, offset, ++seed, integers);
@@ -177,6 +178,36 @@ TEST_F(CustomAllReduceTest, RepeatedCallsStayInStep) {
   check(5000, 8, false, "after 200 calls");
 }
 
+// Auto picks by size, so a row's sum must not depend on the algorithm: every one sums the
+// ranks in rank order in fp32 and rounds once. Then the three kinds of call interleave
+// without a sync (they share one call counter and alternate halves) and stay in step.
+TEST_F(CustomAllReduceTest, EveryAlgorithmGivesTheSameBitsAndTheyInterleave) {
+  const size_t n = 5003;
+  std::vector<std::vector<__half>> first;
+  for (Algo algo : {Algo::Push, Algo::OneShot, Algo::TwoShot}) {
+    upload(n, 0, 41, false);
+    run(n, algo);
+    for (size_t r = 0; r < ranks_.size(); ++r) {
+      std::vector<__half> got(n);
+      DeviceGuard on(ranks_[r].device);
+      CUDA_CHECK(cudaMemcpy(got.data(), ranks_[r].data, n * sizeof(__half), cudaMemcpyDeviceToHost));
+      if (first.size() <= r) first.push_back(got);
+      for (size_t i = 0; i < n; ++i)
+        ASSERT_EQ(__half_as_ushort(got[i]), __half_as_ushort(first[r][i])) << "algo " << int(algo) << " element " << i;
+    }
+  }
+  for (int k = 0; k < 99; ++k)  // sums of sums: the values overflow, the protocol must not care
+    for (size_t r = 0; r < ranks_.size(); ++r) {
+      const Algo algo = k % 3 == 0 ? Algo::Push : k % 3 == 1 ? Algo::OneShot : Algo::TwoShot;
+      ASSERT_TRUE(ar_->all_reduce(int(r), ranks_[r].data, n, ranks_[r].stream, algo).ok());
+    }
+  for (Algo algo : {Algo::Push, Algo::OneShot, Algo::Push, Algo::TwoShot, Algo::Push}) {
+    upload(n, 0, 42, false);
+    run(n, algo);
+    check(n, 42, false, "after interleaved calls, algo " + std::to_string(int(algo)));
+  }
+}
+
 // One call per rank captured in a CUDA graph, replayed with new data each time.
 TEST_F(CustomAllReduceTest, CudaGraphReplay) {
   for (size_t n : {size_t(2048), size_t(1) << 20}) {
@@ -213,6 +244,10 @@ TEST_F(CustomAllReduceTest, CudaGraphReplay) {
 TEST_F(CustomAllReduceTest, RefusesWhatItCannotDo) {
   EXPECT_FALSE(ar_->all_reduce(0, ranks_[0].mem.as<__half>(), kMaxBytes / 2 + 1, ranks_[0].stream).ok());
   EXPECT_FALSE(ar_->all_reduce(int(ranks_.size()), ranks_[0].mem.as<__half>(), 8, ranks_[0].stream).ok());
+  const size_t over = CustomAllReduce::kPushMaxBytes / 2 + 1;
+  const Status push = ar_->all_reduce(0, ranks_[0].mem.as<__half>(), over, ranks_[0].stream, Algo::Push);
+  ASSERT_FALSE(push.ok());
+  EXPECT_NE(push.message().find("push call takes at most"), std::string::npos) << push.message();
   auto one = CustomAllReduce::create({0}, 1024);
   ASSERT_FALSE(one.ok());
   EXPECT_NE(one.error().find("needs 2 to 8"), std::string::npos) << one.error();

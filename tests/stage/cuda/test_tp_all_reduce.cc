@@ -64,6 +64,52 @@ TEST(TpAllReduce, BothSidesOfTheCrossoverFromOneThreadPerGpu) {
   for (size_t r = 0; r < errors.size(); ++r) EXPECT_TRUE(errors[r].empty()) << "rank " << r << ": " << errors[r];
 }
 
+// Above the crossover two GPUs hand the message to NCCL: its sums must be the custom
+// kernel's bits (fp32 sum in rank order, rounded once), on random values, or a row's sum
+// would change with the size of the message around it.
+TEST(TpAllReduce, TwoGpusSumTheSameBitsOnBothSidesOfTheCrossover) {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess || n < 2) GTEST_SKIP() << "needs two GPUs or more; this machine has " << n;
+  const std::vector<int> devices = {0, 1};
+  auto tp = TpAllReduce::create(devices);
+  ASSERT_TRUE(tp.ok()) << tp.error();
+  ASSERT_TRUE((*tp)->uses_nccl());
+  const size_t crossover = CustomAllReduce::kNcclCrossoverBytes / 2;  // halves
+  std::vector<std::string> errors(2);
+  std::vector<std::thread> threads;
+  auto input = [](size_t i, size_t r) {
+    const uint32_t h = uint32_t(i * 2654435761u) ^ uint32_t(r * 40503u);
+    return __float2half(std::ldexp(float(h % 20011) - 10005.0f, -int(h % 13)));  // mixed magnitudes
+  };
+  for (size_t r = 0; r < 2; ++r)
+    threads.emplace_back([&, r] {
+      DeviceGuard on(devices[r]);
+      cudaStream_t stream = nullptr;
+      CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+      for (size_t count : {crossover, crossover + 1}) {
+        DeviceBuffer buf = device_alloc(count * sizeof(__half), "test", "data");
+        std::vector<__half> v(count);
+        for (size_t i = 0; i < count; ++i) v[i] = input(i, r);
+        CUDA_CHECK(cudaMemcpy(buf.get(), v.data(), count * sizeof(__half), cudaMemcpyHostToDevice));
+        if (Status s = (*tp)->all_reduce(int(r), buf.as<__half>(), count, stream); !s) {
+          errors[r] = s.message();
+          break;
+        }
+        CUDA_CHECK(cudaStreamSynchronize(stream));
+        CUDA_CHECK(cudaMemcpy(v.data(), buf.get(), count * sizeof(__half), cudaMemcpyDeviceToHost));
+        for (size_t i = 0; i < count && errors[r].empty(); ++i) {
+          const __half want = __float2half(__half2float(input(i, 0)) + __half2float(input(i, 1)));
+          if (__half_as_ushort(v[i]) != __half_as_ushort(want))
+            errors[r] = "count " + std::to_string(count) + " element " + std::to_string(i) + ": " +
+                        std::to_string(__half2float(v[i])) + " want " + std::to_string(__half2float(want));
+        }
+      }
+      cudaStreamDestroy(stream);
+    });
+  for (auto& t : threads) t.join();
+  for (size_t r = 0; r < errors.size(); ++r) EXPECT_TRUE(errors[r].empty()) << "rank " << r << ": " << errors[r];
+}
+
 // Integer values small enough that every partial sum is exact in fp16 and bf16.
 float value(size_t i, size_t rank) { return float(int((i * 7 + rank * 13) % 31) - 15); }
 
