@@ -153,7 +153,9 @@ int main(int argc, char** argv) {
   }
   std::vector<int> devices;
   for (int d = 0; d < n_gpus; ++d) devices.push_back(d);
-  auto ar = CustomAllReduce::create(devices, max_bytes);
+  // The push call up to 4 MiB, past its default crossover (kPushMaxBytes), to show where it is.
+  const size_t push_max = std::min(max_bytes, size_t(4) << 20);
+  auto ar = CustomAllReduce::create(devices, max_bytes, 0, push_max);
   if (!ar) {
     std::fprintf(stderr, "%s\n", ar.error().c_str());
     return 1;
@@ -193,7 +195,7 @@ int main(int argc, char** argv) {
         }
       });
     };
-    const bool pushes = bytes <= CustomAllReduce::kPushMaxBytes;
+    const bool pushes = bytes <= push_max;
     const double push = pushes ? custom(CustomAllReduce::Algo::Push) : std::nan("");
     const double one = custom(CustomAllReduce::Algo::OneShot), two = custom(CustomAllReduce::Algo::TwoShot);
     auto nccl_call = [&] {
@@ -206,7 +208,7 @@ int main(int argc, char** argv) {
       NCCL_CHECK(ncclGroupEnd());
     };
     const double nccl = time_graphs(gpus, iters, repeats, nccl_call);
-    const double automatic = pushes ? push : n_gpus == 2 || bytes <= CustomAllReduce::kOneShotMaxBytes ? one : two;
+    const double automatic = bytes <= CustomAllReduce::kPushMaxBytes ? push : n_gpus == 2 || bytes <= CustomAllReduce::kOneShotMaxBytes ? one : two;
     const double best = std::min(pushes ? push : one, std::min(one, two));
     const double eager_custom = time_eager(gpus, iters, repeats, [&] {
       for (int r = 0; r < n_gpus; ++r)

@@ -312,7 +312,7 @@ Expected<std::unique_ptr<CustomAllReduce>> CustomAllReduce::create(const std::ve
   ar->max_bytes_ = max_bytes;
   ar->fused_max_elems_ = std::max<int64_t>(0, fused_max_elems) / 2 * 2;
   ar->slot_lines_ = ar->fused_max_elems_ / 2;
-  ar->push_max_bytes_ = std::min({max_bytes, push_max_bytes, kPushMaxBytes});
+  ar->push_max_bytes_ = std::min(max_bytes, push_max_bytes);
   ar->push_lines_ = int64_t((ar->push_max_bytes_ + 7) / 8);
   ar->distinct_ = std::set<int>(devices.begin(), devices.end()).size() == devices.size();
   const size_t buf_bytes = 2 * ((max_bytes + 15) / 16 * 16);  // two halves, alternate calls

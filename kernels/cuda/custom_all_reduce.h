@@ -64,8 +64,8 @@ class CustomAllReduce {
   // pair without peer access or the failed call.
   // fused_max_elems (rows x width, even) sizes the fused call's receive areas: 2 halves x
   // 8 slots x fused_max_elems / 2 lines of 8 bytes on each GPU (0: no fused call).
-  // push_max_bytes (at most kPushMaxBytes) sizes the push call's receive areas: 2 halves x
-  // ranks x push_max_bytes x 2 on each GPU; Auto pushes up to it (0: never).
+  // push_max_bytes sizes the push call's receive areas (2 halves x ranks x push_max_bytes x 2
+  // on each GPU); Auto pushes up to it (0: never; the default is the measured crossover).
   static Expected<std::unique_ptr<CustomAllReduce>> create(const std::vector<int>& devices, size_t max_bytes,
                                                            int64_t fused_max_elems = 0,
                                                            size_t push_max_bytes = kPushMaxBytes);
@@ -77,7 +77,9 @@ class CustomAllReduce {
   size_t max_bytes() const { return max_bytes_; }
   // Auto: push up to create's push_max_bytes (ranks on distinct GPUs); above, one-shot on 2 GPUs (two-shot reads as much there
   // and adds a barrier), else one-shot up to kOneShotMaxBytes and two-shot above.
-  static constexpr size_t kPushMaxBytes = 256 << 10;
+  // Push up to 512 KiB: past it the doubled bytes cost more than the saved round trip (2
+  // H200s: 6.98 vs 8.76 us one-shot at 512 KiB, a tie at 1 MiB, 18.8 vs 14.3 us at 2 MiB).
+  static constexpr size_t kPushMaxBytes = 512 << 10;
   static constexpr size_t kOneShotMaxBytes = 256 << 10;
   // Above this, NCCL is faster (2 H200s over NVLink, conveyor-bench-all-reduce,
   // docs/PERFORMANCE.md): a caller hands larger messages to NCCL.

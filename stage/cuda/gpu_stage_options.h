@@ -9,6 +9,7 @@
 
 #include "common/dtype.h"
 #include "common/kernel_options.h"
+#include "kernels/cuda/custom_all_reduce.h"
 
 namespace conveyor::cuda {
 
@@ -41,9 +42,9 @@ struct GpuStageOptions {
   // Off until it is measured on several GPUs: so far it ran on ranks sharing one GPU only.
   bool fused_all_reduce = false;
   // Tensor parallel: messages up to this many bytes take the custom all-reduce's push call
-  // (CustomAllReduce::Algo::Push; 0: never). Its default, 256 KiB, is
-  // CustomAllReduce::kPushMaxBytes; the benches set it to compare the calls in one run.
-  size_t all_reduce_push_max_bytes = size_t(256) << 10;
+  // (CustomAllReduce::Algo::Push; 0: never): by default its measured crossover; the benches
+  // set it to compare the calls in one run.
+  size_t all_reduce_push_max_bytes = CustomAllReduce::kPushMaxBytes;
   // Deterministic (the default): every product takes the fixed-order tiles (fixed_gemm.h) and
   // prompts the fixed-order attention (attention.h), so a sequence's logits and K/V are the
   // same bits alone or in any batch, chunked any way, and rebuilt after a failover. Off
