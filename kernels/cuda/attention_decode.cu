@@ -350,6 +350,31 @@ constexpr int context_rows() {
   return 8 / MAXC > 0 ? 8 / MAXC : 1;
 }
 
+// A row's running state rs = [M, L, acc[D]] takes the piece its groups left in gs: set by the
+// first piece, merged with the later ones (merge_factors), the same order decode takes.
+__device__ __forceinline__ void merge_into_running(float* rs, const float* gs, float* fac, int ngroups, int D,
+                                                   bool first) {
+  const PieceMl ml = piece_ml(gs, fac, ngroups, D);
+  if (first) {
+    for (int i = threadIdx.x; i < D; i += blockDim.x) rs[2 + i] = piece_acc(gs, fac, ngroups, D, i);
+    __syncthreads();
+    if (threadIdx.x == 0) rs[0] = ml.M, rs[1] = ml.L;
+    return;
+  }
+  const MergeFactors f = merge_factors(rs[0], ml.M);
+  const float L = merge_value(rs[1], ml.L, f);
+  for (int i = threadIdx.x; i < D; i += blockDim.x)
+    rs[2 + i] = merge_value(rs[2 + i], piece_acc(gs, fac, ngroups, D, i), f);
+  __syncthreads();  // every thread has read rs[0], rs[1]
+  if (threadIdx.x == 0) rs[0] = f.M, rs[1] = L;
+}
+
+// The output row: the running state's acc / L, rounded once.
+template <class T>
+__device__ __forceinline__ void write_context_row(T* o, const float* rs, int D) {
+  for (int i = threadIdx.x; i < D; i += blockDim.x) o[i] = from_float<T>(__fdiv_rn(rs[2 + i], rs[1]));
+}
+
 template <class T, int VEC, int MAXC, class Kv>
 __global__ void __launch_bounds__(kThreads)
     attention_context_fixed_kernel(T* __restrict__ out, const T* q_base, int64_t q_stride, Kv kv,
@@ -418,28 +443,12 @@ __global__ void __launch_bounds__(kThreads)
       __syncthreads();  // the previous readers of gs are done
       store_group<VEC, MAXC>(gs, group, gl, G, D, m[r], l[r], acc[r]);
       __syncthreads();
-      const PieceMl ml = piece_ml(gs, fac, ngroups, D);
-      float* rs = run + r * (D + 2);
-      if (p == 0) {
-        for (int i = threadIdx.x; i < D; i += blockDim.x) rs[2 + i] = piece_acc(gs, fac, ngroups, D, i);
-        __syncthreads();
-        if (threadIdx.x == 0) rs[0] = ml.M, rs[1] = ml.L;
-      } else {
-        const MergeFactors f = merge_factors(rs[0], ml.M);
-        const float L = merge_value(rs[1], ml.L, f);
-        for (int i = threadIdx.x; i < D; i += blockDim.x)
-          rs[2 + i] = merge_value(rs[2 + i], piece_acc(gs, fac, ngroups, D, i), f);
-        __syncthreads();  // every thread has read rs[0], rs[1]
-        if (threadIdx.x == 0) rs[0] = f.M, rs[1] = L;
-      }
+      merge_into_running(run + r * (D + 2), gs, fac, ngroups, D, p == 0);
     }
   }
   __syncthreads();
-  for (int r = 0; r < rows; ++r) {
-    const float* rs = run + r * (D + 2);
-    T* o = out + int64_t(q_begin + q0 + r) * C + int64_t(h) * D;
-    for (int i = threadIdx.x; i < D; i += blockDim.x) o[i] = from_float<T>(__fdiv_rn(rs[2 + i], rs[1]));
-  }
+  for (int r = 0; r < rows; ++r)
+    write_context_row(out + int64_t(q_begin + q0 + r) * C + int64_t(h) * D, run + r * (D + 2), D);
 }
 
 int next_pow2(int x) {
