@@ -53,6 +53,11 @@ struct Cluster {
   std::string api_key;  // set before start(): the coordinator requires it
   // Set before start(): worker i's own arguments, after `worker_args` (e.g. its GPU).
   std::function<std::vector<std::string>(int)> worker_args_for;
+  // A test that injects faults (kills, stops, cuts, failing stages) sets this. Otherwise no
+  // pipeline may replay: a micro-batch that failed on a stage or was taken for lost
+  // (scheduler.batch_timeout_ms) in a fault-free run is a bug the replay would hide (issue 28),
+  // so the teardown fails the test on the coordinator's word for either.
+  bool faults_expected = false;
 
   // Starts the coordinator from `yaml_extra` (appended to a base config) and `n_workers`
   // workers; returns false (with a message) when it does not come up.
@@ -167,7 +172,23 @@ struct Cluster {
     return ss.str();
   }
 
+  // The coordinator's log lines that say a pipeline replayed (engine.cc, scheduler.cc).
+  std::string replays() const {
+    std::string found;
+    for (const char* log : {"coordinator.log", "coordinator-restarted.log"}) {
+      std::istringstream in(read(dir / log));
+      for (std::string line; std::getline(in, line);)
+        if (line.find("has not come back") != std::string::npos ||
+            (line.find(" batch ") != std::string::npos && line.find(" failed: ") != std::string::npos))
+          found += "  " + line + "\n";
+    }
+    return found;
+  }
+
   ~Cluster() {
+    if (!faults_expected && !dir.empty() && !::testing::Test::HasFailure())
+      if (const std::string r = replays(); !r.empty())
+        ADD_FAILURE() << "a fault-free run replayed a pipeline (the coordinator said):\n" << r;
     for (auto& w : workers) w->signal(SIGTERM);  // all at once: each hands its stage over
     for (auto& w : workers) w->stop(std::chrono::milliseconds(3000));
     if (coordinator) coordinator->stop(std::chrono::milliseconds(3000));

@@ -134,6 +134,7 @@ TEST(BeamSearchCluster, BeamsThroughRestSurviveAFailover) {
   for (const auto& w : info.at("workers"))
     if (w.value("stage", -1) == 1) victim = w.at("name");
   ASSERT_FALSE(victim.empty()) << info.dump();
+  cluster.faults_expected = true;
   cluster.workers.at(size_t(std::stoi(victim.substr(1))))->signal(SIGKILL);
   const size_t answered_before = answered;
   for (auto& t : clients) t.join();

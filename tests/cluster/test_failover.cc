@@ -57,6 +57,7 @@ TEST_P(Failover, KillOneServingWorker) {
     std::this_thread::sleep_for(std::chrono::milliseconds(50 + rng() % 600));
     const std::string victim = serving_worker(cluster, rng);
     ASSERT_FALSE(victim.empty());
+    cluster.faults_expected = true;
     worker_named(cluster, victim)->signal(SIGKILL);
     cluster.add_worker("w" + std::to_string(cluster.workers.size()), cluster.token);  // the next spare
   });
@@ -72,6 +73,7 @@ TEST_P(Failover, KillTwoInARow) {
       std::this_thread::sleep_for(std::chrono::milliseconds(100 + rng() % 400));
       const std::string victim = serving_worker(cluster, rng);
       if (victim.empty()) continue;  // the pipeline is being repaired: nothing serves yet
+      cluster.faults_expected = true;
       worker_named(cluster, victim)->signal(SIGKILL);
     }
   });
@@ -194,6 +196,7 @@ TEST(CoordinatorRestart, WorkersKeepTheirLayers) {
   // Views kept in variables: a range-for over `info().at(...)` reads a destroyed temporary.
   const json before = cluster.info();
   for (const auto& w : before.at("workers")) layers_before[w.at("name")] = w.at("layers");
+  cluster.faults_expected = true;
   cluster.coordinator->signal(SIGKILL);
   ASSERT_TRUE(cluster.coordinator->wait_exit(std::chrono::seconds(5)));
   ASSERT_TRUE(cluster.restart_coordinator());

@@ -108,6 +108,7 @@ TEST(Replan, ShrinksOverSurvivorsAndGrowsBack) {
   ASSERT_TRUE(cluster.start("shrink", 3, 3, "heartbeat: {interval_ms: 200, liveness_ms: 1500}\n"));
   run_load(cluster, 21, 64, [&] {
     std::this_thread::sleep_for(std::chrono::milliseconds(400));
+    cluster.faults_expected = true;
     cluster.workers[1]->signal(SIGKILL);
     EXPECT_TRUE(cluster.wait_until([](const json& i) { return stages_of(i) == 2 && all_ready(i); }));
   });

@@ -169,6 +169,7 @@ TEST(ServingTrace, ALostMicroBatchIsReplayed) {
   ASSERT_NE(victim, nullptr) << cluster.info().dump();
   run_load(cluster, 20261126, 16, [&] {
     std::this_thread::sleep_for(std::chrono::milliseconds(300));
+    cluster.faults_expected = true;
     victim->signal(SIGSTOP);
     std::this_thread::sleep_for(std::chrono::milliseconds(2000));
     victim->signal(SIGCONT);

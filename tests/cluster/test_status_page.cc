@@ -224,6 +224,7 @@ TEST_F(StatusPage, ShowsTheClusterAndAFailover) {
   for (size_t i = 0; i < cluster.workers.size(); ++i)
     if ("w" + std::to_string(i) == victim) process = cluster.workers[i].get();
   ASSERT_NE(process, nullptr);
+  cluster.faults_expected = true;
   process->signal(SIGKILL);
   ASSERT_TRUE(wait_for(cluster, [&](const json& j) {
     for (const auto& w : j.at("workers"))

@@ -140,6 +140,7 @@ struct Outcome {
 // probe (a 2-token greedy request, one at a time), and runs `fault` once requests hold K/V on
 // the pipeline; `fault` sets the time it struck.
 Outcome run_fault(NetnsCluster& nc, uint32_t seed, int n, const std::function<void(Clock::time_point&)>& fault) {
+  nc.cluster.faults_expected = true;  // cuts, loss, delay, partitions: replays are the point
   Reference ref;
   std::vector<Case> cases = make_cases(ref, n, seed);
   SamplingParams greedy;

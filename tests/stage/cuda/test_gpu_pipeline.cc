@@ -161,6 +161,7 @@ TEST(GpuPipeline, AnswersIgnoreLoadAndFailover) {
       const std::string name = w.at("name").get<std::string>();
       for (size_t i = 0; i < c.workers.size(); ++i)
         if ("w" + std::to_string(i) == name) {
+          c.faults_expected = true;
           c.workers[i]->signal(SIGKILL);
           ++victims;
         }
