@@ -230,7 +230,8 @@ Status parse_scheduler_section(const Ctx& c, const YAML::Node& root, ClusterConf
     if (!(s = check_keys(c, sch, "scheduler", {"in_flight", "max_batch_tokens", "prefill_chunk",
                                                "prefill_tokens_per_batch", "max_queue", "max_running",
                                                "max_sequences_per_batch", "shutdown_timeout_ms",
-                                               "pipeline_wait_ms", "batch_timeout_ms", "prefix_cache"})))
+                                               "pipeline_wait_ms", "batch_timeout_ms", "request_timeout_ms",
+                                               "prefix_cache"})))
       return s;
     // 0 = auto for the limits (Scheduler's batch_limits).
     if (!(s = get_positive(c, sch, "scheduler", "in_flight", cfg.in_flight, 0)) ||
@@ -243,6 +244,7 @@ Status parse_scheduler_section(const Ctx& c, const YAML::Node& root, ClusterConf
         !(s = get_positive(c, sch, "scheduler", "shutdown_timeout_ms", cfg.shutdown_timeout_ms, 0)) ||
         !(s = get_positive(c, sch, "scheduler", "pipeline_wait_ms", cfg.pipeline_wait_ms, 0)) ||
         !(s = get_positive(c, sch, "scheduler", "batch_timeout_ms", cfg.batch_timeout_ms, 0)) ||
+        !(s = get_positive(c, sch, "scheduler", "request_timeout_ms", cfg.request_timeout_ms, 0)) ||
         !(s = get(c, sch, "scheduler", "prefix_cache", cfg.prefix_cache)))
       return s;
   }

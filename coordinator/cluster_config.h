@@ -9,7 +9,7 @@
 //   scheduler: {in_flight: D, max_batch_tokens: T, prefill_chunk: C, prefill_tokens_per_batch: P,
 //               max_queue: Q, max_running: S, max_sequences_per_batch: B,
 //               shutdown_timeout_ms: 30000, pipeline_wait_ms: 30000, batch_timeout_ms: 30000,
-//               prefix_cache: true}
+//               request_timeout_ms: 600000, prefix_cache: true}
 //              (D, T, C, P, S, B: 0 or absent = auto, from what the pipeline's workers say of
 //               their steps: see scheduler.h, batch_limits)
 //   heartbeat: {interval_ms: 500, liveness_ms: 3000}
@@ -73,6 +73,10 @@ struct ClusterConfig {
   // accepted request waits in the queue for one before it is refused (503, Retry-After).
   // 0: refuse such requests at submission, as nothing could serve them.
   int pipeline_wait_ms = 30000;
+  // An accepted request's whole life, from its arrival: past it the request ends with a 504
+  // (a stream with an error event) and its sequences are freed, whatever holds it up (a
+  // stage that stopped making progress, a queue that never drains). 0: no deadline.
+  int request_timeout_ms = 600000;
 
   int heartbeat_interval_ms = 500;
   int liveness_ms = 3000;

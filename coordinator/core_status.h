@@ -19,6 +19,7 @@ enum class CoreError {
   Conflict,     // valid, but the cluster cannot do it now (too few or too small workers)
   QueueFull,    // try again later
   Unavailable,  // nothing can serve (no pipeline, shutting down)
+  Timeout,      // an accepted request ran past its deadline (scheduler.request_timeout_ms)
 };
 
 struct CoreStatus {

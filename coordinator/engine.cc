@@ -55,6 +55,7 @@ void Engine::loop() {
       }
       replay_lost_batches(asks);
       scheduler_->refuse_unserved(applied_ && applied_->serviceable);
+      scheduler_->expire_requests();
       scheduler_->admit([](const PipelineRun& r) { return r.view.open && !r.halted; },
                         [](const PipelineRun& r) { return r.view.kv_capacity; });
       for (PipelineRun& r : runs_) launch(r, asks);
@@ -210,6 +211,7 @@ std::chrono::milliseconds Engine::time_to_next_timer() const {
       for (const auto& [_, b] : r.batches) until = std::min(until, b.sent + std::chrono::milliseconds(cfg_.batch_timeout_ms));
     }
   if (auto due = scheduler_->refuse_deadline()) until = std::min(until, *due);
+  if (auto due = scheduler_->expiry_deadline()) until = std::min(until, *due);
   return std::max(std::chrono::milliseconds(0), std::chrono::ceil<std::chrono::milliseconds>(until - now));
 }
 

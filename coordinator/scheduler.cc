@@ -433,6 +433,13 @@ void Scheduler::finish_sequence(Sequence& s, const char* reason, ChoiceUpdate up
 }
 
 void Scheduler::finish_request(Request& r, const std::string& error) {
+  release_request(r);
+  r.sink.on_done(error);
+  running_.erase(&r);  // destroys r
+  idle_cv_.notify_all();
+}
+
+void Scheduler::release_request(Request& r) {
   if (r.pipeline >= 0) pipelines_[size_t(r.pipeline)].kv_reserved -= r.kv_need;
   if (r.pipeline >= 0)  // beams dropped by a step whose frees had not gone out yet
     for (const BeamGroup& g : r.groups) {
@@ -446,9 +453,39 @@ void Scheduler::finish_request(Request& r, const std::string& error) {
       pipelines_[size_t(it->second.pipeline)].pending_frees.push_back(id);
     seqs_.erase(it);
   }
-  r.sink.on_done(error);
-  running_.erase(&r);  // destroys r
-  idle_cv_.notify_all();
+}
+
+void Scheduler::expire_requests() {
+  if (cfg_.request_timeout_ms <= 0) return;
+  const auto limit = std::chrono::milliseconds(cfg_.request_timeout_ms);
+  const Clock::time_point now = Clock::now();
+  const CoreStatus why = CoreStatus::refuse(
+      CoreError::Timeout, "the request ran past scheduler.request_timeout_ms (" + std::to_string(cfg_.request_timeout_ms) + " ms)");
+  // The queue is in arrival order: the requests due are a prefix.
+  while (!queue_.empty() && queue_.front()->queued_at + limit <= now) {
+    std::unique_ptr<Request> owned = std::move(queue_.front());
+    queue_.pop_front();
+    refuse_accepted(owned->sink, why);
+    idle_cv_.notify_all();
+  }
+  std::vector<Request*> due;
+  for (const auto& [rp, _] : running_)
+    if (rp->queued_at + limit <= now) due.push_back(rp);
+  for (Request* r : due) {
+    spdlog::warn("coordinator: a request on pipeline {} ran past scheduler.request_timeout_ms ({} ms); ending it",
+                 r->pipeline, cfg_.request_timeout_ms);
+    release_request(*r);
+    refuse_accepted(r->sink, why);
+    running_.erase(r);  // destroys it
+    idle_cv_.notify_all();
+  }
+}
+
+std::optional<Clock::time_point> Scheduler::expiry_deadline() const {
+  if (cfg_.request_timeout_ms <= 0 || (queue_.empty() && running_.empty())) return std::nullopt;
+  Clock::time_point first = queue_.empty() ? Clock::time_point::max() : queue_.front()->queued_at;
+  for (const auto& [rp, _] : running_) first = std::min(first, rp->queued_at);
+  return first + std::chrono::milliseconds(cfg_.request_timeout_ms);
 }
 
 void Scheduler::restart(int index) {

@@ -97,6 +97,11 @@ class Scheduler {
   // When refuse_unserved will next refuse the queue's head (the engine's wait ends there);
   // none while some pipeline is serviceable or the queue is empty.
   std::optional<std::chrono::steady_clock::time_point> refuse_deadline() const;
+  // Ends every request, queued or running, that arrived scheduler.request_timeout_ms ago or
+  // more: refused with CoreError::Timeout (504; a stream's last event), its sequences freed
+  // and its K/V reservation returned. expiry_deadline(): when the next one is due.
+  void expire_requests();
+  std::optional<std::chrono::steady_clock::time_point> expiry_deadline() const;
 
   // Moves queued requests (FIFO) onto the pipelines `open` accepts while their K/V budget
   // (`kv_capacity`, tokens) allows; the least reserved pipeline first. A request larger
@@ -265,6 +270,8 @@ class Scheduler {
   void deliver_one(Sequence& s, Delivery d);
   void finish_sequence(Sequence& s, const char* reason, ChoiceUpdate update);
   void finish_request(Request& r, const std::string& error);
+  // finish_request's bookkeeping: its reservation returned, its sequences freed and forgotten.
+  void release_request(Request& r);
   // Prefix reuse (see the top of this file). Entries are whole granules of the K/V pages the
   // pipeline's stages describe (PipelineRun::figures), so they share pages without copies.
   PrefixCache& prefix_cache(int pipeline);

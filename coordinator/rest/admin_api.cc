@@ -44,6 +44,7 @@ ApiError api_error_of(const CoreStatus& s) {
     case CoreError::NotFound: return api_error(404, s.message, s.param, "not_found_error");
     case CoreError::Conflict: return api_error(409, s.message, s.param, "conflict_error");
     case CoreError::QueueFull: return api_error(429, s.message, "", "rate_limit_error", "queue_full");
+    case CoreError::Timeout: return api_error(504, s.message, "", "timeout_error", "request_timeout");
     case CoreError::None:
     case CoreError::Unavailable: break;
   }

@@ -182,5 +182,38 @@ TEST(ServingTrace, ALostMicroBatchIsReplayed) {
   EXPECT_GE(metric(m->body, "conveyor_batch_timeout_replays_total"), 1) << m->body;
 }
 
+// A request's deadline (scheduler.request_timeout_ms) ends it whatever holds it up: here its
+// only stage is stopped (SIGSTOP) for longer than the deadline and shorter than the batch
+// timeout and the liveness window, so nothing else would end it. The plain request gets a
+// 504 naming the setting, the stream an error event and its end; once the stage runs again
+// the cluster answers as before.
+TEST(ServingTrace, ARequestPastItsDeadlineEndsWithA504) {
+  Cluster cluster;
+  ASSERT_TRUE(cluster.start("deadline", 1, 1,
+                            "scheduler: {request_timeout_ms: 1500, batch_timeout_ms: 60000}\n"
+                            "heartbeat: {interval_ms: 200, liveness_ms: 30000}\n"));
+  const json body = {{"prompt", "the deadline"}, {"max_tokens", 8}, {"temperature", 0}};
+  auto before = cluster.post("/v1/completions", body);
+  ASSERT_TRUE(before && before->status == 200) << (before ? before->body : before.error());
+  cluster.faults_expected = true;
+  cluster.workers[0]->signal(SIGSTOP);
+  auto plain = cluster.post("/v1/completions", body);
+  json streamed = body;
+  streamed["stream"] = true;
+  std::string events;
+  auto stream = cluster.post("/v1/completions", streamed, [&](std::string_view chunk) { events += chunk; });
+  cluster.workers[0]->signal(SIGCONT);
+  ASSERT_TRUE(plain) << plain.error();
+  EXPECT_EQ(plain->status, 504) << plain->body;
+  EXPECT_NE(plain->body.find("request_timeout_ms"), std::string::npos) << plain->body;
+  EXPECT_NE(plain->body.find("timeout_error"), std::string::npos) << plain->body;
+  ASSERT_TRUE(stream) << stream.error();
+  EXPECT_EQ(stream->status, 200);
+  EXPECT_NE((events + stream->body).find("request_timeout_ms"), std::string::npos) << events << stream->body;
+  auto after = cluster.post("/v1/completions", body);
+  ASSERT_TRUE(after && after->status == 200) << (after ? after->body : after.error());
+  EXPECT_EQ(json::parse(after->body)["choices"][0]["text"], json::parse(before->body)["choices"][0]["text"]);
+}
+
 }  // namespace
 }  // namespace conveyor
