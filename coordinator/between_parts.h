@@ -49,6 +49,9 @@ struct EngineStats {
     int64_t kv_reserved = 0, admitted = 0, running = 0;
     BatchLimits limits;
     std::string backends;
+    // Work admitted and no progress (no result, no step leaving an idle ring) for longer than
+    // scheduler.batch_timeout_ms: for how long (ms); 0 while it progresses or has no work.
+    int64_t stalled_ms = 0;
   };
   std::vector<Run> pipelines;  // by index, as the engine last took the cluster's snapshot
 

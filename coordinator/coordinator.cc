@@ -69,13 +69,24 @@ AdminReply Coordinator::plan(const PlanRequest& request) { return impl_->cluster
 
 size_t Coordinator::quiesce(std::chrono::milliseconds timeout) { return impl_->engine->quiesce(timeout); }
 
+// ok: some pipeline serves and none with work has stalled; degraded: a ready pipeline has had
+// work and made no progress for scheduler.batch_timeout_ms (HTTP 503 when no other serves);
+// unavailable: none ready.
 std::pair<bool, json> Coordinator::health() const {
+  const EngineStats stats = impl_->engine->stats();  // the engine's mutex, then the snapshot: never both
   const SnapshotPtr snap = impl_->cluster->snapshot();
   json pj = json::array();
-  bool any = false;
+  bool any = false, stalled = false;
   for (const PipelineView& p : snap->pipelines) {
-    any = any || p.ready;
+    const int64_t stalled_ms =
+        size_t(p.index) < stats.pipelines.size() ? stats.pipelines[size_t(p.index)].stalled_ms : 0;
+    stalled = stalled || (p.ready && stalled_ms > 0);
+    any = any || (p.ready && stalled_ms == 0);
     json e = {{"pipeline", p.index}, {"ready", p.ready}};
+    if (p.ready && stalled_ms > 0) {
+      e["stalled_ms"] = stalled_ms;
+      e["reason"] = "work admitted and no token for " + std::to_string(stalled_ms) + " ms";
+    }
     if (!p.ready) {
       const auto missing = std::count(p.workers.begin(), p.workers.end(), "");
       e["reason"] = missing ? std::to_string(missing) + " stage(s) without a worker" +
@@ -85,8 +96,8 @@ std::pair<bool, json> Coordinator::health() const {
     }
     pj.push_back(e);
   }
-  if (!impl_->engine->accepting()) return {false, {{"status", "shutting down"}, {"pipelines", pj}}};
-  return {any, {{"status", any ? "ok" : "unavailable"}, {"pipelines", pj}}};
+  if (!stats.accepting) return {false, {{"status", "shutting down"}, {"pipelines", pj}}};
+  return {any, {{"status", stalled ? "degraded" : any ? "ok" : "unavailable"}, {"pipelines", pj}}};
 }
 
 json Coordinator::cluster() const {

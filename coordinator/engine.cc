@@ -14,6 +14,9 @@ using Clock = std::chrono::steady_clock;
 
 namespace {
 constexpr auto kSendTimeout = std::chrono::milliseconds(10000);
+// How long a pipeline with work may go without progress before /health says degraded, when
+// scheduler.batch_timeout_ms is 0 (no lost-batch replays): the batch timeout's default.
+constexpr int kStallMs = 30000;
 }  // namespace
 
 Engine::Engine(ClusterConfig cfg, std::shared_ptr<const Tokenizer> tokenizer, Metrics* metrics,
@@ -58,7 +61,10 @@ void Engine::loop() {
       scheduler_->expire_requests();
       scheduler_->admit([](const PipelineRun& r) { return r.view.open && !r.halted; },
                         [](const PipelineRun& r) { return r.view.kv_capacity; });
-      for (PipelineRun& r : runs_) launch(r, asks);
+      for (PipelineRun& r : runs_) {
+        launch(r, asks);
+        track_progress(r);
+      }
       wait = time_to_next_timer();
     }
     for (const ClusterAsk& a : asks) ask_cluster(a);
@@ -109,6 +115,13 @@ void Engine::apply_snapshot() {
   applied_ = std::move(next);
 }
 
+// The stall clock starts when a pipeline that had no work gets some (results restart it).
+void Engine::track_progress(PipelineRun& r) {
+  const bool working = r.in_flight > 0 || scheduler_->running_on(r.index) > 0;
+  if (working && !r.working) r.progress_at = Clock::now();
+  r.working = working;
+}
+
 void Engine::restart(PipelineRun& r, uint32_t epoch) {
   r.epoch = epoch;
   r.halted = false;
@@ -130,6 +143,7 @@ void Engine::take_result(const transport::Message& m, Clock::time_point arrived,
     if (auto it = run->batches.find(res->batch_id); it != run->batches.end()) {
       sent_at = it->second.sent;
       run->result_at = arrived;
+      run->progress_at = arrived;
       run->result_pending_send = true;
     }
   PipelineRun* replay = scheduler_->on_result(*res);
@@ -264,11 +278,18 @@ EngineStats Engine::stats() const {
   const Scheduler::PrefixStats ps = scheduler_->prefix_stats();
   st.prefix = {.lookups = ps.lookups, .hits = ps.hits, .reused_tokens = ps.reused_tokens,
                .computed_tokens = ps.computed_tokens, .entries = ps.entries, .cached_tokens = ps.cached_tokens};
-  for (const PipelineRun& r : runs_)
+  const auto now = Clock::now();
+  const auto stall = std::chrono::milliseconds(cfg_.batch_timeout_ms > 0 ? cfg_.batch_timeout_ms : kStallMs);
+  for (const PipelineRun& r : runs_) {
+    const int64_t running = scheduler_->running_on(r.index);
+    const bool working = r.view.ready && (running > 0 || r.in_flight > 0);  // halted too: no progress
     st.pipelines.push_back({.index = r.index, .epoch = r.epoch, .busy = scheduler_->busy(r.index),
                             .in_flight = r.in_flight, .kv_reserved = r.kv_reserved, .admitted = r.admitted,
-                            .running = scheduler_->running_on(r.index), .limits = r.limits,
-                            .backends = r.figures.backends});
+                            .running = running, .limits = r.limits, .backends = r.figures.backends,
+                            .stalled_ms = working && now - r.progress_at > stall
+                                              ? std::chrono::duration_cast<std::chrono::milliseconds>(now - r.progress_at).count()
+                                              : 0});
+  }
   return st;
 }
 

@@ -79,6 +79,7 @@ class Engine {
   // Each under mu_.
   void apply_snapshot();
   void restart(PipelineRun& run, uint32_t epoch);
+  void track_progress(PipelineRun& run);
   void take_result(const transport::Message& message, std::chrono::steady_clock::time_point arrived,
                    std::vector<ClusterAsk>& asks);
   void launch(PipelineRun& run, std::vector<ClusterAsk>& asks);

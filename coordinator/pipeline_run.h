@@ -60,6 +60,11 @@ struct PipelineRun {
   // has been sent since.
   std::chrono::steady_clock::time_point result_at{};
   bool result_pending_send = false;
+  // When it last made progress: a result of its epoch taken, or work admitted while it had
+  // none (`working` false). A replay is not progress. Work and no progress for
+  // batch_timeout_ms: /health says degraded (Engine::stats, EngineStats::Run::stalled_ms).
+  std::chrono::steady_clock::time_point progress_at = std::chrono::steady_clock::now();
+  bool working = false;  // sequences admitted on it or micro-batches in flight, at the last look
 };
 
 }  // namespace conveyor

@@ -8,6 +8,7 @@
 #include <chrono>
 #include <memory>
 #include <numeric>
+#include <thread>
 
 #include "coordinator/engine.h"
 #include "protocol/batch_result.h"
@@ -28,10 +29,11 @@ struct EngineHarness {
   transport::PeerId to_stage = transport::kNoPeer;
   uint64_t version = 0;
 
-  EngineHarness() {
+  // batch_timeout_ms 0: no timer, only events wake the engine.
+  explicit EngineHarness(int batch_timeout_ms = 0) {
     const std::string model = testing::source_dir() + "/models/brown-gpt2";
     cfg.model = load_model_config(model).value();
-    cfg.batch_timeout_ms = 0;  // no timer: only events wake the engine
+    cfg.batch_timeout_ms = batch_timeout_ms;
     auto tok = Tokenizer::load(model);
     EXPECT_TRUE(tok.ok()) << tok.error();
     transport::UcxChannelOptions o;
@@ -156,6 +158,37 @@ TEST(Engine, ASnapshotWithANewEpochRestartsThePipeline) {
   EXPECT_EQ(decode.seqs[0].slice.start_pos, 20);
   EXPECT_EQ(decode.seqs[0].slice.num_tokens, 1);
   EXPECT_EQ(decode.token_ids, std::vector<int32_t>{222});
+}
+
+// A ready pipeline with work that makes no progress for batch_timeout_ms is stalled
+// (EngineStats: /health says degraded), whatever the engine did about it meanwhile (here: its
+// lost micro-batch made it ask a cluster that is not there for a replay). The stage takes the
+// micro-batch and never answers.
+TEST(Engine, APipelineWithWorkAndNoProgressIsStalled) {
+  EngineHarness h(300);
+  h.engine->start();
+  h.post(1);
+  ASSERT_TRUE(h.submit(5).ok());
+  (void)h.next_batch();
+  int64_t stalled = 0;
+  const auto guard = std::chrono::steady_clock::now() + 60s;  // a hang guard, not a timing
+  while (stalled == 0 && std::chrono::steady_clock::now() < guard) {
+    const EngineStats st = h.engine->stats();
+    if (!st.pipelines.empty()) stalled = st.pipelines[0].stalled_ms;
+    std::this_thread::sleep_for(20ms);
+  }
+  EXPECT_GE(stalled, 300);
+}
+
+// A pipeline with no work is never stalled, however long it idles.
+TEST(Engine, AnIdlePipelineIsNotStalled) {
+  EngineHarness h(50);
+  h.engine->start();
+  h.post(1);
+  std::this_thread::sleep_for(300ms);  // six stall windows of idling (no timing is asserted)
+  const EngineStats st = h.engine->stats();
+  ASSERT_EQ(st.pipelines.size(), 1u);
+  EXPECT_EQ(st.pipelines[0].stalled_ms, 0);
 }
 
 }  // namespace
