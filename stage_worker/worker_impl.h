@@ -1,0 +1,254 @@
+// The worker's state and its threads' work, shared by worker.cc (control thread, loader,
+// start-up) and worker_step.cc (the compute thread: one micro-batch per step, handed on).
+// Private to stage_worker/.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <spdlog/spdlog.h>
+
+#include "protocol/batch_result.h"
+#include "protocol/microbatch.h"
+#include "stage/backend_factory.h"
+#include "stage/stage_executor.h"
+#include "stage_worker/handoff.h"
+#include "stage_worker/step_trace.h"
+#include "stage_worker/worker.h"
+#include "transport/control_messages.h"
+#include "transport/control_plane.h"
+#include "transport/ucx_channel.h"
+
+namespace conveyor {
+
+struct Worker::Impl {
+  using Clock = std::chrono::steady_clock;
+  using AssignMsg = transport::AssignMsg;
+  using ControlMessage = transport::ControlMessage;
+  using PeerId = transport::PeerId;
+  using WorkerState = transport::WorkerState;
+
+  WorkerOptions opt;
+  std::unique_ptr<transport::ControlClient> control;
+  std::unique_ptr<transport::UcxChannel> channel;
+  std::string host;  // --host, or the host name
+  // A GPU stage's device memory for the direct path (empty on a CPU stage).
+  DeviceMemory device;
+
+  // Control-thread state.
+  bool welcomed = false;
+  Clock::time_point last_from_coordinator = Clock::now();
+  Clock::time_point last_register{};
+  Clock::time_point last_heartbeat{};
+  int exit_code = -1;
+
+  // The stage: written by the loader, read by compute; guarded by stage_mu.
+  std::mutex run_mu;    // the executor is used by one thread at a time: taken before stage_mu
+  std::mutex stage_mu;
+  std::atomic<int64_t> kv_used_stat{0}, kv_capacity_stat{0}, sequences_stat{0};
+  std::optional<AssignMsg> assignment;       // what is loaded (or loading)
+  uint32_t last_epoch = 0;                   // the highest epoch ever assigned (register tells it)
+  std::shared_ptr<StageExecutor> executor;   // null until loaded
+  PeerId next_peer = transport::kNoPeer, prev_peer = transport::kNoPeer, coord_peer = transport::kNoPeer;
+  std::vector<std::byte> next_address, prev_address, coord_address;  // whom those peers reach
+  WorkerState state = WorkerState::Idle;
+  double load_fraction = 0;
+
+  std::thread loader, compute;
+  // The compute thread's outgoing activations, sent on by the handoff's own thread; two slots.
+  std::unique_ptr<Handoff> handoff;
+  std::atomic<bool> compute_stop{false};
+  std::atomic<uint64_t> batches{0};
+  std::atomic<int64_t> busy_ns{0};
+  // Between steps (StepTrace's wait_input and idle_ready, cumulative): waiting for an input
+  // that had not arrived, and sitting with one that had.
+  std::atomic<int64_t> wait_input_ns{0}, idle_ready_ns{0};
+  std::unique_ptr<StepTrace> trace;  // CONVEYOR_TRACE_DIR; the compute thread's alone
+  // The compute thread's: whether the hop to the next stage is open to the direct path
+  // (logged on change; micro-batches under direct_min_bytes still go staged).
+  std::optional<bool> direct_to_next;
+  // Micro-batches smaller than this go staged even where the direct path is open. On one H100
+  // a direct handoff took about 300 us whatever its size (UCX's rendezvous over TCP loopback
+  // and its CUDA-event polling), a staged one 200-330 us up to 256 KiB and 436 us at 1 MiB,
+  // where direct took 332 (docs/PERFORMANCE.md, "Activations GPU to GPU").
+  // CONVEYOR_DIRECT_MIN_BYTES overrides it (0: every micro-batch direct).
+  size_t direct_min_bytes() const { return size_t(opt.direct_min_bytes); }
+  int64_t busy_ns_at_last_heartbeat = 0;
+  Clock::time_point heartbeat_window_start = Clock::now();
+
+  ~Impl() { stop_threads(); }
+
+  void stop_threads();
+
+  template <class Msg>
+  void send(const Msg& m) { control->post(transport::encode(m)); }
+
+  // Whether this worker moves activations GPU to GPU: its UCX moves CUDA memory and it is a
+  // GPU stage. Each hop is direct when both its ends are; otherwise staged through host memory.
+  bool direct_capable() const { return channel->takes_device_memory() && channel->sends_device_memory(); }
+
+  // What register's data_plane says (shown per worker in /v1/cluster): the path its
+  // activations take, where it receives them, and whether its UCX moves CUDA memory.
+  nlohmann::json data_plane_json() const;
+
+  void send_register();
+
+  void send_heartbeat();
+
+  // Connects the data-plane peers of an assignment (under stage_mu).
+  // Endpoints to peers that keep their place are kept (transport::keep_or_connect).
+  Status wire(const AssignMsg& a);
+
+  void on(const AssignMsg& a);
+
+  // The backend this worker was started with, holding `weights`.
+  Expected<std::unique_ptr<StageBackend>> make_backend(StageWeights weights, const AssignMsg& a);
+
+  // A neighbour could not be reached (most often it has just died). That is not this
+  // worker's failure: it keeps its layers and does not confirm the epoch, so the pipeline
+  // stays down until the coordinator, having found the dead neighbour, assigns again.
+  void report_wiring_failure(const AssignMsg& a, const Status& s);
+
+  // Tells the coordinator that the data plane failed under the current assignment; it
+  // replays the pipeline on fresh connections (once per epoch).
+  void report_data_error(const std::string& error, const std::string& peer);
+
+  // Under run_mu, or while no compute thread runs.
+  void publish_stats();
+
+  // Under stage_mu: says the stage is ready and starts the compute thread.
+  void send_ready(double seconds, int64_t bytes);
+
+  void load(AssignMsg a);
+
+  void unassign();
+
+  using Received = Expected<std::optional<transport::Message>>;
+
+  // The compute thread: one micro-batch at a time, in arrival order; the handoff's thread
+  // sends the activations on while the next one runs. Between steps it tells apart waiting
+  // for an input that has not arrived and sitting with one that has (StepTrace): right after
+  // a step it looks, without waiting, whether the next input is there.
+  void compute_loop();
+
+  // What a step reads of the stage, copied under stage_mu.
+  struct StepStage {
+    std::shared_ptr<StageExecutor> ex;
+    AssignMsg a;
+    PeerId next, coord;
+  };
+
+  // Where a step's outgoing activations went: the handoff slot (-1: none asked for), its
+  // size in bytes, and how long the step waited for the slot (not busy time).
+  struct StepOutput {
+    int slot = -1;
+    size_t bytes = 0;
+    Clock::duration waited{};
+  };
+
+  // A step's times: between steps (StepTrace's wait_input and idle_ready) and in it.
+  struct StepTiming {
+    Clock::time_point start;
+    Clock::duration wait_input{}, idle_ready{}, busy{};
+    int64_t sent_ns_before = 0;  // the handoff's send_ns_total when the step began
+  };
+
+  // Runs the micro-batch `msg` (under run_mu) and sends on what it made. `prev_end` is when
+  // the previous step ended; `ready_at_end` gets what the look for the next input found.
+  void run_step(transport::Message& msg, bool was_ready, Clock::time_point arrived, Clock::time_point& prev_end,
+                std::optional<Received>& ready_at_end);
+
+  // The stage as a step sees it; none (the micro-batch dropped) when it is not ready.
+  std::optional<StepStage> ready_stage();
+
+  // Counts the time before the step that begins now: waiting for its input, or sitting with it.
+  StepTiming start_step(bool was_ready, Clock::time_point arrived, Clock::time_point prev_end);
+
+  // Whether activations to `next` take the direct path: device slots when this worker and the
+  // next stage both move CUDA memory. Logs when that changes.
+  bool direct_to(PeerId next);
+
+  // Where `ex` writes a step's outgoing activations: a free send slot (a device one on the
+  // direct path), recorded in `out`.
+  ActivationSink activation_sink(bool direct, StageExecutor& ex, StepOutput& out);
+
+  // Looks, without waiting, whether the next input is there; none when nothing is waiting
+  // or the thread is stopping.
+  std::optional<Received> peek_next_input();
+
+  // The trace line of a step that has run (send_ms is filled in by write_trace).
+  StepRecord step_record(const AssignMsg& a, const MicroBatch& batch, const StageExecutor& ex,
+                         const StepTiming& t, const StepOutput& out) const;
+
+  void write_trace(StepRecord& rec, const StepTiming& t, Clock::duration send);
+
+  // The last stage sends the step's result to the coordinator. With the next input already
+  // waiting, the result goes out on the handoff's thread (like activations) so the next step
+  // starts at once; with none waiting this thread has nothing else to do, and sends it itself,
+  // sparing the wake-up of another thread (a one-stage pipeline's next input cannot come
+  // before the coordinator has this).
+  void finish_last_stage(const StepStage& st, BatchResult& result, StepRecord& rec, const StepTiming& t,
+                         bool next_waiting);
+
+  // Queues the step's activations (slot `out`) to the next stage, with `header`. The header
+  // goes on as it came (admissions unread), saying what the payload now holds.
+  void hand_on(const StepStage& st, std::vector<std::byte> header, const MicroBatch& batch,
+               BatchResult result, const StepOutput& out);
+
+  // A device slot of `bytes` on this stage's GPU (the direct path); null when none is left.
+  std::shared_ptr<std::byte[]> device_slot(size_t bytes);
+
+  // A last stage's result, sent by the handoff's thread in order with nothing else (a
+  // header, no payload); a failed send is a data-plane error, as send_result's.
+  void queue_result(PeerId coord, const BatchResult& r, const std::shared_ptr<StageExecutor>& ex);
+
+  void send_result(PeerId coord, const BatchResult& r);
+
+  // Decodes once and dispatches to the on(...) overload of the message's kind.
+  void handle(const ControlMessage& m);
+
+  void on(const transport::WelcomeMsg& m);
+
+  // What the coordinator's model takes in this worker's format: the planner's figures for it.
+  void send_footprint(const transport::ModelShape& model);
+
+  void on(const transport::RejectedMsg& m);
+
+  void on(const transport::UnassignMsg&) { unassign(); }
+
+  void on(const transport::DrainMsg&);
+
+  void on(const transport::ShutdownMsg&) { exit_code = 0; }
+
+  // It stops; a new one will find us holding our layers.
+  void on(const transport::GoodbyeMsg& m);
+
+  void on(const transport::HeartbeatMsg& m);
+
+  // Kinds only a worker sends.
+  template <class Msg>
+  void on(const Msg&) {
+    spdlog::warn("{}: ignoring '{}', a message a worker does not expect", opt.name,
+                 transport::control_kind_name(Msg::kind));
+  }
+
+  bool has_stage() {
+    std::lock_guard lk(stage_mu);
+    return assignment.has_value();
+  }
+
+  // Until `stop` (a signal): serve. Then, holding a stage, ask the coordinator to take it
+  // away (a spare or a smaller plan takes over, or the pipeline finishes its running
+  // requests first) and leave once told to drop it, or after `drain_timeout`.
+  int run(const std::atomic<bool>& stop);
+};
+
+}  // namespace conveyor
