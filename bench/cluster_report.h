@@ -111,7 +111,7 @@ inline json print_trace_summary(const std::string& dir, double t0, double t1) {
                 mean_of(running), (long long)last_send.value("max_running", 0LL), mean_of(queue),
                 last_send.value("queue_wait", std::string("?")).c_str(), mean_of(kv_reserved),
                 (long long)last_send.value("kv_capacity", 0LL), (long long)last_send.value("max_sequences", 0LL),
-                (long long)last_send.value("max_tokens", 0LL), (long long)last_send.value("prefill_tokens", 0LL));
+                (long long)last_send.value("max_rows", 0LL), (long long)last_send.value("prefill_tokens", 0LL));
     out["coordinator"] = {{"batches", seqs.size()}, {"seqs", mean_of(seqs)}, {"in_flight", mean_of(in_flight)},
                           {"gap_ms_mean", mean_of(gaps)}, {"gap_ms_p50", percentile(gaps, 50)},
                           {"gap_ms_p99", percentile(gaps, 99)}, {"form_ms", mean_of(form)}, {"rtt_ms", mean_of(rtt)},

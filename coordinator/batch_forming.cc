@@ -80,7 +80,7 @@ void Scheduler::add_decode_steps(PipelineRun& p, Draft& d, std::vector<Sequence*
     Sequence* s = decode[i];
     if (s == nullptr) continue;
     if (s->group < 0) {
-      if (int64_t(b.steps.size()) >= d.cap_seqs || d.tokens + 1 > p.limits.max_tokens) break;
+      if (int64_t(b.steps.size()) >= d.cap_seqs || d.tokens + 1 > p.limits.max_rows) break;
       add_step(p, d, *s, 1);
       continue;
     }
@@ -89,7 +89,7 @@ void Scheduler::add_decode_steps(PipelineRun& p, Draft& d, std::vector<Sequence*
       if (decode[j] && decode[j]->request == s->request && decode[j]->group == s->group) unit.push_back(decode[j]);
     const int64_t n = int64_t(unit.size());
     const bool fits = int64_t(b.steps.size()) + n <= std::max(d.cap_seqs, n) &&
-                      d.tokens + n <= std::max(p.limits.max_tokens, n);
+                      d.tokens + n <= std::max(p.limits.max_rows, n);
     if (!fits && !b.steps.empty()) continue;
     for (Sequence* u : unit) {
       add_step(p, d, *u, 1);
@@ -104,10 +104,10 @@ void Scheduler::add_prefill_steps(PipelineRun& p, Draft& d, const std::vector<Se
   StepPlan& b = d.plan;
   int64_t prompt_budget = lim.prefill_tokens;  // prompt rows left in this micro-batch
   for (Sequence* s : prefill) {
-    if (int64_t(b.steps.size()) >= d.cap_seqs || d.tokens >= lim.max_tokens || prompt_budget <= 0) break;
+    if (int64_t(b.steps.size()) >= d.cap_seqs || d.tokens >= lim.max_rows || prompt_budget <= 0) break;
     if (s->fed == 0 && !s->prefix_done) reuse_prefix(p, *s, b);
     const int64_t n = std::min<int64_t>(
-        {lim.prefill_chunk, int64_t(s->all.size() - s->fed), lim.max_tokens - d.tokens, prompt_budget});
+        {lim.prefill_chunk, int64_t(s->all.size() - s->fed), lim.max_rows - d.tokens, prompt_budget});
     add_step(p, d, *s, n);
     prompt_budget -= n;
   }

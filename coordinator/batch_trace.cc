@@ -30,7 +30,7 @@ void BatchTrace::sent(const StepPlan& plan, const SentStep& f) {
                          {"header_bytes", f.header_bytes}, {"in_flight", f.in_flight}, {"depth", f.depth},
                          {"form", f.form_ms}, {"running", f.running}, {"queue", f.queue},
                          {"queue_wait", queue_wait_name(f.queue_wait)}, {"max_running", f.limits.max_running},
-                         {"max_sequences", f.limits.max_sequences}, {"max_tokens", f.limits.max_tokens},
+                         {"max_sequences", f.limits.max_sequences}, {"max_rows", f.limits.max_rows},
                          {"prefill_tokens", f.limits.prefill_tokens}, {"kv_reserved", f.kv_reserved},
                          {"kv_capacity", f.kv_capacity}};
   if (f.gap_ms) line["gap"] = *f.gap_ms;

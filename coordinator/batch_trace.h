@@ -7,7 +7,7 @@
 //    "in_flight" (after this one), "depth", "gap" (ms from the result that freed the slot to
 //    this send; absent when no result preceded it), "form" (ms forming, encoding, sending it),
 //    "running" (sequences on the pipeline), "queue" (requests waiting), "queue_wait" (why),
-//    "max_running" (the admission limit), "max_sequences", "max_tokens", "prefill_tokens",
+//    "max_running" (the admission limit), "max_sequences", "max_rows", "prefill_tokens",
 //    "kv_reserved", "kv_capacity" (tokens: reserved by admitted requests, the budget)}
 //   {"ev":"result", "t", "pipeline", "batch", "seqs", "rtt" (ms since it was sent),
 //    "deliver" (ms turning its tokens into text and updates, after the next micro-batch

@@ -293,7 +293,7 @@ json ClusterManager::cluster_json(const EngineStats& e) const {
                   {"kv_budget_tokens", pipeline_kv_capacity(p)}, {"admitted", run.admitted},
                   {"running_sequences", run.running},
                   {"limits", {{"backend", pipeline_figures(p).backends}, {"max_running", l.max_running},
-                              {"max_sequences_per_batch", l.max_sequences}, {"max_batch_tokens", l.max_tokens},
+                              {"max_sequences_per_batch", l.max_sequences}, {"max_batch_tokens", l.max_rows},
                               {"prefill_chunk", l.prefill_chunk}, {"prefill_tokens_per_batch", l.prefill_tokens}}},
                   {"stages", stages}});
   }

@@ -30,7 +30,7 @@ struct InFlightBatch {
 // pipeline's workers say of their steps (Scheduler's batch_limits). Zero until then.
 struct BatchLimits {
   int64_t max_sequences = 0;   // slices per micro-batch
-  int64_t max_tokens = 0;      // rows per micro-batch: decode rows + prompt rows
+  int64_t max_rows = 0;        // rows per micro-batch: decode rows + prompt rows
   int64_t prefill_chunk = 0;   // prompt rows of one sequence per micro-batch
   int64_t prefill_tokens = 0;  // prompt rows of all sequences together per micro-batch
   int64_t max_running = 0;     // sequences admitted onto the pipeline (the admission limit)

@@ -30,7 +30,7 @@ BatchLimits Scheduler::batch_limits(const ClusterConfig& cfg, const StageFigures
   l.prefill_tokens = pick(cfg.prefill_tokens_per_batch,
                           std::max<int64_t>(16, f.prompt_rows * std::max(1, stages) / std::max(1, depth)));
   const int64_t rows = l.max_sequences + l.prefill_tokens;
-  l.max_tokens = pick(cfg.max_batch_tokens, f.max_rows > 0 ? std::min(rows, f.max_rows) : rows);
+  l.max_rows = pick(cfg.max_batch_tokens, f.max_rows > 0 ? std::min(rows, f.max_rows) : rows);
   l.max_running = pick(cfg.max_running, int64_t(std::max(1, depth)) * l.max_sequences);
   return l;
 }

@@ -41,7 +41,7 @@ struct InprocPipeline {
                  int64_t kv_bytes = int64_t(256) << 20, const BackendMaker& make_backend = {}) {
     cfg.model = load_model_config(model_dir).value();
     pipelines.resize(1);
-    pipelines[0].limits = {.max_sequences = 64, .max_tokens = 256, .prefill_chunk = 64, .prefill_tokens = 64,
+    pipelines[0].limits = {.max_sequences = 64, .max_rows = 256, .prefill_chunk = 64, .prefill_tokens = 64,
                            .max_running = 64};
     // Prefix entries in whole K/V pages of the stages, as a CPU stage describes them.
     pipelines[0].figures.kv_page_tokens = CpuStageBackend::capabilities(0, kv_bytes).kv_page_tokens;

@@ -62,7 +62,7 @@ TEST(Scheduler, AutomaticLimitsFollowTheWorkersFigures) {
   EXPECT_EQ(cpu.max_sequences, 64);
   EXPECT_EQ(cpu.prefill_chunk, 64);
   EXPECT_EQ(cpu.prefill_tokens, 48);  // a round of the ring takes in 3 micro-batches' worth
-  EXPECT_EQ(cpu.max_tokens, 64 + 48);
+  EXPECT_EQ(cpu.max_rows, 64 + 48);
   EXPECT_EQ(cpu.max_running, 4 * 64);
   EXPECT_EQ(Scheduler::batch_limits(cfg, kCpuFigures, 1, 2).prefill_tokens, 32);
   EXPECT_EQ(Scheduler::batch_limits(cfg, kCpuFigures, 1, 8).prefill_tokens, 16);  // never below 16
@@ -70,24 +70,24 @@ TEST(Scheduler, AutomaticLimitsFollowTheWorkersFigures) {
   EXPECT_EQ(gpu.max_sequences, 256);
   EXPECT_EQ(gpu.prefill_chunk, 512);
   EXPECT_EQ(gpu.prefill_tokens, 512);
-  EXPECT_EQ(gpu.max_tokens, 768);
+  EXPECT_EQ(gpu.max_rows, 768);
   EXPECT_EQ(gpu.max_running, 256);
   // A stage's row limit caps the automatic rows (a step it would refuse is never formed).
   StageFigures tight = kGpuFigures;
   tight.max_rows = 600;
-  EXPECT_EQ(Scheduler::batch_limits(cfg, tight, 1, 1).max_tokens, 600);
+  EXPECT_EQ(Scheduler::batch_limits(cfg, tight, 1, 1).max_rows, 600);
   // What the cluster file sets wins over the automatic values, whatever the workers say.
   cfg.max_sequences_per_batch = 10, cfg.max_batch_tokens = 30, cfg.prefill_chunk = 7, cfg.prefill_tokens_per_batch = 9;
   cfg.max_running = 3;
   for (const StageFigures& f : {kCpuFigures, kGpuFigures, StageFigures{}}) {
     const BatchLimits l = Scheduler::batch_limits(cfg, f, 2, 3);
-    EXPECT_EQ(l, (BatchLimits{.max_sequences = 10, .max_tokens = 30, .prefill_chunk = 7, .prefill_tokens = 9,
+    EXPECT_EQ(l, (BatchLimits{.max_sequences = 10, .max_rows = 30, .prefill_chunk = 7, .prefill_tokens = 9,
                               .max_running = 3}));
   }
 }
 
 TEST(Scheduler, AdmissionStopsAtTheRunningLimitAndSaysWhy) {
-  Harness h({.max_sequences = 64, .max_tokens = 128, .prefill_chunk = 64, .prefill_tokens = 64, .max_running = 2});
+  Harness h({.max_sequences = 64, .max_rows = 128, .prefill_chunk = 64, .prefill_tokens = 64, .max_running = 2});
   for (int i = 0; i < 3; ++i) h.submit(10, 5);
   h.admit(/*kv_capacity=*/10000);
   EXPECT_EQ(h.scheduler->running_on(0), 2);
@@ -98,7 +98,7 @@ TEST(Scheduler, AdmissionStopsAtTheRunningLimitAndSaysWhy) {
 }
 
 TEST(Scheduler, AdmissionFillsTheKvBudgetAndSaysWhy) {
-  Harness h({.max_sequences = 64, .max_tokens = 128, .prefill_chunk = 64, .prefill_tokens = 64, .max_running = 100});
+  Harness h({.max_sequences = 64, .max_rows = 128, .prefill_chunk = 64, .prefill_tokens = 64, .max_running = 100});
   for (int i = 0; i < 4; ++i) h.submit(20, 10);  // 30 tokens each
   h.admit(/*kv_capacity=*/95);                     // room for three
   EXPECT_EQ(h.scheduler->running_on(0), 3);
@@ -121,7 +121,7 @@ TEST(Scheduler, AdmissionFillsTheKvBudgetAndSaysWhy) {
 }
 
 TEST(Scheduler, PromptRowsPerMicroBatchStayWithinTheirBudget) {
-  Harness h({.max_sequences = 64, .max_tokens = 200, .prefill_chunk = 48, .prefill_tokens = 64, .max_running = 64});
+  Harness h({.max_sequences = 64, .max_rows = 200, .prefill_chunk = 48, .prefill_tokens = 64, .max_running = 64});
   for (int i = 0; i < 3; ++i) h.submit(100, 4);
   h.admit(10000);
   ASSERT_EQ(h.scheduler->running_on(0), 3);
@@ -146,7 +146,7 @@ TEST(Scheduler, PromptRowsPerMicroBatchStayWithinTheirBudget) {
 }
 
 TEST(Scheduler, AMicroBatchHoldsAtMostMaxBatchTokensRows) {
-  Harness h({.max_sequences = 64, .max_tokens = 3, .prefill_chunk = 64, .prefill_tokens = 64, .max_running = 64});
+  Harness h({.max_sequences = 64, .max_rows = 3, .prefill_chunk = 64, .prefill_tokens = 64, .max_running = 64});
   for (int i = 0; i < 5; ++i) h.submit(1, 4);  // one-token prompts: every slice is one row
   h.admit(10000);
   auto b = h.scheduler->next_step(h.pipelines[0], 1);
@@ -158,7 +158,7 @@ TEST(Scheduler, AMicroBatchHoldsAtMostMaxBatchTokensRows) {
 // Prefix reuse between replicas: a request goes to the pipeline that holds a prefix of its
 // prompt even when another is less reserved, and its first slice forks that prefix.
 TEST(Scheduler, ARequestGoesToTheReplicaHoldingItsPrefix) {
-  const BatchLimits limits{.max_sequences = 64, .max_tokens = 256, .prefill_chunk = 64, .prefill_tokens = 64,
+  const BatchLimits limits{.max_sequences = 64, .max_rows = 256, .prefill_chunk = 64, .prefill_tokens = 64,
                            .max_running = 64};
   Harness h(limits);
   h.pipelines.resize(2);

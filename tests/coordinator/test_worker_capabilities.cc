@@ -164,9 +164,9 @@ TEST(StageCapabilities, TheSchedulerBatchesByTheDescribedFigures) {
   EXPECT_EQ(l.max_sequences, 100);
   EXPECT_EQ(l.prefill_chunk, 300);
   EXPECT_EQ(l.prefill_tokens, 300 * 2 / 3);
-  EXPECT_EQ(l.max_tokens, 300);  // 100 + 200 rows, within its 350
+  EXPECT_EQ(l.max_rows, 300);  // 100 + 200 rows, within its 350
   EXPECT_EQ(l.max_running, 3 * 100);
-  EXPECT_EQ(Scheduler::batch_limits(cfg, f, 1, 1).max_tokens, 350);  // 100 + 300 capped at its row limit
+  EXPECT_EQ(Scheduler::batch_limits(cfg, f, 1, 1).max_rows, 350);  // 100 + 300 capped at its row limit
   // Beside a stage of 16-position pages, prefixes go in whole pages of both: 48 positions;
   // the hard row limit is the smaller one, the batching the larger, the extra depth the smaller.
   const std::vector<const WorkerInfo*> two{&q3, nullptr, &other};
@@ -184,7 +184,7 @@ TEST(StageCapabilities, PrefixesAreKeptInWholePagesOfTheDescribedSize) {
   auto tok = Tokenizer::load(model_dir);
   ASSERT_TRUE(tok.ok()) << tok.error();
   std::vector<PipelineRun> pipelines(1);
-  pipelines[0].limits = {.max_sequences = 64, .max_tokens = 256, .prefill_chunk = 64, .prefill_tokens = 64,
+  pipelines[0].limits = {.max_sequences = 64, .max_rows = 256, .prefill_chunk = 64, .prefill_tokens = 64,
                          .max_running = 64};
   const WorkerInfo q3 = joined("q3", q3_capabilities(0), q3_footprint());
   const std::vector<const WorkerInfo*> stages{&q3};
