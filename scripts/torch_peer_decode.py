@@ -151,7 +151,8 @@ def run_once(model, step, batch, prompt, decode_steps, gen):
     return ttft, times
 
 
-def main():
+def parse_args():
+    """The command line, checked: (args, batches, prompts)."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default="gpt2-xl,gpt3-6.7b")
     ap.add_argument("--batches", default="1,8,32,128")
@@ -173,6 +174,11 @@ def main():
             parse_shape(shape)
         except ValueError:
             ap.error(f"unknown shape {shape!r}: use {', '.join(SHAPES)} or n_layer,n_embd,n_head")
+    return args, batches, prompts
+
+
+def main():
+    args, batches, prompts = parse_args()
     csv = None
     if args.csv:
         new_file = not os.path.exists(args.csv) or os.path.getsize(args.csv) == 0
