@@ -116,8 +116,10 @@ void Engine::apply_snapshot() {
 }
 
 // The stall clock starts when a pipeline that had no work gets some (results restart it).
+// Work: a request admitted on it (its K/V reservation, O(1) where counting its sequences
+// would scan them all on every pass) or a micro-batch in flight.
 void Engine::track_progress(PipelineRun& r) {
-  const bool working = r.in_flight > 0 || scheduler_->running_on(r.index) > 0;
+  const bool working = r.in_flight > 0 || r.kv_reserved > 0;
   if (working && !r.working) r.progress_at = Clock::now();
   r.working = working;
 }
@@ -282,7 +284,7 @@ EngineStats Engine::stats() const {
   const auto stall = std::chrono::milliseconds(cfg_.batch_timeout_ms > 0 ? cfg_.batch_timeout_ms : kStallMs);
   for (const PipelineRun& r : runs_) {
     const int64_t running = scheduler_->running_on(r.index);
-    const bool working = r.view.ready && (running > 0 || r.in_flight > 0);  // halted too: no progress
+    const bool working = r.view.ready && r.working;  // halted too: no progress
     st.pipelines.push_back({.index = r.index, .epoch = r.epoch, .busy = scheduler_->busy(r.index),
                             .in_flight = r.in_flight, .kv_reserved = r.kv_reserved, .admitted = r.admitted,
                             .running = running, .limits = r.limits, .backends = r.figures.backends,
