@@ -7,13 +7,13 @@
 
 #include <chrono>
 #include <memory>
-#include <numeric>
 #include <thread>
 
 #include "coordinator/engine.h"
 #include "protocol/batch_result.h"
 #include "protocol/microbatch.h"
 #include "protocol/seq_state.h"
+#include "tests/coordinator/greedy_request.h"
 #include "tests/test_util.h"
 #include "transport/ucx_channel.h"
 
@@ -69,12 +69,7 @@ struct EngineHarness {
   }
 
   CoreStatus submit(int prompt_len) {
-    auto r = std::make_shared<CompletionRequest>();
-    std::vector<int32_t> prompt(static_cast<size_t>(prompt_len));
-    std::iota(prompt.begin(), prompt.end(), 1);
-    r->prompts = {prompt};
-    r->max_tokens = 4;
-    r->sampling.temperature = 0;
+    auto r = testing::greedy_request(prompt_len, 4);
     CompletionSink sink;
     sink.on_update = [](ChoiceUpdate) {};
     sink.on_done = [](const std::string&) {};

@@ -4,10 +4,10 @@
 #include <gtest/gtest.h>
 
 #include <memory>
-#include <numeric>
 #include <vector>
 
 #include "coordinator/scheduler.h"
+#include "tests/coordinator/greedy_request.h"
 #include "tests/test_util.h"
 
 namespace conveyor {
@@ -32,12 +32,7 @@ struct Harness {
 
   // A request of one choice: `prompt_len` token ids, `max_tokens` to generate.
   void submit(int prompt_len, int max_tokens) {
-    auto r = std::make_shared<CompletionRequest>();
-    std::vector<int32_t> prompt(static_cast<size_t>(prompt_len));
-    std::iota(prompt.begin(), prompt.end(), 1);
-    r->prompts = {prompt};
-    r->max_tokens = max_tokens;
-    r->sampling.temperature = 0;
+    auto r = testing::greedy_request(prompt_len, max_tokens);
     CompletionSink sink;
     sink.on_update = [](ChoiceUpdate) {};
     sink.on_done = [this](const std::string& e) { done.push_back(e); };

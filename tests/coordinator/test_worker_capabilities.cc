@@ -6,11 +6,11 @@
 // Nothing in coordinator/ knows "q3"; it is a name in a test.
 #include <gtest/gtest.h>
 
-#include <numeric>
 
 #include "coordinator/cluster_config.h"
 #include "coordinator/planner.h"
 #include "coordinator/scheduler.h"
+#include "tests/coordinator/greedy_request.h"
 #include "tests/test_util.h"
 #include "transport/control_messages.h"
 
@@ -191,12 +191,7 @@ TEST(StageCapabilities, PrefixesAreKeptInWholePagesOfTheDescribedSize) {
   pipelines[0].figures = Scheduler::figures_of(stages);
   Scheduler scheduler(cfg, std::make_shared<const Tokenizer>(std::move(tok).value()), pipelines);
   auto submit = [&] {
-    auto r = std::make_shared<CompletionRequest>();
-    std::vector<int32_t> prompt(60);
-    std::iota(prompt.begin(), prompt.end(), 1);
-    r->prompts = {prompt};
-    r->max_tokens = 4;
-    r->sampling.temperature = 0;
+    auto r = testing::greedy_request(60, 4);
     CompletionSink sink;
     sink.on_update = [](ChoiceUpdate) {};
     sink.on_done = [](const std::string&) {};
