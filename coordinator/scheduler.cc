@@ -69,16 +69,21 @@ void Scheduler::refuse_unserved(bool serviceable) {
   const Clock::time_point now = Clock::now();
   if (!unserviceable_since_) unserviceable_since_ = now;
   const auto wait = std::chrono::milliseconds(cfg_.pipeline_wait_ms);
-  // The queue is in arrival order, so the waits' starts (max of arrival and since) are
-  // ascending: the requests due are a prefix.
-  while (!queue_.empty() && std::max(queue_.front()->queued_at, *unserviceable_since_) + wait <= now) {
+  // A request's wait starts at the later of its arrival and `since`: once `since` is a wait
+  // ago, those that arrived a wait ago are due.
+  if (queue_.empty() || *unserviceable_since_ + wait > now) return;
+  refuse_queued(now - wait, CoreStatus::retry_later(CoreError::Unavailable,
+                                                    "no pipeline could serve the request within scheduler.pipeline_wait_ms (" +
+                                                        std::to_string(cfg_.pipeline_wait_ms) + " ms)",
+                                                    kRetryUnavailableSeconds));
+}
+
+void Scheduler::refuse_queued(Clock::time_point arrived_by, const CoreStatus& why) {
+  // The queue is in arrival order: the requests due are a prefix.
+  while (!queue_.empty() && queue_.front()->queued_at <= arrived_by) {
     std::unique_ptr<Request> owned = std::move(queue_.front());
     queue_.pop_front();
-    refuse_accepted(owned->sink,
-                    CoreStatus::retry_later(CoreError::Unavailable,
-                                            "no pipeline could serve the request within scheduler.pipeline_wait_ms (" +
-                                                std::to_string(cfg_.pipeline_wait_ms) + " ms)",
-                                            kRetryUnavailableSeconds));
+    refuse_accepted(owned->sink, why);
     idle_cv_.notify_all();
   }
 }
@@ -461,13 +466,7 @@ void Scheduler::expire_requests() {
   const Clock::time_point now = Clock::now();
   const CoreStatus why = CoreStatus::refuse(
       CoreError::Timeout, "the request ran past scheduler.request_timeout_ms (" + std::to_string(cfg_.request_timeout_ms) + " ms)");
-  // The queue is in arrival order: the requests due are a prefix.
-  while (!queue_.empty() && queue_.front()->queued_at + limit <= now) {
-    std::unique_ptr<Request> owned = std::move(queue_.front());
-    queue_.pop_front();
-    refuse_accepted(owned->sink, why);
-    idle_cv_.notify_all();
-  }
+  refuse_queued(now - limit, why);
   std::vector<Request*> due;
   for (const auto& [rp, _] : running_)
     if (rp->queued_at + limit <= now) due.push_back(rp);

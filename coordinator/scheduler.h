@@ -270,6 +270,8 @@ class Scheduler {
   void deliver_one(Sequence& s, Delivery d);
   void finish_sequence(Sequence& s, const char* reason, ChoiceUpdate update);
   void finish_request(Request& r, const std::string& error);
+  // Refuses, with `why`, the queued requests that arrived at or before `arrived_by`.
+  void refuse_queued(std::chrono::steady_clock::time_point arrived_by, const CoreStatus& why);
   // finish_request's bookkeeping: its reservation returned, its sequences freed and forgotten.
   void release_request(Request& r);
   // Prefix reuse (see the top of this file). Entries are whole granules of the K/V pages the
