@@ -50,7 +50,8 @@
 //   conveyor-bench-cluster --random 13,256,4 --stages 3 --concurrency 64 --requests 512 --trace
 //   conveyor-bench-cluster --backend cuda --random gpt2-xl --stages 1 --concurrency 64,256
 //       --requests-per-client 2 --prompt-tokens 128 --max-tokens 128 --trace
-//   (--fp8: the cuda workers run FP8 layer matrices, conveyor local --fp8)
+//   (--fp8: the cuda workers run FP8 layer matrices, conveyor local --fp8; --kv-dtype fp8: their
+//   K/V caches in E4M3, conveyor local --kv-dtype fp8)
 #include <algorithm>
 #include <climits>
 #include <cmath>
@@ -98,6 +99,7 @@ struct LocalCluster {
   int spares = 0;
   std::string kv_cache_mb;  // conveyor local --kv-cache-mb; empty: its default (auto)
   bool fp8 = false;         // cuda: conveyor local --fp8
+  std::string kv_dtype = "auto";  // cuda: conveyor local --kv-dtype
   bool no_prefix_cache = false;
   bool start(const std::string& bin_dir, const std::string& model, int stages, int in_flight) {
     const std::string logs = (std::filesystem::temp_directory_path() / ("conveyor-bench-" + std::to_string(::getpid()))).string();
@@ -107,6 +109,7 @@ struct LocalCluster {
     argv.insert(argv.end(), {"--backend", backend, "--spares", std::to_string(spares)});
     if (backend == "cuda") argv.insert(argv.end(), {"--gpus", std::to_string(gpus)});
     if (backend == "cuda" && fp8) argv.push_back("--fp8");
+    if (backend == "cuda" && kv_dtype != "auto") argv.insert(argv.end(), {"--kv-dtype", kv_dtype});
     if (no_prefix_cache) argv.push_back("--no-prefix-cache");
     if (!kv_cache_mb.empty()) argv.insert(argv.end(), {"--kv-cache-mb", kv_cache_mb});
     proc = std::make_unique<testing::ChildProcess>(argv);
@@ -405,6 +408,9 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(1, 64));
   bool fp8 = false;
   app.add_flag("--fp8", fp8, "cuda: the workers' layer matrices and their inputs in FP8 (conveyor local --fp8)");
+  std::string kv_dtype = "auto";
+  app.add_option("--kv-dtype", kv_dtype, "cuda: the workers' K/V caches, auto or fp8 (conveyor local --kv-dtype)")
+      ->check(CLI::IsMember({"auto", "fp8"}));
   app.add_option("--random", random_shape, "random weights of shape L,C,H with --model's vocabulary, or a named shape");
   app.add_flag("--recovery", recovery_mode, "kill the last stage under a streaming load and measure the pause");
   int spares = 1;
@@ -458,8 +464,8 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "--shared-prefix needs --prompt-tokens (the tokens each prompt has after the shared ones)\n");
     return 2;
   }
-  if (fp8 && backend != "cuda") {
-    std::fprintf(stderr, "--fp8 needs --backend cuda\n");
+  if ((fp8 || kv_dtype != "auto") && backend != "cuda") {
+    std::fprintf(stderr, "--fp8 and --kv-dtype fp8 need --backend cuda\n");
     return 2;
   }
   if (engine) return engine_mode(model, concurrencies, std::max<int64_t>(prompt_tokens, 1), max_tokens, json_path);
@@ -540,6 +546,7 @@ int main(int argc, char** argv) {
   cluster.gpus = gpus;
   cluster.kv_cache_mb = kv_cache_mb;
   cluster.fp8 = fp8;
+  cluster.kv_dtype = kv_dtype;
   cluster.no_prefix_cache = no_prefix_cache;
   if (!cluster.start(bin_dir, model, stages, in_flight)) {
     std::fprintf(stderr, "the cluster did not start\n");

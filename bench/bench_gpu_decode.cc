@@ -14,8 +14,11 @@
 //   conveyor-bench-gpu-decode [--shapes gpt2-xl,gpt3-6.7b] [--batches 1,8,32,128]
 //       [--prompts 128,1024] [--new-tokens 128] [--dtype f16|bf16] [--max-tokens 8192]
 //       [--kv-fraction 0.9] [--no-graphs] [--tp N] [--pp N] [--weights dtype,int8,fp8] [--int8]
-//       [--fp8] [--fused-ar] [--ar-push-max BYTES] [--csv FILE] [--modes det,fast]
+//       [--fp8] [--kv-dtype auto|fp8] [--fused-ar] [--ar-push-max BYTES] [--csv FILE] [--modes det,fast]
 //
+// --kv-dtype fp8: every stage's K/V cache in E4M3 with a scale per position and head
+// (GpuStageOptions::kv_fp8): half the bytes, so twice the sequences fit; its rows name the
+// weights with "/kv8".
 // --tp N runs each stage over N GPUs (ranks share GPUs where the machine has fewer than
 // tp x pp: a correctness run only, its times mean nothing). --weights: the layer matrices in
 // the stage's dtype, int8 weight-only (quant.h) and/or FP8 weights and activations (fp8.h,
@@ -87,6 +90,7 @@ struct Args {
   bool fused_ar = false;
   long long ar_push_max = -1;  // -1: the stage's default
   std::vector<std::string> weights = {"dtype"};  // dtype, int8, fp8
+  bool kv_fp8 = false;
   std::string csv;
   std::vector<std::string> modes = {"det"};
 };
@@ -95,8 +99,8 @@ struct Args {
   std::fprintf(stderr,
                "usage: conveyor-bench-gpu-decode [--shapes S,..] [--batches N,..] [--prompts N,..] [--new-tokens N]\n"
                "       [--dtype f16|bf16] [--max-tokens N] [--kv-fraction F] [--no-graphs] [--tp N] [--pp N]\n"
-               "       [--weights dtype,int8,fp8] [--int8] [--fp8] [--fused-ar] [--ar-push-max BYTES] [--csv FILE]\n"
-               "       [--modes det,fast]\n");
+               "       [--weights dtype,int8,fp8] [--int8] [--fp8] [--kv-dtype auto|fp8] [--fused-ar] [--ar-push-max BYTES]\n"
+               "       [--csv FILE] [--modes det,fast]\n");
   std::exit(2);
 }
 
@@ -121,6 +125,11 @@ Args parse(int argc, char** argv) {
     else if (k == "--int8") a.weights = {"int8"};
     else if (k == "--fp8") a.weights = {"fp8"};
     else if (k == "--weights") a.weights = split(val());
+    else if (k == "--kv-dtype") {
+      const std::string v = val();
+      if (v != "auto" && v != "fp8") usage();
+      a.kv_fp8 = v == "fp8";
+    }
     else if (k == "--fused-ar") a.fused_ar = true;
     else if (k == "--ar-push-max") a.ar_push_max = std::stoll(val());
     else if (k == "--csv") a.csv = val();
@@ -344,7 +353,7 @@ int main(int argc, char** argv) {
     for (const std::string& shape : args.shapes) {
      for (const std::string& weights : args.weights) {
      const bool int8 = weights == "int8", fp8 = weights == "fp8";
-     const std::string wname = weights == "dtype" ? args.dtype : weights;
+     const std::string wname = (weights == "dtype" ? args.dtype : weights) + (args.kv_fp8 ? "/kv8" : "");
      for (const std::string& mode : args.modes) {
       auto cfg_or = named_model_shape(shape);
       if (!cfg_or.ok()) throw Error(cfg_or.error());
@@ -360,6 +369,7 @@ int main(int argc, char** argv) {
       o.cuda_graphs = args.graphs;
       o.int8_weights = int8;
       o.fp8 = fp8;
+      o.kv_fp8 = args.kv_fp8;
       o.fused_all_reduce = args.fused_ar;
       if (args.ar_push_max >= 0) o.all_reduce_push_max_bytes = size_t(args.ar_push_max);
       o.gemm = process_options().kernels.gemm;  // CONVEYOR_GEMM_ORDER and the rest

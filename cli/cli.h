@@ -55,6 +55,7 @@ struct LocalOptions {
   std::string dtype = "f16";
   bool int8_weights = false;     // cuda: int8 weight-only layer matrices
   bool fp8 = false;              // cuda, Hopper: FP8 E4M3 layer matrices and activations
+  std::string kv_dtype = "auto";  // cuda: the K/V cache's type, auto (the dtype) or fp8
   int tp = 1;                    // tensor-parallel ranks per worker: threads (cpu) or GPUs (cuda)
 };
 void add_local_command(CLI::App& app, LocalOptions& options);

@@ -217,6 +217,8 @@ void add_local_command(CLI::App& app, LocalOptions& o) {
   cmd->add_option("--dtype", o.dtype, "cuda: f16 or bf16")->check(CLI::IsMember({"f16", "bf16"}));
   cmd->add_flag("--int8-weights", o.int8_weights, "cuda: int8 weight-only layer matrices (converted at load)");
   cmd->add_flag("--fp8", o.fp8, "cuda, Hopper: FP8 E4M3 layer matrices (converted at load) and activations");
+  cmd->add_option("--kv-dtype", o.kv_dtype, "cuda: the K/V cache's type, auto (the dtype) or fp8 (E4M3, twice the positions)")
+      ->check(CLI::IsMember({"auto", "fp8"}));
   cmd->add_option("--tp", o.tp, "tensor-parallel ranks per worker: threads (cpu) or GPUs (cuda)")->check(CLI::Range(1, 256));
   cmd->add_flag("--verbose", o.verbose, "daemons log to this terminal");
 }
@@ -351,6 +353,7 @@ std::vector<std::string> LocalCluster::worker_argv(int i) const {
                              "--gpu-memory-fraction", std::to_string(0.9 / per_gpu)});
     if (o.int8_weights) argv.push_back("--int8-weights");
     if (o.fp8) argv.push_back("--fp8");
+    if (o.kv_dtype != "auto") argv.insert(argv.end(), {"--kv-dtype", o.kv_dtype});
   }
   return argv;
 }
@@ -465,6 +468,10 @@ int local_command(const LocalOptions& options) {
     std::cerr << "conveyor local: --fp8 " << (o.int8_weights ? "and --int8-weights exclude each other (choose one)"
                                                              : "needs the CUDA backend (a GPU with FP8 tensor cores)")
               << "\n";
+    return 2;
+  }
+  if (o.kv_dtype == "fp8" && o.backend != "cuda") {
+    std::cerr << "conveyor local: --kv-dtype fp8 needs the CUDA backend (the CPU stage keeps fp32 K/V)\n";
     return 2;
   }
   std::error_code ec;

@@ -37,6 +37,7 @@ cuda::GpuStageOptions gpu_options(const StageOptions& o) {
   g.dtype = o.dtype;
   g.int8_weights = o.int8_weights;
   g.fp8 = o.fp8;
+  g.kv_fp8 = o.kv_fp8;
   g.name = o.name;
   g.kv_cache_fraction = o.gpu_memory_fraction;
   g.kv_cache_max_bytes = o.gpu_kv_cache_max_bytes;
@@ -53,6 +54,7 @@ cuda::GpuStageOptions gpu_options(const StageOptions& o) {
 Expected<std::unique_ptr<StageBackend>> make_stage_backend(StageWeights weights, const StageOptions& o) {
   if (o.backend == Backend::Cpu) {
     if (o.fp8) return Status::error(o.name + ": fp8 needs the CUDA backend (FP8 tensor cores); the CPU stage is fp32");
+    if (o.kv_fp8) return Status::error(o.name + ": an FP8 K/V cache needs the CUDA backend; the CPU stage keeps fp32 K/V");
     auto b = CpuStageBackend::create(std::move(weights), o.tensor_parallel, o.kv_cache_bytes);
     if (!b) return b.status();
     return std::unique_ptr<StageBackend>(std::move(b).value());

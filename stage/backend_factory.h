@@ -33,6 +33,7 @@ struct StageOptions {
   DType dtype = DType::F16;            // cuda: F16 or BF16
   bool int8_weights = false;           // cuda: layer matrices int8 weight-only (per-channel scales)
   bool fp8 = false;                    // cuda, Hopper: layer matrices and their inputs FP8 E4M3 (not with int8)
+  bool kv_fp8 = false;                 // cuda: the K/V cache in FP8 E4M3 with per-token scales (--kv-dtype fp8)
   double gpu_memory_fraction = 0.9;    // cuda: of the memory left after the weights, for the K/V cache
   int64_t kv_cache_bytes = 512ll << 20;  // cpu: the K/V budget
   int64_t gpu_kv_cache_max_bytes = 0;    // cuda: a cap on each rank's K/V cache (0: the memory fraction alone)

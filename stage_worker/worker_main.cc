@@ -25,7 +25,7 @@ struct Flags {
   conveyor::WorkerOptions opt;
   int64_t kv_mb = conveyor::WorkerOptions{}.stage.kv_cache_bytes >> 20;
   CLI::Option* kv_mb_given = nullptr;
-  std::string backend = "auto", dtype = "f16";
+  std::string backend = "auto", dtype = "f16", kv_dtype = "auto";
   int heartbeat_ms = int(conveyor::WorkerOptions{}.heartbeat_interval.count());
   int liveness_ms = int(conveyor::WorkerOptions{}.coordinator_liveness.count());
   int64_t drain_ms = conveyor::WorkerOptions{}.drain_timeout.count();
@@ -78,6 +78,10 @@ void add_stage_flags(CLI::App& app, Flags& f) {
   app.add_flag("--fp8", stage.fp8,
                "cuda, Hopper (compute capability 9.0): store the layer matrices as FP8 E4M3 with a scale per output "
                "channel (converted at load) and quantise their inputs per token; not with --int8-weights");
+  app.add_option("--kv-dtype", f.kv_dtype,
+                 "cuda: the K/V cache's type: auto (the stage's dtype) or fp8 (E4M3 with a scale per token and head: "
+                 "half the bytes, twice the positions)")
+      ->check(CLI::IsMember({"auto", "fp8"}));
   app.add_option("--gpu-memory-fraction", stage.gpu_memory_fraction,
                  "cuda: share of the GPU memory left after the weights that the K/V cache takes")
       ->check(CLI::Range(0.01, 0.99));
@@ -98,6 +102,7 @@ conveyor::Status resolve_stage(Flags& f) {
   }
   stage.backend = *conveyor::parse_backend(f.backend);  // CLI11 allowed only cpu and cuda here
   stage.dtype = f.dtype == "bf16" ? conveyor::DType::BF16 : conveyor::DType::F16;
+  stage.kv_fp8 = f.kv_dtype == "fp8";
   if (stage.backend == conveyor::Backend::Cuda) {
     if (f.gpus.empty()) {
       for (int r = 0; r < stage.tensor_parallel; ++r) f.gpus.push_back(f.device + r);
@@ -110,9 +115,9 @@ conveyor::Status resolve_stage(Flags& f) {
                                      std::to_string(f.gpus.size()));
     stage.gpus = f.gpus;
     stage.tensor_parallel = int(f.gpus.size());
-  } else if (!f.gpus.empty() || stage.int8_weights || stage.fp8) {
-    return conveyor::Status::error(
-        "--gpus, --int8-weights and --fp8 need the CUDA backend (--backend cuda, or auto on a node with a usable GPU)");
+  } else if (!f.gpus.empty() || stage.int8_weights || stage.fp8 || stage.kv_fp8) {
+    return conveyor::Status::error("--gpus, --int8-weights, --fp8 and --kv-dtype fp8 need the CUDA backend (--backend "
+                                   "cuda, or auto on a node with a usable GPU)");
   }
   if (stage.fp8 && stage.int8_weights) return conveyor::Status::error("--fp8 and --int8-weights exclude each other (choose one)");
   return conveyor::ok_status();

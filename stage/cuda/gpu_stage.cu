@@ -94,7 +94,7 @@ Status GpuStage::allocate_runtime() {
   const int64_t H = shape_.heads, D = config_.head_dim();
   if (L == 0) return ok_status();
   const auto [free_bytes, total_bytes] = device_memory_info();
-  const int64_t page = KvCache::page_bytes(L, H, D, options_.dtype);
+  const int64_t page = KvCache::page_bytes(L, H, D, options_.dtype, options_.kv_fp8);
   int64_t budget = int64_t(double(free_bytes) * options_.kv_cache_fraction);
   if (options_.kv_cache_max_bytes > 0) budget = std::min(budget, options_.kv_cache_max_bytes);
   const int64_t pages = budget / page;
@@ -102,7 +102,7 @@ Status GpuStage::allocate_runtime() {
     return Status::error(n + ": no room for the K/V cache: one page (" + std::to_string(kPageTokens) + " positions) is " +
                          std::to_string(page) + " bytes, " + std::to_string(budget) + " bytes allowed, " +
                          std::to_string(free_bytes) + " bytes free of " + std::to_string(total_bytes));
-  auto kv = KvCache::create(n, L, H, D, options_.dtype, pages);
+  auto kv = KvCache::create(n, L, H, D, options_.dtype, pages, options_.kv_fp8);
   if (!kv) return kv.status();
   kv_ = std::move(kv).value();
   return ok_status();
@@ -412,7 +412,8 @@ Status GpuStage::reserve(std::span<const SeqSlice> slices) {
 }
 
 int64_t GpuStage::kv_bytes_per_token() const {
-  return shape_.num_layers() * 2 * shape_.width * int64_t(dtype_bytes(options_.dtype));
+  return KvCache::page_bytes(shape_.num_layers(), shape_.heads, config_.head_dim(), options_.dtype, options_.kv_fp8) /
+         kPageTokens;
 }
 
 Status GpuStage::shrink_kv_cache(int64_t pages) {
@@ -423,8 +424,8 @@ Status GpuStage::shrink_kv_cache(int64_t pages) {
       return Status::error(options_.name + ": cannot shrink a K/V cache of " + std::to_string(kv_->num_pages()) +
                            " pages to " + std::to_string(pages));
     kv_.reset();
-    auto kv =
-        KvCache::create(options_.name, shape_.num_layers(), shape_.heads, config_.head_dim(), options_.dtype, pages);
+    auto kv = KvCache::create(options_.name, shape_.num_layers(), shape_.heads, config_.head_dim(), options_.dtype,
+                              pages, options_.kv_fp8);
     if (!kv) return kv.status();
     kv_ = std::move(kv).value();
     return ok_status();

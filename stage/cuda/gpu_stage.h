@@ -91,6 +91,7 @@ class GpuStage {
   DType dtype() const { return options_.dtype; }
   bool int8_weights() const { return options_.int8_weights; }
   bool fp8() const { return options_.fp8; }
+  bool kv_fp8() const { return options_.kv_fp8; }
   const std::string& name() const { return options_.name; }
   int64_t layer_begin() const { return shape_.layer_begin; }
   int64_t layer_end() const { return shape_.layer_end; }

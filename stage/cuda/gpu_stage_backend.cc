@@ -68,7 +68,7 @@ Expected<StageFootprint> GpuStageBackend::footprint(const ModelConfig& c, int ra
     f.embedding_bytes += bytes(0, true, false);
     f.head_bytes += bytes(0, false, true);
     f.embedding_and_head_bytes += bytes(0, true, true);
-    f.kv_bytes_per_token_per_layer += KvCache::page_bytes(1, shard.heads(), c.head_dim(), o.dtype) / kPageTokens;
+    f.kv_bytes_per_token_per_layer += KvCache::page_bytes(1, shard.heads(), c.head_dim(), o.dtype, o.kv_fp8) / kPageTokens;
   }
   return f;
 }
@@ -79,6 +79,7 @@ std::string GpuStageBackend::describe() const {
   d += " " + std::string(dtype_name(stage_->lead().dtype()));
   if (stage_->lead().int8_weights()) d += " int8-weights";
   if (stage_->lead().fp8()) d += " fp8";
+  if (stage_->lead().kv_fp8()) d += " kv=fp8";
   if (stage_->ranks() > 1) d += " tp=" + std::to_string(stage_->ranks());
   return d;
 }

@@ -33,6 +33,11 @@ struct GpuStageOptions {
   // the bias and the GeLU. LayerNorm, attention, K/V, embeddings and the LM head stay in
   // `dtype`. Not with int8_weights.
   bool fp8 = false;
+  // FP8 K/V cache (E4M3 bytes with an fp32 scale per position and head, kernels/cuda/paged_kv.h):
+  // half the bytes of an fp16 cache, so twice the positions fit. Quantised per token at
+  // append, never per batch, so answers keep their independence of the load. Needs a head_dim
+  // the tile order of attention takes (a multiple of 16, at most 128).
+  bool kv_fp8 = false;
   // Tensor parallel: this stage is rank tp_rank of tp_ranks (1 <= tp_ranks <= n_head, n_inner),
   // and all_reduce (rank tp_rank's GPU must be this stage's) joins the ranks' partial sums.
   int tp_rank = 0, tp_ranks = 1;

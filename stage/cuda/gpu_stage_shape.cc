@@ -5,6 +5,7 @@
 
 #include <algorithm>
 
+#include "kernels/cuda/attention_tiles.h"
 #include "kernels/cuda/check.h"
 #include "kernels/cuda/paged_kv.h"
 #include "stage/cuda/tp_all_reduce.h"
@@ -27,6 +28,9 @@ Status GpuStageShape::validate(const ModelConfig& c, int64_t layer_begin, int64_
     return Status::error(n + ": kv_cache_fraction must be in (0, 1]");
   if (c.n_embd % 8 != 0)
     return Status::error(n + ": n_embd must be a multiple of 8 on the GPU (got " + std::to_string(c.n_embd) + ")");
+  if (o.kv_fp8 && !tile_order_head_dim(c.head_dim()))
+    return Status::error(n + ": an FP8 K/V cache needs a head size that is a multiple of 16 and at most 128 (the "
+                         "tile order of attention reads it); this model's is " + std::to_string(c.head_dim()));
   const int R = o.tp_ranks;
   if (R < 1 || R > c.n_head || R > c.n_inner || o.tp_rank < 0 || o.tp_rank >= R)
     return Status::error(n + ": tensor-parallel rank " + std::to_string(o.tp_rank) + " of " + std::to_string(R) +

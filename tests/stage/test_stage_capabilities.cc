@@ -111,6 +111,28 @@ TEST(StageCapabilities, GpuFootprintIsItsWeightLayout) {
     }
 }
 
+// An FP8 K/V cache says its bytes: per position and head, head_dim E4M3 bytes and an fp32
+// scale for K and for V, about half of fp16's, so the planner and admission fit twice the
+// positions. The CPU backend refuses it by name.
+TEST(StageCapabilities, GpuFp8KvHalvesThePositionBytes) {
+  const ModelConfig c = small_model();
+  cuda::GpuStageOptions o;
+  o.kv_fp8 = true;
+  for (int ranks : {1, 2}) {
+    auto f = cuda::GpuStageBackend::footprint(c, ranks, o);
+    ASSERT_TRUE(f) << f.error();
+    EXPECT_EQ(f->kv_bytes_per_token_per_layer, 2 * (c.n_embd + c.n_head * int64_t(sizeof(float))));
+  }
+  StageOptions cpu;
+  cpu.backend = Backend::Cpu;
+  cpu.name = "cpu-stage";
+  cpu.kv_fp8 = true;
+  auto b = make_stage_backend(StageWeights{}, cpu);
+  ASSERT_FALSE(b);
+  EXPECT_NE(b.status().message().find("FP8 K/V cache needs the CUDA backend"), std::string::npos)
+      << b.status().message();
+}
+
 // GPT-3 175B's middle layers are 1.81 GB each in fp16 (12 C^2 + 13 C parameters) and about
 // half that with int8 matrices (12 C^2 bytes plus an fp32 scale per output channel and fp16
 // vectors); the first stage adds the embeddings, which stay fp16. (The coordinator computed

@@ -47,7 +47,8 @@ struct Mode {
   bool int8;
   int tp;
   const char* name;
-  bool fp8 = false;  // E4M3 layer matrices and activations (Hopper)
+  bool fp8 = false;     // E4M3 layer matrices and activations (Hopper)
+  bool kv_fp8 = false;  // the K/V cache in E4M3 with per-token scales
 };
 
 ModelConfig det_config() {
@@ -92,6 +93,7 @@ class Pipe {
     o.dtype = mode.dtype;
     o.int8_weights = mode.int8;
     o.fp8 = mode.fp8;
+    o.kv_fp8 = mode.kv_fp8;
     o.name = "det-stage";
     o.max_tokens = 2048;
     o.max_seqs = 256;
@@ -374,7 +376,11 @@ INSTANTIATE_TEST_SUITE_P(Modes, GpuDeterminism,
                                            Mode{DType::F16, true, 2, "fp16_int8_tp2"},
                                            Mode{DType::F16, false, 1, "fp16_fp8", true},
                                            Mode{DType::BF16, false, 1, "bf16_fp8", true},
-                                           Mode{DType::F16, false, 2, "fp16_fp8_tp2", true}),
+                                           Mode{DType::F16, false, 2, "fp16_fp8_tp2", true},
+                                           Mode{DType::F16, false, 1, "fp16_kvfp8", false, true},
+                                           Mode{DType::BF16, false, 1, "bf16_kvfp8", false, true},
+                                           Mode{DType::F16, false, 2, "fp16_kvfp8_tp2", false, true},
+                                           Mode{DType::F16, false, 1, "fp16_fp8_kvfp8", true, true}),
                          [](const ::testing::TestParamInfo<Mode>& i) { return std::string(i.param.name); });
 
 }  // namespace

@@ -195,14 +195,25 @@ TEST_P(GpuHfConformance, GoldenFixtures) {
   EXPECT_GE(split, 2) << "fixtures run at tp " << tp;
 }
 
-// Int8 weight-only (per-channel scales, fp16 activations), or FP8 (E4M3 weights with
-// per-channel scales and activations with per-token scales), against fp16 on the same
-// fixtures, both fed the golden tokens: how often the greedy choice agrees, and how far the
-// log-probs of fp16's top 5 move. Bounds: every step where fp16's top-2 gap exceeds 0.5
-// agrees, and the mean log-prob error stays under 0.05 (max 0.5) for int8, 0.1 (max 1.0) for
-// FP8, whose activations are quantised too; the figures are printed. FP8 skips the fixtures
-// whose layer matrices are not multiples of 16.
-void quantised_against_fp16(bool fp8) {
+// What a quantised stage stores in fewer bits, and the bounds its log-probs are held to.
+struct Quantised {
+  const char* label;
+  bool int8 = false, fp8 = false, kv_fp8 = false;
+  double mean_bound, max_bound;  // of the top-5 |log-prob| error against fp16
+};
+// Int8 weight-only: per-channel scales, fp16 activations.
+constexpr Quantised kInt8{.label = "int8", .int8 = true, .mean_bound = 0.05, .max_bound = 0.5};
+// FP8: E4M3 weights with per-channel scales and activations with per-token scales.
+constexpr Quantised kFp8{.label = "fp8", .fp8 = true, .mean_bound = 0.1, .max_bound = 1.0};
+// FP8 K/V: the cache in E4M3 with a scale per position and head, weights and activations in fp16.
+constexpr Quantised kKvFp8{.label = "kv-fp8", .kv_fp8 = true, .mean_bound = 0.1, .max_bound = 1.0};
+
+// A quantised stage against fp16 on the same fixtures, both fed the golden tokens: how often
+// the greedy choice agrees, and how far the log-probs of fp16's top 5 move. Bounds: every
+// step where fp16's top-2 gap exceeds 0.5 agrees, and the mean and max log-prob errors stay
+// under q's bounds; the figures are printed. FP8 skips the fixtures whose layer matrices are
+// not multiples of 16, FP8 K/V those whose head size the tile order does not take.
+void quantised_against_fp16(const Quantised& q) {
   int gpus = 0;
   ASSERT_EQ(cudaGetDeviceCount(&gpus), cudaSuccess);
   for (const fs::path& dir : testing::hf_fixture_dirs()) {
@@ -221,11 +232,13 @@ void quantised_against_fp16(bool fp8) {
       o.max_seqs = 8;
       o.kv_cache_max_bytes = int64_t(128) << 20;
       auto fp16 = cuda::TpStage::create(*weights, devices, o).value();
-      o.int8_weights = !fp8;
-      o.fp8 = fp8;
-      o.deterministic = !fp8;  // FP8 runs only with deterministic mode off (its products are not row-invariant)
+      o.int8_weights = q.int8;
+      o.fp8 = q.fp8;
+      o.kv_fp8 = q.kv_fp8;
       auto quantised = cuda::TpStage::create(*weights, devices, o);
-      if (!quantised && fp8 && quantised.status().message().find("multiples of 16") != std::string::npos) {
+      const std::string refused = quantised ? "" : quantised.status().message();
+      if ((q.fp8 && refused.find("multiples of 16") != std::string::npos) ||
+          (q.kv_fp8 && refused.find("head size") != std::string::npos)) {
         std::cout << "[note] " << dir.filename().string() << ": " << quantised.status().message() << "\n";
         continue;
       }
@@ -273,25 +286,31 @@ void quantised_against_fp16(bool fp8) {
         q_stage->free_sequence(seq);
       }
       const double mean = diffs ? sum_diff / double(diffs) : 0;
-      std::cout << (fp8 ? "[fp8] " : "[int8] ") << dir.filename().string() << " tp " << tp << ": greedy agreement " << agree << "/" << steps
+      std::cout << "[" << q.label << "] " << dir.filename().string() << " tp " << tp << ": greedy agreement " << agree << "/" << steps
                 << " (" << 100.0 * agree / std::max(steps, 1) << "%), decisive " << decisive_agree << "/" << decisive
                 << ", top-5 |logprob diff| mean " << mean << " max " << max_diff << "\n";
       EXPECT_GE(steps, 40);
-      EXPECT_LT(mean, fp8 ? 0.1 : 0.05) << dir;
-      EXPECT_LT(max_diff, fp8 ? 1.0 : 0.5) << dir;
+      EXPECT_LT(mean, q.mean_bound) << dir;
+      EXPECT_LT(max_diff, q.max_bound) << dir;
     }
   }
 }
 
 TEST(GpuHfConformance, Int8WeightsAgainstFp16) {
   if (!have_gpu()) GTEST_SKIP() << "no CUDA device on this host";
-  quantised_against_fp16(false);
+  quantised_against_fp16(kInt8);
 }
 
 TEST(GpuHfConformance, Fp8AgainstFp16) {
   if (!have_gpu()) GTEST_SKIP() << "no CUDA device on this host";
   if (Status s = cuda::Gemm().fp8_supported(); !s) GTEST_SKIP() << s.message();
-  quantised_against_fp16(true);
+  quantised_against_fp16(kFp8);
+}
+
+// FP8 K/V stays deterministic: per token at append, the tile order's fixed pieces.
+TEST(GpuHfConformance, KvFp8AgainstFp16) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device on this host";
+  quantised_against_fp16(kKvFp8);
 }
 
 INSTANTIATE_TEST_SUITE_P(DtypesAndTp, GpuHfConformance,
