@@ -41,8 +41,10 @@ StageCapabilities GpuStageBackend::capabilities(const GpuStageOptions& o, int64_
   // A GPU's decode step costs little more at 256 rows than at 64 (its weights are read once a
   // step). A prompt row costs less than a decode step's fixed weight reads, and 256 clients
   // asking for as many tokens as their prompts hold need a step's worth of prompt rows every
-  // step, so a step takes twice the sequences' rows of prompts (docs/OPERATIONS.md).
-  c.max_sequences_per_step = std::min<int64_t>(256, o.max_seqs);
+  // step, so a step takes twice the sequences' rows of prompts (docs/OPERATIONS.md). An FP8
+  // K/V cache holds twice the positions: 512 sequences a step (1.09x the decode tokens/s of
+  // 256 for gpt3-6.7b on an H100, docs/PERFORMANCE.md).
+  c.max_sequences_per_step = std::min<int64_t>(o.kv_fp8 ? 512 : 256, o.max_seqs);
   c.max_prompt_rows_per_step = std::min<int64_t>(512, c.max_rows_per_step);
   // A GPU step costs nearly as much at half the rows: one micro-batch per stage.
   c.extra_in_flight = 0;

@@ -123,6 +123,8 @@ TEST(StageCapabilities, GpuFp8KvHalvesThePositionBytes) {
     ASSERT_TRUE(f) << f.error();
     EXPECT_EQ(f->kv_bytes_per_token_per_layer, 2 * (c.n_embd + c.n_head * int64_t(sizeof(float))));
   }
+  o.max_seqs = 512;  // as the worker builds its stage: twice the positions, twice the sequences a step
+  EXPECT_EQ(cuda::GpuStageBackend::capabilities(o, int64_t(80) << 30).max_sequences_per_step, 512);
   StageOptions cpu;
   cpu.backend = Backend::Cpu;
   cpu.name = "cpu-stage";
