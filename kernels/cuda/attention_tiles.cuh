@@ -98,30 +98,13 @@ struct TileState {
   float m[2], l[2];
 };
 
-// The state of the piece at kb (its K and V in sK, sV) for the warp's 16 rows; pos[r]: the
-// position of the lane's row g + 8r (-1: none). q: the rows' A fragments, one per 16-step.
-// In two halves: piece_scores() reads sK and leaves m, l and P (the A fragments of
-// rnd_T(e)); piece_values() reads sV.
-template <class T, int D>
-__device__ __forceinline__ void piece_scores(TileState<D>& st, uint32_t (&p)[4][4], const uint32_t (&q)[D / 16][4],
-                                             const T* sK, int kb, const int (&pos)[2], float scale_log2) {
-  constexpr int P = pitch<D>();
-  const int lane = threadIdx.x & 31, t = lane & 3, mtx = lane >> 3;
-  float s[8][4];
-#pragma unroll
-  for (int j = 0; j < 8; ++j)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) s[j][e] = 0.f;
-#pragma unroll
-  for (int kk = 0; kk < D / 16; ++kk)
-#pragma unroll
-    for (int jj = 0; jj < 4; ++jj) {
-      uint32_t b[4];
-      ldsm_x4(b, sK + (16 * jj + (lane & 7) + (mtx >> 1) * 8) * P + 16 * kk + (mtx & 1) * 8);
-      mma_m16n8k16<T>(s[2 * jj], q[kk], b[0], b[1]);
-      mma_m16n8k16<T>(s[2 * jj + 1], q[kk], b[2], b[3]);
-    }
-
+// The softmax half of piece_scores(): from S (the C fragments of q K^T for the piece's 8
+// tiles of 8 positions, lane's column 8j + 2t + (e & 1)) to m, l and P (the A fragments of
+// rnd_T(e)).
+template <class T>
+__device__ __forceinline__ void scores_to_p(float (&m)[2], float (&l)[2], uint32_t (&p)[4][4], float (&s)[8][4],
+                                            int kb, const int (&pos)[2], float scale_log2) {
+  const int t = threadIdx.x & 3;
   float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
   for (int j = 0; j < 8; ++j)
@@ -150,8 +133,8 @@ __device__ __forceinline__ void piece_scores(TileState<D>& st, uint32_t (&p)[4][
   for (int r = 0; r < 2; ++r) {
     sum[r] = __fadd_rn(sum[r], __shfl_xor_sync(0xffffffffu, sum[r], 1));
     sum[r] = __fadd_rn(sum[r], __shfl_xor_sync(0xffffffffu, sum[r], 2));
-    st.m[r] = mx[r];
-    st.l[r] = sum[r];
+    m[r] = mx[r];
+    l[r] = sum[r];
   }
 
   // The C fragments of S tiles 2kk, 2kk + 1 are the A fragment of P's 16-step kk.
@@ -162,6 +145,31 @@ __device__ __forceinline__ void piece_scores(TileState<D>& st, uint32_t (&p)[4][
     p[kk][2] = pack_pair<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]);
     p[kk][3] = pack_pair<T>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
   }
+}
+
+// The state of the piece at kb (its K and V in sK, sV) for the warp's 16 rows; pos[r]: the
+// position of the lane's row g + 8r (-1: none). q: the rows' A fragments, one per 16-step.
+// In two halves: piece_scores() reads sK and leaves m, l and P; piece_values() reads sV.
+template <class T, int D>
+__device__ __forceinline__ void piece_scores(TileState<D>& st, uint32_t (&p)[4][4], const uint32_t (&q)[D / 16][4],
+                                             const T* sK, int kb, const int (&pos)[2], float scale_log2) {
+  constexpr int P = pitch<D>();
+  const int lane = threadIdx.x & 31, mtx = lane >> 3;
+  float s[8][4];
+#pragma unroll
+  for (int j = 0; j < 8; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) s[j][e] = 0.f;
+#pragma unroll
+  for (int kk = 0; kk < D / 16; ++kk)
+#pragma unroll
+    for (int jj = 0; jj < 4; ++jj) {
+      uint32_t b[4];
+      ldsm_x4(b, sK + (16 * jj + (lane & 7) + (mtx >> 1) * 8) * P + 16 * kk + (mtx & 1) * 8);
+      mma_m16n8k16<T>(s[2 * jj], q[kk], b[0], b[1]);
+      mma_m16n8k16<T>(s[2 * jj + 1], q[kk], b[2], b[3]);
+    }
+  scores_to_p<T>(st.m, st.l, p, s, kb, pos, scale_log2);
 }
 
 template <class T, int D>
@@ -266,10 +274,14 @@ __device__ __forceinline__ void load_piece(T* sK, T* sV, int kb, int n, int i, i
 
 // ---- FP8 K/V --------------------------------------------------------------------------------
 //
-// An FP8 piece comes into shared memory as bytes and scales (cp.async), then is dequantised
-// into the dtype's tile (fp8.cuh: q * s, exact, s a power of two) that piece_state() reads,
-// so everything after the load is the tile order above, on the dequantised values. The decode's
-// new token is quantised in the kernel exactly as kv_cache_append quantises it.
+// An FP8 piece comes into shared memory as bytes and scales (cp.async). K stays bytes: the
+// scores' B fragments are converted from them in registers (two E4M3 to two halves, one
+// instruction) and each position's column of S is multiplied by its K scale after the mma
+// (a power of two: the same as scaling K first, with no rounding of q * s in the dtype). V
+// is dequantised into the dtype's tile (fp8.cuh: q * s, exact) that piece_values() reads. So
+// after the load both kernels run the same arithmetic (piece_scores_fp8, piece_values), and a
+// row's bits still depend on its position alone. The decode's new token is quantised in the
+// kernel exactly as kv_cache_append quantises it.
 
 // The FP8 cache of a layer: bytes through PagedKv<uint8_t>, one scale per (position, head).
 struct Fp8Kv {
@@ -283,10 +295,19 @@ struct Fp8Kv {
   }
 };
 
-// A staged FP8 piece: K bytes [kPiece][D], V bytes, K scales [kPiece], V scales.
+// A staged FP8 piece: K bytes [kPiece][fp8_pitch], V bytes, K scales [kPiece], V scales. A
+// row is head_dim bytes plus 16, so the 8 positions of a B fragment fall in 8 bank groups.
+template <int D>
+constexpr int fp8_pitch() {
+  return D + 16;
+}
 template <int D>
 constexpr size_t fp8_stage_bytes() {
-  return size_t(2) * kPiece * D + size_t(2) * kPiece * sizeof(float);
+  return size_t(2) * kPiece * fp8_pitch<D>() + size_t(2) * kPiece * sizeof(float);
+}
+template <int D>
+__device__ __forceinline__ float* fp8_stage_scales(uint8_t* st) {  // K's, then V's
+  return reinterpret_cast<float*>(st + 2 * kPiece * fp8_pitch<D>());
 }
 
 __device__ __forceinline__ void cp_async4(void* smem, const void* src, int src_bytes) {
@@ -299,17 +320,17 @@ __device__ __forceinline__ void cp_async4(void* smem, const void* src, int src_b
 template <int D, class Skip>
 __device__ __forceinline__ void load_piece_fp8(uint8_t* st, const Fp8Kv& f, int s, int h, int kb, int n, int i,
                                                int threads, Skip skip) {
-  constexpr int kChunks = D / 16;
+  constexpr int kChunks = D / 16, KP = fp8_pitch<D>();
   uint8_t* sk = st;
-  uint8_t* sv = st + kPiece * D;
-  float* sks = reinterpret_cast<float*>(st + 2 * kPiece * D);
+  uint8_t* sv = st + kPiece * KP;
+  float* sks = fp8_stage_scales<D>(st);
   float* svs = sks + kPiece;
   for (int c = i; c < kPiece * kChunks; c += threads) {
     const int r = c / kChunks, d = (c % kChunks) * 16, t = kb + r;
     const bool inside = t < n;
     if (inside && skip(t)) continue;
-    cp_async16(sk + r * D + d, inside ? f.kv.key(s, h, t) + d : sk, inside ? 16 : 0);
-    cp_async16(sv + r * D + d, inside ? f.kv.value(s, h, t) + d : sv, inside ? 16 : 0);
+    cp_async16(sk + r * KP + d, inside ? f.kv.key(s, h, t) + d : sk, inside ? 16 : 0);
+    cp_async16(sv + r * KP + d, inside ? f.kv.value(s, h, t) + d : sv, inside ? 16 : 0);
   }
   for (int r = i; r < kPiece; r += threads) {
     const int t = kb + r;
@@ -326,8 +347,8 @@ __device__ __forceinline__ void load_piece_fp8(uint8_t* st, const Fp8Kv& f, int 
 template <class T, int D>
 __device__ __forceinline__ void dequant_piece(T* sK, T* sV, const uint8_t* st, int kb, int i, int threads, int t_new,
                                               const T* new_k, const T* new_v, const float (&s_new)[2]) {
-  constexpr int kChunks = D / 16;
-  const float* scales = reinterpret_cast<const float*>(st + 2 * kPiece * D);
+  constexpr int kChunks = D / 16, KP = fp8_pitch<D>();
+  const float* scales = fp8_stage_scales<D>(const_cast<uint8_t*>(st));
   const int first = sK ? 0 : 1, last = sV ? 1 : 0;
   for (int c = i + first * kPiece * kChunks; c < (last + 1) * kPiece * kChunks; c += threads) {
     const int which = c / (kPiece * kChunks), rc = c % (kPiece * kChunks);
@@ -341,7 +362,7 @@ __device__ __forceinline__ void dequant_piece(T* sK, T* sV, const uint8_t* st, i
 #pragma unroll
       for (int j = 0; j < 16; ++j) b[j] = quantize_one(to_float(src[j]), sc);
     } else {
-      q = *reinterpret_cast<const uint4*>(st + which * kPiece * D + r * D + d);
+      q = *reinterpret_cast<const uint4*>(st + which * kPiece * KP + r * KP + d);
       sc = scales[which * kPiece + r];
     }
     uint4 x[2];
@@ -360,6 +381,59 @@ __device__ __forceinline__ void new_token_scales(float (&s_new)[2], const T* new
   for (int d = lane; d < D; d += 32) ak = fmaxf(ak, fabsf(to_float(new_k[d]))), av = fmaxf(av, fabsf(to_float(new_v[d])));
   s_new[0] = kv_fp8_scale(warp_max(ak));
   s_new[1] = kv_fp8_scale(warp_max(av));
+}
+
+// Decode: the new token's K bytes and scale into the staged piece at kb (its row r = t_new - kb),
+// as kv_cache_append stores them, so piece_scores_fp8 reads it as any cached position.
+template <class T, int D>
+__device__ __forceinline__ void stage_new_key(uint8_t* st, int r, const T* new_k, float s_new_k) {
+  const int lane = threadIdx.x & 31;
+  for (int d = lane; d < D; d += 32) st[r * fp8_pitch<D>() + d] = quantize_one(to_float(new_k[d]), s_new_k);
+  if (lane == 0) fp8_stage_scales<D>(st)[r] = s_new_k;
+}
+
+// Two E4M3 bytes (the lower one first) as a B-fragment register of T: exact.
+template <class T>
+__device__ __forceinline__ uint32_t e4m3_pair(uint16_t bytes) {
+  const __half2 h = __half2(__nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(bytes), __NV_E4M3));
+  if constexpr (std::is_same_v<T, __half>) {
+    return *reinterpret_cast<const uint32_t*>(&h);
+  } else {
+    const __nv_bfloat162 b = __floats2bfloat162_rn(__low2float(h), __high2float(h));
+    return *reinterpret_cast<const uint32_t*>(&b);
+  }
+}
+
+// piece_scores() over a staged FP8 piece (st: its bytes and scales, load_piece_fp8's layout):
+// the same mma steps in the same order, each B fragment converted from the bytes (lane: the
+// position 8j + g, elements 16kk + 2t, +1 and +8, +9), then S times the position's K scale.
+template <class T, int D>
+__device__ __forceinline__ void piece_scores_fp8(TileState<D>& st_out, uint32_t (&p)[4][4],
+                                                 const uint32_t (&q)[D / 16][4], const uint8_t* st, int kb,
+                                                 const int (&pos)[2], float scale_log2) {
+  constexpr int KP = fp8_pitch<D>();
+  const int lane = threadIdx.x & 31, t = lane & 3, g = lane >> 2;
+  float s[8][4];
+#pragma unroll
+  for (int j = 0; j < 8; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) s[j][e] = 0.f;
+#pragma unroll
+  for (int kk = 0; kk < D / 16; ++kk)
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const uint8_t* b = st + (8 * j + g) * KP + 16 * kk + 2 * t;
+      mma_m16n8k16<T>(s[j], q[kk], e4m3_pair<T>(*reinterpret_cast<const uint16_t*>(b)),
+                      e4m3_pair<T>(*reinterpret_cast<const uint16_t*>(b + 8)));
+    }
+  const float* ks = fp8_stage_scales<D>(const_cast<uint8_t*>(st));
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    const float2 sc = *reinterpret_cast<const float2*>(ks + 8 * j + 2 * t);
+    s[j][0] = __fmul_rn(s[j][0], sc.x), s[j][1] = __fmul_rn(s[j][1], sc.y);
+    s[j][2] = __fmul_rn(s[j][2], sc.x), s[j][3] = __fmul_rn(s[j][3], sc.y);
+  }
+  scores_to_p<T>(st_out.m, st_out.l, p, s, kb, pos, scale_log2);
 }
 
 // Calls f.template operator()<D>() for the instantiated head_dim.

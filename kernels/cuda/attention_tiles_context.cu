@@ -78,14 +78,20 @@ __global__ void __launch_bounds__(kContextWarps * 32)
     }
     __syncthreads();
     const T* sK = stage_k(FP8 ? 0 : pc & 1);
-    if constexpr (FP8) {
-      dequant_piece<T, D>(stage_k(0), stage_k(0) + kPiece * pitch<D>(), staged(pc & 1), pc * kPiece, threadIdx.x,
+    if constexpr (FP8) {  // V into the tile; the scores read K's bytes
+      dequant_piece<T, D>(nullptr, stage_k(0) + kPiece * pitch<D>(), staged(pc & 1), pc * kPiece, threadIdx.x,
                           blockDim.x, -1, nullptr, nullptr, no_new);
       __syncthreads();
     }
     const int kb = pc * kPiece;
     if (kb <= warp_last) {
-      piece_state<T, D>(piece, q, sK, sK + kPiece * pitch<D>(), kb, pos, scale_log2);
+      if constexpr (FP8) {
+        uint32_t p[4][4];
+        piece_scores_fp8<T, D>(piece, p, q, staged(pc & 1), kb, pos, scale_log2);
+        piece_values<T, D>(piece, p, sK + kPiece * pitch<D>());
+      } else {
+        piece_state<T, D>(piece, q, sK, sK + kPiece * pitch<D>(), kb, pos, scale_log2);
+      }
       for (int r = 0; r < 2; ++r)
         if (kb <= pos[r]) merge<D>(run, piece, r, pc == 0);
     }
