@@ -342,32 +342,29 @@ __device__ __forceinline__ void load_piece_fp8(uint8_t* st, const Fp8Kv& f, int 
   }
 }
 
-// The staged piece at kb dequantised into sK and/or sV (null: that half not); position t_new
-// (decode; -1: none) comes from new_k, new_v with scales s_new[0], s_new[1], quantised here.
+// The staged piece's V at kb dequantised into sV; position t_new (decode; -1: none) comes from
+// new_v with scale s_new_v, quantised here.
 template <class T, int D>
-__device__ __forceinline__ void dequant_piece(T* sK, T* sV, const uint8_t* st, int kb, int i, int threads, int t_new,
-                                              const T* new_k, const T* new_v, const float (&s_new)[2]) {
+__device__ __forceinline__ void dequant_values(T* sV, const uint8_t* st, int kb, int i, int threads, int t_new,
+                                               const T* new_v, float s_new_v) {
   constexpr int kChunks = D / 16, KP = fp8_pitch<D>();
-  const float* scales = fp8_stage_scales<D>(const_cast<uint8_t*>(st));
-  const int first = sK ? 0 : 1, last = sV ? 1 : 0;
-  for (int c = i + first * kPiece * kChunks; c < (last + 1) * kPiece * kChunks; c += threads) {
-    const int which = c / (kPiece * kChunks), rc = c % (kPiece * kChunks);
-    const int r = rc / kChunks, d = (rc % kChunks) * 16;
+  const float* scales = fp8_stage_scales<D>(const_cast<uint8_t*>(st)) + kPiece;
+  for (int c = i; c < kPiece * kChunks; c += threads) {
+    const int r = c / kChunks, d = (c % kChunks) * 16;
     uint4 q;
     float sc;
     if (kb + r == t_new) {  // the bytes and scale kv_cache_append would have stored
-      const T* src = (which == 0 ? new_k : new_v) + d;
-      sc = s_new[which];
+      sc = s_new_v;
       uint8_t* b = reinterpret_cast<uint8_t*>(&q);
 #pragma unroll
-      for (int j = 0; j < 16; ++j) b[j] = quantize_one(to_float(src[j]), sc);
+      for (int j = 0; j < 16; ++j) b[j] = quantize_one(to_float(new_v[d + j]), sc);
     } else {
-      q = *reinterpret_cast<const uint4*>(st + which * kPiece * KP + r * KP + d);
-      sc = scales[which * kPiece + r];
+      q = *reinterpret_cast<const uint4*>(st + kPiece * KP + r * KP + d);
+      sc = scales[r];
     }
     uint4 x[2];
     dequant16<T>(q, sc, x);
-    T* dst = (which == 0 ? sK : sV) + r * pitch<D>() + d;
+    T* dst = sV + r * pitch<D>() + d;
     *reinterpret_cast<uint4*>(dst) = x[0];
     *reinterpret_cast<uint4*>(dst + 8) = x[1];
   }

@@ -9,11 +9,11 @@ using namespace detail;
 
 // ---- context --------------------------------------------------------------------------------
 
-// Shared memory of a context block: two pieces' tiles (bf16/fp16), or one tile and two staged
-// FP8 pieces.
+// Shared memory of a context block: two pieces' tiles (bf16/fp16), or one piece's V tile and
+// two staged FP8 pieces (the scores read K's bytes).
 template <class T, int D, bool FP8>
 constexpr size_t context_smem() {
-  return FP8 ? piece_smem_bytes<D>(sizeof(T)) + 2 * fp8_stage_bytes<D>() : 2 * piece_smem_bytes<D>(sizeof(T));
+  return FP8 ? piece_smem_bytes<D>(sizeof(T)) / 2 + 2 * fp8_stage_bytes<D>() : 2 * piece_smem_bytes<D>(sizeof(T));
 }
 
 template <class T, int D, bool FP8>
@@ -35,10 +35,10 @@ __global__ void __launch_bounds__(kContextWarps * 32)
   const int n_kv = pos0 + rows;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2;
   const int64_t C = int64_t(n_head) * D;
-  // bf16/fp16: stage b's K at stage_k(b), its V kPiece rows after. FP8: one tile at stage_k(0),
-  // the staged pieces after it.
+  // bf16/fp16: stage b's K at stage_k(b), its V kPiece rows after. FP8: the V tile at
+  // stage_k(0), the staged pieces after it.
   auto stage_k = [&](int b) { return reinterpret_cast<T*>(smem_raw) + b * 2 * kPiece * pitch<D>(); };
-  auto staged = [&](int b) { return smem_raw + piece_smem_bytes<D>(sizeof(T)) + b * fp8_stage_bytes<D>(); };
+  auto staged = [&](int b) { return smem_raw + piece_smem_bytes<D>(sizeof(T)) / 2 + b * fp8_stage_bytes<D>(); };
   auto cached = [&](int t, const T*& k, const T*& v) {
     k = kv.key(s, h, t), v = kv.value(s, h, t);
     return true;
@@ -67,7 +67,6 @@ __global__ void __launch_bounds__(kContextWarps * 32)
   load(0);
   cp_async_commit();
   TileState<D> run, piece;
-  const float no_new[2] = {0.f, 0.f};
   for (int pc = 0; pc < n_pieces; ++pc) {
     if (pc + 1 < n_pieces) {
       load(pc + 1);
@@ -77,10 +76,8 @@ __global__ void __launch_bounds__(kContextWarps * 32)
       cp_async_wait<0>();
     }
     __syncthreads();
-    const T* sK = stage_k(FP8 ? 0 : pc & 1);
     if constexpr (FP8) {  // V into the tile; the scores read K's bytes
-      dequant_piece<T, D>(nullptr, stage_k(0) + kPiece * pitch<D>(), staged(pc & 1), pc * kPiece, threadIdx.x,
-                          blockDim.x, -1, nullptr, nullptr, no_new);
+      dequant_values<T, D>(stage_k(0), staged(pc & 1), pc * kPiece, threadIdx.x, blockDim.x, -1, nullptr, 0.f);
       __syncthreads();
     }
     const int kb = pc * kPiece;
@@ -88,8 +85,9 @@ __global__ void __launch_bounds__(kContextWarps * 32)
       if constexpr (FP8) {
         uint32_t p[4][4];
         piece_scores_fp8<T, D>(piece, p, q, staged(pc & 1), kb, pos, scale_log2);
-        piece_values<T, D>(piece, p, sK + kPiece * pitch<D>());
+        piece_values<T, D>(piece, p, stage_k(0));
       } else {
+        const T* sK = stage_k(pc & 1);
         piece_state<T, D>(piece, q, sK, sK + kPiece * pitch<D>(), kb, pos, scale_log2);
       }
       for (int r = 0; r < 2; ++r)

@@ -139,7 +139,7 @@ __device__ __forceinline__ void decode_pieces(TileState<D>& run, float* parts, b
       }
       uint32_t p[4][4];
       piece_scores_fp8<T, D>(piece, p, q, st, pc * kPiece, pos, scale_log2);
-      dequant_piece<T, D>(nullptr, sV, st, pc * kPiece, lane, 32, t_new, row.new_k, row.new_v, s_new);
+      dequant_values<T, D>(sV, st, pc * kPiece, lane, 32, t_new, row.new_v, s_new[1]);
       __syncwarp();  // the staging is free
       if (next >= 0) load_piece_fp8<D>(st, f8, s, h, next * kPiece, kv_len, lane, 32, is_new);
       cp_async_commit();
