@@ -172,23 +172,33 @@ __device__ __forceinline__ void piece_scores(TileState<D>& st, uint32_t (&p)[4][
   scores_to_p<T>(st.m, st.l, p, s, kb, pos, scale_log2);
 }
 
-template <class T, int D>
-__device__ __forceinline__ void piece_values(TileState<D>& st, const uint32_t (&p)[4][4], const T* sV) {
+// P V's 16-steps KK0..KK1-1 added to st.o in order, sV holding positions 16 KK0 on (a whole
+// piece's V, or part of one: the sums are the same whichever way the steps are cut).
+template <class T, int D, int KK0, int KK1>
+__device__ __forceinline__ void piece_values_steps(TileState<D>& st, const uint32_t (&p)[4][4], const T* sV) {
   constexpr int P = pitch<D>();
   const int lane = threadIdx.x & 31, mtx = lane >> 3;
+#pragma unroll
+  for (int kk = KK0; kk < KK1; ++kk)
+#pragma unroll
+    for (int dd = 0; dd < D / 16; ++dd) {
+      uint32_t b[4];
+      ldsm_x4_trans(b, sV + (16 * (kk - KK0) + (lane & 7) + (mtx & 1) * 8) * P + 16 * dd + (mtx >> 1) * 8);
+      mma_m16n8k16<T>(st.o[2 * dd], p[kk], b[0], b[1]);
+      mma_m16n8k16<T>(st.o[2 * dd + 1], p[kk], b[2], b[3]);
+    }
+}
+template <int D>
+__device__ __forceinline__ void clear_values(TileState<D>& st) {
 #pragma unroll
   for (int j = 0; j < D / 8; ++j)
 #pragma unroll
     for (int e = 0; e < 4; ++e) st.o[j][e] = 0.f;
-#pragma unroll
-  for (int kk = 0; kk < 4; ++kk)
-#pragma unroll
-    for (int dd = 0; dd < D / 16; ++dd) {
-      uint32_t b[4];
-      ldsm_x4_trans(b, sV + (16 * kk + (lane & 7) + (mtx & 1) * 8) * P + 16 * dd + (mtx >> 1) * 8);
-      mma_m16n8k16<T>(st.o[2 * dd], p[kk], b[0], b[1]);
-      mma_m16n8k16<T>(st.o[2 * dd + 1], p[kk], b[2], b[3]);
-    }
+}
+template <class T, int D>
+__device__ __forceinline__ void piece_values(TileState<D>& st, const uint32_t (&p)[4][4], const T* sV) {
+  clear_values<D>(st);
+  piece_values_steps<T, D, 0, 4>(st, p, sV);
 }
 
 template <class T, int D>
@@ -342,15 +352,15 @@ __device__ __forceinline__ void load_piece_fp8(uint8_t* st, const Fp8Kv& f, int 
   }
 }
 
-// The staged piece's V at kb dequantised into sV; position t_new (decode; -1: none) comes from
-// new_v with scale s_new_v, quantised here.
-template <class T, int D>
+// Rows [R0, R0 + ROWS) of the staged piece's V at kb dequantised into sV's first ROWS rows;
+// position t_new (decode; -1: none) comes from new_v with scale s_new_v, quantised here.
+template <class T, int D, int R0 = 0, int ROWS = kPiece>
 __device__ __forceinline__ void dequant_values(T* sV, const uint8_t* st, int kb, int i, int threads, int t_new,
                                                const T* new_v, float s_new_v) {
   constexpr int kChunks = D / 16, KP = fp8_pitch<D>();
   const float* scales = fp8_stage_scales<D>(const_cast<uint8_t*>(st)) + kPiece;
-  for (int c = i; c < kPiece * kChunks; c += threads) {
-    const int r = c / kChunks, d = (c % kChunks) * 16;
+  for (int c = i; c < ROWS * kChunks; c += threads) {
+    const int r = R0 + c / kChunks, d = (c % kChunks) * 16;
     uint4 q;
     float sc;
     if (kb + r == t_new) {  // the bytes and scale kv_cache_append would have stored
@@ -364,7 +374,7 @@ __device__ __forceinline__ void dequant_values(T* sV, const uint8_t* st, int kb,
     }
     uint4 x[2];
     dequant16<T>(q, sc, x);
-    T* dst = sV + r * pitch<D>() + d;
+    T* dst = sV + (r - R0) * pitch<D>() + d;
     *reinterpret_cast<uint4*>(dst) = x[0];
     *reinterpret_cast<uint4*>(dst + 8) = x[1];
   }

@@ -68,11 +68,16 @@ __device__ __forceinline__ void merge_spread(T* o, const float* parts, int piece
     if (lane + 32 * i < D) o[lane + 32 * i] = from_float<T>(__fdiv_rn(O[i], L));
 }
 
-// Shared memory of one decode warp: its piece tile (K and V), or (FP8) half of one, which holds
-// the dequantised V, and the staged piece. (Six warps a SM either way.)
+// Shared memory of one decode warp: its piece tile (K and V; six warps a SM), or (FP8) a
+// quarter of one, which holds half a piece's dequantised V at a time, and the staged piece
+// (eight warps a SM at head_dim 128).
+template <class T, int D>
+constexpr size_t fp8_decode_tile_bytes() {
+  return piece_smem_bytes<D>(sizeof(T)) / 4;
+}
 template <class T, int D, bool FP8>
 constexpr size_t decode_warp_smem() {
-  return FP8 ? piece_smem_bytes<D>(sizeof(T)) / 2 + fp8_stage_bytes<D>() : piece_smem_bytes<D>(sizeof(T));
+  return FP8 ? fp8_decode_tile_bytes<T, D>() + fp8_stage_bytes<D>() : piece_smem_bytes<D>(sizeof(T));
 }
 
 // A decode warp's row: sequence s, head h, the K/V length, and the new token at t_new (new_k,
@@ -137,14 +142,21 @@ __device__ __forceinline__ void decode_pieces(TileState<D>& run, float* parts, b
         stage_new_key<T, D>(st, t_new - pc * kPiece, row.new_k, s_new[0]);
         __syncwarp();
       }
+      // V in two halves of 32 positions through a quarter tile (eight warps a SM fit).
       uint32_t p[4][4];
       piece_scores_fp8<T, D>(piece, p, q, st, pc * kPiece, pos, scale_log2);
-      dequant_values<T, D>(sV, st, pc * kPiece, lane, 32, t_new, row.new_v, s_new[1]);
+      constexpr int kHalf = kPiece / 2;
+      dequant_values<T, D, 0, kHalf>(sV, st, pc * kPiece, lane, 32, t_new, row.new_v, s_new[1]);
+      __syncwarp();
+      clear_values<D>(piece);
+      piece_values_steps<T, D, 0, 2>(piece, p, sV);
+      __syncwarp();  // every lane is done with the first half
+      dequant_values<T, D, kHalf, kHalf>(sV, st, pc * kPiece, lane, 32, t_new, row.new_v, s_new[1]);
       __syncwarp();  // the staging is free
       if (next >= 0) load_piece_fp8<D>(st, f8, s, h, next * kPiece, kv_len, lane, 32, is_new);
       cp_async_commit();
       cp_async_commit();
-      piece_values<T, D>(piece, p, sV);
+      piece_values_steps<T, D, 2, 4>(piece, p, sV);
     } else {
       piece_state<T, D>(piece, q, sK, sV, pc * kPiece, pos, scale_log2);
     }
@@ -177,7 +189,7 @@ __global__ void __launch_bounds__(kDecodeWarps * 32)
   unsigned char* mine = smem_raw + size_t(warp) * decode_warp_smem<T, D, FP8>();
   T* sK = reinterpret_cast<T*>(mine);
   T* sV = FP8 ? sK : sK + kPiece * pitch<D>();           // FP8: V after K in the same rows
-  uint8_t* st = mine + piece_smem_bytes<D>(sizeof(T)) / 2;  // FP8 only
+  uint8_t* st = mine + fp8_decode_tile_bytes<T, D>();  // FP8 only
   const int t_new = kv_len - 1;
   const int64_t C = int64_t(n_head) * D;
   const T* q_row = qkv + int64_t(s) * 3 * C + int64_t(h) * D;
