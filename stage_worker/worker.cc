@@ -424,6 +424,7 @@ Expected<std::unique_ptr<Worker>> Worker::create(WorkerOptions options) {
                          ": " + iface.error());
   uopt.net_devices = iface->net_devices;
   spdlog::info("{}: data plane on {} ({})", options.name, iface->shown, iface->source);
+  uopt.auth_secret = options.join_token;  // only channels that prove they know it may send (data_auth.h)
   uopt.receive_allocator = receive_allocator(options.stage);
   // A GPU stage takes activations into its GPU's memory when its UCX moves CUDA memory.
   impl->device = device_memory(options.stage);
