@@ -51,6 +51,17 @@ void UcxChannel::Impl::send_hello(Peer& peer) {
   start_send(op);
 }
 
+bool UcxChannel::Impl::admitted(Incoming& in, std::uint32_t sender) {
+  switch (admit(in, sender)) {
+    case Admission::kAdmit: return true;
+    case Admission::kDefer: return false;  // its sender's handshake is still arriving: next round
+    case Admission::kConsumed:
+    case Admission::kRefused: break;
+  }
+  in.stage = Incoming::kDropped;
+  return false;
+}
+
 UcxChannel::Impl::Admission UcxChannel::Impl::admit(Incoming& in, std::uint32_t sender) {
   const wire::WirePrefix& p = in.prefix;
   if (p.flags & wire::kFlagHello) {

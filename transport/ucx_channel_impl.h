@@ -166,6 +166,9 @@ struct UcxChannel::Impl {
   // The authenticated data plane (data_auth.h), on the progress thread.
   enum class Admission { kAdmit, kConsumed, kRefused, kDefer };
   Admission admit(Incoming& in, std::uint32_t sender);
+  // advance()'s question for an envelope that is in: whether it goes on to its payload and
+  // recv(); a handshake or a refused message is dropped (kDropped), a deferred one waits.
+  bool admitted(Incoming& in, std::uint32_t sender);
   void take_hello(Incoming& in, std::uint32_t sender);
   bool earlier_envelope_pending(std::uint32_t sender, const Incoming& in);
   void refuse(std::uint32_t sender, const std::string& why);

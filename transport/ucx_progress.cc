@@ -330,14 +330,7 @@ void UcxChannel::Impl::advance(Incoming& in) {
     in.stage = Incoming::kFailed;
     return;
   }
-  if (key) {  // an authenticated channel: a handshake, or a message of an open session
-    switch (admit(in, sender)) {
-      case Admission::kAdmit: break;
-      case Admission::kDefer: return;  // its sender's handshake is still arriving
-      case Admission::kConsumed:
-      case Admission::kRefused: in.stage = Incoming::kDropped; return;
-    }
-  }
+  if (key && !admitted(in, sender)) return;  // an authenticated channel: ucx_auth.cc
   in.message.sender_id = sender;
   in.message.seq = p.seq;
   if (inline_payload || p.payload_bytes == 0) {
