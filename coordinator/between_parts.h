@@ -22,7 +22,8 @@ namespace conveyor {
 // snapshot brings a newer epoch the engine launches nothing more on that pipeline.
 struct ClusterAsk {
   enum class Kind {
-    Replay,            // a stage failed a micro-batch, or one never came back: a new epoch
+    Replay,            // a stage failed a micro-batch: a new epoch
+    LostBatch,         // a micro-batch never came back: a new epoch on freshly dialled connections
     StageUnreachable,  // a send to its first stage failed: that worker is dead to us
     CheckEndpoints,    // the channel reported a failed peer (no pipeline named): check ours
   };

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <limits>
 #include <type_traits>
+#include <utility>
 
 #include <spdlog/spdlog.h>
 
@@ -240,11 +241,22 @@ void ClusterManager::on_engine_ask(const ClusterAsk& ask) {
       auto it = workers.find(p.workers.front());
       if (it != workers.end() && it->second.alive()) return mark_dead(it->second, ask.why);
     }
-    // A replay: every stage learns the new epoch, drops its cache, re-wires.
+    // A replay: every stage learns the new epoch, drops its cache, re-wires. After a lost
+    // micro-batch every connection of the pipeline is dialled again, ours first.
     p.down_reason = ask.why;
+    if (ask.kind == ClusterAsk::Kind::LostBatch) redial(p);
     restart_pipeline(p);
     send_assignments(p);
   });
+}
+
+void ClusterManager::redial(Pipeline& p) {
+  spdlog::warn("coordinator: pipeline {}: dialling its data-plane connections again", p.index);
+  for (auto* peer : {&p.first_peer, &p.last_peer})
+    if (*peer != transport::kNoPeer) (void)channel->disconnect(std::exchange(*peer, transport::kNoPeer));
+  p.first_address.clear();
+  p.last_address.clear();
+  p.redial = true;
 }
 
 AdminReply ClusterManager::drain(const std::string& name) {

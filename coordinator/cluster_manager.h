@@ -109,6 +109,16 @@ class ClusterManager {
   // Our own endpoint to a pipeline's first or last stage failed: that worker is dead to us.
   // Returns whether one was found.
   bool check_own_endpoints(Pipeline& p, const std::string& why);
+  // After a lost micro-batch: closes our connections to `p`'s first and last stages and has
+  // its next assignments tell the workers to dial theirs again (AssignMsg::redial).
+  void redial(Pipeline& p);
+  // A send failed on connections dialled afresh (an epoch after a lost micro-batch, or the
+  // replay of that same send's failure): the peer the reporter could not reach (its next
+  // stage, or for "coordinator" the reporter itself) is replaced like a dead one. Returns
+  // whether it was.
+  bool replace_unreachable(Pipeline& p, WorkerInfo& reporter, const transport::DataErrorMsg& m);
+  // "w1>w2" for a failed send from w1 to its next stage w2 ("w1>coordinator"); "" otherwise.
+  std::string failed_link(const Pipeline& p, const WorkerInfo& reporter, const transport::DataErrorMsg& m) const;
   void mark_dead(WorkerInfo& w, const std::string& why);
   void check_liveness();
 

@@ -176,11 +176,38 @@ void ClusterManager::on_data_error(WorkerInfo& w, const DataErrorMsg& m) {
   // First what our own endpoints say: a re-wire would replace a failed endpoint to a dead
   // worker with a fresh one that has not failed yet, and hide the death.
   if (check_own_endpoints(p, w.last_error)) return;
+  if (replace_unreachable(p, w, m)) return;
   if (m.epoch.value_or(0) == p.epoch && pipeline_ready(p)) {
     p.down_reason = "replaying after a data-plane error at " + w.name + ": " + w.last_error;
+    const std::string link = failed_link(p, w, m);
     restart_pipeline(p);
+    p.suspect_link = link;
+    p.suspect_epoch = p.epoch;
     send_assignments(p);
   }
+}
+
+std::string ClusterManager::failed_link(const Pipeline& p, const WorkerInfo& reporter, const DataErrorMsg& m) const {
+  if (reporter.stage < 0) return "";
+  if (m.peer == "next" && size_t(reporter.stage) + 1 < p.workers.size())
+    return reporter.name + ">" + p.workers[size_t(reporter.stage) + 1];
+  if (m.peer == "coordinator") return reporter.name + ">coordinator";
+  return "";
+}
+
+bool ClusterManager::replace_unreachable(Pipeline& p, WorkerInfo& reporter, const DataErrorMsg& m) {
+  const std::string link = failed_link(p, reporter, m);
+  if (link.empty() || m.epoch.value_or(0) != p.epoch) return false;
+  const bool redialed = p.redialed_epoch == p.epoch, again = p.suspect_epoch == p.epoch && p.suspect_link == link;
+  if (!redialed && !again) return false;
+  const bool to_coordinator = m.peer == "coordinator";
+  auto it = workers.find(to_coordinator ? reporter.name : link.substr(link.find('>') + 1));
+  if (it == workers.end() || !it->second.alive()) return false;
+  const std::string why = to_coordinator ? "cannot reach the coordinator's data plane"
+                                         : "unreachable on the data plane from " + reporter.name;
+  mark_dead(it->second, why + (redialed ? " on freshly dialled connections (after a lost micro-batch): "
+                                        : " again on a new connection: ") + m.error);
+  return true;
 }
 
 bool ClusterManager::check_own_endpoints(Pipeline& p, const std::string& why) {

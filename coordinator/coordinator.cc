@@ -44,6 +44,7 @@ Expected<std::unique_ptr<Coordinator>> Coordinator::start(ClusterConfig config,
                          iface.error());
   uopt.net_devices = iface->net_devices;
   spdlog::info("coordinator: data plane on {} ({})", iface->shown, iface->source);
+  uopt.auth_secret = config.join_token;  // only channels that prove they know it may send (data_auth.h)
   auto ch = transport::UcxChannel::create(uopt);
   if (!ch) return Status::error("coordinator: cannot create the UCX data plane: " + ch.error());
   impl->control = std::move(server).value();

@@ -207,7 +207,7 @@ void Engine::replay_lost_batches(std::vector<ClusterAsk>& asks) {
                  "pipeline",
                  r.index, id, cfg_.batch_timeout_ms);
     if (metrics_) metrics_->count_batch_timeout_replay();
-    halt(r, ClusterAsk::Kind::Replay, "replaying after micro-batch " + std::to_string(id) + " was lost", asks);
+    halt(r, ClusterAsk::Kind::LostBatch, "replaying after micro-batch " + std::to_string(id) + " was lost", asks);
   }
 }
 

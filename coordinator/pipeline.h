@@ -26,6 +26,17 @@ struct Pipeline {
   transport::PeerId first_peer = transport::kNoPeer, last_peer = transport::kNoPeer;
   std::vector<std::byte> first_address, last_address;  // whom first_peer / last_peer reach
   bool wired = false;
+  // The next assignments tell the workers to dial their data-plane peers again (the replay of
+  // a lost micro-batch: the connections it went over may be dead without an error).
+  bool redial = false;
+  // The epoch whose connections were dialled afresh that way: a send that fails in it means
+  // the peer stays unreachable, and that worker is replaced like a dead one (control.cc).
+  uint32_t redialed_epoch = 0;
+  // A send that failed ("w1>w2": from w1 to w2) and the epoch that replays it (on a new
+  // connection for the failed one): the same send failing again in that epoch means w2
+  // stays unreachable (control.cc).
+  std::string suspect_link;
+  uint32_t suspect_epoch = 0;
   std::string down_reason;  // why it is not serving, for /health
 
   bool filled() const {

@@ -103,10 +103,13 @@ void ClusterManager::send_assignments(Pipeline& p) {
     m.coordinator_address = channel->address();
     if (s + 1 < S) m.next_address = workers.at(p.workers[size_t(s + 1)]).data_address;
     m.prev_address = s > 0 ? workers.at(p.workers[size_t(s - 1)]).data_address : m.coordinator_address;
+    m.redial = p.redial;
     w.epoch = p.epoch;
     if (w.state == MemberState::Ready) w.state = MemberState::Loading;  // until it confirms the new epoch
     send_control(w.name, m);
   }
+  if (p.redial) p.redialed_epoch = p.epoch;
+  p.redial = false;
   wire(p);
 }
 

@@ -39,6 +39,7 @@ PACKAGES=(
   python3 patchelf systemd chromium
   slurmctld slurmd slurm-client munge curl
   iproute2 util-linux
+  libsodium-dev
 )
 # Node.js and npm run the reference tokenizer; a Node.js from elsewhere (one that bundles
 # npm, whose package then conflicts with Debian's npm) is fine.

@@ -25,6 +25,7 @@
 #include "transport/channel.h"
 #include "transport/control_messages.h"
 #include "transport/control_plane.h"
+#include "transport/endpoint.h"
 #include "transport/net_interface.h"
 #include "transport/ucx_channel.h"
 
@@ -116,6 +117,21 @@ void Worker::Impl::send_heartbeat() {
   last_heartbeat = now;
 }
 
+void Worker::Impl::explain_not_joined() {
+  constexpr auto kEvery = std::chrono::seconds(3);
+  const auto now = Clock::now();
+  if (now - unwelcomed_since < kEvery || now - last_explained < kEvery) return;
+  last_explained = now;
+  const auto waited = std::chrono::duration_cast<std::chrono::seconds>(now - unwelcomed_since).count();
+  if (Status reach = transport::probe_tcp(coordinator_at, std::chrono::milliseconds(500)); !reach)
+    spdlog::warn("{}: cannot reach the coordinator at {}: {}; retrying (for {} s now)", opt.name,
+                 coordinator_at.text(), reach.message(), waited);
+  else
+    spdlog::warn("{}: the coordinator at {} accepts connections but has not welcomed this worker in {} s (is it a "
+                 "Conveyor coordinator, with the CURVE key this worker was given?); retrying",
+                 opt.name, coordinator_at.text(), waited);
+}
+
 Status Worker::Impl::wire(const AssignMsg& a) {
   const std::string prev_name = a.stage == 0 ? "coordinator" : "stage" + std::to_string(a.stage - 1);
   if (Status s = transport::keep_or_connect(*channel, next_peer, next_address, a.next_address,
@@ -131,13 +147,21 @@ void Worker::Impl::on(const AssignMsg& a) {
   // the handoff, and with it this thread (and its heartbeats), until they time out, and the
   // coordinator would take this healthy worker for dead too. Disconnect it first: the sends
   // queued for it fail at once (tests/netns: a link cut longer than the liveness window).
+  // A redial (the replay of a lost micro-batch) drops every connection, so that wire() dials
+  // them again: the old ones may be dead without an error (an interface that went away).
   {
     std::lock_guard lk(stage_mu);
-    if (next_peer != transport::kNoPeer &&
-        !std::equal(next_address.begin(), next_address.end(), a.next_address.begin(), a.next_address.end())) {
-      (void)channel->disconnect(next_peer);
-      next_peer = transport::kNoPeer;
-      next_address.clear();
+    auto drop = [&](PeerId& peer, std::vector<std::byte>& address) {
+      if (peer != transport::kNoPeer) (void)channel->disconnect(peer);
+      peer = transport::kNoPeer;
+      address.clear();
+    };
+    if (a.redial || !std::equal(next_address.begin(), next_address.end(), a.next_address.begin(), a.next_address.end()))
+      drop(next_peer, next_address);
+    if (a.redial) {
+      spdlog::info("{}: epoch {}: dialling the data-plane peers again (a micro-batch was lost)", opt.name, a.epoch);
+      drop(prev_peer, prev_address);
+      drop(coord_peer, coord_address);
     }
   }
   // Same layers of the same model already loaded: only the wiring changes.
@@ -316,12 +340,14 @@ void Worker::Impl::on(const transport::DrainMsg&) {
 void Worker::Impl::on(const transport::GoodbyeMsg& m) {
   spdlog::info("{}: the coordinator says goodbye: {}", opt.name, m.reason);
   welcomed = false;
+  unwelcomed_since = Clock::now();
 }
 
 void Worker::Impl::on(const transport::HeartbeatMsg& m) {
   if (m.register_again && welcomed) {  // a restarted coordinator does not know us
     spdlog::info("{}: the coordinator does not know this worker; registering again (keeping its layers)", opt.name);
     welcomed = false;
+    unwelcomed_since = Clock::now();
     last_register = {};
   }
 }
@@ -349,7 +375,9 @@ int Worker::Impl::run(const std::atomic<bool>& stop) {
       spdlog::warn("{}: coordinator silent for {} ms; keeping weights and registering again", opt.name,
                    opt.coordinator_liveness.count());
       welcomed = false;
+      unwelcomed_since = Clock::now();
     }
+    if (!welcomed && !leave_by) explain_not_joined();
     if (!welcomed && !leave_by && Clock::now() - last_register > std::chrono::seconds(1)) send_register();
     if (welcomed && Clock::now() - last_heartbeat > opt.heartbeat_interval) send_heartbeat();
     service::watchdog_tick();
@@ -371,8 +399,13 @@ Expected<std::unique_ptr<Worker>> Worker::create(WorkerOptions options) {
   auto impl = std::make_unique<Impl>();
   if (options.name.empty()) options.name = host_name() + "-" + std::to_string(::getpid());
   if (options.join_token.empty()) return Status::error("worker: a join token is required (--join-token or CONVEYOR_JOIN_TOKEN)");
-  std::string endpoint = options.coordinator;
-  if (endpoint.rfind("tcp://", 0) != 0) endpoint = "tcp://" + endpoint;
+  // The coordinator's address is checked here, once: a name that does not resolve will not
+  // start to (ZeroMQ would retry it silently for ever).
+  auto coordinator = transport::parse_host_port(options.coordinator);
+  if (!coordinator) return Status::error("worker: --coordinator " + coordinator.error());
+  if (auto ip = transport::resolve_host(coordinator->host); !ip)
+    return Status::error("worker: the coordinator's address (--coordinator " + options.coordinator + "): " + ip.error());
+  const std::string endpoint = "tcp://" + coordinator->text();
   transport::ControlClientOptions copt;
   copt.identity = options.name;
   copt.curve_server_key = options.curve_server_key;
@@ -380,15 +413,18 @@ Expected<std::unique_ptr<Worker>> Worker::create(WorkerOptions options) {
   if (!client) return Status::error("worker: cannot set up the control connection to " + endpoint + ": " + client.error());
   transport::UcxChannelOptions uopt;
   uopt.name = options.name;
-  // --host: the data plane on that address's interface alone (`lo` for 127.0.0.1), unless
-  // --data-interface or UCX_NET_DEVICES says otherwise; neither: every interface.
-  auto iface = transport::choose_data_interface(options.host, options.data_interface);
+  // --host: the data plane on that address's interface alone (`lo` for 127.0.0.1); without
+  // it, on the interface the route to the coordinator leaves from (the control connection's);
+  // unless --data-interface or UCX_NET_DEVICES says otherwise.
+  auto iface = transport::choose_data_interface(options.host, options.data_interface, *coordinator);
   if (!iface)
     return Status::error("worker: the data plane's interface" +
-                         (options.host.empty() ? std::string() : " (--host " + options.host + ")") + ": " +
-                         iface.error());
+                         (options.host.empty() ? " (no --host: the route to the coordinator)"
+                                               : " (--host " + options.host + ")") +
+                         ": " + iface.error());
   uopt.net_devices = iface->net_devices;
   spdlog::info("{}: data plane on {} ({})", options.name, iface->shown, iface->source);
+  uopt.auth_secret = options.join_token;  // only channels that prove they know it may send (data_auth.h)
   uopt.receive_allocator = receive_allocator(options.stage);
   // A GPU stage takes activations into its GPU's memory when its UCX moves CUDA memory.
   impl->device = device_memory(options.stage);
@@ -396,6 +432,7 @@ Expected<std::unique_ptr<Worker>> Worker::create(WorkerOptions options) {
   uopt.progress_thread_init = impl->device.bind_thread;
   auto ch = transport::UcxChannel::create(uopt);
   if (!ch) return Status::error("worker: cannot create the UCX data plane: " + ch.error());
+  impl->coordinator_at = *coordinator;
   impl->host = options.host.empty() ? host_name() : options.host;
   impl->opt = std::move(options);
   impl->control = std::move(client).value();

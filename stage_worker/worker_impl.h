@@ -25,6 +25,7 @@
 #include "stage_worker/worker.h"
 #include "transport/control_messages.h"
 #include "transport/control_plane.h"
+#include "transport/endpoint.h"
 #include "transport/ucx_channel.h"
 
 namespace conveyor {
@@ -43,8 +44,12 @@ struct Worker::Impl {
   // A GPU stage's device memory for the direct path (empty on a CPU stage).
   DeviceMemory device;
 
+  transport::HostPort coordinator_at;  // --coordinator, parsed (and resolved once) at start
+
   // Control-thread state.
   bool welcomed = false;
+  Clock::time_point unwelcomed_since = Clock::now();  // when `welcomed` last turned false
+  Clock::time_point last_explained{};                 // explain_not_joined's last line
   Clock::time_point last_from_coordinator = Clock::now();
   Clock::time_point last_register{};
   Clock::time_point last_heartbeat{};
@@ -102,6 +107,11 @@ struct Worker::Impl {
   void send_register();
 
   void send_heartbeat();
+
+  // Not welcomed for a few seconds: says why every few seconds, naming the coordinator's
+  // address ("connection refused", "no answer within 500 ms", or that it accepts connections
+  // and does not answer).
+  void explain_not_joined();
 
   // Connects the data-plane peers of an assignment (under stage_mu).
   // Endpoints to peers that keep their place are kept (transport::keep_or_connect).

@@ -40,10 +40,11 @@ void add_worker_flags(CLI::App& app, Flags& f) {
   app.add_option("--name", opt.name, "this worker's unique name (default: HOST-PID)");
   app.add_option("--host", opt.host,
                  "this node's address on the cluster network (IPv4 or a name): advertised to the coordinator and the "
-                 "only interface the data plane uses (default: the host name, every interface)");
+                 "only interface the data plane uses (default: the host name, and the interface of the route to the "
+                 "coordinator)");
   app.add_option("--data-interface", opt.data_interface,
                  "the data plane's network interface(s), UCX_NET_DEVICES syntax, or 'any' (default: the interface "
-                 "holding --host's address, lo for 127.0.0.1; every one without --host; UCX_NET_DEVICES in the "
+                 "holding --host's address, lo for 127.0.0.1; without --host, the route to the coordinator's; UCX_NET_DEVICES in the "
                  "environment wins)");
   app.add_option("--join-token", opt.join_token, "the cluster's join token (default: $CONVEYOR_JOIN_TOKEN)");
   app.add_option("--curve-server-key", opt.curve_server_key, "the coordinator's CURVE public key (Z85)");

@@ -1,6 +1,10 @@
 // Helpers shared by the test programs.
 #pragma once
 
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
 #include <cstdlib>
 #include <optional>
 #include <string>
@@ -33,6 +37,20 @@ inline bool gpu_sharing_ranks_allowed() {
 inline std::string bin_dir() {
   if (const char* env = std::getenv("CONVEYOR_BIN_DIR"); env && *env) return env;
   return std::string(CONVEYOR_BINARY_DIR) + "/bin";
+}
+
+// A loopback TCP port nobody listens on: bound, then closed (the kernel does not hand it out
+// again at once). 0 when no socket could be bound.
+inline int unused_loopback_port() {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof(a);
+  const bool bound = fd >= 0 && ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0 &&
+                     ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) == 0;
+  if (fd >= 0) ::close(fd);
+  return bound ? ntohs(a.sin_port) : 0;
 }
 
 // Sets an environment variable for one scope, restoring what was there.

@@ -48,8 +48,11 @@ constexpr std::size_t kPrefixBytes = 16;
 }  // namespace
 
 std::vector<std::byte> encode_channel_address(ChannelKind kind, std::uint32_t channel_id,
-                                              std::span<const std::byte> body, std::uint16_t flags) {
-  std::vector<std::byte> out(kPrefixBytes + body.size());
+                                              std::span<const std::byte> body, std::uint16_t flags,
+                                              const AddressNonce* nonce) {
+  const std::size_t nonce_bytes = nonce ? nonce->size() : 0;
+  if (nonce) flags |= kAddressAuthenticated;
+  std::vector<std::byte> out(kPrefixBytes + nonce_bytes + body.size());
   std::memcpy(out.data(), kMagic, 4);
   out[4] = std::byte{kVersion};
   out[5] = std::byte{static_cast<std::uint8_t>(kind)};
@@ -57,7 +60,8 @@ std::vector<std::byte> encode_channel_address(ChannelKind kind, std::uint32_t ch
   const auto body_bytes = static_cast<std::uint32_t>(body.size());
   std::memcpy(out.data() + 8, &channel_id, 4);
   std::memcpy(out.data() + 12, &body_bytes, 4);
-  if (!body.empty()) std::memcpy(out.data() + kPrefixBytes, body.data(), body.size());
+  if (nonce) std::memcpy(out.data() + kPrefixBytes, nonce->data(), nonce_bytes);
+  if (!body.empty()) std::memcpy(out.data() + kPrefixBytes + nonce_bytes, body.data(), body.size());
   return out;
 }
 
@@ -79,10 +83,12 @@ Expected<ChannelAddress> parse_channel_address(std::span<const std::byte> blob) 
   std::uint32_t body_bytes = 0;
   std::memcpy(&a.channel_id, blob.data() + 8, 4);
   std::memcpy(&body_bytes, blob.data() + 12, 4);
-  if (blob.size() != kPrefixBytes + body_bytes)
+  const std::size_t nonce_bytes = (a.flags & kAddressAuthenticated) ? a.nonce.size() : 0;
+  if (blob.size() != kPrefixBytes + nonce_bytes + body_bytes)
     return Status::error("channel address length " + std::to_string(blob.size()) +
                          " does not match its body length " + std::to_string(body_bytes));
-  a.body = blob.subspan(kPrefixBytes);
+  if (nonce_bytes) std::memcpy(a.nonce.data(), blob.data() + kPrefixBytes, nonce_bytes);
+  a.body = blob.subspan(kPrefixBytes + nonce_bytes);
   return a;
 }
 

@@ -4,14 +4,17 @@
 //   0       4      magic "CVYA"
 //   4       1      version (1)
 //   5       1      kind: 1 = UCX worker address, 2 = in-process mailbox
-//   6       2      flags: bit 0 = takes payloads into CUDA device memory (the direct path)
+//   6       2      flags: bit 0 = takes payloads into CUDA device memory (the direct path);
+//                  bit 1 = authenticated: takes messages only after a handshake (data_auth.h)
 //   8       4      channel id (the id carried in every message the channel sends)
 //   12      4      body length in bytes
-//   16      n      body: the ucp worker address (kind 1) or the mailbox number (kind 2)
+//  [16      16     with flags bit 1: the channel's nonce for handshakes (data_auth.h)]
+//   16|32   n      body: the ucp worker address (kind 1) or the mailbox number (kind 2)
 //
 // Little-endian, like the data-plane wire format (wire_format.h).
 #pragma once
 
+#include <array>
 #include <cstddef>
 #include <cstdint>
 #include <span>
@@ -24,17 +27,23 @@ namespace conveyor::transport {
 enum class ChannelKind : std::uint8_t { kUcx = 1, kInProc = 2 };
 
 inline constexpr std::uint16_t kAddressTakesDeviceMemory = 1;  // flags bit 0
+inline constexpr std::uint16_t kAddressAuthenticated = 2;      // flags bit 1: a nonce follows
+
+using AddressNonce = std::array<std::uint8_t, 16>;
 
 struct ChannelAddress {
   ChannelKind kind = ChannelKind::kUcx;
-  std::uint16_t flags = 0;  // kAddressTakesDeviceMemory
+  std::uint16_t flags = 0;  // kAddressTakesDeviceMemory, kAddressAuthenticated
   std::uint32_t channel_id = 0;
+  AddressNonce nonce{};             // with kAddressAuthenticated; zero otherwise
   std::span<const std::byte> body;  // a view into the parsed blob
 };
 
+// `nonce`: given, the address says the channel is authenticated (flags bit 1) and carries it.
 std::vector<std::byte> encode_channel_address(ChannelKind kind, std::uint32_t channel_id,
                                               std::span<const std::byte> body,
-                                              std::uint16_t flags = 0);
+                                              std::uint16_t flags = 0,
+                                              const AddressNonce* nonce = nullptr);
 // Checks magic, version, kind and length; the result views into `blob`.
 Expected<ChannelAddress> parse_channel_address(std::span<const std::byte> blob);
 

@@ -281,6 +281,7 @@ AssignMsg decode_assign(FieldReader& r) {
   m.prev_address = r.bytes("prev");
   m.coordinator_address = r.bytes("coordinator");
   if (r.ok() && m.coordinator_address.empty()) r.fail("coordinator", "must be a data-plane address, not empty");
+  if (r.has("redial")) m.redial = r.boolean("redial");
   return m;
 }
 
@@ -430,10 +431,12 @@ ControlMessage encode(const WelcomeMsg& m) {
 ControlMessage encode(const RejectedMsg& m) { return make<RejectedMsg>({{"reason", m.reason}}); }
 
 ControlMessage encode(const AssignMsg& m) {
-  return make<AssignMsg>({{"epoch", m.epoch}, {"pipeline", m.pipeline}, {"stage", m.stage},
-                          {"num_stages", m.num_stages}, {"layers", layers_json(m.layer_begin, m.layer_end)},
-                          {"model", m.model}, {"next", to_base64(m.next_address)},
-                          {"prev", to_base64(m.prev_address)}, {"coordinator", to_base64(m.coordinator_address)}});
+  json body = {{"epoch", m.epoch}, {"pipeline", m.pipeline}, {"stage", m.stage},
+               {"num_stages", m.num_stages}, {"layers", layers_json(m.layer_begin, m.layer_end)},
+               {"model", m.model}, {"next", to_base64(m.next_address)},
+               {"prev", to_base64(m.prev_address)}, {"coordinator", to_base64(m.coordinator_address)}};
+  if (m.redial) body["redial"] = true;
+  return make<AssignMsg>(std::move(body));
 }
 
 ControlMessage encode(const UnassignMsg&) { return make<UnassignMsg>(nullptr); }

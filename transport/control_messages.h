@@ -128,6 +128,10 @@ struct AssignMsg {
   int64_t layer_begin = 0, layer_end = 0;  // wire: "layers": [begin, end]
   std::string model{};
   std::vector<std::byte> next_address{}, prev_address{}, coordinator_address{};  // wire: next, prev, coordinator
+  // Close the data-plane connections to these peers and dial them again, even to peers that
+  // keep their place (a replay after a micro-batch was lost: the old ones may be dead without
+  // an error, e.g. over an interface that went away). Wire: "redial": true, absent when false.
+  bool redial = false;
   bool operator==(const AssignMsg&) const = default;
 };
 

@@ -304,6 +304,8 @@ Status ControlServer::flush_posted() {
 struct ControlClient::Impl {
   Socket s;
   std::string identity;
+  std::string peer;      // "the coordinator at tcp://HOST:PORT", in errors
+  bool failing = false;  // the last posted message could not be sent (logged once until one is)
 };
 
 ControlClient::ControlClient(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
@@ -315,6 +317,7 @@ Expected<std::unique_ptr<ControlClient>> ControlClient::connect(const std::strin
     return Status::error("control client: identity must be 1..255 bytes, not starting with NUL");
   auto impl = std::make_unique<Impl>();
   impl->identity = options.identity;
+  impl->peer = "the coordinator at " + endpoint;
   zmq::socket_t& sock = impl->s.socket;
   if (Status st = impl->s.init(zmq::socket_type::dealer, options.timings); !st.ok()) return st;
   CONVEYOR_ZMQ_CHECK(sock.set(zmq::sockopt::routing_id, options.identity));
@@ -355,9 +358,9 @@ Status ControlClient::send(const ControlMessage& message, std::chrono::milliseco
   zmq::pollitem_t item = {impl_->s.socket.handle(), 0, ZMQ_POLLOUT, 0};
   CONVEYOR_ZMQ_CHECK(zmq::poll(&item, 1, timeout));
   if (!(item.revents & ZMQ_POLLOUT))
-    return Status::error("send to the coordinator: no connection within " +
-                         std::to_string(timeout.count()) + " ms");
-  return send_frames(impl_->s.socket, nullptr, message, "the coordinator");
+    return Status::error("send to " + impl_->peer + ": no connection within " + std::to_string(timeout.count()) +
+                         " ms");
+  return send_frames(impl_->s.socket, nullptr, message, impl_->peer);
 }
 
 Expected<std::optional<ControlMessage>> ControlClient::recv(std::chrono::milliseconds timeout) {
@@ -388,9 +391,20 @@ Status ControlClient::flush_posted() {
   if (!use.ok()) return use.refusal("control client '" + impl_->identity + "'");
   Status first;
   for (auto& [unused, m] : impl_->s.take_posted()) {
-    Status st = send_frames(impl_->s.socket, nullptr, m, "the coordinator");
-    if (st.ok()) continue;
-    spdlog::warn("control client '{}': posted '{}' not sent: {}", impl_->identity, m.type(), st.message());
+    Status st = send_frames(impl_->s.socket, nullptr, m, impl_->peer);
+    if (st.ok()) {
+      impl_->failing = false;
+      continue;
+    }
+    // Logged once until a message goes out again: a worker that cannot reach its coordinator
+    // says why itself, every few seconds (stage_worker/worker.cc).
+    if (!impl_->failing)
+      spdlog::warn("control client '{}': posted '{}' not sent: {} (further failures are logged at debug level "
+                   "until a message goes out)",
+                   impl_->identity, m.type(), st.message());
+    else
+      spdlog::debug("control client '{}': posted '{}' not sent: {}", impl_->identity, m.type(), st.message());
+    impl_->failing = true;
     if (first.ok()) first = st;
   }
   return first;

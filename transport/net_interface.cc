@@ -16,26 +16,11 @@
 #include <vector>
 
 #include "common/options.h"
+#include "transport/endpoint.h"
 
 namespace conveyor::transport {
 
 namespace {
-
-// The IPv4 addresses `host` resolves to (numeric or by name), in resolver order.
-Expected<std::vector<in_addr>> resolve_ipv4(const std::string& host) {
-  addrinfo hints{};
-  hints.ai_family = AF_INET;
-  hints.ai_socktype = SOCK_STREAM;
-  addrinfo* raw = nullptr;
-  if (const int rc = ::getaddrinfo(host.c_str(), nullptr, &hints, &raw); rc != 0)
-    return Status::error("cannot resolve '" + host + "' to an IPv4 address: " + ::gai_strerror(rc));
-  std::unique_ptr<addrinfo, decltype(&::freeaddrinfo)> list(raw, &::freeaddrinfo);
-  std::vector<in_addr> out;
-  for (const addrinfo* a = list.get(); a; a = a->ai_next)
-    if (a->ai_family == AF_INET) out.push_back(reinterpret_cast<const sockaddr_in*>(a->ai_addr)->sin_addr);
-  if (out.empty()) return Status::error("'" + host + "' resolves to no IPv4 address");
-  return out;
-}
 
 std::string text(in_addr a) {
   char buf[INET_ADDRSTRLEN] = {};
@@ -116,7 +101,8 @@ Expected<std::string> data_plane_interface(const std::string& host) {
   return interface_with_address(host);
 }
 
-Expected<DataInterface> choose_data_interface(const std::string& host, const std::string& requested) {
+Expected<DataInterface> choose_data_interface(const std::string& host, const std::string& requested,
+                                              const std::optional<HostPort>& toward) {
   if (const auto env = ucx_variable(UcxVariable::NetDevices); env && !env->empty())
     return DataInterface{.net_devices = "", .shown = *env, .source = "UCX_NET_DEVICES"};
   if (!requested.empty()) {
@@ -139,6 +125,14 @@ Expected<DataInterface> choose_data_interface(const std::string& host, const std
       }
     }
     return DataInterface{.net_devices = requested, .shown = requested, .source = "--data-interface"};
+  }
+  if (is_wildcard_host(host) && toward) {
+    auto local = local_address_toward(*toward);
+    if (!local) return local.status();
+    auto iface = data_plane_interface(*local);
+    if (!iface) return Status::error("the route to " + toward->text() + " leaves from " + *local + ": " + iface.error());
+    return DataInterface{.net_devices = *iface, .shown = *iface,
+                         .source = "route to " + toward->text() + " (address " + *local + ")"};
   }
   auto iface = data_plane_interface(host);
   if (!iface) return iface.status();

@@ -3,14 +3,18 @@
 // 127.0.0.1 under `conveyor local`) keeps its data plane on the interface holding that
 // address, so that no peer is offered an address it cannot reach and no stray interface (a
 // container bridge that comes and goes) is ever picked: loopback `lo` for a loopback
-// address, "eth0" for an address on eth0. Only a wildcard address (0.0.0.0) leaves the
-// choice to UCX (every interface). The operator's UCX_NET_DEVICES, or a daemon's explicit
-// `--data-interface`, wins over the address.
+// address, "eth0" for an address on eth0. A worker given no address (no `--host`) takes the
+// one its route to the coordinator leaves from (endpoint.h, local_address_toward): the
+// interface its control connection uses. Only a wildcard address with no peer to route to
+// (a coordinator's control.host 0.0.0.0) leaves the choice to UCX (every interface). The
+// operator's UCX_NET_DEVICES, or a daemon's explicit `--data-interface`, wins over both.
 #pragma once
 
+#include <optional>
 #include <string>
 
 #include "common/status.h"
+#include "transport/endpoint.h"
 
 namespace conveyor::transport {
 
@@ -41,15 +45,18 @@ struct DataInterface {
   std::string net_devices;
   // What is used: net_devices, UCX_NET_DEVICES's value when that is set, else "any".
   std::string shown;
-  // Why: "UCX_NET_DEVICES", "--data-interface", "address 127.0.0.1", "wildcard address
-  // 0.0.0.0", "no address given".
+  // Why: "UCX_NET_DEVICES", "--data-interface", "address 127.0.0.1", "route to
+  // 10.0.0.1:5555 (address 10.0.0.7)", "wildcard address 0.0.0.0", "no address given".
   std::string source;
 };
 
 // The choice, in this order: the environment's UCX_NET_DEVICES when set (UcxChannel leaves
 // it alone); then `requested` when not empty (a daemon's --data-interface: "any" for every
 // interface, else UCX_NET_DEVICES's syntax, each plain interface name checked to exist);
-// then data_plane_interface(host). Errors name the address or interface and why.
-Expected<DataInterface> choose_data_interface(const std::string& host, const std::string& requested = "");
+// then, for a wildcard `host` with a peer `toward` (a worker's coordinator), the interface of
+// local_address_toward(toward); else data_plane_interface(host). Errors name the address,
+// peer or interface and why.
+Expected<DataInterface> choose_data_interface(const std::string& host, const std::string& requested = "",
+                                              const std::optional<HostPort>& toward = std::nullopt);
 
 }  // namespace conveyor::transport

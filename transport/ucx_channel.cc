@@ -23,6 +23,10 @@ using namespace ucx_detail;
 
 Status UcxChannel::Impl::init() {
   channel_id = opt.channel_id ? opt.channel_id : random_channel_id();
+  if (!opt.auth_secret.empty()) {
+    key = auth::derive_key(opt.auth_secret);
+    nonce = auth::random_nonce();
+  }
 
   ucp_config_t* raw_config = nullptr;
   CONVEYOR_UCX_CHECK(ucp_config_read(nullptr, nullptr, &raw_config));
@@ -74,7 +78,7 @@ Status UcxChannel::Impl::init() {
     CONVEYOR_UCX_CHECK(ucp_worker_get_address(worker.get(), &raw_address, &address_bytes));
     ucx::WorkerAddress address(worker.get(), raw_address, address_bytes);
     address_blob = encode_channel_address(ChannelKind::kUcx, channel_id, address.bytes(),
-                                          takes_device ? kAddressTakesDeviceMemory : 0);
+                                          takes_device ? kAddressTakesDeviceMemory : 0, key ? &nonce : nullptr);
   }
 
   CONVEYOR_UCX_CHECK(ucp_worker_get_efd(worker.get(), &worker_fd));
@@ -143,6 +147,23 @@ Status UcxChannel::Impl::post(std::function<void()> task) {
   return ok_status();
 }
 
+Status UcxChannel::Impl::open_session(Peer& peer, const ChannelAddress& to) {
+  const bool theirs = (to.flags & kAddressAuthenticated) != 0;
+  if (!key) {
+    if (theirs) return Status::error("the peer's channel is authenticated and this one has no cluster secret");
+    return ok_status();
+  }
+  if (!theirs) return Status::error("the peer's channel is not authenticated (started without the cluster's secret)");
+  const auth::Handshake h{.sender_id = channel_id, .receiver_id = to.channel_id, .receiver_nonce = to.nonce,
+                          .sender_nonce = auth::random_nonce()};
+  const auth::Proof proof = auth::hello_proof(*key, h);
+  peer.session = auth::session_key(*key, h);
+  peer.hello.resize(auth::kHelloBytes);
+  std::memcpy(peer.hello.data(), h.sender_nonce.data(), h.sender_nonce.size());
+  std::memcpy(peer.hello.data() + h.sender_nonce.size(), proof.data(), proof.size());
+  return ok_status();
+}
+
 UcxChannel::Impl::Peer* UcxChannel::Impl::find_peer_locked(PeerId id) {
   auto it = peers.find(id);
   return it == peers.end() ? nullptr : it->second.get();
@@ -174,6 +195,7 @@ Expected<PeerId> UcxChannel::connect(std::span<const std::byte> peer_address, st
   peer->name = std::move(name);
   peer->channel_id = parsed->channel_id;
   peer->takes_device = (parsed->flags & kAddressTakesDeviceMemory) != 0;
+  if (Status s = impl_->open_session(*peer, *parsed); !s.ok()) return Status::error("connect to '" + peer->name + "': " + s.message());
 
   auto result = std::make_shared<std::promise<Status>>();
   auto future = result->get_future();
@@ -209,6 +231,7 @@ Expected<PeerId> UcxChannel::connect(std::span<const std::byte> peer_address, st
       std::lock_guard lock(impl->mu);
       impl->peers[raw->id] = std::move(*shared_peer);
     }
+    if (raw->session) impl->send_hello(*raw);  // before anything else on this endpoint
     result->set_value(ok_status());
   });
   if (!posted.ok()) return Status::error("connect to '" + peer_name + "': " + posted.message());
@@ -313,6 +336,8 @@ Status UcxChannel::peer_status(PeerId peer) const {
   if (it == impl_->peers.end()) return Status::error("unknown peer id " + std::to_string(peer));
   return it->second->failure;
 }
+
+std::uint64_t UcxChannel::refused_messages() const { return impl_->refused.load(); }
 
 bool UcxChannel::supports_cuda_memory() const { return impl_->cuda_memory; }
 bool UcxChannel::takes_device_memory() const { return impl_->takes_device; }

@@ -61,6 +61,11 @@ struct UcxChannelOptions {
   std::function<void()> progress_thread_init{};
   // A payload that has not arrived this long after its envelope is given up (sender gone).
   std::chrono::milliseconds stalled_receive_timeout{30000};
+  // The cluster's secret (its join token). Set: the channel takes messages only from channels
+  // that proved, by a handshake at connect, that they know it, each message with a valid MAC
+  // (data_auth.h); it connects only to channels whose address says they do the same. Others'
+  // messages are dropped, counted (refused_messages) and logged. Empty: anyone may send.
+  std::string auth_secret{};
   std::chrono::milliseconds idle_tick{50};        // idle wake-up period of the progress thread
   std::chrono::milliseconds close_timeout{2000};  // bound on the destructor's clean-up
 };
@@ -90,6 +95,10 @@ class UcxChannel final : public Channel {
   bool takes_device_memory() const;
   bool sends_device_memory() const override { return supports_cuda_memory(); }
   bool peer_takes_device_memory(PeerId peer) const override;
+
+  // Messages dropped because their sender had not proved it belongs (no handshake, a wrong
+  // key, a replayed handshake) or their MAC was wrong; 0 on a channel without auth_secret.
+  std::uint64_t refused_messages() const;
 
   // The transports and thresholds UCX chose for the endpoint to `peer` (ucp_ep_print_info).
   Expected<std::string> transport_info(PeerId peer);

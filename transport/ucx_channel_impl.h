@@ -24,10 +24,14 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <set>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "transport/buffer_pool.h"
+#include "transport/channel_address.h"
+#include "transport/data_auth.h"
 #include "transport/ucx_channel.h"
 #include "transport/ucx_check.h"
 #include "transport/wire_format.h"
@@ -84,6 +88,10 @@ struct UcxChannel::Impl {
     std::string name;
     std::uint32_t channel_id = 0;
     bool takes_device = false;   // its address says it takes device payloads
+    // On an authenticated channel: the session key of the handshake connect() sent, and that
+    // handshake's header (the nonce and proof), kept until the channel goes.
+    std::optional<auth::Key> session;
+    std::vector<std::byte> hello;
     ucp_ep_h ep = nullptr;       // progress thread only
     Status failure;              // guarded by mu
     bool close_pending = false;  // progress thread only: failed, endpoint still to close
@@ -94,6 +102,7 @@ struct UcxChannel::Impl {
     PeerId peer = kNoPeer;
     std::span<const std::byte> header;
     PayloadView payload;
+    bool hello = false;  // the handshake connect() sends first (wire::kFlagHello)
     Clock::time_point deadline;
     milliseconds timeout{0};
     wire::WirePrefix prefix;
@@ -110,7 +119,9 @@ struct UcxChannel::Impl {
 
   // ---- one message being received ----
   struct Incoming {
-    enum Stage { kEnvelope, kPayload, kDone, kFailed };
+    // kDropped: taken by the channel, handed to nobody (a handshake, or a refused message).
+    enum Stage { kEnvelope, kPayload, kDone, kFailed, kDropped };
+    bool finished() const { return stage == kDone || stage == kFailed || stage == kDropped; }
     Stage stage = kEnvelope;
     bool in_flight = false;  // a UCX request is outstanding for the current stage
     ucs_status_t result = UCS_OK;
@@ -152,6 +163,20 @@ struct UcxChannel::Impl {
   void advance(Incoming& in);
   void abandon(Incoming& in, const std::string& why);
   void check_deadlines(Clock::time_point now);
+  // The authenticated data plane (data_auth.h), on the progress thread.
+  enum class Admission { kAdmit, kConsumed, kRefused, kDefer };
+  Admission admit(Incoming& in, std::uint32_t sender);
+  // advance()'s question for an envelope that is in: whether it goes on to its payload and
+  // recv(); a handshake or a refused message is dropped (kDropped), a deferred one waits.
+  bool admitted(Incoming& in, std::uint32_t sender);
+  void take_hello(Incoming& in, std::uint32_t sender);
+  bool earlier_envelope_pending(std::uint32_t sender, const Incoming& in);
+  void refuse(std::uint32_t sender, const std::string& why);
+  void sign(SendOp& op, const Peer& peer, bool inline_payload);
+  void send_hello(Peer& peer);
+  // connect(): on an authenticated channel, the handshake to the channel at `to` and the
+  // session key it opens; an error when only one of the two channels is authenticated.
+  Status open_session(Peer& peer, const ChannelAddress& to);
   bool close_failed_peers();
   std::string sender_name(std::uint32_t channel_id);
   void close_endpoint(Peer& peer, bool force);
@@ -177,6 +202,11 @@ struct UcxChannel::Impl {
   std::vector<std::byte> address_blob;
   bool cuda_memory = false;   // the context's memory types include CUDA (ucp_context_query)
   bool takes_device = false;  // cuda_memory and a device_allocator: advertised in the address
+  // Set when opt.auth_secret is: the cluster's data-plane key, and this channel's nonce (in
+  // its address) for the handshakes peers send it.
+  std::optional<auth::Key> key;
+  auth::Nonce nonce{};
+  std::atomic<std::uint64_t> refused{0};  // messages dropped for want of a handshake or MAC
 
   // UCX resources, in creation order (destroyed in reverse by ~Impl).
   ucx::Context context;
@@ -208,6 +238,12 @@ struct UcxChannel::Impl {
   // received from that peer's channel has been delivered ahead of it.
   std::vector<std::pair<std::uint32_t, Status>> pending_failures;
   std::uint64_t next_seq = 0;
+  // Authenticated channel: the session keys by sender channel id (the newest first; a few
+  // kept, see ucx_auth.cc), every handshake
+  // nonce ever taken (a replayed handshake is refused), and what was logged of refusals.
+  std::map<std::uint32_t, std::deque<auth::Key>> sessions;
+  std::set<auth::Nonce> seen_hellos;
+  std::set<std::pair<std::uint32_t, std::string>> refusals_logged;
   bool shutdown_started = false;
   Clock::time_point shutdown_deadline;
   bool arm_supported = true;

@@ -117,7 +117,9 @@ void UcxChannel::Impl::start_send(const std::shared_ptr<SendOp>& op) {
   op->prefix.header_bytes = static_cast<std::uint32_t>(op->header.size());
   op->prefix.payload_bytes = op->payload.bytes;
   op->prefix.seq = next_seq++;
-  op->prefix.flags = std::uint16_t((inline_payload ? wire::kFlagInline : 0) | (device ? wire::kFlagDevicePayload : 0));
+  op->prefix.flags = std::uint16_t((inline_payload ? wire::kFlagInline : 0) | (device ? wire::kFlagDevicePayload : 0) |
+                                   (op->hello ? wire::kFlagHello : 0));
+  if (peer->session && !op->hello) sign(*op, *peer, inline_payload);
   std::size_t n = 0;
   op->iov[n++] = {&op->prefix, sizeof(op->prefix)};
   if (!op->header.empty())
@@ -290,7 +292,7 @@ std::string UcxChannel::Impl::sender_name(std::uint32_t channel) {
 // rendezvous already under way) stays owned, with its buffers, until it completes or the
 // worker is destroyed: advance_incoming() parks it in `abandoned`.
 void UcxChannel::Impl::abandon(Incoming& in, const std::string& why) {
-  if (in.stage == Incoming::kDone || in.stage == Incoming::kFailed) return;
+  if (in.finished()) return;
   const char* what = in.stage == Incoming::kEnvelope ? "envelope" : "payload";
   in.error = Status::error(std::string("receiving the ") + what + " of message " +
                            std::to_string(in.prefix.seq) + " from " +
@@ -301,7 +303,7 @@ void UcxChannel::Impl::abandon(Incoming& in, const std::string& why) {
 
 // Moves one message forward once its current stage has completed.
 void UcxChannel::Impl::advance(Incoming& in) {
-  if (in.in_flight || in.stage == Incoming::kDone || in.stage == Incoming::kFailed) return;
+  if (in.in_flight || in.finished()) return;
   in.request.reset();
   const std::uint32_t sender = wire::tag_sender(in.tag);
   if (in.result != UCS_OK) {
@@ -328,6 +330,7 @@ void UcxChannel::Impl::advance(Incoming& in) {
     in.stage = Incoming::kFailed;
     return;
   }
+  if (key && !admitted(in, sender)) return;  // an authenticated channel: ucx_auth.cc
   in.message.sender_id = sender;
   in.message.seq = p.seq;
   if (inline_payload || p.payload_bytes == 0) {
@@ -388,10 +391,13 @@ bool UcxChannel::Impl::advance_incoming() {
   }
   for (auto& [sender, queue] : incoming) {
     for (auto& in : queue) advance(*in);
-    while (!queue.empty() &&
-           (queue.front()->stage == Incoming::kDone || queue.front()->stage == Incoming::kFailed)) {
+    while (!queue.empty() && queue.front()->finished()) {
       std::unique_ptr<Incoming> in = std::move(queue.front());
       queue.pop_front();
+      if (in->stage == Incoming::kDropped) {  // taken by the channel: nothing for recv()
+        queued_bytes -= in->queued_bytes;
+        continue;
+      }
       InboxItem item;
       item.queued_bytes = in->queued_bytes;
       if (in->stage == Incoming::kDone)

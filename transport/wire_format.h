@@ -3,7 +3,7 @@
 //
 // A message is an *envelope*, optionally followed by a separate *payload* message:
 //
-//   envelope = WirePrefix (32 bytes) | header bytes | [payload bytes, when inline]
+//   envelope = WirePrefix (48 bytes) | header bytes | [payload bytes, when inline]
 //   payload  = payload bytes (only when not inline)
 //
 // Payloads up to the inline limit ride inside the envelope (one eager message, gathered
@@ -27,24 +27,30 @@
 namespace conveyor::transport::wire {
 
 inline constexpr std::uint32_t kMagic = 0x31595643;  // "CVY1"
-inline constexpr std::uint16_t kVersion = 1;
+inline constexpr std::uint16_t kVersion = 2;            // 2: the MAC (data_auth.h)
 
 struct WirePrefix {
   std::uint32_t magic = kMagic;
   std::uint16_t version = kVersion;
-  std::uint16_t flags = 0;  // kFlagInline, kFlagDevicePayload
+  std::uint16_t flags = 0;  // kFlagInline, kFlagDevicePayload, kFlagHello
   std::uint32_t sender_id = 0;
   std::uint32_t header_bytes = 0;
   std::uint64_t payload_bytes = 0;
   std::uint64_t seq = 0;
+  // On an authenticated channel: the MAC of (this prefix with `mac` zero | header | inline
+  // payload) under the session key (data_auth.h: keyed BLAKE2b, 16 bytes); zero otherwise.
+  std::uint8_t mac[16] = {};
 };
-static_assert(sizeof(WirePrefix) == 32);
+static_assert(sizeof(WirePrefix) == 48);
 
 inline constexpr std::uint16_t kFlagInline = 1;
 // The payload was sent from CUDA device memory (never inline): a receiver that takes device
 // memory (its address says so) receives it into its GPU's memory. Nothing else about the
 // message changes, so a receiver that ignores the bit still gets the same bytes.
 inline constexpr std::uint16_t kFlagDevicePayload = 2;
+// A handshake (data_auth.h): the header is the sender's nonce and its proof; no payload.
+// Taken by the channel itself, never handed to recv().
+inline constexpr std::uint16_t kFlagHello = 4;
 inline constexpr std::uint64_t kMaxHeaderBytes = (1ull << 24) - 1;
 
 inline constexpr std::uint64_t kEnvelopeBit = 1ull << 63;

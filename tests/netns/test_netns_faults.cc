@@ -51,27 +51,59 @@ struct NetnsCluster {
     for (int i = 1; i <= n_workers; ++i) names.push_back("n" + std::to_string(i));
     if (auto r = topo.create(cluster.dir, names); !r) return r;
     const auto& coord = topo.node("coord");
-    cluster.http_host = coord.address;
+    if (auto r = start_coordinator(coord, coord.address, stages,
+                                   "heartbeat: {interval_ms: " + std::to_string(kHeartbeatMs) +
+                                       ", liveness_ms: " + std::to_string(kLivenessMs) + "}\n");
+        !r)
+      return r;
+    for (int i = 1; i <= n_workers; ++i) start_worker("n" + std::to_string(i));
+    return cluster.wait_until([&](const json& info) { return ready_workers(info) == stages; }, seconds(60));
+  }
+
+  // One node running everything as `conveyor local` does: the control plane on 127.0.0.1
+  // (REST on the node's address, for the test's clients), workers given no --host, so their
+  // data plane follows their route to the coordinator. `before` runs first, given the
+  // node's namespace.
+  ::testing::AssertionResult start_local(const std::string& tag, int stages,
+                                         const std::function<::testing::AssertionResult(const std::string&)>& before) {
+    cluster.dir = temp_dir("netns-" + tag);
+    if (auto r = topo.create(cluster.dir, {"local"}); !r) return r;
+    const auto& node = topo.node("local");
+    if (auto r = before(node.netns); !r) return r;
+    if (auto r = start_coordinator(node, "127.0.0.1", stages, ""); !r) return r;
+    for (int i = 1; i <= stages; ++i)
+      cluster.workers.push_back(std::make_unique<ChildProcess>(
+          std::vector<std::string>{netns_test::find_program("ip"), "netns", "exec", node.netns, bin("conveyor-worker"),
+                                   "--coordinator", "127.0.0.1:" + std::to_string(kControlPort), "--name",
+                                   "w" + std::to_string(i), "--join-token", cluster.token, "--kv-cache-mb", "64",
+                                   "--backend", "cpu"},
+          (cluster.dir / ("w" + std::to_string(i) + ".log")).string()));
+    return cluster.wait_until([&](const json& info) { return ready_workers(info) == stages; }, seconds(60));
+  }
+
+  // The coordinator on `node`: REST on the node's address, the control plane on `control_host`.
+  ::testing::AssertionResult start_coordinator(const netns_test::Node& node, const std::string& control_host, int stages,
+                                               const std::string& yaml_extra) {
+    cluster.http_host = node.address;
     cluster.http_port = kHttpPort;
     cluster.control_port = kControlPort;
     std::ofstream(cluster.dir / "cluster.yaml")
         << "model: {path: \"" << model_dir() << "\"}\n"
-        << "http: {host: " << coord.address << ", port: " << kHttpPort << "}\n"
-        << "control: {host: " << coord.address << ", port: " << kControlPort << ", join_token: " << cluster.token << "}\n"
+        << "http: {host: " << node.address << ", port: " << kHttpPort << "}\n"
+        << "control: {host: " << control_host << ", port: " << kControlPort << ", join_token: " << cluster.token << "}\n"
         << "pipeline: {stages: " << stages << "}\n"
-        << "heartbeat: {interval_ms: " << kHeartbeatMs << ", liveness_ms: " << kLivenessMs << "}\n";
+        << yaml_extra;
     cluster.coordinator = std::make_unique<ChildProcess>(
-        std::vector<std::string>{netns_test::find_program("ip"), "netns", "exec", coord.netns, bin("conveyor-coordinator"),
+        std::vector<std::string>{netns_test::find_program("ip"), "netns", "exec", node.netns, bin("conveyor-coordinator"),
                                  "--config", (cluster.dir / "cluster.yaml").string()},
         (cluster.dir / "coordinator.log").string());
     const std::string line = cluster.coordinator->read_line_matching("listening on", std::chrono::seconds(30));
-    const std::string want = "listening on http://" + coord.address + ":" + std::to_string(kHttpPort) + " (control tcp://" +
-                             coord.address + ":" + std::to_string(kControlPort) + ")";
+    const std::string want = "listening on http://" + node.address + ":" + std::to_string(kHttpPort) + " (control tcp://" +
+                             control_host + ":" + std::to_string(kControlPort) + ")";
     if (line.find(want) == std::string::npos)
       return ::testing::AssertionFailure() << "coordinator did not start (want '" << want << "', got '" << line
                                            << "'): " << Cluster::read(cluster.dir / "coordinator.log");
-    for (int i = 1; i <= n_workers; ++i) start_worker("n" + std::to_string(i));
-    return cluster.wait_until([&](const json& info) { return ready_workers(info) == stages; }, seconds(60));
+    return ::testing::AssertionSuccess();
   }
 
   void start_worker(const std::string& name) {
@@ -397,6 +429,64 @@ TEST_F(NetnsFaults, CoordinatorPartitionedFromOneNodeFailsOverAndFencesIt) {
   print_row("coordinator partitioned from one stage (" + std::to_string(kLivenessMs / 1000 + 2) + " s), healed", o,
             "failover to the spare; the node rejoins as a spare; stale micro-batches dropped: " +
                 std::to_string(nc.stale_drops()));
+}
+
+// A bridge with a port (one end of a veth pair, both up, so it has carrier) and an address,
+// in `netns`: what Docker or a VPN makes on a laptop.
+::testing::AssertionResult add_stray_bridge(const std::string& netns, int round) {
+  for (const auto& cmd : std::vector<std::vector<std::string>>{
+           {"-n", netns, "link", "add", "stray0", "type", "bridge"},
+           {"-n", netns, "link", "add", "stray0p", "type", "veth", "peer", "name", "stray0q"},
+           {"-n", netns, "link", "set", "stray0p", "master", "stray0"},
+           {"-n", netns, "addr", "add", "172.31." + std::to_string(round) + ".1/24", "dev", "stray0"},
+           {"-n", netns, "link", "set", "stray0p", "up"},
+           {"-n", netns, "link", "set", "stray0q", "up"},
+           {"-n", netns, "link", "set", "stray0", "up"}})
+    if (auto r = netns_test::ip(cmd); !r) return r;
+  return ::testing::AssertionSuccess();
+}
+
+::testing::AssertionResult remove_stray_bridge(const std::string& netns) {
+  if (auto r = netns_test::ip({"-n", netns, "link", "del", "stray0p"}); !r) return r;  // and its peer
+  return netns_test::ip({"-n", netns, "link", "del", "stray0"});
+}
+
+// Issue 28: `conveyor local` on a machine where another program made and removed network
+// bridges hung for good. Its workers' data plane offered every interface, UCX connected them
+// over a bridge's address, and when the bridge went every replay went over the same dead
+// connections. Here the cluster runs on one node as `conveyor local` runs it, its workers given
+// no --host, with a bridge that has an address and carrier when they start; under load the
+// bridge goes and comes back (another address) three times. The data plane stays on `lo`, the
+// route to the coordinator: nothing lost or altered, no replay (the harness checks the
+// coordinator's word at teardown), the same epoch throughout.
+TEST_F(NetnsFaults, StrayBridgeComingAndGoingUnderLoadIsNeverUsed) {
+  NetnsCluster nc;
+  std::string netns;
+  ASSERT_TRUE(nc.start_local("stray", 3, [&](const std::string& ns) {
+    netns = ns;
+    return add_stray_bridge(ns, 0);
+  }));
+  for (int i = 1; i <= 3; ++i) {
+    const std::string log = Cluster::read(nc.cluster.dir / ("w" + std::to_string(i) + ".log"));
+    EXPECT_NE(log.find("data plane on lo (route to 127.0.0.1:" + std::to_string(kControlPort) + " (address 127.0.0.1))"),
+              std::string::npos)
+        << log;
+  }
+  const int64_t epoch0 = nc.epoch();
+  Outcome o = run_fault(nc, 16, 24, [&](Clock::time_point& struck) {
+    struck = Clock::now();
+    for (int round = 1; round <= 3; ++round) {
+      ASSERT_TRUE(remove_stray_bridge(netns));
+      std::this_thread::sleep_for(milliseconds(700));
+      ASSERT_TRUE(add_stray_bridge(netns, round));
+      std::this_thread::sleep_for(milliseconds(700));
+    }
+  });
+  nc.cluster.faults_expected = false;  // a bridge that is not ours is no fault of the cluster's
+  EXPECT_EQ(o.lost + o.altered, 0);
+  EXPECT_EQ(nc.epoch(), epoch0) << "the pipeline replayed or failed over";
+  print_row("a stray bridge removed and made again 3 times (conveyor local, no --host)", o,
+            "no replay; the data plane stays on lo; slowest probe " + seconds_text(o.worst_probe_s));
 }
 
 }  // namespace

@@ -18,6 +18,7 @@
 #include "protocol/batch_result.h"
 #include "protocol/microbatch.h"
 #include "protocol/seq_state.h"
+#include "tests/netns/fake_coordinator.h"
 #include "tests/netns/netns_harness.h"
 #include "transport/control_messages.h"
 #include "transport/control_plane.h"
@@ -29,70 +30,8 @@ namespace {
 
 using namespace netns_test;
 using namespace transport;
-
-struct FakeCoordinator {
-  std::unique_ptr<ControlServer> control;
-  std::unique_ptr<UcxChannel> channel;
-  std::string worker;                  // its routing id, once it registered
-  std::vector<std::byte> worker_address;
-  uint32_t ready_epoch = 0;
-
-  // Serves the worker's control messages (welcome, heartbeats, ready) until `done` or the timeout.
-  ::testing::AssertionResult pump(const std::function<bool()>& done, milliseconds timeout) {
-    const auto deadline = Clock::now() + timeout;
-    while (!done()) {
-      if (Clock::now() >= deadline) return ::testing::AssertionFailure() << "timed out waiting for the worker";
-      auto in = control->recv(milliseconds(50));
-      if (!in) return ::testing::AssertionFailure() << "control recv: " << in.error();
-      if (!*in) continue;
-      auto msg = decode_control((*in)->message);
-      if (!msg) return ::testing::AssertionFailure() << "bad control message: " << msg.error();
-      const std::string peer = (*in)->peer;
-      if (auto* r = std::get_if<RegisterMsg>(&*msg)) {
-        worker = peer;
-        worker_address = r->data_address;
-        if (auto s = control->send(peer, encode(WelcomeMsg{.heartbeat_ms = 200})); !s)
-          return ::testing::AssertionFailure() << "send welcome: " << s.message();
-      } else if (std::holds_alternative<HeartbeatMsg>(*msg)) {
-        if (auto s = control->send(peer, encode(HeartbeatMsg{})); !s)
-          return ::testing::AssertionFailure() << "send heartbeat: " << s.message();
-      } else if (auto* ready = std::get_if<ReadyMsg>(&*msg)) {
-        ready_epoch = ready->epoch;
-      } else if (auto* failed = std::get_if<LoadFailedMsg>(&*msg)) {
-        return ::testing::AssertionFailure() << "the worker failed to load: " << failed->error;
-      }
-    }
-    return ::testing::AssertionSuccess();
-  }
-
-  ::testing::AssertionResult assign(uint32_t epoch, const std::string& model) {
-    AssignMsg a{.epoch = epoch, .pipeline = 0, .stage = 0, .num_stages = 1, .layer_begin = 0, .layer_end = 6,
-                .model = model, .next_address = {}, .prev_address = channel->address(),
-                .coordinator_address = channel->address()};
-    if (auto s = control->send(worker, encode(a)); !s) return ::testing::AssertionFailure() << "send assign: " << s.message();
-    return pump([&] { return ready_epoch == epoch; }, milliseconds(30000));
-  }
-};
-
-MicroBatch prompt_batch(uint64_t batch_id, uint32_t epoch) {
-  const std::vector<int32_t> prompt = {464, 902, 531, 262};  // the demo model has 4096 tokens
-  MicroBatch b;
-  b.batch_id = batch_id;
-  b.pipeline = 0;
-  b.epoch = epoch;
-  SeqStep w;
-  w.slice = {.seq_id = 1, .start_pos = 0, .num_tokens = int32_t(prompt.size())};
-  w.sample = true;
-  w.prefill = true;
-  b.seqs = {w};
-  b.token_ids = prompt;
-  b.free_seq_ids = {1};  // a fresh sequence each time (frees are applied before running)
-  Admission a{.seq_id = 1, .state = {}};  // its state comes with it each time: greedy
-  a.state.prompt_len = int32_t(prompt.size());
-  a.state.sampling.temperature = 0;
-  b.admissions = encode_admissions(std::span(&a, 1));
-  return b;
-}
+using testing::FakeCoordinator;
+using testing::prompt_batch;
 
 TEST(NetnsFence, AReplacedNodesMicroBatchesAreDroppedByTheNewEpoch) {
   if (const std::string why = netns_unavailable(); !why.empty()) GTEST_SKIP() << why;
@@ -115,6 +54,7 @@ TEST(NetnsFence, AReplacedNodesMicroBatchesAreDroppedByTheNewEpoch) {
   UcxChannelOptions copt;
   copt.name = "coordinator";
   copt.net_devices = *iface;  // the bridge: the worker reaches us on the cluster network only
+  copt.auth_secret = "t";     // the worker's --join-token: its data plane takes only the cluster's
   auto channel = UcxChannel::create(copt);
   ASSERT_TRUE(channel.ok()) << channel.error();
   c.channel = std::move(channel).value();

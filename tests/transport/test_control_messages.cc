@@ -143,6 +143,17 @@ TEST(ControlMessages, AssignWireJson) {
       "layers": [8, 12], "model": "/models/gpt2", "next": "", "prev": "cHJldi1zdGFnZQ==",
       "coordinator": "Y29vcmQB/w=="})"));
   EXPECT_TRUE(m.blob.empty());
+  // A replay after a lost micro-batch: "redial" (absent when false), and it comes back.
+  AssignMsg redial = sample_assign();
+  redial.redial = true;
+  const ControlMessage r = encode(redial);
+  EXPECT_EQ(r.body.value("redial", false), true) << r.body.dump();
+  EXPECT_EQ(round_trip(redial), AnyControlMsg(redial));
+  ControlMessage bad = r;
+  bad.body["redial"] = "yes";
+  auto refused = decode_control(bad);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_NE(refused.error().find("redial"), std::string::npos) << refused.error();
 }
 
 TEST(ControlMessages, RegisterWireJson) {

@@ -7,11 +7,14 @@
 #include <ifaddrs.h>
 #include <net/if.h>
 #include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
 #include <cstdlib>
 #include <optional>
 #include <string>
 
+#include "transport/endpoint.h"
 #include "transport/net_interface.h"
 
 #include "tests/test_util.h"
@@ -112,6 +115,70 @@ TEST(NetInterface, UcxNetDevicesInTheEnvironmentWins) {
     EXPECT_EQ(chosen->shown, "eth9");
     EXPECT_EQ(chosen->source, "UCX_NET_DEVICES");
   }
+}
+
+// A worker given no --host keeps its data plane on the interface of its route to the
+// coordinator: `lo` towards a loopback coordinator (what `conveyor local` runs), the
+// interface holding the route's source address otherwise.
+TEST(NetInterface, NoAddressFollowsTheRouteToThePeer) {
+  testing::ScopedEnv no_env("UCX_NET_DEVICES", nullptr);
+  auto local = local_address_toward({.host = "127.0.0.1", .port = 5555});
+  ASSERT_TRUE(local.ok()) << local.error();
+  EXPECT_EQ(*local, "127.0.0.1");
+  for (const char* host : {"", "0.0.0.0"}) {
+    auto chosen = choose_data_interface(host, "", HostPort{.host = "localhost", .port = 5555});
+    ASSERT_TRUE(chosen.ok()) << chosen.error();
+    EXPECT_EQ(chosen->net_devices, "lo") << host;
+    EXPECT_EQ(chosen->source, "route to localhost:5555 (address 127.0.0.1)") << host;
+  }
+  // An address or --data-interface still wins over the route.
+  EXPECT_EQ(choose_data_interface("127.0.0.1", "", HostPort{.host = "10.9.9.9", .port = 1})->source, "address 127.0.0.1");
+  EXPECT_EQ(choose_data_interface("", "any", HostPort{.host = "127.0.0.1", .port = 1})->shown, "any");
+  if (const auto addr = some_non_loopback_address()) {
+    auto chosen = choose_data_interface("", "", HostPort{.host = addr->first, .port = 5555});
+    ASSERT_TRUE(chosen.ok()) << chosen.error();
+    // Towards one of its own addresses the route's source is that address: its interface.
+    EXPECT_EQ(chosen->net_devices, addr->second) << chosen->source;
+  }
+  auto nowhere = choose_data_interface("", "", HostPort{.host = "nosuchhost.invalid", .port = 5555});
+  ASSERT_FALSE(nowhere.ok());
+  EXPECT_NE(nowhere.error().find("cannot resolve 'nosuchhost.invalid'"), std::string::npos) << nowhere.error();
+}
+
+TEST(Endpoint, HostAndPortAreParsedWithClearErrors) {
+  auto plain = parse_host_port("10.0.0.1:5555");
+  ASSERT_TRUE(plain.ok()) << plain.error();
+  EXPECT_EQ(plain->host, "10.0.0.1");
+  EXPECT_EQ(plain->port, 5555);
+  auto zmq = parse_host_port("tcp://coord.example:6000");
+  ASSERT_TRUE(zmq.ok()) << zmq.error();
+  EXPECT_EQ(zmq->text(), "coord.example:6000");
+  EXPECT_NE(parse_host_port("10.0.0.1").error().find("'10.0.0.1' has no port"), std::string::npos);
+  EXPECT_NE(parse_host_port(":5555").error().find("no host"), std::string::npos);
+  for (const char* bad : {"h:0", "h:65536", "h:12ab", "h:"})
+    EXPECT_NE(parse_host_port(bad).error().find("not a number in 1..65535"), std::string::npos) << bad;
+}
+
+TEST(Endpoint, ProbeSaysWhyAPeerCannotBeReached) {
+  EXPECT_NE(resolve_host("nosuchhost.invalid").error().find("cannot resolve 'nosuchhost.invalid'"), std::string::npos);
+  EXPECT_EQ(*resolve_host("localhost"), "127.0.0.1");
+  // A port bound and closed again: nothing listens there.
+  const HostPort to{.host = "127.0.0.1", .port = testing::unused_loopback_port()};
+  ASSERT_NE(to.port, 0);
+  Status refused = probe_tcp(to, std::chrono::milliseconds(1000));
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(refused.message(), "connection refused");
+  // Listening: the probe opens a connection.
+  const int listener = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof(a);
+  ASSERT_EQ(::bind(listener, reinterpret_cast<sockaddr*>(&a), sizeof(a)), 0);
+  ASSERT_EQ(::listen(listener, 4), 0);
+  ASSERT_EQ(::getsockname(listener, reinterpret_cast<sockaddr*>(&a), &len), 0);
+  EXPECT_TRUE(probe_tcp({.host = "127.0.0.1", .port = ntohs(a.sin_port)}, std::chrono::milliseconds(1000)).ok());
+  ::close(listener);
 }
 
 }  // namespace
