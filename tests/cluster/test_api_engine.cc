@@ -208,13 +208,9 @@ void expect_logged(const Cluster& c, const json& answer) {
   EXPECT_FALSE(line.contains("error"));
 }
 
-TEST(ApiEngine, ScoringBestOfAndTheRequestLog) {
-  Cluster cluster;
-  ASSERT_TRUE(cluster.start("scoring", 2, 2, "log: {format: json}\n"));
-  Reference ref;
-  const std::vector<int32_t> a = ref.tokenizer.encode("In the morning the old man walked down to the river, where"),
-                             b = ref.tokenizer.encode("The jury said it was a fine day");
-  // lm-evaluation-harness's loglikelihood request: a batch of token-id prompts, then a text one.
+// lm-evaluation-harness's loglikelihood request (a batch of token-id prompts, then a text one,
+// top-1 and top-5) against the engine's prompt log-probs; each answer in the request log.
+void check_scoring(Cluster& cluster, Reference& ref, const std::vector<int32_t>& a, const std::vector<int32_t>& b) {
   for (const json& prompt : {json::array({a, b}), json("The jury said it was a fine day")})
     for (int n_top : {1, 5}) {
       const json body = {{"prompt", prompt}, {"temperature", 0}, {"max_tokens", 0}, {"echo", true},
@@ -246,18 +242,27 @@ TEST(ApiEngine, ScoringBestOfAndTheRequestLog) {
       }
       expect_logged(cluster, answer);
     }
-  // The id in the log is the one the client got in X-Request-Id.
-  RawClient raw(cluster.http_port);
-  raw.post({{"prompt", "The jury said"}, {"max_tokens", 6}, {"temperature", 0}, {"ignore_eos", true}});
-  const json raw_answer = json::parse(raw.read_answer());
-  EXPECT_EQ(raw.header("X-Request-Id"), raw_answer.at("id").get<std::string>());
-  expect_logged(cluster, raw_answer);
-  // echo with generation still works: the prompt's log-probs, then the new tokens'.
-  auto echoed = cluster.post("/v1/completions", {{"prompt", a}, {"max_tokens", 4}, {"echo", true}, {"logprobs", 1},
-                                                 {"temperature", 0}, {"ignore_eos", true}});
-  ASSERT_TRUE(echoed && echoed->status == 200) << (echoed ? echoed->body : echoed.error());
-  EXPECT_EQ(json::parse(echoed->body)["choices"][0]["logprobs"]["tokens"].size(), a.size() + 4);
+  // Streamed: one event with the prompt and its log-probs, then [DONE].
+  std::vector<json> events;
+  bool done = false;
+  SseParser sse([&](std::string_view data) {
+    if (data == "[DONE]") done = true;
+    else events.push_back(json::parse(data));
+  });
+  auto r = cluster.post("/v1/completions", {{"prompt", b}, {"max_tokens", 0}, {"echo", true}, {"logprobs", 1}, {"stream", true}},
+                        [&](std::string_view bytes) { sse.feed(bytes); });
+  ASSERT_TRUE(r && r->status == 200) << (r ? r->body : r.error());
+  EXPECT_TRUE(done);
+  ASSERT_EQ(events.size(), 1u);
+  const json& ch = events[0]["choices"][0];
+  EXPECT_EQ(ch["text"], ref.tokenizer.decode(b));
+  EXPECT_EQ(ch["finish_reason"], "length");
+  EXPECT_EQ(ch["logprobs"]["token_logprobs"].size(), b.size());
+}
 
+// best_of by sampling decided by the request alone, streaming refused; n up to 128 where the
+// K/V allows, and a request past every pipeline's K/V a 400 with its numbers.
+void check_samples(Cluster& cluster) {
   // best_of by sampling: the request decides the answer; the first choice is the likelier.
   const json best = {{"prompt", "The jury said"}, {"max_tokens", 8}, {"best_of", 4}, {"n", 2}, {"temperature", 1.0},
                      {"seed", 77}, {"logprobs", 0}, {"ignore_eos", true}};
@@ -287,6 +292,28 @@ TEST(ApiEngine, ScoringBestOfAndTheRequestLog) {
   EXPECT_NE(huge->body.find("more than a pipeline holds"), std::string::npos) << huge->body;
   const json refused = wait_for_line(cluster, [](const json& j) { return j.value("status", "") == "invalid"; });
   EXPECT_EQ(refused.value("prompt_tokens", 0), 200);
+}
+
+TEST(ApiEngine, ScoringBestOfAndTheRequestLog) {
+  Cluster cluster;
+  ASSERT_TRUE(cluster.start("scoring", 2, 2, "log: {format: json}\n"));
+  Reference ref;
+  const std::vector<int32_t> a = ref.tokenizer.encode("In the morning the old man walked down to the river, where"),
+                             b = ref.tokenizer.encode("The jury said it was a fine day");
+  check_scoring(cluster, ref, a, b);
+  // The id in the log is the one the client got in X-Request-Id.
+  RawClient raw(cluster.http_port);
+  raw.post({{"prompt", "The jury said"}, {"max_tokens", 6}, {"temperature", 0}, {"ignore_eos", true}});
+  const json raw_answer = json::parse(raw.read_answer());
+  EXPECT_EQ(raw.header("X-Request-Id"), raw_answer.at("id").get<std::string>());
+  expect_logged(cluster, raw_answer);
+  // echo with generation still works: the prompt's log-probs, then the new tokens'.
+  auto echoed = cluster.post("/v1/completions", {{"prompt", a}, {"max_tokens", 4}, {"echo", true}, {"logprobs", 1},
+                                                 {"temperature", 0}, {"ignore_eos", true}});
+  ASSERT_TRUE(echoed && echoed->status == 200) << (echoed ? echoed->body : echoed.error());
+  EXPECT_EQ(json::parse(echoed->body)["choices"][0]["logprobs"]["tokens"].size(), a.size() + 4);
+
+  check_samples(cluster);
   // Every line of the coordinator's log is a JSON object (log.format: json), not only the request log's.
   int other = 0;
   std::istringstream in(Cluster::read(cluster.dir / "coordinator.log"));
