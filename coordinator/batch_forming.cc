@@ -27,7 +27,7 @@ SeqState Scheduler::state_of(const Sequence& s) const {
   SeqState st;
   st.prompt_len = int32_t(s.prompt_len);
   st.top_logprobs = std::max(0, r.logprobs);
-  st.sample_index = s.choice % size_t(r.n);
+  st.sample_index = s.choice % r.slots_per_prompt();  // the sample's Philox stream
   st.sampling = sampling_for(r);
   if (s.group >= 0) {  // a beam reports its group's candidates and draws from stream 0
     st.top_logprobs = s.request->groups[size_t(s.group)].search->alternatives_needed();
@@ -119,7 +119,8 @@ void Scheduler::add_step(PipelineRun& p, Draft& d, Sequence& s, int64_t n) {
   StepPlan& b = d.plan;
   SeqStep w;
   w.slice = {s.id, int32_t(s.fed), int32_t(n)};
-  w.sample = s.fed + size_t(n) == s.all.size();
+  // max_tokens 0 (the scoring idiom): the prompt's log-probs, nothing sampled.
+  w.sample = s.fed + size_t(n) == s.all.size() && max_tokens_of(*s.request->req, s.prompt_len) > 0;
   w.prompt_logprobs = !s.prompt_lp.empty() && s.prompt_lp.size() < s.prompt_len && s.fed < s.prompt_len;
   w.prefill = s.fed < s.prompt_len;
   if (w.prompt_logprobs && s.fed + size_t(n) < s.all.size()) w.lookahead_token = s.all[s.fed + size_t(n)];

@@ -269,6 +269,19 @@ Status parse_heartbeat_section(const Ctx& c, const YAML::Node& root, ClusterConf
   return ok_status();
 }
 
+// The 'log' section: the shape of the coordinator's log lines (coordinator/request_log.h).
+Status parse_log_section(const Ctx& c, const YAML::Node& root, ClusterConfig& cfg) {
+  const YAML::Node log = root["log"];
+  if (!log) return ok_status();
+  if (Status s = check_keys(c, log, "log", {"format"}); !s) return s;
+  std::string format = "text";
+  if (Status s = get(c, log, "log", "format", format); !s) return s;
+  if (format != "text" && format != "json")
+    return c.at(log["format"], "'log.format' must be text or json, got '" + format + "'");
+  cfg.log_json = format == "json";
+  return ok_status();
+}
+
 }  // namespace
 
 Expected<ClusterConfig> parse_cluster_config(const std::string& text, const std::string& source,
@@ -284,10 +297,11 @@ Expected<ClusterConfig> parse_cluster_config(const std::string& text, const std:
   }
   if (!root || root.IsNull()) return Status::error(source + ": the cluster file is empty");
   Status s;
-  if (!(s = check_keys(c, root, "", {"model", "http", "control", "pipeline", "scheduler", "heartbeat"})) ||
+  if (!(s = check_keys(c, root, "", {"model", "http", "control", "pipeline", "scheduler", "heartbeat", "log"})) ||
       !(s = parse_model_section(c, root, cfg)) || !(s = parse_listen_sections(c, root, cfg)) ||
       !(s = load_model(c, root, base_dir, cfg)) || !(s = parse_pipeline_section(c, root, cfg)) ||
-      !(s = parse_scheduler_section(c, root, cfg)) || !(s = parse_heartbeat_section(c, root, cfg)))
+      !(s = parse_scheduler_section(c, root, cfg)) || !(s = parse_heartbeat_section(c, root, cfg)) ||
+      !(s = parse_log_section(c, root, cfg)))
     return s;
   return cfg;
 }

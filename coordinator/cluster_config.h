@@ -13,6 +13,7 @@
 //              (D, T, C, P, S, B: 0 or absent = auto, from what the pipeline's workers say of
 //               their steps: see scheduler.h, batch_limits)
 //   heartbeat: {interval_ms: 500, liveness_ms: 3000}
+//   log:       {format: text}   (or json: one JSON object a line, coordinator/request_log.h)
 //
 // api_key and join_token may come from CONVEYOR_API_KEY / CONVEYOR_JOIN_TOKEN instead.
 #pragma once
@@ -80,6 +81,8 @@ struct ClusterConfig {
 
   int heartbeat_interval_ms = 500;
   int liveness_ms = 3000;
+
+  bool log_json = false;  // log.format: json (every log line a JSON object; default text)
 };
 
 Expected<ClusterConfig> load_cluster_config(const std::string& path);

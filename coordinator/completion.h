@@ -4,8 +4,12 @@
 //
 // One request has prompts.size() * n choices; choice c is prompt c / n, sample c % n.
 // Each choice is one sequence in the pipeline; with beam search, each prompt runs best_of
-// beam sequences and its n choices are the best finished beams, sent once each at the end. The core calls the request's sink from its
-// own thread, in order for each choice: zero or more updates with generated tokens, the
+// beam sequences and its n choices are the best finished beams, sent once each at the end;
+// with best_of > n (sampling), each prompt runs best_of samples and its n choices are the
+// samples of highest cumulative log-probability, best first, sent once each at the end. A
+// request with max_tokens 0 (echo: the scoring idiom) generates nothing: each choice's one
+// update carries the prompt's log-probs and finish_reason "length". The core calls the
+// request's sink from its own thread, in order for each choice: zero or more updates with generated tokens, the
 // last of which carries finish_reason. Text deltas are final: stop strings have been
 // applied (the text ends before the stop string; generation stops there) and no delta
 // ends inside a UTF-8 character or inside a possible stop-string prefix (the core holds
@@ -28,10 +32,12 @@
 namespace conveyor {
 
 struct CompletionRequest {
-  std::string id;                          // "cmpl-..."; set by the REST layer
+  // "cmpl-..."; set by the REST layer, which returns it in X-Request-Id; the request log
+  // (coordinator/request_log.h) names the request by it.
+  std::string id;
   std::string model;
   std::vector<std::vector<int32_t>> prompts;  // token ids, each non-empty
-  int max_tokens = 16;                     // per choice; prompt + max_tokens <= n_positions
+  int max_tokens = 16;                     // per choice; prompt + max_tokens <= n_positions; 0: echo only
   SamplingParams sampling;                 // seed filled in (random when the client gave none)
   std::vector<std::string> stop;           // stop strings (at most 4, non-empty)
   int n = 1;
@@ -43,14 +49,22 @@ struct CompletionRequest {
   // Beam search (vLLM's use_beam_search): best_of beams per prompt, the best n returned as the
   // prompt's choices, each in one update at the end (tokens, text, finish_reason).
   bool use_beam_search = false;
-  int best_of = 1;                         // the beam width when use_beam_search
+  // The beam width when use_beam_search; otherwise the samples drawn per prompt, of which the
+  // n with the highest cumulative log-probability are returned (best_of >= n; n when equal).
+  int best_of = 1;
   float length_penalty = 1.0f;             // HuggingFace's meaning (coordinator/beam_search.h)
   EarlyStopping early_stopping = EarlyStopping::Heuristic;
   std::chrono::steady_clock::time_point arrival = std::chrono::steady_clock::now();
 
   size_t num_choices() const { return prompts.size() * size_t(n); }
-  // Sequences the request runs at once: a choice each, or best_of beams per prompt.
-  size_t num_sequences() const { return prompts.size() * size_t(use_beam_search ? best_of : n); }
+  // Sampling best_of > n: samples are drawn, ranked, and only the best n returned.
+  bool ranks_samples() const { return !use_beam_search && best_of > n; }
+  // How the core numbers a prompt's sequences: prompt p's k-th is slot p * slots + k, and k is
+  // the sample's Philox stream (a choice's draws depend on the request alone). Beam search
+  // numbers its choices (n).
+  size_t slots_per_prompt() const { return size_t(ranks_samples() ? best_of : n); }
+  // Sequences the request runs at once: a sample each, or best_of beams per prompt.
+  size_t num_sequences() const { return prompts.size() * size_t(use_beam_search ? best_of : int(slots_per_prompt())); }
 };
 
 struct TokenOut {
@@ -96,6 +110,10 @@ class CompletionBackend {
   virtual ~CompletionBackend() = default;
   // Takes the request or says why not. Accepted requests always end in sink.on_done.
   virtual CoreStatus submit(std::shared_ptr<const CompletionRequest> request, CompletionSink sink) = 0;
+  // The client went away: stop `request` (the one submitted) at the next step, freeing its
+  // sequences and K/V; its sink still gets on_done (with a message), and nothing after. A
+  // request already finished is left alone. Any thread.
+  virtual void cancel(const CompletionRequest& request) = 0;
 };
 
 }  // namespace conveyor

@@ -62,6 +62,8 @@ CoreStatus Coordinator::submit(std::shared_ptr<const CompletionRequest> request,
   return impl_->engine->submit(std::move(request), std::move(sink));
 }
 
+void Coordinator::cancel(const CompletionRequest& request) { impl_->engine->cancel(request); }
+
 int Coordinator::control_port() const { return impl_->control->port(); }
 
 AdminReply Coordinator::drain(const std::string& name) { return impl_->cluster->drain(name); }

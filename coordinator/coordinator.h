@@ -57,6 +57,7 @@ class Coordinator final : public CompletionBackend {
   ~Coordinator() override;
 
   CoreStatus submit(std::shared_ptr<const CompletionRequest> request, CompletionSink sink) override;
+  void cancel(const CompletionRequest& request) override;
 
   int control_port() const;
   // /health: ready when some pipeline has every stage ready.

@@ -24,6 +24,7 @@
 #include "coordinator/coordinator.h"
 #include "coordinator/rest/http_server.h"
 #include "coordinator/metrics.h"
+#include "coordinator/request_log.h"
 #include "transport/net_interface.h"
 
 namespace {
@@ -96,6 +97,7 @@ conveyor::Expected<nlohmann::json> check_json(const Flags& f, const conveyor::Op
         {"data_interface_from", iface->source}}},
       {"pipeline", {{"stages", cfg.stages}, {"replicas", cfg.replicas}}},
       {"heartbeat", {{"interval_ms", cfg.heartbeat_interval_ms}, {"liveness_ms", cfg.liveness_ms}}},
+      {"log", {{"format", cfg.log_json ? "json" : "text"}}},
       {"options", conveyor::options_json(options, conveyor::kCoordinatorScope)}};
 }
 
@@ -164,6 +166,7 @@ int main(int argc, char** argv) {
     std::cout << out->dump(2) << std::endl;
     return 0;
   }
+  if (cfg->log_json) conveyor::set_log_format(conveyor::LogFormat::Json);
   auto tok = conveyor::Tokenizer::load(cfg->model_path);
   if (!tok) return fail(tok.error(), kBadInput);
   auto tokenizer = std::make_shared<const conveyor::Tokenizer>(std::move(tok).value());

@@ -149,6 +149,8 @@ void Engine::take_result(const transport::Message& m, Clock::time_point arrived,
       run->result_pending_send = true;
     }
   PipelineRun* replay = scheduler_->on_result(*res);
+  if (const int64_t discarded = scheduler_->take_discarded_tokens(); discarded > 0 && metrics_)
+    metrics_->add_discarded_tokens(uint64_t(discarded));
   // What the result made possible leaves before its tokens become text and updates.
   if (!replay && sent_at) launch(*run, asks);
   const auto taken = Clock::now();
@@ -239,22 +241,41 @@ void Engine::ask_cluster(const ClusterAsk& ask) {
 // ---------------------------------------------------------------- calls from other threads
 
 CoreStatus Engine::submit(std::shared_ptr<const CompletionRequest> request, CompletionSink sink) {
-  {
-    std::lock_guard lk(mu_);
-    if (stopping_ || !accepting_)
-      return CoreStatus::retry_later(CoreError::Unavailable, "the coordinator is shutting down",
-                                     Scheduler::kRetryUnavailableSeconds);
-    // With no pipeline able to serve, the request still queues: a worker may join within
-    // scheduler.pipeline_wait_ms (the loop refuses it after that). A wait of 0 refuses now.
-    if (cfg_.pipeline_wait_ms == 0)
-      if (SnapshotPtr s = latest(); !s || !s->serviceable)
-        return CoreStatus::retry_later(CoreError::Unavailable,
-                                       "no pipeline can serve: " + (s ? s->health_reason : std::string("no plan yet")),
-                                       Scheduler::kRetryUnavailableSeconds);
-    if (CoreStatus st = scheduler_->submit(std::move(request), std::move(sink)); !st.ok()) return st;
+  CoreStatus st = admit_submission(request, std::move(sink));
+  if (!st.ok()) {
+    log_refused(*request, st);
+    return st;
   }
   channel_.interrupt();  // the engine admits it now, not at its next timer
   return {};
+}
+
+CoreStatus Engine::admit_submission(const std::shared_ptr<const CompletionRequest>& request, CompletionSink sink) {
+  std::lock_guard lk(mu_);
+  if (stopping_ || !accepting_)
+    return CoreStatus::retry_later(CoreError::Unavailable, "the coordinator is shutting down",
+                                   Scheduler::kRetryUnavailableSeconds);
+  const SnapshotPtr s = latest();
+  // With no pipeline able to serve, the request still queues: a worker may join within
+  // scheduler.pipeline_wait_ms (the loop refuses it after that). A wait of 0 refuses now.
+  if (cfg_.pipeline_wait_ms == 0 && (!s || !s->serviceable))
+    return CoreStatus::retry_later(CoreError::Unavailable,
+                                   "no pipeline can serve: " + (s ? s->health_reason : std::string("no plan yet")),
+                                   Scheduler::kRetryUnavailableSeconds);
+  // A request larger than the largest pipeline's K/V is refused now (400, with the numbers).
+  int64_t kv_capacity = 0;
+  if (s)
+    for (const PipelineView& p : s->pipelines) kv_capacity = std::max(kv_capacity, p.kv_capacity);
+  return scheduler_->submit(request, std::move(sink), kv_capacity);
+}
+
+void Engine::cancel(const CompletionRequest& request) {
+  {
+    std::lock_guard lk(mu_);
+    if (!scheduler_->cancel(&request)) return;
+  }
+  if (metrics_) metrics_->count_cancelled();
+  channel_.interrupt();  // its frees leave on the next micro-batch, sent now
 }
 
 size_t Engine::quiesce(std::chrono::milliseconds timeout) {

@@ -65,8 +65,11 @@ class Engine {
   // are ignored); wakes the engine.
   void post_snapshot(SnapshotPtr snapshot);
 
-  // See Coordinator::submit. Wakes the engine.
+  // See Coordinator::submit. Wakes the engine. A refusal has its line in the request log.
   CoreStatus submit(std::shared_ptr<const CompletionRequest> request, CompletionSink sink);
+  // The client of `request` went away (CompletionBackend::cancel): it ends as cancelled
+  // (conveyor_requests_cancelled_total), and the engine wakes to send its frees at once.
+  void cancel(const CompletionRequest& request);
   // Takes no new requests; waits up to `timeout` for the accepted ones; returns how many are left.
   size_t quiesce(std::chrono::milliseconds timeout);
   bool accepting() const;
@@ -86,6 +89,7 @@ class Engine {
   void replay_lost_batches(std::vector<ClusterAsk>& asks);
   void halt(PipelineRun& run, ClusterAsk::Kind kind, std::string why, std::vector<ClusterAsk>& asks);
   std::chrono::milliseconds time_to_next_timer() const;
+  CoreStatus admit_submission(const std::shared_ptr<const CompletionRequest>& request, CompletionSink sink);
   SnapshotPtr latest() const;
   void ask_cluster(const ClusterAsk& ask);  // without mu_
 

@@ -67,6 +67,21 @@ void Metrics::count_batch_timeout_replay() {
   ++batch_timeout_replays_;
 }
 
+void Metrics::count_cancelled() {
+  std::lock_guard lock(mu_);
+  ++cancelled_;
+}
+
+void Metrics::add_discarded_tokens(uint64_t tokens) {
+  std::lock_guard lock(mu_);
+  discarded_tokens_ += tokens;
+}
+
+uint64_t Metrics::cancelled() const {
+  std::lock_guard lock(mu_);
+  return cancelled_;
+}
+
 uint64_t Metrics::batch_timeout_replays() const {
   std::lock_guard lock(mu_);
   return batch_timeout_replays_;
@@ -251,6 +266,13 @@ void Metrics::render_requests(std::string& out) const {
   sample(out, "conveyor_prompt_tokens_total", "", double(prompt_tokens_));
   family(out, "conveyor_generated_tokens_total", "counter", "Tokens generated for completion requests.");
   sample(out, "conveyor_generated_tokens_total", "", double(generated_tokens_));
+  family(out, "conveyor_requests_cancelled_total", "counter",
+         "Requests whose client closed its connection before the answer was complete; their sequences were freed.");
+  sample(out, "conveyor_requests_cancelled_total", "", double(cancelled_));
+  family(out, "conveyor_discarded_tokens_total", "counter",
+         "Tokens the last stage generated for sequences that had already ended (a stop string's step in flight, "
+         "a cancelled or failed request's).");
+  sample(out, "conveyor_discarded_tokens_total", "", double(discarded_tokens_));
 
   histogram(out, "conveyor_time_to_first_token_seconds",
             "Seconds from a request's arrival to its first generated token.", ttft_);

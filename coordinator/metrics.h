@@ -11,6 +11,11 @@
 //       no client received.
 //     conveyor_prompt_tokens_total (at admission), conveyor_generated_tokens_total (as
 //       updates arrive), time to first token, inter-token latency.
+//   Engine (engine.cc):
+//     conveyor_requests_cancelled_total: requests whose client went away before the answer was
+//       complete (the REST layer saw the connection close); their sequences were freed;
+//     conveyor_discarded_tokens_total: tokens the last stage generated for sequences that had
+//       already ended (a stop string's step in flight, a cancelled or failed request's).
 //   Core (coordinator.cc, from the scheduler and the workers' heartbeats):
 //     conveyor_queue_depth: requests accepted and waiting for a pipeline slot;
 //     conveyor_running_sequences: sequences admitted onto a pipeline and not finished;
@@ -105,6 +110,8 @@ class Metrics {
   void observe_coordinator_gap(double seconds);
   // A pipeline replayed because a micro-batch of it was taken for lost (batch_timeout_ms).
   void count_batch_timeout_replay();
+  void count_cancelled();
+  void add_discarded_tokens(uint64_t tokens);
   struct PrefixCacheFigures {
     int64_t lookups = 0, hits = 0, reused_tokens = 0, computed_tokens = 0, entries = 0, cached_tokens = 0;
   };
@@ -120,6 +127,7 @@ class Metrics {
   uint64_t inter_token_latency_count() const;
   uint64_t coordinator_gap_count() const;
   uint64_t batch_timeout_replays() const;
+  uint64_t cancelled() const;
 
  private:
   // render()'s parts, each with mu_ held.
@@ -133,6 +141,7 @@ class Metrics {
   Histogram ttft_, itl_, gap_;
   uint64_t prompt_tokens_ = 0, generated_tokens_ = 0;
   uint64_t batch_timeout_replays_ = 0;
+  uint64_t cancelled_ = 0, discarded_tokens_ = 0;
   int64_t queue_depth_ = 0, running_sequences_ = 0;
   std::map<std::tuple<int, int, std::string>, double> stage_busy_;  // (pipeline, stage, worker)
   std::map<std::tuple<int, int, std::string>, double> stage_idle_ready_;  // (pipeline, stage, worker)

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <limits>
+#include <unordered_set>
 
 #include <spdlog/spdlog.h>
 
@@ -43,20 +44,45 @@ int64_t Scheduler::max_tokens_of(const CompletionRequest& r, size_t prompt_len) 
   return std::min<int64_t>(r.max_tokens, cfg_.model.n_positions - int64_t(prompt_len));
 }
 
-CoreStatus Scheduler::submit(std::shared_ptr<const CompletionRequest> req, CompletionSink sink) {
+int64_t Scheduler::kv_tokens_needed(const CompletionRequest& r, int64_t n_positions) {
+  // Beam search holds up to twice its beams while a step's children are forked from their
+  // parents (the forks come before the frees), each up to the whole context.
+  const int64_t per_prompt = r.use_beam_search ? 2 * int64_t(r.best_of) : int64_t(r.slots_per_prompt());
+  int64_t need = 0;
+  for (const auto& pr : r.prompts)
+    need += per_prompt * (int64_t(pr.size()) + std::min<int64_t>(r.max_tokens, n_positions - int64_t(pr.size())));
+  return need;
+}
+
+namespace {
+
+// Why a request cannot run on any pipeline, with the numbers, and the field to lower.
+CoreStatus too_large(const CompletionRequest& r, int64_t need, int64_t capacity) {
+  const int64_t per_prompt = r.use_beam_search ? 2 * int64_t(r.best_of) : int64_t(r.slots_per_prompt());
+  const char* field = r.use_beam_search || r.ranks_samples() ? "best_of" : per_prompt > 1 ? "n" : "max_tokens";
+  return CoreStatus::refuse(
+      CoreError::Invalid,
+      "the request needs " + std::to_string(need) + " K/V-cache tokens (" + std::to_string(per_prompt) +
+          " sequence(s) for each of " + std::to_string(r.prompts.size()) + " prompt(s), each its prompt + max_tokens " +
+          std::to_string(r.max_tokens) + "), more than a pipeline holds (" + std::to_string(capacity) +
+          " tokens); lower n, best_of or max_tokens",
+      field);
+}
+
+}  // namespace
+
+CoreStatus Scheduler::submit(std::shared_ptr<const CompletionRequest> req, CompletionSink sink, int64_t kv_capacity) {
   if (int64_t(queue_.size()) >= cfg_.max_queue)
     return CoreStatus::retry_later(CoreError::QueueFull,
                                    "the queue is full (" + std::to_string(cfg_.max_queue) + " requests waiting)",
                                    kRetryQueueFullSeconds);
+  const int64_t need = kv_tokens_needed(*req, cfg_.model.n_positions);
+  if (kv_capacity > 0 && need > kv_capacity) return too_large(*req, need, kv_capacity);
   auto r = std::make_unique<Request>();
   r->req = std::move(req);
   r->sink = std::move(sink);
   r->queued_at = Clock::now();
-  // Beam search holds up to twice its beams while a step's children are forked from their
-  // parents (the forks come before the frees), each up to the whole context.
-  const int64_t per_prompt = r->req->use_beam_search ? 2 * int64_t(r->req->best_of) : int64_t(r->req->n);
-  for (const auto& pr : r->req->prompts)
-    r->kv_need += per_prompt * (int64_t(pr.size()) + max_tokens_of(*r->req, pr.size()));
+  r->kv_need = need;
   queue_.push_back(std::move(r));
   return {};
 }
@@ -76,16 +102,6 @@ void Scheduler::refuse_unserved(bool serviceable) {
                                                     "no pipeline could serve the request within scheduler.pipeline_wait_ms (" +
                                                         std::to_string(cfg_.pipeline_wait_ms) + " ms)",
                                                     kRetryUnavailableSeconds));
-}
-
-void Scheduler::refuse_queued(Clock::time_point arrived_by, const CoreStatus& why) {
-  // The queue is in arrival order: the requests due are a prefix.
-  while (!queue_.empty() && queue_.front()->queued_at <= arrived_by) {
-    std::unique_ptr<Request> owned = std::move(queue_.front());
-    queue_.pop_front();
-    refuse_accepted(owned->sink, why);
-    idle_cv_.notify_all();
-  }
 }
 
 std::optional<Clock::time_point> Scheduler::refuse_deadline() const {
@@ -117,8 +133,8 @@ void Scheduler::admit(const std::function<bool(const PipelineRun&)>& open,
     if (!c.fits_somewhere) {
       std::unique_ptr<Request> owned = std::move(queue_.front());
       queue_.pop_front();
-      owned->sink.on_done("the request needs " + std::to_string(owned->kv_need) +
-                          " KV-cache tokens, more than a pipeline holds (" + std::to_string(c.max_cap) + ")");
+      const CoreStatus why = too_large(*owned->req, owned->kv_need, c.max_cap);
+      end_request(std::move(owned), {RequestOutcome::Invalid, why.message, why});
       continue;
     }
     if (!c.best) return;  // queue_wait_ says why
@@ -167,12 +183,14 @@ void Scheduler::start_request(std::unique_ptr<Request> owned, PipelineRun& p) {
   ++p.admitted;
   const CompletionRequest& cr = *rp->req;
   rp->cached_tokens.assign(cr.prompts.size(), 0);
-  rp->unfinished = cr.num_choices();
+  // Beam groups deliver their choices; samples end one by one (ranked ones too, emit()).
+  rp->unfinished = cr.use_beam_search ? cr.num_choices() : cr.num_sequences();
   if (cr.use_beam_search) {
     start_beam_groups(*rp, p);
   } else {
-    for (size_t c = 0; c < cr.num_choices(); ++c) {
-      const std::vector<int32_t>& prompt = cr.prompts[c / size_t(cr.n)];
+    if (cr.ranks_samples()) rp->samples.resize(cr.num_sequences());
+    for (size_t c = 0; c < cr.num_sequences(); ++c) {
+      const std::vector<int32_t>& prompt = cr.prompts[c / cr.slots_per_prompt()];
       Sequence& s = add_sequence(*rp, c, p.index, prompt, prompt.size());
       s.text = std::make_unique<TextStream>(*tokenizer_, cr.stop);
       if (cr.echo && cr.logprobs >= 0) s.prompt_lp.push_back({s.all[0], std::numeric_limits<float>::quiet_NaN(), {}});
@@ -233,7 +251,10 @@ PipelineRun* Scheduler::on_result(const BatchResult& res) {
   }
   for (const SeqResult& sr : res.seqs) {
     auto it = seqs_.find(sr.seq_id);
-    if (it == seqs_.end() || it->second.finished) continue;
+    if (it == seqs_.end() || it->second.finished) {
+      discarded_tokens_ += sr.token >= 0;
+      continue;
+    }
     if (it->second.group >= 0) take_beam_report(it->second, sr);  // may end its request
     else take_token(it->second, sr);
   }
@@ -246,6 +267,8 @@ void Scheduler::take_beam_report(Sequence& s, const SeqResult& sr) {
   Request& r = *s.request;
   BeamGroup& g = r.groups[size_t(s.group)];
   if (g.done || s.beam >= g.live.size() || g.live[s.beam] != s.id || g.reported[s.beam]) return;
+  ++r.generated;
+  if (!r.first_token_at) r.first_token_at = Clock::now();
   if (!s.prefix_offered) retain_prefix(s);  // it reported: its prompt's K/V is complete
   g.alts[s.beam] = sr.top;
   g.reported[s.beam] = true;
@@ -369,7 +392,16 @@ void Scheduler::take_token(Sequence& s, SeqResult sr) {
       s.prompt_lp.push_back({s.all[pos], sr.prompt_logprobs[j],
                              j < sr.prompt_top.size() ? std::move(sr.prompt_top[j]) : std::vector<std::pair<int32_t, float>>{}});
   }
-  if (sr.token < 0) return;
+  if (sr.token < 0) {
+    // max_tokens 0 (the scoring idiom): done once its prompt's last chunk has come back.
+    if (max_tokens_of(r, s.prompt_len) == 0 && s.fed == s.all.size()) {
+      s.finished = true;
+      deliveries_.push_back({s.id, {}, "length", false});
+    }
+    return;
+  }
+  ++s.request->generated;
+  if (!s.request->first_token_at) s.request->first_token_at = Clock::now();
   if (!s.prefix_offered) retain_prefix(s);  // it sampled: its prompt's K/V is complete on every stage
   s.all.push_back(sr.token);
   Delivery d{s.id, {sr.token, sr.logprob, std::move(sr.top)}, nullptr, false};
@@ -412,14 +444,14 @@ void Scheduler::deliver_one(Sequence& s, Delivery d) {
     s.prompt_lp_sent = true;
   }
   const int32_t token = d.token.id;
-  u.tokens.push_back(std::move(d.token));
-  if (!d.is_stop_token) u.text = s.text->push(token);
+  if (token >= 0) u.tokens.push_back(std::move(d.token));  // none: the scoring idiom's only update
+  if (token >= 0 && !d.is_stop_token) u.text = s.text->push(token);
   if (d.is_stop_token || s.text->stopped()) {
     finish_sequence(s, "stop", std::move(u));  // may destroy s and its request
   } else if (d.finish) {
     finish_sequence(s, d.finish, std::move(u));
   } else {
-    s.request->sink.on_update(std::move(u));
+    emit(s, std::move(u));
   }
 }
 
@@ -431,53 +463,10 @@ void Scheduler::finish_sequence(Sequence& s, const char* reason, ChoiceUpdate up
   update.text += s.text->flush();
   update.finish_reason = reason;
   Request& r = *s.request;
-  update.cached_prompt_tokens = r.cached_tokens[s.choice / size_t(r.req->n)];
-  r.sink.on_update(std::move(update));
+  update.cached_prompt_tokens = r.cached_tokens[s.choice / r.req->slots_per_prompt()];
+  emit(s, std::move(update));
   if (s.pipeline >= 0) pipelines_[size_t(s.pipeline)].pending_frees.push_back(s.id);
   if (--r.unfinished == 0) finish_request(r, "");
-}
-
-void Scheduler::finish_request(Request& r, const std::string& error) {
-  release_request(r);
-  r.sink.on_done(error);
-  running_.erase(&r);  // destroys r
-  idle_cv_.notify_all();
-}
-
-void Scheduler::release_request(Request& r) {
-  if (r.pipeline >= 0) pipelines_[size_t(r.pipeline)].kv_reserved -= r.kv_need;
-  if (r.pipeline >= 0)  // beams dropped by a step whose frees had not gone out yet
-    for (const BeamGroup& g : r.groups) {
-      auto& frees = pipelines_[size_t(r.pipeline)].pending_frees;
-      frees.insert(frees.end(), g.frees.begin(), g.frees.end());
-    }
-  for (uint64_t id : r.seq_ids) {
-    auto it = seqs_.find(id);
-    if (it == seqs_.end()) continue;
-    if (!it->second.finished && it->second.pipeline >= 0)
-      pipelines_[size_t(it->second.pipeline)].pending_frees.push_back(id);
-    seqs_.erase(it);
-  }
-}
-
-void Scheduler::expire_requests() {
-  if (cfg_.request_timeout_ms <= 0) return;
-  const auto limit = std::chrono::milliseconds(cfg_.request_timeout_ms);
-  const Clock::time_point now = Clock::now();
-  const CoreStatus why = CoreStatus::refuse(
-      CoreError::Timeout, "the request ran past scheduler.request_timeout_ms (" + std::to_string(cfg_.request_timeout_ms) + " ms)");
-  refuse_queued(now - limit, why);
-  std::vector<Request*> due;
-  for (const auto& [rp, _] : running_)
-    if (rp->queued_at + limit <= now) due.push_back(rp);
-  for (Request* r : due) {
-    spdlog::warn("coordinator: a request on pipeline {} ran past scheduler.request_timeout_ms ({} ms); ending it",
-                 r->pipeline, cfg_.request_timeout_ms);
-    release_request(*r);
-    refuse_accepted(r->sink, why);
-    running_.erase(r);  // destroys it
-    idle_cv_.notify_all();
-  }
 }
 
 std::optional<Clock::time_point> Scheduler::expiry_deadline() const {
@@ -491,14 +480,17 @@ void Scheduler::restart(int index) {
   // Its stages drop every sequence, cache entries included.
   prefix_cache(index).clear();
   retain_forks(index).clear();
+  std::unordered_set<Request*> replayed;  // requests with K/V on its stages: fed again (the request log)
   for (auto& [_, s] : seqs_)
     if (s.pipeline == index) {
+      if (s.fed > 0) replayed.insert(s.request);
       s.fed = 0;
       s.in_flight = false;
       s.prefix_done = s.prefix_offered = false;
     }
   for (auto& [rp, _] : running_)
     if (rp->pipeline == index) reset_groups(*rp);
+  for (Request* r : replayed) ++r->replays;
 }
 
 void Scheduler::redistribute() {
@@ -512,6 +504,7 @@ void Scheduler::redistribute() {
                                     [](const PipelineRun& a, const PipelineRun& b) { return a.kv_reserved < b.kv_reserved; });
     rp->pipeline = p.index;
     p.kv_reserved += rp->kv_need;
+    ++rp->replays;
     reset_groups(*rp);
     for (uint64_t id : rp->seq_ids)
       if (auto it = seqs_.find(id); it != seqs_.end()) {
@@ -584,7 +577,7 @@ void Scheduler::reuse_prefix(PipelineRun& p, Sequence& s, StepPlan& b) {
   ++prefix_stats_.lookups;
   const auto hit = prefix_cache(p.index).lookup(prompt);
   const int64_t reused = hit ? hit->num_tokens : 0;
-  if (s.choice % size_t(r.n) == 0) s.request->cached_tokens[s.choice / size_t(r.n)] = reused;
+  if (s.choice % r.slots_per_prompt() == 0) s.request->cached_tokens[s.choice / r.slots_per_prompt()] = reused;
   prefix_stats_.reused_tokens += reused;
   prefix_stats_.computed_tokens += int64_t(s.prompt_len) - reused;
   if (!hit) return;
@@ -625,14 +618,6 @@ bool Scheduler::busy(int index) const {
 
 void Scheduler::wait_idle(std::unique_lock<std::mutex>& lock, std::chrono::milliseconds timeout) {
   idle_cv_.wait_for(lock, timeout, [&] { return outstanding() == 0; });
-}
-
-void Scheduler::fail_all(const std::string& why) {
-  while (!queue_.empty()) {
-    refuse_accepted(queue_.front()->sink, CoreStatus::retry_later(CoreError::Unavailable, why, kRetryUnavailableSeconds));
-    queue_.pop_front();
-  }
-  while (!running_.empty()) finish_request(*running_.begin()->first, why);
 }
 
 }  // namespace conveyor

@@ -16,6 +16,16 @@
 // forks). A replay feeds every beam again from its first token, like any sequence. When the
 // search is done, the group's n best hypotheses go out as its choices, one update each.
 //
+// Samples: a prompt's n choices are n sequences, sample k on the seed's Philox stream k; with
+// best_of > n it runs best_of and returns the n of highest cumulative log-probability
+// (sample_ranking.cc). max_tokens 0 (echo: the scoring idiom) computes the prompt's log-probs
+// and samples nothing: the sequence ends when its last prompt chunk comes back.
+//
+// Endings (request_endings.cc): a request finishes, fails, times out, is refused while queued
+// or is cancelled by its client (cancel(): the REST layer saw the connection close) through
+// one path, end_request, which returns its K/V reservation, frees its sequences on the
+// pipeline's next micro-batch, tells its sink and writes its line in the request log.
+//
 // Prefix reuse (scheduler.prefix_cache, on by default; coordinator/prefix_cache.h): once a
 // sequence's prompt has been computed, its whole K/V pages (the granule its stages describe,
 // PipelineRun::figures) are kept on the stages as
@@ -48,6 +58,7 @@
 #include <optional>
 #include <span>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 #include "coordinator/cluster_config.h"
@@ -55,6 +66,7 @@
 #include "coordinator/membership.h"
 #include "coordinator/pipeline_run.h"
 #include "coordinator/prefix_cache.h"
+#include "coordinator/request_log.h"
 #include "coordinator/step_plan.h"
 #include "coordinator/text_stream.h"
 #include "model/tokenizer.h"
@@ -84,9 +96,22 @@ class Scheduler {
   // null entries (stages nobody serves) are skipped. The cluster manager's stage_figures_of.
   static StageFigures figures_of(std::span<const WorkerInfo* const> stages) { return stage_figures_of(stages); }
 
-  // Queues the request, or refuses it when the queue is full. Accepted requests always end
-  // in sink.on_done, or in sink.on_refused when they waited too long for a pipeline.
-  CoreStatus submit(std::shared_ptr<const CompletionRequest> request, CompletionSink sink);
+  // Queues the request, or refuses it when the queue is full, or (Invalid, naming the
+  // numbers) when its K/V reservation is larger than `kv_capacity`, the largest pipeline's
+  // budget (0: not known yet; admit() refuses it then). Accepted requests always end in
+  // sink.on_done, or in sink.on_refused when they waited too long for a pipeline.
+  CoreStatus submit(std::shared_ptr<const CompletionRequest> request, CompletionSink sink, int64_t kv_capacity = 0);
+  // The K/V tokens a request reserves on its pipeline: prompt + max_tokens per sequence (beam
+  // search: twice its beams, see submit), each within the model's context.
+  static int64_t kv_tokens_needed(const CompletionRequest& request, int64_t n_positions);
+  // The client went away: `request` (as submitted) ends as cancelled, queued or running, the
+  // way any request ends (end_request): its K/V reservation returned, its sequences freed on
+  // every stage by the pipeline's next micro-batch, its sink's on_done called. False when it
+  // is not outstanding (it ended already).
+  bool cancel(const CompletionRequest* request);
+  // Tokens the last stage generated for sequences that had ended (a stop string's step in
+  // flight, a cancelled or failed request's), since the last call.
+  int64_t take_discarded_tokens() { return std::exchange(discarded_tokens_, 0); }
 
   // The queue's wait for a pipeline. `serviceable`: some pipeline serves or is being
   // repaired (its missing stages are loading or have spares). While none is, a queued
@@ -188,6 +213,26 @@ class Scheduler {
     bool failed = false;
     std::chrono::steady_clock::time_point queued_at;
     std::vector<int64_t> cached_tokens;  // per prompt: tokens its first sequence forked from a cache entry
+    // For the request log: tokens the pipeline generated for it, when the first came, and how
+    // many times its sequences were fed again from their first token.
+    int64_t generated = 0;
+    std::optional<std::chrono::steady_clock::time_point> first_token_at;
+    int replays = 0;
+    // best_of > n (CompletionRequest::ranks_samples): each sample's updates folded into one,
+    // by slot, kept until every sample of its prompt is done (sample_ranking.cc).
+    struct Sample {
+      ChoiceUpdate update;
+      double logprob = 0;  // the sum of its tokens' log-probs
+      bool done = false;
+    };
+    std::vector<Sample> samples;
+  };
+  // How a request ends (end_request): the sink's on_done for Ok (no message), Failed and
+  // Cancelled (`error`); refuse_accepted with `refusal` for the others.
+  struct Ending {
+    RequestOutcome outcome = RequestOutcome::Ok;
+    std::string error;
+    CoreStatus refusal;
   };
 
   struct Sequence {
@@ -269,10 +314,22 @@ class Scheduler {
   void deliver_group(Request& r, BeamGroup& g);
   void deliver_one(Sequence& s, Delivery d);
   void finish_sequence(Sequence& s, const char* reason, ChoiceUpdate update);
+  // A choice's update to the client, or (best_of > n) to its sample's record until its
+  // prompt's samples are all done, and then the best n as the prompt's choices
+  // (sample_ranking.cc).
+  void emit(Sequence& s, ChoiceUpdate update);
+  void send_best_samples(Request& r, size_t prompt);
+  // A running request's end: Ok when `error` is empty, else Failed.
   void finish_request(Request& r, const std::string& error);
+  // The one way a request ends, queued (taken from the queue) or running (take_running): its
+  // reservation returned and sequences freed when it ran, the sink told (Ending), its line in
+  // the request log; then it is destroyed (request_endings.cc).
+  void end_request(std::unique_ptr<Request> owned, const Ending& ending);
+  std::unique_ptr<Request> take_running(Request& r);
+  RequestRecord record_of(const Request& r, const Ending& ending) const;
   // Refuses, with `why`, the queued requests that arrived at or before `arrived_by`.
   void refuse_queued(std::chrono::steady_clock::time_point arrived_by, const CoreStatus& why);
-  // finish_request's bookkeeping: its reservation returned, its sequences freed and forgotten.
+  // end_request's bookkeeping: its reservation returned, its sequences freed and forgotten.
   void release_request(Request& r);
   // Prefix reuse (see the top of this file). Entries are whole granules of the K/V pages the
   // pipeline's stages describe (PipelineRun::figures), so they share pages without copies.
@@ -306,6 +363,7 @@ class Scheduler {
   std::vector<std::vector<SeqFork>> retain_forks_;
   std::vector<int64_t> kv_budget_;
   PrefixStats prefix_stats_;
+  int64_t discarded_tokens_ = 0;  // take_discarded_tokens
 };
 
 }  // namespace conveyor

@@ -318,7 +318,7 @@ bool read_model(FieldReader& r, std::string_view served_model, CompletionRequest
 bool read_plain_fields(FieldReader& r, const ApiLimits& limits, CompletionRequest& req, int& max_tokens,
                        int64_t& logprobs) {
   SamplingParams& s = req.sampling;
-  return r.get_int("max_tokens", 1, kIntMax, max_tokens) &&
+  return r.get_int("max_tokens", 0, kIntMax, max_tokens) &&
          r.get_number("temperature", 0.0, 2.0, false, s.temperature) &&
          r.get_number("top_p", 0.0, 1.0, true, s.top_p) && r.get_int("top_k", 0, kIntMax, s.top_k) &&
          r.get_int("n", 1, limits.max_n, req.n) && r.get_bool("stream", req.stream) &&
@@ -369,17 +369,20 @@ bool read_stream_options(FieldReader& r, bool stream, bool& include_usage) {
   return true;
 }
 
-// Beam search and its fields, or n independent samples (best_of, when given, must equal n;
-// the beam-only fields are refused).
-bool read_choice_mode(FieldReader& r, CompletionRequest& req, bool logprobs_given) {
+// Beam search and its fields, or samples: best_of (default n, at least n) drawn per prompt,
+// the n of highest cumulative log-probability returned, never streamed when best_of > n (as
+// OpenAI); the beam-only fields are refused.
+bool read_choice_mode(FieldReader& r, const ApiLimits& limits, CompletionRequest& req, bool logprobs_given) {
   if (!r.get_bool("use_beam_search", req.use_beam_search)) return false;
   if (req.use_beam_search) return read_beam_search(r, req, logprobs_given);
-  if (const json* v = r.find("best_of")) {
-    if (!v->is_number_integer()) return r.wrong_type("best_of", "an integer", *v);
-    if ((v->is_number_unsigned() && v->get<uint64_t>() > uint64_t(kIntMax)) || v->get<int64_t>() != req.n)
-      return r.fail("best_of", "'best_of' other than n needs use_beam_search (got best_of " + v->dump() + ", n " +
-                                   std::to_string(req.n) + "); leave it out to get n independent samples");
-  }
+  req.best_of = req.n;
+  if (!r.get_int("best_of", 1, limits.max_n, req.best_of)) return false;
+  if (req.best_of < req.n)
+    return r.fail("best_of", "'best_of' (" + std::to_string(req.best_of) + ") must be at least n (" +
+                                 std::to_string(req.n) + "): the n best of best_of samples are returned");
+  if (req.best_of > req.n && req.stream)
+    return r.fail("best_of", "'best_of' greater than n cannot be streamed (the best samples are known only at the end); "
+                             "set stream to false or best_of to n");
   for (const char* beam_only : {"length_penalty", "early_stopping"})
     if (r.find(beam_only))
       return r.fail(beam_only, std::string("'") + beam_only + "' applies to beam search only (set use_beam_search)");
@@ -420,6 +423,13 @@ bool fit_context(FieldReader& r, int64_t n_positions, bool max_tokens_given, int
                                       std::to_string(max_tokens) + " for the completion); reduce the prompt or max_tokens");
   }
   req.max_tokens = max_tokens;
+  // max_tokens 0: the scoring idiom (lm-evaluation-harness's loglikelihood): the prompt
+  // echoed with its log-probs, nothing generated.
+  if (max_tokens == 0 && !req.echo)
+    return r.fail("max_tokens", "'max_tokens' 0 generates nothing; it needs echo (the prompt, with its log-probs when "
+                                "logprobs is set)");
+  if (max_tokens == 0 && req.use_beam_search)
+    return r.fail("max_tokens", "'max_tokens' 0 cannot be used with use_beam_search");
   if (req.sampling.min_tokens > req.max_tokens)
     return r.fail("min_tokens", "'min_tokens' (" + std::to_string(req.sampling.min_tokens) +
                                     ") must not exceed max_tokens (" + std::to_string(req.max_tokens) + ")");
@@ -451,7 +461,7 @@ Expected<CompletionRequest> parse_completion_request(const nlohmann::json& body,
                   read_prompts(r, body, tokenizer, vocab, config.n_positions, limits, req.prompts) &&
                   read_plain_fields(r, limits, req, max_tokens, logprobs) && read_seed(r, s.seed) &&
                   read_stream_options(r, req.stream, include_usage) && read_user(r) &&
-                  read_logit_bias(r, vocab, s.logit_bias) && read_choice_mode(r, req, logprobs >= 0) && read_suffix(r) &&
+                  read_logit_bias(r, vocab, s.logit_bias) && read_choice_mode(r, limits, req, logprobs >= 0) && read_suffix(r) &&
                   fit_context(r, config.n_positions, max_tokens_given, max_tokens, req);
   if (!ok) return failed(*r.error(), error);
   req.logprobs = int(logprobs);

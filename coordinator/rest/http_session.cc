@@ -138,6 +138,11 @@ class Session : public std::enable_shared_from_this<Session> {
   void write_next();
   void stream_broken();
 
+  // Cancel on disconnect: while a completion is answered, the client closing its connection
+  // (seen by watch_disconnect, or as a failed write of a stream) cancels it in the core.
+  void watch_disconnect();
+  void client_gone();
+
   beast::tcp_stream stream_;
   beast::flat_buffer buffer_;
   std::optional<http::request_parser<http::string_body>> parser_;
@@ -163,6 +168,8 @@ class Session : public std::enable_shared_from_this<Session> {
 
   bool chunked_ = true, header_done_ = false, writing_ = false, finishing_ = false, close_after_ = false,
        broken_ = false;
+  bool cancelled_ = false;  // the client went away: the answer's end is not sent
+  uint64_t watch_id_ = 0;   // the answer the pending watch_disconnect belongs to
 };
 
 void Session::do_read() {
@@ -428,7 +435,39 @@ void Session::completions() {
     return send_refusal(submitted);
   }
   if (ctx_->metrics) ctx_->metrics->add_prompt_tokens(uint64_t(active_->builder.prompt_tokens()));
+  cancelled_ = false;
+  watch_disconnect();
   if (request->stream) start_stream();
+}
+
+// While a completion is answered the client sends nothing (a pipelined request aside): the
+// socket turning readable with no byte to read (its FIN) or failing means the client closed
+// its connection. The byte is peeked, never taken: a pipelined request stays for do_read, and
+// the watch ends (that client is still there). A client that half-closes its side after the
+// request reads as gone too, as with vLLM.
+void Session::watch_disconnect() {
+  const uint64_t id = ++watch_id_;
+  stream_.socket().async_wait(tcp::socket::wait_read, [self = shared_from_this(), id](beast::error_code ec) {
+    if (id != self->watch_id_ || !self->active_ || self->cancelled_) return;  // that answer ended
+    if (ec == net::error::operation_aborted) return;                          // the socket was closed here
+    char byte;
+    beast::error_code peek;
+    size_t n = 0;
+    if (!ec) {
+      self->stream_.socket().non_blocking(true, peek);
+      if (!peek) n = self->stream_.socket().receive(net::buffer(&byte, 1), tcp::socket::message_peek, peek);
+      if (peek == net::error::would_block || peek == net::error::try_again) return self->watch_disconnect();
+      if (!peek && n > 0) return;  // a pipelined request
+    }
+    self->client_gone();
+  });
+}
+
+void Session::client_gone() {
+  if (!active_ || cancelled_) return;
+  cancelled_ = true;
+  spdlog::debug("completion {}: the client closed its connection; cancelling", active_->request->id);
+  ctx_->backend->cancel(*active_->request);
 }
 
 void Session::on_update(ChoiceUpdate update, Clock::time_point at) {
@@ -456,6 +495,13 @@ void Session::on_update(ChoiceUpdate update, Clock::time_point at) {
 void Session::on_done(std::string error) {
   if (!active_) return;
   std::unique_ptr<Active> done = std::move(active_);
+  if (cancelled_) {  // the client is gone: nothing to send
+    cancelled_ = false;
+    end_answer();
+    beast::error_code ec;
+    stream_.socket().close(ec);
+    return;
+  }
   if (!error.empty()) spdlog::warn("completion {} failed: {}", done->request->id, error);
   if (done->request->stream) {
     if (!error.empty()) {
@@ -475,6 +521,7 @@ void Session::on_done(std::string error) {
 // A stream has already sent its 200: the refusal is its last event.
 void Session::on_refused(CoreStatus why) {
   if (!active_) return;
+  if (cancelled_) return on_done({});
   std::unique_ptr<Active> done = std::move(active_);
   spdlog::warn("completion {} refused: {}", done->request->id, why.message);
   if (done->request->stream) {
@@ -559,10 +606,11 @@ void Session::write_next() {
 }
 
 void Session::stream_broken() {
-  // The client went away (or stalled past the timeout). Drop the output; the request
-  // still runs to completion in the core and on_done still arrives here.
+  // The client went away (or stalled past the timeout). Drop the output and cancel the
+  // request in the core; on_done still arrives here.
   broken_ = true;
   events_.clear();
+  client_gone();
   beast::error_code ec;
   stream_.socket().close(ec);
 }

@@ -32,7 +32,7 @@
 namespace conveyor {
 
 struct ApiLimits {
-  int max_n = 16;                            // choices per prompt
+  int max_n = 128;                           // choices per prompt, and best_of (sampling); K/V permitting
   int max_prompts = 64;                      // prompts in one request (batch prompt)
   int max_logprobs = 20;                     // `logprobs` upper bound
   int max_stop = 4;                          // stop strings

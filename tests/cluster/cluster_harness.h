@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <functional>
@@ -369,6 +370,23 @@ inline void run_load(Cluster& cluster, uint32_t seed, int n, const std::function
   load.join();
   for (const auto& f : failures) ADD_FAILURE() << f;
   EXPECT_TRUE(failures.empty()) << "coordinator log:\n" << Cluster::read(cluster.dir / "coordinator.log").substr(0, 20000);
+}
+
+// Every line of a JSON-lines file, parsed (a malformed line fails the test).
+inline std::vector<json> json_lines(const fs::path& path) {
+  std::vector<json> out;
+  std::ifstream in(path);
+  for (std::string line; std::getline(in, line);)
+    if (!line.empty()) out.push_back(json::parse(line));
+  return out;
+}
+
+// A metric's value in a Prometheus text body ("" labels: none); NaN when absent.
+inline double metric(const std::string& body, const std::string& name_and_labels) {
+  const std::string key = "\n" + name_and_labels + " ";
+  const size_t at = body.find(key);
+  if (at == std::string::npos) return std::nan("");
+  return std::stod(body.substr(at + key.size()));
 }
 
 // /v1/cluster says requests are running on pipeline 0 (they hold K/V reservations).

@@ -15,22 +15,6 @@ namespace {
 
 using namespace cluster_test;
 
-std::vector<json> json_lines(const fs::path& path) {
-  std::vector<json> out;
-  std::ifstream in(path);
-  for (std::string line; std::getline(in, line);)
-    if (!line.empty()) out.push_back(json::parse(line));  // a malformed line fails the test
-  return out;
-}
-
-// A metric's value in a Prometheus text body ("" labels: none); NaN when absent.
-double metric(const std::string& body, const std::string& name_and_labels) {
-  const std::string key = "\n" + name_and_labels + " ";
-  const size_t at = body.find(key);
-  if (at == std::string::npos) return std::nan("");
-  return std::stod(body.substr(at + key.size()));
-}
-
 TEST(ServingTrace, QueuePastTheAdmissionLimitIsVisibleAndTracesMatchTheBatches) {
   const fs::path trace_dir = temp_dir("trace-files");
   ::setenv("CONVEYOR_TRACE_DIR", trace_dir.c_str(), 1);  // the daemons started now inherit it

@@ -136,5 +136,19 @@ TEST(ClusterConfig, ComplexKeysAreRefusedNotThrown) {
   EXPECT_NE(error_of("? {model: 1}\n: 2\n").find("is a mapping, not a name"), std::string::npos);
 }
 
+// log.format: text (the default) or json; anything else names the line and the choices.
+TEST(ClusterConfig, LogFormat) {
+  auto parse = [](const std::string& yaml) {
+    return parse_cluster_config("model: {path: \"" + model_dir() + "\"}\ncontrol: {join_token: t}\n" + yaml, "c.yaml");
+  };
+  EXPECT_FALSE(parse("").value().log_json);
+  EXPECT_FALSE(parse("log: {format: text}\n").value().log_json);
+  EXPECT_TRUE(parse("log: {format: json}\n").value().log_json);
+  const std::string bad = error_of("log: {format: xml}\n");
+  EXPECT_NE(bad.find("c.yaml:3"), std::string::npos) << bad;
+  EXPECT_NE(bad.find("'log.format' must be text or json, got 'xml'"), std::string::npos) << bad;
+  EXPECT_NE(error_of("log: {level: info}\n").find("unknown key 'level' in 'log'"), std::string::npos);
+}
+
 }  // namespace
 }  // namespace conveyor

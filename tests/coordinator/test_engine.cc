@@ -7,6 +7,7 @@
 
 #include <chrono>
 #include <memory>
+#include <mutex>
 #include <thread>
 
 #include "coordinator/engine.h"
@@ -26,7 +27,7 @@ struct EngineHarness {
   ClusterConfig cfg;
   std::unique_ptr<transport::UcxChannel> coordinator_channel, stage_channel;
   std::unique_ptr<Engine> engine;
-  transport::PeerId to_stage = transport::kNoPeer;
+  transport::PeerId to_stage = transport::kNoPeer, to_coordinator = transport::kNoPeer;
   uint64_t version = 0;
 
   // batch_timeout_ms 0: no timer, only events wake the engine.
@@ -76,6 +77,26 @@ struct EngineHarness {
     return engine->submit(r, sink);
   }
 
+  // The stage's way back to the engine, for answer().
+  void connect_back() {
+    auto to = stage_channel->connect(coordinator_channel->address(), "coordinator");
+    ASSERT_TRUE(to.ok()) << to.error();
+    to_coordinator = *to;
+  }
+
+  // The stage's result of `b`: `token` for each of its sequences.
+  void answer(const MicroBatch& b, int32_t token) {
+    BatchResult res;
+    res.batch_id = b.batch_id, res.pipeline = 0, res.epoch = b.epoch;
+    for (const SeqStep& s : b.seqs) {
+      SeqResult sr;
+      sr.seq_id = s.slice.seq_id, sr.token = token;
+      res.seqs.push_back(sr);
+    }
+    const std::vector<uint8_t> bytes = encode(res);
+    ASSERT_TRUE(stage_channel->send(to_coordinator, std::as_bytes(std::span(bytes)), {}, 10s).ok());
+  }
+
   // The next micro-batch the stage receives (the test fails on none within the hang guard).
   MicroBatch next_batch() {
     auto got = stage_channel->recv(60s);
@@ -111,8 +132,7 @@ TEST(Engine, ASubmitWakesTheEngine) {
 // token with its state sent again to the last stage, all in the new epoch.
 TEST(Engine, ASnapshotWithANewEpochRestartsThePipeline) {
   EngineHarness h;
-  auto to_coordinator = h.stage_channel->connect(h.coordinator_channel->address(), "coordinator");
-  ASSERT_TRUE(to_coordinator.ok()) << to_coordinator.error();
+  h.connect_back();
   h.engine->start();
   h.post(5);
   ASSERT_TRUE(h.submit(20).ok());
@@ -136,23 +156,49 @@ TEST(Engine, ASnapshotWithANewEpochRestartsThePipeline) {
   EXPECT_EQ(st.pipelines.at(0).in_flight, 1);
 
   // The old epoch's result comes late and is ignored; the new one's token is taken.
-  auto answer = [&](const MicroBatch& b, int32_t token) {
-    BatchResult r;
-    r.batch_id = b.batch_id, r.pipeline = 0, r.epoch = b.epoch;
-    SeqResult sr;
-    sr.seq_id = seq, sr.token = token;
-    r.seqs.push_back(sr);
-    const std::vector<uint8_t> bytes = encode(r);
-    ASSERT_TRUE(h.stage_channel->send(*to_coordinator, std::as_bytes(std::span(bytes)), {}, 10s).ok());
-  };
-  answer(first, 111);
-  answer(again, 222);
+  h.answer(first, 111);
+  h.answer(again, 222);
   const MicroBatch decode = h.next_batch();
   EXPECT_EQ(decode.epoch, 6u);
   ASSERT_EQ(decode.seqs.size(), 1u);
   EXPECT_EQ(decode.seqs[0].slice.start_pos, 20);
   EXPECT_EQ(decode.seqs[0].slice.num_tokens, 1);
   EXPECT_EQ(decode.token_ids, std::vector<int32_t>{222});
+}
+
+// A cancelled request (its client went away) ends at once and wakes the engine: the next
+// micro-batch the pipeline has room for carries its frees (here the one after the decode step
+// in flight: one micro-batch in flight at a time), and its K/V reservation is back at once.
+TEST(Engine, ACancelledRequestIsFreedByTheNextMicroBatch) {
+  EngineHarness h;
+  h.connect_back();
+  h.engine->start();
+  h.post(1);
+  auto r = testing::greedy_request(20, 200);
+  std::mutex mu;
+  std::vector<std::string> done;
+  CompletionSink sink;
+  sink.on_update = [](ChoiceUpdate) {};
+  sink.on_done = [&](const std::string& e) {
+    std::lock_guard lk(mu);
+    done.push_back(e);
+  };
+  ASSERT_TRUE(h.engine->submit(r, sink).ok());
+  const MicroBatch prefill = h.next_batch();
+  ASSERT_EQ(prefill.seqs.size(), 1u);
+  const uint64_t seq = prefill.seqs[0].slice.seq_id;
+  h.answer(prefill, 7);
+  const MicroBatch decode = h.next_batch();  // in flight while the client goes
+  ASSERT_EQ(decode.seqs.size(), 1u);
+  h.engine->cancel(*r);
+  EXPECT_EQ(h.engine->stats().pipelines.at(0).kv_reserved, 0);
+  EXPECT_EQ(h.engine->stats().outstanding, 0u);
+  h.answer(decode, 7);  // its token is discarded; the frees leave on the next micro-batch
+  const MicroBatch frees = h.next_batch();
+  EXPECT_TRUE(frees.seqs.empty());
+  EXPECT_EQ(frees.free_seq_ids, std::vector<uint64_t>{seq});
+  std::lock_guard lk(mu);
+  EXPECT_EQ(done, std::vector<std::string>{"the client closed its connection"});
 }
 
 // A ready pipeline with work that makes no progress for batch_timeout_ms is stalled

@@ -105,12 +105,18 @@ TEST(Scheduler, AdmissionFillsTheKvBudgetAndSaysWhy) {
   closed.admit(1000, /*open=*/false);
   EXPECT_EQ(closed.scheduler->queue_wait(), QueueWait::NoPipeline);
   EXPECT_EQ(closed.scheduler->running_on(0), 0);
-  // A request larger than any budget is failed with the figures, not left waiting.
+  // A request larger than any budget is refused with the figures (Invalid: a 400), not left
+  // waiting; one is refused at submission once the largest budget is known.
   Harness small({});
   small.submit(50, 50);
   small.admit(60);
   ASSERT_EQ(small.done.size(), 1u);
-  EXPECT_NE(small.done[0].find("100 KV-cache tokens"), std::string::npos) << small.done[0];
+  EXPECT_NE(small.done[0].find("needs 100 K/V-cache tokens"), std::string::npos) << small.done[0];
+  EXPECT_NE(small.done[0].find("more than a pipeline holds (60 tokens)"), std::string::npos) << small.done[0];
+  const CoreStatus refused = small.scheduler->submit(testing::greedy_request(50, 50), {}, /*kv_capacity=*/60);
+  EXPECT_EQ(refused.error, CoreError::Invalid);
+  EXPECT_EQ(refused.param, "max_tokens");
+  EXPECT_NE(refused.message.find("needs 100 K/V-cache tokens"), std::string::npos) << refused.message;
   EXPECT_EQ(small.scheduler->queue_size(), 0u);
   EXPECT_EQ(small.scheduler->queue_wait(), QueueWait::None);
 }

@@ -93,6 +93,17 @@ class EngineBackend : public CompletionBackend {
     return {};
   }
 
+  // The REST layer saw the client go: the request stops before its next update.
+  void cancel(const CompletionRequest& request) override {
+    std::lock_guard lock(mu_);
+    cancelled_.push_back(&request);
+    ++cancels_;
+  }
+  int cancels() {
+    std::lock_guard lock(mu_);
+    return cancels_;
+  }
+
   // Waits until `n` accepted requests got on_done; false after `timeout`.
   bool wait_done(int n, std::chrono::milliseconds timeout = 60s) {
     std::unique_lock lock(mu_);
@@ -122,6 +133,10 @@ class EngineBackend : public CompletionBackend {
         queue_.pop_front();
       }
       serve(*job.first, job.second);
+      {
+        std::lock_guard lock(mu_);
+        std::erase(cancelled_, job.first.get());  // its address may be a later request's
+      }
       job = {};  // the sink goes before the request counts as done
       {
         std::lock_guard lock(mu_);
@@ -156,6 +171,7 @@ class EngineBackend : public CompletionBackend {
       for (size_t c = 0; c < choices; ++c) {
         if (finished[c]) continue;
         any = true;
+        if (cancelled(r)) return sink.on_done("the client closed its connection");
         const GenerationResult& res = (*results)[c];
         ChoiceUpdate u;
         u.choice = c;
@@ -186,9 +202,16 @@ class EngineBackend : public CompletionBackend {
     sink.on_done("");
   }
 
+  bool cancelled(const CompletionRequest& r) {
+    std::lock_guard lock(mu_);
+    return std::find(cancelled_.begin(), cancelled_.end(), &r) != cancelled_.end();
+  }
+
   std::unique_ptr<Engine> engine_;
   std::shared_ptr<const Tokenizer> tokenizer_;
   std::mutex mu_;
+  std::vector<const CompletionRequest*> cancelled_;  // by identity, as the core knows them
+  int cancels_ = 0;
   std::condition_variable cv_;
   std::deque<std::pair<std::shared_ptr<const CompletionRequest>, CompletionSink>> queue_;
   bool stopping_ = false;

@@ -293,9 +293,18 @@ TEST_F(HttpServerTest, CoreFailureIs500OrAnSseErrorEvent) {
   EXPECT_TRUE(c.closed_by_peer());
 }
 
-TEST_F(HttpServerTest, ClientDisconnectMidStreamHarmsNothing) {
+// Waits (bounded) until the backend was told to cancel `n` requests in all.
+bool cancelled(EngineBackend& backend, int n) {
+  const auto deadline = std::chrono::steady_clock::now() + 30s;
+  while (backend.cancels() < n)
+    if (std::chrono::steady_clock::now() > deadline) return false;
+    else std::this_thread::sleep_for(2ms);
+  return true;
+}
+
+TEST_F(HttpServerTest, ClientDisconnectMidStreamCancelsTheRequest) {
   backend_->update_delay_ms = 30;
-  const int done_before = backend_->done();
+  const int done_before = backend_->done(), cancels_before = backend_->cancels();
   {
     Connection c(port());
     json body = {{"prompt", "The jury said"}, {"max_tokens", 30}, {"stream", true}, {"ignore_eos", true}};
@@ -306,11 +315,48 @@ TEST_F(HttpServerTest, ClientDisconnectMidStreamHarmsNothing) {
     ASSERT_NE(got.find("200 OK"), std::string::npos) << got;
     c.socket.close();  // gone, mid-stream
   }
-  // The request still completes in the core; the server drops its output and keeps serving.
+  // The core is told to stop it (it ends early); the server keeps serving.
+  EXPECT_TRUE(cancelled(*backend_, cancels_before + 1));
   ASSERT_TRUE(backend_->wait_done(done_before + 1));
   backend_->update_delay_ms = 0;
   EXPECT_EQ(post(port(), kGreedy).status, 200);
   EXPECT_EQ(call(port(), http::verb::get, "/metrics").status, 200);
+}
+
+// A client that closes its connection while it waits for a non-stream answer is cancelled too
+// (the session sees the connection's end although it writes nothing yet).
+TEST_F(HttpServerTest, ClientDisconnectWhileWaitingCancelsTheRequest) {
+  backend_->update_delay_ms = 30;  // 30 tokens: about a second of updates
+  const int done_before = backend_->done(), cancels_before = backend_->cancels(), accepted_before = backend_->accepted();
+  {
+    Connection c(port());
+    json body = {{"prompt", "The jury said"}, {"max_tokens", 30}, {"ignore_eos", true}};
+    const std::string text = body.dump();
+    c.send_raw("POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: " + std::to_string(text.size()) +
+               "\r\n\r\n" + text);
+    while (backend_->accepted() == accepted_before)  // the watchdog bounds the program
+      std::this_thread::sleep_for(1ms);
+    std::this_thread::sleep_for(50ms);  // it runs
+    c.socket.close();
+  }
+  EXPECT_TRUE(cancelled(*backend_, cancels_before + 1));
+  ASSERT_TRUE(backend_->wait_done(done_before + 1));
+  // A pipelined second request on one connection is no disconnect: both are answered.
+  backend_->update_delay_ms = 0;
+  Connection c(port());
+  const std::string text = kGreedy.dump();
+  const std::string one = "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: " +
+                          std::to_string(text.size()) + "\r\n\r\n" + text;
+  c.send_raw(one + one);
+  auto answers = [](const std::string& bytes) {
+    size_t n = 0;
+    for (size_t at = bytes.find("\"text_completion\""); at != std::string::npos; at = bytes.find("\"text_completion\"", at + 1)) ++n;
+    return n;
+  };
+  std::string got = c.read_until("\"text_completion\"");
+  if (answers(got) < 2) got += c.read_until("\"text_completion\"");
+  EXPECT_EQ(answers(got), 2u) << got;
+  EXPECT_EQ(backend_->cancels(), cancels_before + 1);
 }
 
 }  // namespace
