@@ -5,6 +5,7 @@
 #include <charconv>
 #include <cmath>
 #include <cstdio>
+#include <optional>
 
 #include "model/chat_template_syntax.h"
 
@@ -360,8 +361,13 @@ bool apply_test(const std::string& name, const Value& v, const std::vector<Value
   throw TemplateFailure(at, "unknown test '" + name + "'");
 }
 
-Value apply_filter(const std::string& name, const Value& v, const std::vector<Value>& args,
-                   const std::vector<std::pair<std::string, Value>>& kwargs, Pos at) {
+namespace {
+
+using Kwargs = std::vector<std::pair<std::string, Value>>;
+
+// The filters of one value as text or number; nullopt: not one of them.
+std::optional<Value> scalar_filter(const std::string& name, const Value& v, const std::vector<Value>& args,
+                                   const Kwargs& kwargs, Pos at) {
   using K = Value::Kind;
   const std::string what = "the filter '" + name + "'";
   if (name == "safe") return v;
@@ -399,6 +405,22 @@ Value apply_filter(const std::string& name, const Value& v, const std::vector<Va
     if (name == "float") return Value::number(x);
     return v.kind == K::Int ? v : Value::integer(int64_t(std::trunc(x)));
   }
+  if (name == "replace") {
+    if (args.size() < 2) throw TemplateFailure(at, what + " takes (old, new[, count])");
+    need_string(args[0], what, at);
+    return Value::string(replace_all(to_text(v), args[0].s, to_text(args[1]), args.size() > 2 ? args[2].i : -1));
+  }
+  if (name == "abs") {
+    if (!v.is_number()) throw TemplateFailure(at, what + " needs a number, got " + kind_name(v));
+    return v.kind == K::Float ? Value::number(std::fabs(v.f)) : Value::integer(std::llabs(v.kind == K::Bool ? v.b : v.i));
+  }
+  return std::nullopt;
+}
+
+// The filters of sequences and dicts; nullopt: not one of them.
+std::optional<Value> sequence_filter(const std::string& name, const Value& v, const std::vector<Value>& args,
+                                     const Kwargs& kwargs, Pos at) {
+  const std::string what = "the filter '" + name + "'";
   if (name == "default" || name == "d") {
     const Value* fallback = arg(args, 0, kwargs, "default_value");
     const Value* boolean = arg(args, 1, kwargs, "boolean");
@@ -421,11 +443,6 @@ Value apply_filter(const std::string& name, const Value& v, const std::vector<Va
     }
     return Value::string(std::move(out));
   }
-  if (name == "replace") {
-    if (args.size() < 2) throw TemplateFailure(at, what + " takes (old, new[, count])");
-    need_string(args[0], what, at);
-    return Value::string(replace_all(to_text(v), args[0].s, to_text(args[1]), args.size() > 2 ? args[2].i : -1));
-  }
   if (name == "list") return Value::of_list(items_of(v, at));
   if (name == "reverse") {
     List items = items_of(v, at);
@@ -440,10 +457,6 @@ Value apply_filter(const std::string& name, const Value& v, const std::vector<Va
     List out;
     for (const auto& [k, x] : *v.dict) out.push_back(Value::of_list({Value::string(k), x}));
     return Value::of_list(std::move(out));
-  }
-  if (name == "abs") {
-    if (!v.is_number()) throw TemplateFailure(at, what + " needs a number, got " + kind_name(v));
-    return v.kind == K::Float ? Value::number(std::fabs(v.f)) : Value::integer(std::llabs(v.kind == K::Bool ? v.b : v.i));
   }
   if (name == "selectattr" || name == "rejectattr") {
     if (args.empty()) throw TemplateFailure(at, what + " needs an attribute name");
@@ -467,6 +480,14 @@ Value apply_filter(const std::string& name, const Value& v, const std::vector<Va
                               : apply_filter(to_text(args[0]), x, std::vector<Value>(args.begin() + 1, args.end()), {}, at));
     return Value::of_list(std::move(out));
   }
+  return std::nullopt;
+}
+
+}  // namespace
+
+Value apply_filter(const std::string& name, const Value& v, const std::vector<Value>& args, const Kwargs& kwargs, Pos at) {
+  if (std::optional<Value> out = scalar_filter(name, v, args, kwargs, at)) return *std::move(out);
+  if (std::optional<Value> out = sequence_filter(name, v, args, kwargs, at)) return *std::move(out);
   throw TemplateFailure(at, "unknown filter '" + name + "'");
 }
 

@@ -81,6 +81,7 @@ class Parser {
   }
 
   ExprPtr expression(bool with_cond = true);
+  ExprPtr logical(const char* word, ExprPtr (Parser::*operand)());
   ExprPtr or_expr();
   ExprPtr and_expr();
   ExprPtr not_expr();
@@ -224,27 +225,20 @@ ExprPtr Parser::expression(bool with_cond) {
   return c;
 }
 
-ExprPtr Parser::or_expr() {
-  ExprPtr e = and_expr();
-  while (is_name("or")) {
-    auto b = make(Expr::Kind::Binary, next().pos, "or");
+// `operand (word operand)*`, left-associative: `or` over `and`, `and` over `not`.
+ExprPtr Parser::logical(const char* word, ExprPtr (Parser::*operand)()) {
+  ExprPtr e = (this->*operand)();
+  while (is_name(word)) {
+    auto b = make(Expr::Kind::Binary, next().pos, word);
     b->args.push_back(std::move(e));
-    b->args.push_back(and_expr());
+    b->args.push_back((this->*operand)());
     e = std::move(b);
   }
   return e;
 }
 
-ExprPtr Parser::and_expr() {
-  ExprPtr e = not_expr();
-  while (is_name("and")) {
-    auto b = make(Expr::Kind::Binary, next().pos, "and");
-    b->args.push_back(std::move(e));
-    b->args.push_back(not_expr());
-    e = std::move(b);
-  }
-  return e;
-}
+ExprPtr Parser::or_expr() { return logical("or", &Parser::and_expr); }
+ExprPtr Parser::and_expr() { return logical("and", &Parser::not_expr); }
 
 ExprPtr Parser::not_expr() {
   if (!is_name("not")) return compare();

@@ -2,7 +2,9 @@
 #pragma once
 
 #include <cstdlib>
+#include <fstream>
 #include <optional>
+#include <sstream>
 #include <string>
 
 namespace conveyor::testing {
@@ -33,6 +35,14 @@ inline bool gpu_sharing_ranks_allowed() {
 inline std::string bin_dir() {
   if (const char* env = std::getenv("CONVEYOR_BIN_DIR"); env && *env) return env;
   return std::string(CONVEYOR_BINARY_DIR) + "/bin";
+}
+
+// A file's bytes ("" when it cannot be read).
+inline std::string read_text_file(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::ostringstream text;
+  text << in.rdbuf();
+  return text.str();
 }
 
 // Sets an environment variable for one scope, restoring what was there.

@@ -39,15 +39,6 @@ const std::set<std::string>& unsupported_fields() {
   return k;
 }
 
-std::string type_of(const ordered_json& v) {
-  if (v.is_string()) return "a string";
-  if (v.is_number()) return "a number";
-  if (v.is_boolean()) return "a boolean";
-  if (v.is_null()) return "null";
-  if (v.is_array()) return "an array";
-  return "an object";
-}
-
 Expected<CompletionRequest> refuse(ApiError e, ApiError* out) {
   if (out) *out = e;
   return Status::error(e.message);
@@ -61,7 +52,7 @@ bool bad_message(ApiError* error, std::string message) {
 // One message, with its content made a string (text parts joined by "\n"; null: "").
 bool normalise_message(const ordered_json& m, size_t i, ordered_json& out, ApiError* error) {
   const std::string where = "'messages'[" + std::to_string(i) + "]";
-  if (!m.is_object()) return bad_message(error, where + " must be an object, got " + type_of(m));
+  if (!m.is_object()) return bad_message(error, where + " must be an object, got " + json_type_name(m));
   auto role = m.find("role");
   if (role == m.end() || !role->is_string() || role->get<std::string>().empty())
     return bad_message(error, where + ".role must be a non-empty string");
@@ -80,7 +71,7 @@ bool normalise_message(const ordered_json& m, size_t i, ordered_json& out, ApiEr
     }
     out["content"] = text;
   } else if (!content->is_string()) {
-    return bad_message(error, where + ".content must be a string, an array of text parts or null, got " + type_of(*content));
+    return bad_message(error, where + ".content must be a string, an array of text parts or null, got " + json_type_name(*content));
   }
   return true;
 }
@@ -106,7 +97,7 @@ bool read_logprobs(const ordered_json& body, const ApiLimits& limits, int& logpr
   const auto top = body.find("top_logprobs");
   const bool on = lp != body.end() && lp->is_boolean() && lp->get<bool>();
   if (lp != body.end() && !lp->is_null() && !lp->is_boolean()) {
-    if (error) *error = api_error(400, "'logprobs' must be a boolean, got " + type_of(*lp), "logprobs");
+    if (error) *error = api_error(400, "'logprobs' must be a boolean, got " + json_type_name(*lp), "logprobs");
     return false;
   }
   if (top != body.end() && !top->is_null()) {
@@ -150,6 +141,16 @@ bool check_fields(const ordered_json& body, ApiError* error) {
 
 }  // namespace
 
+std::string json_type_name(const ordered_json& v) {
+  if (v.is_string()) return "a string";
+  if (v.is_number_integer()) return "an integer";
+  if (v.is_number()) return "a non-integer number";
+  if (v.is_boolean()) return "a boolean";
+  if (v.is_null()) return "null";
+  if (v.is_array()) return "an array";
+  return "an object";
+}
+
 Expected<std::shared_ptr<const ChatSettings>> load_chat_settings(const std::string& model_dir, const std::string& spec) {
   Expected<ModelChatConfig> model = load_model_chat_config(model_dir);
   if (!model.ok()) return model.status();
@@ -168,7 +169,7 @@ Expected<std::string> render_chat_prompt(const ordered_json& messages, bool add_
     if (error) *error = e;
     return Status::error(e.message);
   };
-  if (!messages.is_array()) return fail(api_error(400, "'messages' must be an array of messages, got " + type_of(messages), "messages"));
+  if (!messages.is_array()) return fail(api_error(400, "'messages' must be an array of messages, got " + json_type_name(messages), "messages"));
   if (messages.empty()) return fail(api_error(400, "'messages' is empty", "messages"));
   if (messages.size() > kMaxMessages)
     return fail(api_error(400, "'messages' holds " + std::to_string(messages.size()) + " messages; at most " +
@@ -226,7 +227,7 @@ Expected<CompletionRequest> parse_chat_body(std::string_view body_text, const Ch
   } catch (const ordered_json::exception& e) {
     return refuse(api_error(400, std::string("the request body is not valid JSON: ") + e.what()), error);
   }
-  if (!body.is_object()) return refuse(api_error(400, "the request body must be a JSON object, got " + type_of(body)), error);
+  if (!body.is_object()) return refuse(api_error(400, "the request body must be a JSON object, got " + json_type_name(body)), error);
   if (json_deeper_than(json::parse(body_text.begin(), body_text.end()), kMaxJsonDepth))
     return refuse(api_error(400, "the request body nests deeper than " + std::to_string(kMaxJsonDepth) + " levels"), error);
   ApiError e;
@@ -237,7 +238,7 @@ Expected<CompletionRequest> parse_chat_body(std::string_view body_text, const Ch
   bool add_generation_prompt = true;
   if (auto agp = body.find("add_generation_prompt"); agp != body.end() && !agp->is_null()) {
     if (!agp->is_boolean())
-      return refuse(api_error(400, "'add_generation_prompt' must be a boolean, got " + type_of(*agp), "add_generation_prompt"), error);
+      return refuse(api_error(400, "'add_generation_prompt' must be a boolean, got " + json_type_name(*agp), "add_generation_prompt"), error);
     add_generation_prompt = agp->get<bool>();
   }
   Expected<std::string> prompt = render_chat_prompt(*messages, add_generation_prompt, chat, &e);
@@ -269,11 +270,7 @@ ChatResponseBuilder::ChatResponseBuilder(std::shared_ptr<const CompletionRequest
     : request_(std::move(request)), tokenizer_(tokenizer), created_(created_unix_seconds),
       options_(std::move(options)), choices_(request_->num_choices()) {}
 
-int64_t ChatResponseBuilder::prompt_tokens() const {
-  int64_t n = 0;
-  for (const auto& p : request_->prompts) n += int64_t(p.size());
-  return n;
-}
+int64_t ChatResponseBuilder::prompt_tokens() const { return prompt_token_count(*request_); }
 
 json ChatResponseBuilder::usage() const {
   int64_t completion = 0, cached = 0;

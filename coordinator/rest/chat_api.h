@@ -35,6 +35,9 @@ struct ChatSettings {
 // model's bos/eos texts. Errors name the file or the template's syntax error.
 Expected<std::shared_ptr<const ChatSettings>> load_chat_settings(const std::string& model_dir, const std::string& spec);
 
+// How a JSON value is described in "got ..." messages ("a string", "an array", ...).
+std::string json_type_name(const nlohmann::ordered_json& v);
+
 // Renders `messages` (the client's, validated: a non-empty array of {role, content, ...}
 // with content a string, null or text parts) with the server's template. Errors (400, param
 // "messages"): malformed messages, no template, the template refusing the conversation.

@@ -352,10 +352,8 @@ void Session::route(std::string_view path) {
     if (allow_only(http::verb::post)) completions(/*chat=*/false);
   } else if (path == "/v1/chat/completions") {
     if (allow_only(http::verb::post)) completions(/*chat=*/true);
-  } else if (path == "/tokenize") {
-    if (allow_only(http::verb::post)) send_computed(&tokenize_request);
-  } else if (path == "/detokenize") {
-    if (allow_only(http::verb::post)) send_computed(&detokenize_request);
+  } else if (path == "/tokenize" || path == "/detokenize") {
+    if (allow_only(http::verb::post)) send_computed(path == "/tokenize" ? &tokenize_request : &detokenize_request);
   } else if (path == "/") {
     if (!allow_only(http::verb::get)) return;
     auto res = make_response(http::status::ok, std::string(status_page_html()), kStatusPageContentType);

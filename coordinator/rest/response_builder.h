@@ -14,6 +14,13 @@
 
 namespace conveyor {
 
+// Prompt tokens of a request, each prompt counted once (not n times).
+inline int64_t prompt_token_count(const CompletionRequest& request) {
+  int64_t n = 0;
+  for (const auto& p : request.prompts) n += int64_t(p.size());
+  return n;
+}
+
 class ResponseBuilder {
  public:
   virtual ~ResponseBuilder() = default;

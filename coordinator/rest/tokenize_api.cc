@@ -14,16 +14,6 @@ bool fail(ApiError* error, std::string message, std::string param = {}, int stat
   return false;
 }
 
-std::string type_of(const ordered_json& v) {
-  if (v.is_string()) return "a string";
-  if (v.is_number_integer()) return "an integer";
-  if (v.is_number()) return "a non-integer number";
-  if (v.is_boolean()) return "a boolean";
-  if (v.is_null()) return "null";
-  if (v.is_array()) return "an array";
-  return "an object";
-}
-
 // The body as a JSON object whose fields are all in `known`, and whose `model` (when given)
 // names the served model.
 bool read_body(std::string_view text, const std::set<std::string>& known, const RestContext& ctx, ordered_json& body,
@@ -33,7 +23,7 @@ bool read_body(std::string_view text, const std::set<std::string>& known, const 
   } catch (const ordered_json::exception& e) {
     return fail(error, std::string("the request body is not valid JSON: ") + e.what());
   }
-  if (!body.is_object()) return fail(error, "the request body must be a JSON object, got " + type_of(body));
+  if (!body.is_object()) return fail(error, "the request body must be a JSON object, got " + json_type_name(body));
   for (const auto& [key, value] : body.items())
     if (!known.count(key)) {
       std::string list;
@@ -41,7 +31,7 @@ bool read_body(std::string_view text, const std::set<std::string>& known, const 
       return fail(error, "unknown field '" + key + "' (known: " + list + ")", key);
     }
   if (auto m = body.find("model"); m != body.end() && !m->is_null()) {
-    if (!m->is_string()) return fail(error, "'model' must be a string, got " + type_of(*m), "model");
+    if (!m->is_string()) return fail(error, "'model' must be a string, got " + json_type_name(*m), "model");
     if (!ctx.model_name.empty() && m->get<std::string>() != ctx.model_name)
       return fail(error, "the model '" + m->get<std::string>() + "' does not exist; this server serves '" + ctx.model_name + "'",
                   "model", 404, "model_not_found");
@@ -52,7 +42,7 @@ bool read_body(std::string_view text, const std::set<std::string>& known, const 
 bool read_flag(const ordered_json& body, const char* name, bool& out, ApiError* error) {
   auto it = body.find(name);
   if (it == body.end() || it->is_null()) return true;
-  if (!it->is_boolean()) return fail(error, std::string("'") + name + "' must be a boolean, got " + type_of(*it), name);
+  if (!it->is_boolean()) return fail(error, std::string("'") + name + "' must be a boolean, got " + json_type_name(*it), name);
   out = it->get<bool>();
   return true;
 }
@@ -74,7 +64,7 @@ bool tokenize_request(std::string_view text, const RestContext& ctx, nlohmann::j
   if (has_prompt == has_messages) return fail(error, "give exactly one of 'prompt' (a string) and 'messages' (a chat)", "prompt");
   std::vector<int32_t> ids;
   if (has_prompt) {
-    if (!body["prompt"].is_string()) return fail(error, "'prompt' must be a string, got " + type_of(body["prompt"]), "prompt");
+    if (!body["prompt"].is_string()) return fail(error, "'prompt' must be a string, got " + json_type_name(body["prompt"]), "prompt");
     ids = ctx.tokenizer->encode(body["prompt"].get<std::string>());
   } else {
     const ChatSettings none;
@@ -97,13 +87,13 @@ bool detokenize_request(std::string_view text, const RestContext& ctx, nlohmann:
   if (!read_body(text, {"model", "tokens"}, ctx, body, error)) return false;
   auto tokens = body.find("tokens");
   if (tokens == body.end() || tokens->is_null()) return fail(error, "'tokens' is required", "tokens");
-  if (!tokens->is_array()) return fail(error, "'tokens' must be an array of token ids, got " + type_of(*tokens), "tokens");
+  if (!tokens->is_array()) return fail(error, "'tokens' must be an array of token ids, got " + json_type_name(*tokens), "tokens");
   const int64_t vocab = ctx.config.vocab_size > 0 ? ctx.config.vocab_size : ctx.tokenizer->vocab_size();
   std::vector<int32_t> ids;
   for (size_t i = 0; i < tokens->size(); ++i) {
     const ordered_json& t = (*tokens)[i];
     const std::string where = "'tokens'[" + std::to_string(i) + "]";
-    if (!t.is_number_integer()) return fail(error, where + " must be a token id (an integer), got " + type_of(t), "tokens");
+    if (!t.is_number_integer()) return fail(error, where + " must be a token id (an integer), got " + json_type_name(t), "tokens");
     const bool too_big = t.is_number_unsigned() && t.get<uint64_t>() >= uint64_t(vocab);
     if (too_big || t.get<int64_t>() < 0 || t.get<int64_t>() >= vocab)
       return fail(error, where + " = " + t.dump() + " is not a token id of this model (valid: 0.." + std::to_string(vocab - 1) + ")",

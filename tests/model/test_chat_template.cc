@@ -19,12 +19,6 @@ using nlohmann::ordered_json;
 
 fs::path data_dir() { return fs::path(testing::source_dir()) / "tests/data/chat_templates"; }
 
-std::string read(const fs::path& p) {
-  std::ifstream in(p, std::ios::binary);
-  std::ostringstream s;
-  s << in.rdbuf();
-  return s.str();
-}
 
 ordered_json variables(const ordered_json& messages, bool add_generation_prompt) {
   return {{"messages", messages}, {"tools", nullptr}, {"documents", nullptr},
@@ -67,12 +61,12 @@ TEST(ChatTemplateGolden, EveryGoldenFileByteForByte) {
     for (std::string part; std::getline(ss, part, '.');) parts.push_back(part);
     ASSERT_GE(parts.size(), 4u) << file;
     const bool error_case = parts[3] == "error";
-    const auto tmpl = ChatTemplate::parse(read(data_dir() / (parts[0] + ".jinja")), parts[0]);
+    const auto tmpl = ChatTemplate::parse(testing::read_text_file(data_dir() / (parts[0] + ".jinja")), parts[0]);
     ASSERT_TRUE(tmpl.ok()) << tmpl.error();
-    const ordered_json messages = ordered_json::parse(read(data_dir() / "conversations" / (parts[1] + ".json")));
+    const ordered_json messages = ordered_json::parse(testing::read_text_file(data_dir() / "conversations" / (parts[1] + ".json")));
     ChatTemplateError error;
     const auto out = tmpl.value().render(variables(messages, parts[2] == "gen"), &error);
-    const std::string golden = read(entry.path());
+    const std::string golden = testing::read_text_file(entry.path());
     if (error_case) {
       ASSERT_FALSE(out) << file << ": the template should have refused the conversation";
       EXPECT_TRUE(error.raised) << file << ": " << error.message;
@@ -92,7 +86,7 @@ TEST(ChatTemplateGolden, BuiltinsAreTheTestDataTemplates) {
   EXPECT_EQ(names, (std::vector<std::string>{"chatml", "llama2", "llama3", "mistral", "zephyr", "gemma"}));
   for (const std::string& name : names) {
     ASSERT_TRUE(builtin_chat_template(name)) << name;
-    EXPECT_EQ(std::string(*builtin_chat_template(name)), read(data_dir() / (name + ".jinja"))) << name;
+    EXPECT_EQ(std::string(*builtin_chat_template(name)), testing::read_text_file(data_dir() / (name + ".jinja"))) << name;
   }
   EXPECT_FALSE(builtin_chat_template("vicuna"));
 }

@@ -36,12 +36,6 @@ std::string executable_on_path(const std::vector<std::string>& names) {
   return "";
 }
 
-std::string slurp(const fs::path& p) {
-  std::ifstream in(p);
-  std::stringstream s;
-  s << in.rdbuf();
-  return s.str();
-}
 
 // The page: one cross-origin call, its outcome written into #out.
 std::string page(int api_port) {
@@ -88,7 +82,7 @@ TEST(CorsBrowser, AnAllowedOriginsPageCallsTheApiAnotherIsBlocked) {
   ChildProcess site({python, "-u", "-m", "http.server", "0", "--bind", "127.0.0.1", "--directory", (work / "site").string()},
                     (work / "site.log").string());
   const std::string serving = site.read_line_matching("Serving HTTP", std::chrono::seconds(20));
-  ASSERT_NE(serving, "") << slurp(work / "site.log");
+  ASSERT_NE(serving, "") << testing::read_text_file(work / "site.log");
   const size_t at = serving.find(" port ");
   const int site_port = std::stoi(serving.substr(at + 6));
 
@@ -104,10 +98,10 @@ TEST(CorsBrowser, AnAllowedOriginsPageCallsTheApiAnotherIsBlocked) {
   Browser browser{chromium, work};
   const std::string allowed = browser.dump("allowed", "http://127.0.0.1:" + std::to_string(site_port) + "/call.html");
   EXPECT_NE(allowed.find("status=200 count=4 request-id=req-"), std::string::npos)
-      << allowed << "\nchromium: " << slurp(work / "allowed.log").substr(0, 3000);
+      << allowed << "\nchromium: " << testing::read_text_file(work / "allowed.log").substr(0, 3000);
   const std::string other = browser.dump("other", "http://localhost:" + std::to_string(site_port) + "/call.html");
   EXPECT_NE(other.find("blocked: TypeError"), std::string::npos)
-      << other << "\nchromium: " << slurp(work / "other.log").substr(0, 3000);
+      << other << "\nchromium: " << testing::read_text_file(work / "other.log").substr(0, 3000);
   server->stop();
   site.stop(std::chrono::seconds(5));
   fs::remove_all(work);

@@ -23,12 +23,6 @@ using conveyor::testing::ChildProcess;
 
 std::string source(const std::string& path) { return conveyor::testing::source_dir() + "/" + path; }
 
-std::string read_file(const fs::path& path) {
-  std::ifstream in(path);
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
 
 std::string find_node() {
   const char* path = std::getenv("PATH");
@@ -52,7 +46,7 @@ TEST(OpenAINodeClient, ChatStreamsAndCompletionsAgainstConveyorLocal) {
                         "--chat-template", "chatml"},
                        (dir / "local.err").string());
     const std::string ready = local.read_line_matching("ready at", std::chrono::seconds(120));
-    ASSERT_NE(ready, "") << "conveyor local did not become ready:\n" << read_file(dir / "local.err");
+    ASSERT_NE(ready, "") << "conveyor local did not become ready:\n" << conveyor::testing::read_text_file(dir / "local.err");
     const size_t at = ready.find("http://");
     ASSERT_NE(at, std::string::npos) << ready;
     const std::string url = ready.substr(at, ready.find_first_of(" \n", at) - at);
@@ -63,7 +57,7 @@ TEST(OpenAINodeClient, ChatStreamsAndCompletionsAgainstConveyorLocal) {
     std::string lines, line;
     while (!(line = client.read_line_matching("", std::chrono::seconds(130))).empty()) lines += line + "\n";
     const std::optional<int> code = client.wait_exit(std::chrono::seconds(10));
-    EXPECT_EQ(code, 0) << lines << read_file(dir / "node.err");
+    EXPECT_EQ(code, 0) << lines << conveyor::testing::read_text_file(dir / "node.err");
     for (const char* check : {"renders as the golden chatml prompt", "chat answers", "give the same text",
                               "chat stream gives the same text", "completions stream gives the same text",
                               "logprobs.content spells the answer", "client's request id"})
