@@ -111,7 +111,11 @@ def main():
     ap.add_argument("--renderer", choices=["auto", "transformers", "jinja2"], default="auto")
     ap.add_argument("--check", action="store_true", help="compare with the files instead of writing them")
     args = ap.parse_args()
-    which, render = choose(args.renderer)
+    try:
+        which, render = choose(args.renderer)
+    except ImportError as e:
+        print(f"make_chat_goldens.py: the {args.renderer} renderer needs a module that is missing: {e}", file=sys.stderr)
+        return 2
     out_dir = os.path.join(DATA, "golden")
     os.makedirs(out_dir, exist_ok=True)
     expected = {}
