@@ -23,6 +23,7 @@
 #include "cli/cli.h"
 #include "cli/http_client.h"
 #include "common/options.h"
+#include "model/chat_template.h"
 
 namespace conveyor::cli {
 
@@ -220,6 +221,13 @@ void add_local_command(CLI::App& app, LocalOptions& o) {
   cmd->add_option("--kv-dtype", o.kv_dtype, "cuda: the K/V cache's type, auto (the dtype) or fp8 (E4M3, twice the positions)")
       ->check(CLI::IsMember({"auto", "fp8"}));
   cmd->add_option("--tp", o.tp, "tensor-parallel ranks per worker: threads (cpu) or GPUs (cuda)")->check(CLI::Range(1, 256));
+  cmd->add_option("--chat-template", o.chat_template,
+                  "the template /v1/chat/completions renders conversations with: a built-in name (chatml, llama2, "
+                  "llama3, mistral, zephyr, gemma) or a Jinja file (default: the model's tokenizer_config.json)")
+      ->check([](const std::string& v) -> std::string {
+        if (builtin_chat_template(v) || fs::is_regular_file(v)) return "";
+        return "--chat-template wants a built-in template's name or a file, got '" + v + "'";
+      });
   cmd->add_flag("--verbose", o.verbose, "daemons log to this terminal");
 }
 
@@ -274,7 +282,11 @@ void resolve_backend(LocalOptions& o, const fs::path& bin) {
 
 void write_cluster_yaml(const fs::path& file, const fs::path& model, const LocalOptions& o, const std::string& token) {
   std::ofstream y(file);
-  y << "model: {path: \"" << model.string() << "\"}\n"
+  y << "model: {path: " << nlohmann::json(model.string()).dump();
+  if (!o.chat_template.empty())  // a file is given to the coordinator by its absolute path
+    y << ", chat_template: "
+      << nlohmann::json(builtin_chat_template(o.chat_template) ? o.chat_template : fs::absolute(o.chat_template).string()).dump();
+  y << "}\n"
     << "http: {host: 127.0.0.1, port: " << o.port << "}\n"
     << "control: {host: 127.0.0.1, port: 0, join_token: \"" << token << "\"}\n"
     << "pipeline: {stages: " << o.stages << ", replicas: " << o.replicas << "}\n";

@@ -10,6 +10,7 @@
 #include <yaml-cpp/yaml.h>
 
 #include "common/options.h"
+#include "model/chat_template.h"
 
 namespace conveyor {
 namespace {
@@ -140,7 +141,8 @@ Status parse_model_section(const Ctx& c, const YAML::Node& root, ClusterConfig& 
   const YAML::Node model = root["model"];
   if (!model) return Status::error(c.source + ": missing required section 'model' (model: {path: DIR})");
   Status s;
-  if (!(s = check_keys(c, model, "model", {"path", "name"}))) return s;
+  if (!(s = check_keys(c, model, "model", {"path", "name", "chat_template"}))) return s;
+  if (!(s = get(c, model, "model", "chat_template", cfg.chat_template))) return s;
   if (!(s = get(c, model, "model", "path", cfg.model_path))) return s;
   if (cfg.model_path.empty()) return c.at(model, "'model.path' is required");
   if (!(s = get(c, model, "model", "name", cfg.model_name))) return s;
@@ -149,11 +151,48 @@ Status parse_model_section(const Ctx& c, const YAML::Node& root, ClusterConfig& 
   return ok_status();
 }
 
+// "*" alone, or each scheme://host[:port] (http or https, no path, no trailing slash).
+Status check_cors_origins(const std::vector<std::string>& origins) {
+  for (const std::string& o : origins) {
+    if (o == "*") {
+      if (origins.size() > 1) return Status::error("'*' allows every origin: list it alone");
+      continue;
+    }
+    const size_t scheme_end = o.find("://");
+    const std::string scheme = scheme_end == std::string::npos ? "" : o.substr(0, scheme_end);
+    const std::string rest = scheme_end == std::string::npos ? "" : o.substr(scheme_end + 3);
+    const bool host_ok = !rest.empty() && rest.find_first_of("/?#*@ ") == std::string::npos && rest.front() != ':';
+    if ((scheme != "http" && scheme != "https") || !host_ok)
+      return Status::error("'" + o + "' is not an origin: write scheme://host[:port] (http or https, no path), or '*'");
+  }
+  return ok_status();
+}
+
+// http.cors_origins: "*", or a list of origins (scheme://host[:port]) or of "*" alone.
+Status parse_cors_origins(const Ctx& c, const YAML::Node& http, std::vector<std::string>& out) {
+  const YAML::Node n = http["cors_origins"];
+  if (!n) return ok_status();
+  if (n.IsScalar()) {
+    out = {n.as<std::string>()};
+  } else if (n.IsSequence()) {
+    for (const YAML::Node& o : n) {
+      if (!o.IsScalar()) return c.at(o, "'http.cors_origins' must list origins as strings");
+      out.push_back(o.as<std::string>());
+    }
+  } else {
+    return c.at(n, "'http.cors_origins' must be \"*\" or a list of origins (scheme://host[:port])");
+  }
+  if (Status s = check_cors_origins(out); !s) return c.at(n, "'http.cors_origins': " + s.message());
+  return ok_status();
+}
+
 // The 'http' and 'control' sections: where the daemon listens, and its secrets.
 Status parse_listen_sections(const Ctx& c, const YAML::Node& root, ClusterConfig& cfg) {
   Status s;
   if (const YAML::Node h = root["http"]) {
-    if (!(s = check_keys(c, h, "http", {"host", "port", "api_key", "threads"}))) return s;
+    if (!(s = check_keys(c, h, "http", {"host", "port", "api_key", "threads", "cors_origins"})) ||
+        !(s = parse_cors_origins(c, h, cfg.cors_origins)))
+      return s;
     if (!(s = get(c, h, "http", "host", cfg.http_host)) || !(s = get_positive(c, h, "http", "port", cfg.http_port, 0)) ||
         !(s = get(c, h, "http", "api_key", cfg.api_key)) || !(s = get_positive(c, h, "http", "threads", cfg.http_threads)))
       return s;
@@ -183,6 +222,9 @@ Status parse_listen_sections(const Ctx& c, const YAML::Node& root, ClusterConfig
 Status load_model(const Ctx& c, const YAML::Node& root, const std::string& base_dir, ClusterConfig& cfg) {
   if (std::filesystem::path(cfg.model_path).is_relative() && !base_dir.empty())
     cfg.model_path = (std::filesystem::path(base_dir) / cfg.model_path).lexically_normal().string();
+  if (!cfg.chat_template.empty() && !builtin_chat_template(cfg.chat_template) &&
+      std::filesystem::path(cfg.chat_template).is_relative() && !base_dir.empty())  // a file beside the cluster file
+    cfg.chat_template = (std::filesystem::path(base_dir) / cfg.chat_template).lexically_normal().string();
   auto mc = load_model_config(cfg.model_path);
   if (!mc) return Status::error(c.source + ":" + std::to_string(root["model"]["path"].Mark().line + 1) + ": " + mc.error());
   cfg.model = *mc;

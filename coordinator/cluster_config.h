@@ -1,8 +1,10 @@
 // The coordinator's cluster file (YAML). Every key is known: an unknown key, a wrong type
 // or an impossible plan is refused at start with the file, the line and the reason.
 //
-//   model:     {path: DIR, name: NAME}   (a relative DIR is relative to the cluster file)
-//   http:      {host: 127.0.0.1, port: 8000, api_key: KEY, threads: 2}
+//   model:     {path: DIR, name: NAME, chat_template: NAME|FILE}   (a relative DIR or FILE is
+//               relative to the cluster file; chat_template: a built-in name, else a file)
+//   http:      {host: 127.0.0.1, port: 8000, api_key: KEY, threads: 2,
+//               cors_origins: [https://app.example.com, ...] or "*"}
 //   control:   {host: 127.0.0.1, port: 5555, join_token: TOKEN, curve_secret_key: Z85,
 //               data_interface: IF}   (IF: absent = host's interface, see data_interface below)
 //   pipeline:  {stages: N, replicas: R, layers: [[b, e], ...]}
@@ -34,11 +36,16 @@ struct ClusterConfig {
   std::string model_path;
   std::string model_name;
   ModelConfig model;  // read from model_path at load time
+  // /v1/chat/completions' template (model/chat_template.h): a built-in's name or a file;
+  // empty: the model's own (tokenizer_config.json), if any.
+  std::string chat_template;
 
   std::string http_host = "127.0.0.1";
   int http_port = 8000;
   int http_threads = 2;
   std::string api_key;
+  // Origins allowed to call the API from a browser (rest/http_headers.h); ["*"]: any; empty: no CORS.
+  std::vector<std::string> cors_origins;
 
   std::string control_host = "127.0.0.1";
   int control_port = 5555;

@@ -37,7 +37,7 @@ constexpr int kBadInput = 2;  // a bad flag, file or environment (1: a failure t
 // The flags that override the cluster file.
 struct Flags {
   std::string config_path;
-  std::optional<std::string> http_host, control_host, data_interface;
+  std::optional<std::string> http_host, control_host, data_interface, chat_template;
   std::optional<int> http_port, control_port;
   bool token_from_env = false, check = false;
 };
@@ -54,6 +54,9 @@ void add_flags(CLI::App& app, Flags& f) {
                  "the data plane's network interface(s), UCX_NET_DEVICES syntax, or 'any' (overrides "
                  "control.data_interface; default: the interface holding the control host's address, lo for "
                  "127.0.0.1, every one for 0.0.0.0; UCX_NET_DEVICES in the environment wins)");
+  app.add_option("--chat-template", f.chat_template,
+                 "the chat template for /v1/chat/completions: a built-in name (chatml, llama2, llama3, mistral, "
+                 "zephyr, gemma) or a Jinja file (overrides model.chat_template and the model's tokenizer_config.json)");
   app.add_flag("--join-token-from-env", f.token_from_env,
                "take the join token from $CONVEYOR_JOIN_TOKEN even when the file names one (a launcher's token)");
   app.add_flag("--check", f.check, "print the settings the daemon would run with (JSON, no secrets) and exit");
@@ -71,6 +74,7 @@ conveyor::Status apply_flags(const Flags& f, const conveyor::Options& options, c
   if (f.control_host) cfg.control_host = *f.control_host;
   if (f.control_port) cfg.control_port = *f.control_port;
   if (f.data_interface) cfg.data_interface = *f.data_interface;
+  if (f.chat_template) cfg.chat_template = *f.chat_template;
   if (f.token_from_env) {
     if (options.join_token.empty())
       return conveyor::Status::error("--join-token-from-env but CONVEYOR_JOIN_TOKEN is unset or empty");
@@ -81,14 +85,21 @@ conveyor::Status apply_flags(const Flags& f, const conveyor::Options& options, c
 
 // --check: the settings the daemon would run with, as JSON (no secrets).
 conveyor::Expected<nlohmann::json> check_json(const Flags& f, const conveyor::Options& options,
-                                              const conveyor::ClusterConfig& cfg) {
+                                              const conveyor::ClusterConfig& cfg, const conveyor::ChatSettings& chat) {
   // The data plane's interface, as Coordinator::start chooses it, and what chose it.
   auto iface = conveyor::transport::choose_data_interface(cfg.control_host, cfg.data_interface);
   if (!iface) return conveyor::Status::error("control host " + cfg.control_host + ": " + iface.error());
   return nlohmann::json{
       {"source", cfg.source},
-      {"model", {{"path", cfg.model_path}, {"name", cfg.model_name}}},
-      {"http", {{"host", cfg.http_host}, {"port", cfg.http_port}, {"api_key_set", !cfg.api_key.empty()}}},
+      {"model",
+       {{"path", cfg.model_path},
+        {"name", cfg.model_name},
+        {"chat_template", chat.chat_template ? nlohmann::json(chat.chat_template->name()) : nlohmann::json(nullptr)}}},
+      {"http",
+       {{"host", cfg.http_host},
+        {"port", cfg.http_port},
+        {"api_key_set", !cfg.api_key.empty()},
+        {"cors_origins", cfg.cors_origins}}},
       {"control",
        {{"host", cfg.control_host},
         {"port", cfg.control_port},
@@ -103,8 +114,11 @@ conveyor::Expected<nlohmann::json> check_json(const Flags& f, const conveyor::Op
 
 // What the REST layer serves from: the model, the coordinator's calls, the metrics.
 conveyor::RestContext rest_context(const conveyor::ClusterConfig& cfg, std::shared_ptr<const conveyor::Tokenizer> tokenizer,
-                                   conveyor::Coordinator* c, conveyor::Metrics* metrics) {
+                                   std::shared_ptr<const conveyor::ChatSettings> chat, conveyor::Coordinator* c,
+                                   conveyor::Metrics* metrics) {
   conveyor::RestContext ctx;
+  ctx.chat = std::move(chat);
+  ctx.cors_origins = cfg.cors_origins;
   ctx.model_name = cfg.model_name;
   ctx.config = cfg.model;
   ctx.tokenizer = std::move(tokenizer);
@@ -160,8 +174,10 @@ int main(int argc, char** argv) {
   auto cfg = conveyor::load_cluster_config(flags.config_path);
   if (!cfg) return fail(cfg.error(), kBadInput);
   if (conveyor::Status s = apply_flags(flags, *options, *cfg); !s) return fail(s.message(), kBadInput);
+  auto chat = conveyor::load_chat_settings(cfg->model_path, cfg->chat_template);
+  if (!chat) return fail(chat.error(), kBadInput);
   if (flags.check) {
-    auto out = check_json(flags, *options, *cfg);
+    auto out = check_json(flags, *options, *cfg, **chat);
     if (!out) return fail(out.error(), kBadInput);
     std::cout << out->dump(2) << std::endl;
     return 0;
@@ -174,7 +190,8 @@ int main(int argc, char** argv) {
   auto coord = conveyor::Coordinator::start(*cfg, tokenizer, &metrics);
   if (!coord) return fail(coord.error(), 1);
   conveyor::Coordinator* c = coord->get();
-  auto http = conveyor::HttpServer::start(cfg->http_host, cfg->http_port, rest_context(*cfg, tokenizer, c, &metrics),
+  auto http = conveyor::HttpServer::start(cfg->http_host, cfg->http_port,
+                                          rest_context(*cfg, tokenizer, std::move(chat).value(), c, &metrics),
                                           cfg->http_threads);
   if (!http) return fail(http.error(), 1);
   std::signal(SIGINT, on_signal);

@@ -6,7 +6,9 @@
 #include <unistd.h>
 
 #include <cstdlib>
+#include <fstream>
 #include <optional>
+#include <sstream>
 #include <string>
 
 namespace conveyor::testing {
@@ -51,6 +53,14 @@ inline int unused_loopback_port() {
                      ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) == 0;
   if (fd >= 0) ::close(fd);
   return bound ? ntohs(a.sin_port) : 0;
+}
+
+// A file's bytes ("" when it cannot be read).
+inline std::string read_text_file(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::ostringstream text;
+  text << in.rdbuf();
+  return text.str();
 }
 
 // Sets an environment variable for one scope, restoring what was there.

@@ -10,7 +10,9 @@
 // on_done, so a request the core accepted always completes safely: if the client went
 // away the output is dropped; if the server was stopped the posted work is discarded.
 //
-// Auth: with a non-empty api_key every route but GET /health and GET / needs
+// Every answer carries X-Request-Id, and CORS headers when configured (rest/http_headers.h).
+//
+// Auth: with a non-empty api_key every route but GET /health, GET / and OPTIONS needs
 // "Authorization: Bearer <key>" (compared in constant time); /health stays open for load
 // balancers and orchestrators, and / is the status page, which holds no data (it asks the
 // operator for the key and sends it on its own requests).
@@ -21,6 +23,7 @@
 #include <memory>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include <nlohmann/json.hpp>
 
@@ -29,6 +32,7 @@
 #include "coordinator/completion.h"
 #include "coordinator/metrics.h"
 #include "coordinator/planner.h"
+#include "coordinator/rest/chat_api.h"
 #include "coordinator/rest/openai_api.h"
 #include "model/tokenizer.h"
 
@@ -48,6 +52,11 @@ struct RestContext {
   // POST /v1/cluster/workers/{name}/drain; null: 404.
   std::function<AdminReply(const std::string& worker)> drain;
   ApiLimits limits;
+  // /v1/chat/completions and /tokenize's messages: the chat template and special tokens;
+  // null: no template (chat requests get a 400 saying how to give one).
+  std::shared_ptr<const ChatSettings> chat;
+  // http.cors_origins (rest/http_headers.h): empty, no CORS headers.
+  std::vector<std::string> cors_origins;
 };
 
 class HttpServer {

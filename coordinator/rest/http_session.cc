@@ -17,7 +17,9 @@
 #include <spdlog/spdlog.h>
 
 #include "coordinator/rest/admin_api.h"
+#include "coordinator/rest/http_headers.h"
 #include "coordinator/rest/status_page.h"
+#include "coordinator/rest/tokenize_api.h"
 
 namespace conveyor {
 
@@ -93,9 +95,9 @@ class Session : public std::enable_shared_from_this<Session> {
   void on_refused(CoreStatus why);
 
  private:
-  struct Active {  // the completion request this connection is serving
+  struct Active {  // the completion or chat request this connection is serving
     std::shared_ptr<const CompletionRequest> request;
-    CompletionResponseBuilder builder;
+    std::unique_ptr<ResponseBuilder> builder;
     bool first_token_seen = false;
     std::vector<std::optional<Clock::time_point>> last_token_at;  // per choice
   };
@@ -119,6 +121,8 @@ class Session : public std::enable_shared_from_this<Session> {
 
   http::response<http::string_body> make_response(http::status status, std::string body,
                                                   std::string_view content_type);
+  // Server, X-Request-Id and (when configured and allowed) CORS, on every answer.
+  void set_common_headers(http::fields& fields);
   void send_json(int status, const json& body);
   // retry_after_seconds > 0: a Retry-After header (the core said when to try again).
   void send_error(const ApiError& error, bool close = false, int retry_after_seconds = 0);
@@ -128,7 +132,11 @@ class Session : public std::enable_shared_from_this<Session> {
 
   bool authorized() const;
   void route(std::string_view path);
-  void completions();
+  void answer_options();
+  void completions(bool chat);
+  void run_request(CompletionRequest parsed, bool chat, ResponseOptions options);
+  // /tokenize, /detokenize: a JSON answer computed from the body alone.
+  void send_computed(bool (*compute)(std::string_view, const RestContext&, json*, ApiError*));
   void send_admin_reply(const AdminReply& reply);
 
   // Streaming (SSE over chunked transfer encoding).
@@ -154,6 +162,8 @@ class Session : public std::enable_shared_from_this<Session> {
   int64_t started_unix_;
   std::shared_ptr<std::atomic<int>> answering_count_;
   bool answering_ = false;
+  // The request being answered: its id (X-Request-Id; the client's when acceptable) and Origin.
+  std::string request_id_, origin_;
 
   std::unique_ptr<Active> active_;
   // Stream state: the header, then events in order, then the last chunk.
@@ -173,6 +183,8 @@ class Session : public std::enable_shared_from_this<Session> {
 };
 
 void Session::do_read() {
+  request_id_.clear();
+  origin_.clear();
   parser_.emplace();
   parser_->body_limit(ctx_->limits.max_body_bytes);
   req_ = {};
@@ -184,6 +196,8 @@ void Session::do_read() {
 void Session::on_read_header(beast::error_code ec, size_t) {
   if (ec) return read_failed(ec);
   const auto& h = parser_->get();
+  request_id_ = client_request_id(view(h["X-Request-Id"])).value_or(new_request_id());
+  origin_ = std::string(view(h[http::field::origin]));
   if (auto length = parser_->content_length(); length && *length > ctx_->limits.max_body_bytes)
     return send_error(api_error(413, "the request body has " + std::to_string(*length) +
                                          " bytes; at most " + std::to_string(ctx_->limits.max_body_bytes) +
@@ -245,12 +259,23 @@ void Session::linger() {
 http::response<http::string_body> Session::make_response(http::status status, std::string body,
                                                          std::string_view content_type) {
   http::response<http::string_body> res{status, req_.version() ? req_.version() : 11};
-  res.set(http::field::server, kServerName);
+  set_common_headers(res);
   res.set(http::field::content_type, beast::string_view(content_type.data(), content_type.size()));
   res.keep_alive(req_.keep_alive());
   res.body() = std::move(body);
   res.prepare_payload();
   return res;
+}
+
+void Session::set_common_headers(http::fields& fields) {
+  if (request_id_.empty()) request_id_ = new_request_id();  // a request that never got past its headers
+  fields.set(http::field::server, kServerName);
+  fields.set("X-Request-Id", request_id_);
+  if (auto allow = cors_allow_origin(ctx_->cors_origins, origin_)) {
+    fields.set(http::field::access_control_allow_origin, *allow);
+    fields.set(http::field::access_control_expose_headers, "X-Request-Id");
+    if (*allow != "*") fields.set(http::field::vary, "Origin");
+  }
 }
 
 void Session::send_json(int status, const json& body) {
@@ -299,6 +324,7 @@ bool Session::authorized() const {
 void Session::handle() {
   std::string_view target = view(req_.target());
   std::string_view path = target.substr(0, target.find('?'));
+  if (req_.method() == http::verb::options) return answer_options();  // preflights carry no credentials
   if (path != "/health" && path != "/" && !authorized())  // the status page holds no data
     return send_error(api_error(401, "missing or wrong API key: send 'Authorization: Bearer <key>'", "",
                                 "invalid_request_error", "invalid_api_key"));
@@ -330,7 +356,11 @@ void Session::route(std::string_view path) {
                       {"max_model_len", ctx_->config.n_positions}};
 
   if (path == "/v1/completions") {
-    if (allow_only(http::verb::post)) completions();
+    if (allow_only(http::verb::post)) completions(/*chat=*/false);
+  } else if (path == "/v1/chat/completions") {
+    if (allow_only(http::verb::post)) completions(/*chat=*/true);
+  } else if (path == "/tokenize" || path == "/detokenize") {
+    if (allow_only(http::verb::post)) send_computed(path == "/tokenize" ? &tokenize_request : &detokenize_request);
   } else if (path == "/") {
     if (!allow_only(http::verb::get)) return;
     auto res = make_response(http::status::ok, std::string(status_page_html()), kStatusPageContentType);
@@ -392,18 +422,57 @@ void Session::send_admin_reply(const AdminReply& reply) {
   send_json(200, reply.body);
 }
 
-void Session::completions() {
+// OPTIONS on any path: 204; a CORS preflight from an allowed origin also gets what it may
+// send (set_common_headers adds Access-Control-Allow-Origin).
+void Session::answer_options() {
+  auto res = make_response(http::status::no_content, "", "text/plain");
+  res.erase(http::field::content_type);
+  res.erase(http::field::content_length);  // a 204 has no body and no length
+  res.set(http::field::allow, kCorsAllowMethods);
+  const bool preflight = !req_[http::field::access_control_request_method].empty();
+  if (preflight && cors_allow_origin(ctx_->cors_origins, origin_)) {
+    res.set(http::field::access_control_allow_methods, kCorsAllowMethods);
+    const auto asked = req_[http::field::access_control_request_headers];
+    res.set(http::field::access_control_allow_headers, asked.empty() ? beast::string_view(kCorsAllowHeaders) : asked);
+    res.set(http::field::access_control_max_age, std::to_string(kCorsMaxAgeSeconds));
+  }
+  send(std::move(res));
+}
+
+void Session::send_computed(bool (*compute)(std::string_view, const RestContext&, json*, ApiError*)) {
+  if (!ctx_->tokenizer) return send_error(api_error(503, "the server has no tokenizer", "", "service_unavailable"));
+  json body;
+  ApiError error;
+  if (!compute(view(req_.body()), *ctx_, &body, &error)) return send_error(error);
+  send_json(200, body);
+}
+
+void Session::completions(bool chat) {
   if (!ctx_->backend || !ctx_->tokenizer)
     return send_error(api_error(503, "the server has no model backend", "", "service_unavailable"));
-  std::shared_ptr<net::io_context> ioc = ioc_.lock();
-  if (!ioc) return send_error(api_error(503, "the server is stopping", "", "service_unavailable"));
   ApiError error;
   ResponseOptions options;
-  Expected<CompletionRequest> parsed = parse_completion_body(req_.body(), *ctx_->tokenizer, ctx_->config,
-                                                             ctx_->limits, ctx_->model_name, &error, &options);
+  const ChatSettings no_chat;
+  Expected<CompletionRequest> parsed =
+      chat ? parse_chat_body(req_.body(), ctx_->chat ? *ctx_->chat : no_chat, *ctx_->tokenizer, ctx_->config,
+                             ctx_->limits, ctx_->model_name, &error, &options)
+           : parse_completion_body(req_.body(), *ctx_->tokenizer, ctx_->config, ctx_->limits, ctx_->model_name, &error,
+                                   &options);
   if (!parsed.ok()) return send_error(error);
-  auto request = std::make_shared<const CompletionRequest>(std::move(parsed).value());
-  active_ = std::make_unique<Active>(Active{request, CompletionResponseBuilder(request, *ctx_->tokenizer, unix_now(), std::move(options)), false, {}});
+  run_request(std::move(parsed).value(), chat, std::move(options));
+}
+
+void Session::run_request(CompletionRequest parsed, bool chat, ResponseOptions options) {
+  std::shared_ptr<net::io_context> ioc = ioc_.lock();
+  if (!ioc) return send_error(api_error(503, "the server is stopping", "", "service_unavailable"));
+  // One id for the request everywhere: the client's X-Request-Id, else the request's own.
+  if (client_request_id(view(req_["X-Request-Id"]))) parsed.id = request_id_;
+  else request_id_ = parsed.id;
+  auto request = std::make_shared<const CompletionRequest>(std::move(parsed));
+  std::unique_ptr<ResponseBuilder> builder;
+  if (chat) builder = std::make_unique<ChatResponseBuilder>(request, *ctx_->tokenizer, unix_now(), std::move(options));
+  else builder = std::make_unique<CompletionResponseBuilder>(request, *ctx_->tokenizer, unix_now(), std::move(options));
+  active_ = std::make_unique<Active>(Active{request, std::move(builder), false, {}});
   active_->last_token_at.resize(request->num_choices());
 
   // The sink only posts onto this session's strand. It is called from the core's thread.
@@ -434,7 +503,7 @@ void Session::completions() {
     if (submitted.message.empty()) submitted.message = "the request was refused";
     return send_refusal(submitted);
   }
-  if (ctx_->metrics) ctx_->metrics->add_prompt_tokens(uint64_t(active_->builder.prompt_tokens()));
+  if (ctx_->metrics) ctx_->metrics->add_prompt_tokens(uint64_t(active_->builder->prompt_tokens()));
   cancelled_ = false;
   watch_disconnect();
   if (request->stream) start_stream();
@@ -486,9 +555,9 @@ void Session::on_update(ChoiceUpdate update, Clock::time_point at) {
     active_->last_token_at[update.choice] = at;
   }
   if (active_->request->stream) {
-    if (std::string event = active_->builder.sse_chunk(update); !event.empty()) queue_event(std::move(event));
+    if (std::string event = active_->builder->sse_chunk(update); !event.empty()) queue_event(std::move(event));
   } else {
-    active_->builder.add(update);
+    active_->builder->add(update);
   }
 }
 
@@ -508,13 +577,11 @@ void Session::on_done(std::string error) {
       queue_event(CompletionResponseBuilder::sse_error(api_error(500, error, "", "server_error")));
       return finish_stream(/*close=*/true);
     }
-    queue_event(done->builder.sse_finish());
+    queue_event(done->builder->sse_finish());
     return finish_stream(/*close=*/false);
   }
   if (!error.empty()) return send_error(api_error(500, error, "", "server_error"));
-  auto res = make_response(http::status::ok, dump_json(done->builder.response()) + "\n", "application/json");
-  res.set("X-Request-Id", done->request->id);
-  send(std::move(res));
+  send(make_response(http::status::ok, dump_json(done->builder->response()) + "\n", "application/json"));
 }
 
 // The core refused a request it had queued (no pipeline within scheduler.pipeline_wait_ms).
@@ -539,16 +606,16 @@ void Session::send_refusal(const CoreStatus& refusal) {
 void Session::start_stream() {
   chunked_ = req_.version() >= 11;  // HTTP/1.0 has no chunks: the body ends when we close
   stream_head_.emplace(http::status::ok, req_.version());
-  stream_head_->set(http::field::server, kServerName);
+  set_common_headers(*stream_head_);
   stream_head_->set(http::field::content_type, "text/event-stream");
   stream_head_->set(http::field::cache_control, "no-cache");
-  stream_head_->set("X-Request-Id", active_->request->id);
   stream_head_->set("X-Accel-Buffering", "no");
   stream_head_->keep_alive(chunked_ && req_.keep_alive());
   if (chunked_) stream_head_->chunked(true);
   stream_sr_.emplace(*stream_head_);
   header_done_ = writing_ = finishing_ = close_after_ = broken_ = false;
   events_.clear();
+  if (std::string opening = active_->builder->sse_start(); !opening.empty()) events_.push_back(std::move(opening));
   if (ctx_->metrics) ctx_->metrics->count_request(200);
   writing_ = true;
   stream_.expires_after(kIoTimeout);

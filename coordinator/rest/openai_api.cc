@@ -120,11 +120,7 @@ CompletionResponseBuilder::CompletionResponseBuilder(std::shared_ptr<const Compl
     : request_(std::move(request)), tokenizer_(tokenizer), created_(created_unix_seconds),
       options_(std::move(options)), choices_(request_->num_choices()) {}
 
-int64_t CompletionResponseBuilder::prompt_tokens() const {
-  int64_t n = 0;
-  for (const auto& p : request_->prompts) n += int64_t(p.size());
-  return n;
-}
+int64_t CompletionResponseBuilder::prompt_tokens() const { return prompt_token_count(*request_); }
 
 int64_t CompletionResponseBuilder::completion_tokens() const {
   int64_t n = 0;

@@ -27,6 +27,7 @@
 #include "common/model_config.h"
 #include "common/status.h"
 #include "coordinator/completion.h"
+#include "coordinator/rest/response_builder.h"
 #include "model/tokenizer.h"
 
 namespace conveyor {
@@ -91,29 +92,29 @@ std::string dump_json(const nlohmann::json& value);
 // Builds a request's answer from the core's ChoiceUpdates: the non-streaming document
 // (add() every update, then response()) or one SSE event per update (sse_chunk()).
 // Not thread-safe; the REST layer drives it from the request's strand.
-class CompletionResponseBuilder {
+class CompletionResponseBuilder : public ResponseBuilder {
  public:
   CompletionResponseBuilder(std::shared_ptr<const CompletionRequest> request, const Tokenizer& tokenizer,
                             int64_t created_unix_seconds, ResponseOptions options);
 
   // Folds one update in (text, tokens, log-probs, finish_reason). Updates for a choice
   // index out of range are ignored.
-  void add(const ChoiceUpdate& update);
+  void add(const ChoiceUpdate& update) override;
   // The full "text_completion" object with usage.
-  nlohmann::json response() const;
+  nlohmann::json response() const override;
 
   // Folds `update` in and returns its SSE event: "data: {chunk}\n\n", the chunk holding
   // this update's part of one choice. With include_usage the chunk has "usage": null;
   // without it, no "usage" field (as OpenAI does).
-  std::string sse_chunk(const ChoiceUpdate& update);
+  std::string sse_chunk(const ChoiceUpdate& update) override;
   // After the last update: with include_usage a usage-only chunk (empty choices), then
   // "data: [DONE]\n\n".
-  std::string sse_finish();
+  std::string sse_finish() override;
   // A failure after streaming began: "data: {"error": {...}}\n\n" (the stream then ends).
   static std::string sse_error(const ApiError& error);
 
   bool all_finished() const { return finished_choices_ == choices_.size(); }
-  int64_t prompt_tokens() const;      // each prompt counted once (not n times)
+  int64_t prompt_tokens() const override;  // each prompt counted once (not n times)
   int64_t completion_tokens() const;  // generated tokens over all choices
   int64_t cached_tokens() const;      // prompt tokens reused from the prefix cache, each prompt once
   const CompletionRequest& request() const { return *request_; }
