@@ -42,11 +42,11 @@ void add_generate_command(CLI::App& app, GenerateOptions& o) {
   cmd->add_option("prompt", o.prompt, "the text to continue")->required();
   cmd->add_option("--url", o.url, "the coordinator's URL");
   cmd->add_option("--max-tokens", o.max_tokens, "tokens to generate")->check(CLI::Range(1, 1 << 20));
-  cmd->add_option("--temperature", o.temperature, "0 = greedy");
-  cmd->add_option("--top-k", o.top_k, "0 = off");
-  cmd->add_option("--top-p", o.top_p, "1 = off");
-  cmd->add_option("--seed", o.seed, "sampling seed");
-  cmd->add_option("--stop", o.stop, "stop strings");
+  cmd->add_option("--temperature", o.temperature, "0 = greedy")->check(CLI::Range(0.0, 100.0));
+  cmd->add_option("--top-k", o.top_k, "0 = off")->check(CLI::Range(0, 1 << 20));
+  cmd->add_option("--top-p", o.top_p, "1 = off")->check(CLI::Range(0.0, 1.0));
+  cmd->add_option("--seed", o.seed, "sampling seed (default: none, each run differs)");
+  cmd->add_option("--stop", o.stop, "stop strings")->default_str("none");
   cmd->add_option("--api-key", o.api_key, "API key (default: $CONVEYOR_API_KEY)");
 }
 
@@ -172,8 +172,8 @@ int drain_command(const DrainOptions& o) {
 
 void add_plan_command(CLI::App& app, PlanOptions& o) {
   CLI::App* cmd = app.add_subcommand("plan", "change the number of stages, replicas or the layer split while serving");
-  cmd->add_option("--stages", o.stages, "pipeline stages")->check(CLI::PositiveNumber);
-  cmd->add_option("--replicas", o.replicas, "pipeline replicas")->check(CLI::PositiveNumber);
+  cmd->add_option("--stages", o.stages, "pipeline stages (default: as now)")->check(CLI::Range(1, 1024));
+  cmd->add_option("--replicas", o.replicas, "pipeline replicas (default: as now)")->check(CLI::Range(1, 1024));
   cmd->add_option("--layers", o.layers, "explicit layer ranges, e.g. 0:3,3:5,5:6");
   cmd->add_option("--url", o.url, "the coordinator's URL");
   cmd->add_option("--api-key", o.api_key, "API key (default: $CONVEYOR_API_KEY)");

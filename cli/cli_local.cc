@@ -48,8 +48,10 @@ struct Child {
 };
 
 // Starts `argv` with stdout+stderr to `log` (or inherited when empty). When `out_fd` is
-// given, stdout goes to a pipe returned there instead.
-pid_t spawn(const std::vector<std::string>& argv, const std::string& log, int* out_fd) {
+// given, stdout goes to a pipe returned there instead. `env` is set in the child only: a
+// secret passed there stays out of its command line, which every user can read in ps.
+pid_t spawn(const std::vector<std::string>& argv, const std::string& log, int* out_fd,
+            const std::vector<std::pair<std::string, std::string>>& env = {}) {
   int pipefd[2] = {-1, -1};
   if (out_fd && ::pipe(pipefd) != 0) return -1;
   const pid_t parent = ::getpid();
@@ -64,6 +66,7 @@ pid_t spawn(const std::vector<std::string>& argv, const std::string& log, int* o
       if (fd >= 0) ::dup2(fd, 1), ::dup2(fd, 2);
     }
     if (out_fd) ::dup2(pipefd[1], 1), ::close(pipefd[0]), ::close(pipefd[1]);
+    for (const auto& [name, value] : env) ::setenv(name.c_str(), value.c_str(), 1);
     std::vector<char*> args;
     for (const std::string& a : argv) args.push_back(const_cast<char*>(a.c_str()));
     args.push_back(nullptr);
@@ -207,13 +210,15 @@ void add_local_command(CLI::App& app, LocalOptions& o) {
           return "--kv-cache-mb wants auto or a whole number of MiB in [1, 16777216], got '" + v + "'";
         return "";
       });
-  cmd->add_option("--in-flight", o.in_flight, "micro-batches in flight per pipeline (0: = stages)");
+  cmd->add_option("--in-flight", o.in_flight, "micro-batches in flight per pipeline (0: auto, from the stages)")
+      ->check(CLI::Range(0, 64));
   cmd->add_flag("--no-prefix-cache", o.no_prefix_cache, "compute every prompt whole (no K/V reuse of shared prefixes)");
   cmd->add_option("--log-dir", o.log_dir, "where the daemons' logs go (default: a new temporary folder)");
   cmd->add_option("--backend", o.backend, "where the stages run: cpu, cuda, or auto (cuda when there is a GPU)")
       ->check(CLI::IsMember({"auto", "cpu", "cuda"}));
   cmd->add_option("--gpus", o.gpus, "cuda: GPUs to spread the workers over (worker i on GPU i % gpus; auto: all)")
       ->check(CLI::Range(1, 64))
+      ->default_str("all")
       ->each([&o](const std::string&) { o.gpus_given = true; });
   cmd->add_option("--dtype", o.dtype, "cuda: f16 or bf16")->check(CLI::IsMember({"f16", "bf16"}));
   cmd->add_flag("--int8-weights", o.int8_weights, "cuda: int8 weight-only layer matrices (converted at load)");
@@ -280,7 +285,9 @@ void resolve_backend(LocalOptions& o, const fs::path& bin) {
             << std::endl;
 }
 
-void write_cluster_yaml(const fs::path& file, const fs::path& model, const LocalOptions& o, const std::string& token) {
+// The cluster file holds no secret: the join token goes to every daemon in its environment
+// (CONVEYOR_JOIN_TOKEN), never on a command line or in a file others may read.
+void write_cluster_yaml(const fs::path& file, const fs::path& model, const LocalOptions& o) {
   std::ofstream y(file);
   y << "model: {path: " << nlohmann::json(model.string()).dump();
   if (!o.chat_template.empty())  // a file is given to the coordinator by its absolute path
@@ -288,7 +295,7 @@ void write_cluster_yaml(const fs::path& file, const fs::path& model, const Local
       << nlohmann::json(builtin_chat_template(o.chat_template) ? o.chat_template : fs::absolute(o.chat_template).string()).dump();
   y << "}\n"
     << "http: {host: 127.0.0.1, port: " << o.port << "}\n"
-    << "control: {host: 127.0.0.1, port: 0, join_token: \"" << token << "\"}\n"
+    << "control: {host: 127.0.0.1, port: 0}\n"
     << "pipeline: {stages: " << o.stages << ", replicas: " << o.replicas << "}\n";
   y << "scheduler: {prefix_cache: " << (o.no_prefix_cache ? "false" : "true");
   if (o.in_flight > 0) y << ", in_flight: " << o.in_flight;
@@ -321,7 +328,7 @@ struct LocalCluster {
 bool LocalCluster::start_coordinator() {
   int out = -1;
   const pid_t pid = spawn({(bin / "conveyor-coordinator").string(), "--config", (dir / "cluster.yaml").string()},
-                          log_of("coordinator"), &out);
+                          log_of("coordinator"), &out, {{"CONVEYOR_JOIN_TOKEN", token}});
   if (pid < 0) {
     std::cerr << "conveyor local: cannot start the coordinator\n";
     return false;
@@ -351,7 +358,7 @@ std::vector<std::string> LocalCluster::worker_argv(int i) const {
   // a container bridge that comes and goes included (issue 28: the cluster hung).
   std::vector<std::string> argv = {(bin / "conveyor-worker").string(), "--coordinator",
                                    "127.0.0.1:" + std::to_string(control_port), "--host", "127.0.0.1", "--name", name,
-                                   "--join-token", token, "--backend", o.backend};
+                                   "--backend", o.backend};
   // auto: 256 MiB for a CPU worker; a CUDA worker sizes its cache from the GPU's memory.
   if (o.kv_cache_mb != "auto") argv.insert(argv.end(), {"--kv-cache-mb", o.kv_cache_mb});
   else if (o.backend != "cuda") argv.insert(argv.end(), {"--kv-cache-mb", "256"});
@@ -377,7 +384,7 @@ bool LocalCluster::start_workers() {
     ::setenv("CONVEYOR_CPU_THREADS", std::to_string(std::max(1L, cores / (o.stages * o.replicas))).c_str(), 1);
   for (int i = 0; i < n_workers(); ++i) {
     const std::string name = "worker" + std::to_string(i);
-    const pid_t pid = spawn(worker_argv(i), log_of(name), nullptr);
+    const pid_t pid = spawn(worker_argv(i), log_of(name), nullptr, {{"CONVEYOR_JOIN_TOKEN", token}});
     if (pid < 0) {
       std::cerr << "conveyor local: cannot start " << name << "\n";
       stop_children(children);
@@ -496,7 +503,7 @@ int local_command(const LocalOptions& options) {
                             : fs::path(o.log_dir);
   fs::create_directories(c.dir, ec);
   c.token = random_token();
-  write_cluster_yaml(c.dir / "cluster.yaml", model, o, c.token);
+  write_cluster_yaml(c.dir / "cluster.yaml", model, o);
   ::signal(SIGINT, on_interrupt);
   ::signal(SIGTERM, on_interrupt);
   ::signal(SIGPIPE, SIG_IGN);

@@ -59,11 +59,11 @@ void add_run_command(CLI::App& app, RunOptions& o) {
   cmd->add_option("prompt", o.prompt, "the text to continue")->required();
   cmd->add_option("--max-tokens", o.max_tokens, "tokens to generate")->check(CLI::Range(1, 1 << 20));
   cmd->add_option("--temperature", o.temperature, "0 = greedy")->check(CLI::Range(0.0, 100.0));
-  cmd->add_option("--top-k", o.top_k, "0 = off")->check(CLI::NonNegativeNumber);
+  cmd->add_option("--top-k", o.top_k, "0 = off")->check(CLI::Range(0, 1 << 20));
   cmd->add_option("--top-p", o.top_p, "1 = off")->check(CLI::Range(0.0, 1.0));
   cmd->add_option("--repetition-penalty", o.repetition_penalty, "1 = off");
   cmd->add_option("--seed", o.seed, "sampling seed");
-  cmd->add_option("--stop", o.stop, "stop strings");
+  cmd->add_option("--stop", o.stop, "stop strings")->default_str("none");
   cmd->add_flag("--ignore-eos", o.ignore_eos, "do not stop at the end-of-text token");
 }
 

@@ -8,6 +8,7 @@
 int main(int argc, char** argv) {
   CLI::App app{"conveyor: serve GPT models across GPUs and nodes"};
   app.require_subcommand(1);
+  app.option_defaults()->always_capture_default();  // --help shows each default (subcommands inherit it)
   conveyor::cli::RunOptions run;
   conveyor::cli::PerplexityOptions ppl;
   conveyor::cli::add_run_command(app, run);

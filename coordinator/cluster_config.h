@@ -1,5 +1,6 @@
-// The coordinator's cluster file (YAML). Every key is known: an unknown key, a wrong type
-// or an impossible plan is refused at start with the file, the line and the reason.
+// The coordinator's cluster file (YAML). Every key is known: an unknown key, a wrong type, a
+// number out of its range or an impossible plan is refused at start with the file, the line
+// and the reason; every mistake in the file is listed (one a line), not only the first.
 //
 //   model:     {path: DIR, name: NAME, chat_template: NAME|FILE}   (a relative DIR or FILE is
 //               relative to the cluster file; chat_template: a built-in name, else a file)
@@ -16,6 +17,14 @@
 //               their steps: see scheduler.h, batch_limits)
 //   heartbeat: {interval_ms: 500, liveness_ms: 3000}
 //   log:       {format: text}   (or json: one JSON object a line, coordinator/request_log.h)
+//
+// Ranges (0 = auto where the scheduler line above says so): ports 0-65535 (0: a free one),
+// http.threads 1-256, pipeline.stages 1-min(1024, the model's layers), replicas 1-1024;
+// in_flight 1-64, max_batch_tokens 16-1048576, prefill_chunk and prefill_tokens_per_batch
+// 1-1048576, max_sequences_per_batch 1-65536, max_running 1-1000000, max_queue 1-1000000;
+// shutdown_timeout_ms and pipeline_wait_ms 0-3600000; batch_timeout_ms 0 (never) or
+// 100-3600000; request_timeout_ms 0 (no deadline) or 100-86400000; heartbeat.interval_ms
+// 10-60000, liveness_ms 50-600000 and above interval_ms.
 //
 // api_key and join_token may come from CONVEYOR_API_KEY / CONVEYOR_JOIN_TOKEN instead.
 #pragma once
@@ -55,6 +64,9 @@ struct ClusterConfig {
   std::string data_interface;
   std::string join_token;
   std::string curve_secret_key;
+  // The secrets the file itself sets (http.api_key, control.join_token, curve_secret_key), by
+  // key: such a file should be readable by its owner only (the coordinator warns otherwise).
+  std::vector<std::string> secrets_in_file;
 
   int stages = 1;
   int replicas = 1;

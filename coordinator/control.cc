@@ -131,6 +131,9 @@ void ClusterManager::on_worker_message(WorkerInfo& w, const AnyControlMsg& msg) 
       const auto& m = std::get<ReadyMsg>(msg);
       if (m.epoch != w.epoch) return;  // a stale confirmation
       w.state = MemberState::Ready;
+      w.error_resolved(m.epoch, w.pipeline >= 0 && size_t(w.pipeline) < pipelines.size()
+                                    ? pipelines[size_t(w.pipeline)].down_reason
+                                    : std::string());
       w.load_fraction = 1;
       w.kv_capacity_tokens = m.kv_capacity_tokens;
       w.load_seconds = m.load_seconds;
@@ -169,16 +172,23 @@ void ClusterManager::on_worker_message(WorkerInfo& w, const AnyControlMsg& msg) 
 // connections, once per epoch. A wiring failure leaves the pipeline not ready and is not
 // retried here: the dead neighbour behind it is found by its silence.
 void ClusterManager::on_data_error(WorkerInfo& w, const DataErrorMsg& m) {
-  w.last_error = m.error;
-  spdlog::warn("coordinator: {} reports a data-plane error: {}", w.name, w.last_error);
+  spdlog::warn("coordinator: {} reports a data-plane error{}: {}", w.name,
+               m.epoch ? " in epoch " + std::to_string(*m.epoch) : std::string(), m.error);
+  // One of an epoch it has since left and is ready past (a late report of a failover's
+  // wiring to a neighbour that had died) is over already.
+  if (m.epoch && *m.epoch < w.epoch && w.state == MemberState::Ready)
+    w.resolved_error = m.error + " (epoch " + std::to_string(*m.epoch) + "; resolved: ready in epoch " +
+                       std::to_string(w.epoch) + ")";
+  else
+    w.last_error = m.error;
   if (w.pipeline < 0 || size_t(w.pipeline) >= pipelines.size()) return;
   Pipeline& p = pipelines[size_t(w.pipeline)];
   // First what our own endpoints say: a re-wire would replace a failed endpoint to a dead
   // worker with a fresh one that has not failed yet, and hide the death.
-  if (check_own_endpoints(p, w.last_error)) return;
+  if (check_own_endpoints(p, m.error)) return;
   if (replace_unreachable(p, w, m)) return;
   if (m.epoch.value_or(0) == p.epoch && pipeline_ready(p)) {
-    p.down_reason = "replaying after a data-plane error at " + w.name + ": " + w.last_error;
+    p.down_reason = "replaying after a data-plane error at " + w.name + ": " + m.error;
     const std::string link = failed_link(p, w, m);
     restart_pipeline(p);
     p.suspect_link = link;

@@ -4,13 +4,19 @@
 //                        [--join-token-from-env] [--check]
 // The flags override the cluster file's http.host/port and control.host/port/data_interface (a
 // launcher such as scripts/slurm/conveyor.sbatch knows the node's address, the file does not);
-// --check prints the settings the daemon would run with as JSON and exits; its "options" are the
-// environment's (common/options.h), read once, first: a bad value stops the daemon naming it.
+// --check validates the whole cluster file (every mistake, one a line with its line number; the
+// model's config and tokenizer load) and prints the settings the daemon would run with as JSON;
+// its "options" are the environment's (common/options.h), read once, first: a bad value stops
+// the daemon naming it.
 // Prints "conveyor-coordinator: listening on http://HOST:PORT (control tcp://HOST:PORT)"
 // once both sockets are bound, so a launcher can find ports chosen with 0.
+#include <sys/stat.h>
+
 #include <csignal>
+#include <cstdio>
 #include <optional>
 #include <iostream>
+#include <sstream>
 #include <thread>
 
 #include <CLI/CLI.hpp>
@@ -59,7 +65,8 @@ void add_flags(CLI::App& app, Flags& f) {
                  "zephyr, gemma) or a Jinja file (overrides model.chat_template and the model's tokenizer_config.json)");
   app.add_flag("--join-token-from-env", f.token_from_env,
                "take the join token from $CONVEYOR_JOIN_TOKEN even when the file names one (a launcher's token)");
-  app.add_flag("--check", f.check, "print the settings the daemon would run with (JSON, no secrets) and exit");
+  app.add_flag("--check", f.check, "validate the cluster file (every mistake, with its line) and print the settings the daemon "
+               "would run with (JSON, no secrets); exit status 2 when the file has mistakes");
 }
 
 // The flags over the file's values; an error names the flag.
@@ -81,6 +88,22 @@ conveyor::Status apply_flags(const Flags& f, const conveyor::Options& options, c
     cfg.join_token = options.join_token;
   }
   return conveyor::ok_status();
+}
+
+// The scheduler's settings as the file gave them (0: auto, from the pipeline's workers).
+nlohmann::json scheduler_json(const conveyor::ClusterConfig& cfg) {
+  return {{"in_flight", cfg.in_flight_auto ? 0 : cfg.in_flight},
+          {"max_batch_tokens", cfg.max_batch_tokens},
+          {"prefill_chunk", cfg.prefill_chunk},
+          {"prefill_tokens_per_batch", cfg.prefill_tokens_per_batch},
+          {"max_sequences_per_batch", cfg.max_sequences_per_batch},
+          {"max_running", cfg.max_running},
+          {"max_queue", cfg.max_queue},
+          {"shutdown_timeout_ms", cfg.shutdown_timeout_ms},
+          {"pipeline_wait_ms", cfg.pipeline_wait_ms},
+          {"batch_timeout_ms", cfg.batch_timeout_ms},
+          {"request_timeout_ms", cfg.request_timeout_ms},
+          {"prefix_cache", cfg.prefix_cache}};
 }
 
 // --check: the settings the daemon would run with, as JSON (no secrets).
@@ -106,7 +129,8 @@ conveyor::Expected<nlohmann::json> check_json(const Flags& f, const conveyor::Op
         {"join_token_from", f.token_from_env ? "environment" : "file or environment"},
         {"data_interface", iface->shown},
         {"data_interface_from", iface->source}}},
-      {"pipeline", {{"stages", cfg.stages}, {"replicas", cfg.replicas}}},
+      {"pipeline", {{"stages", cfg.stages}, {"replicas", cfg.replicas}, {"layers", cfg.layers}}},
+      {"scheduler", scheduler_json(cfg)},
       {"heartbeat", {{"interval_ms", cfg.heartbeat_interval_ms}, {"liveness_ms", cfg.liveness_ms}}},
       {"log", {{"format", cfg.log_json ? "json" : "text"}}},
       {"options", conveyor::options_json(options, conveyor::kCoordinatorScope)}};
@@ -152,8 +176,24 @@ void serve_until_stopped(conveyor::Coordinator& c, conveyor::HttpServer& http, c
     spdlog::warn("coordinator: {} answer(s) were still being written when the REST server stopped", cut);
 }
 
+// A cluster file that holds a secret should be its owner's alone (chmod 600): says so on
+// stderr when group or others may read it. The daemon still starts.
+void warn_if_secrets_readable(const conveyor::ClusterConfig& cfg) {
+  struct stat st {};
+  if (cfg.secrets_in_file.empty() || ::stat(cfg.source.c_str(), &st) != 0 || (st.st_mode & 077) == 0) return;
+  std::string keys;
+  for (const std::string& k : cfg.secrets_in_file) keys += (keys.empty() ? "" : ", ") + k;
+  char mode[8];
+  std::snprintf(mode, sizeof(mode), "%04o", unsigned(st.st_mode & 07777));
+  std::cerr << "conveyor-coordinator: warning: " << cfg.source << " holds secrets (" << keys << ") and others may read it "
+            << "(mode " << mode << "): chmod 600 it, or pass them in the environment (CONVEYOR_JOIN_TOKEN, "
+            << "CONVEYOR_API_KEY)\n";
+}
+
+// Each line of `why` (a cluster file's mistakes are one a line) under the program's name.
 int fail(const std::string& why, int code) {
-  std::cerr << "conveyor-coordinator: " << why << "\n";
+  std::istringstream lines(why);
+  for (std::string line; std::getline(lines, line);) std::cerr << "conveyor-coordinator: " << line << "\n";
   return code;
 }
 
@@ -162,6 +202,7 @@ int fail(const std::string& why, int code) {
 int main(int argc, char** argv) {
   Flags flags;
   CLI::App app{"conveyor-coordinator: the Conveyor coordinator daemon"};
+  app.option_defaults()->always_capture_default();  // --help shows each default
   add_flags(app, flags);
   CLI11_PARSE(app, argc, argv);
   auto options = conveyor::read_options();
@@ -174,6 +215,9 @@ int main(int argc, char** argv) {
   auto cfg = conveyor::load_cluster_config(flags.config_path);
   if (!cfg) return fail(cfg.error(), kBadInput);
   if (conveyor::Status s = apply_flags(flags, *options, *cfg); !s) return fail(s.message(), kBadInput);
+  warn_if_secrets_readable(*cfg);
+  auto tok = conveyor::Tokenizer::load(cfg->model_path);
+  if (!tok) return fail(cfg->source + ": model.path: " + tok.error(), kBadInput);
   auto chat = conveyor::load_chat_settings(cfg->model_path, cfg->chat_template);
   if (!chat) return fail(chat.error(), kBadInput);
   if (flags.check) {
@@ -183,8 +227,6 @@ int main(int argc, char** argv) {
     return 0;
   }
   if (cfg->log_json) conveyor::set_log_format(conveyor::LogFormat::Json);
-  auto tok = conveyor::Tokenizer::load(cfg->model_path);
-  if (!tok) return fail(tok.error(), kBadInput);
   auto tokenizer = std::make_shared<const conveyor::Tokenizer>(std::move(tok).value());
   conveyor::Metrics metrics;
   auto coord = conveyor::Coordinator::start(*cfg, tokenizer, &metrics);

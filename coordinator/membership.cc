@@ -50,6 +50,7 @@ nlohmann::json worker_json(const WorkerInfo& w) {
     e["layers"] = {w.layers.first, w.layers.second};
   }
   if (!w.last_error.empty()) e["last_error"] = w.last_error;
+  if (!w.resolved_error.empty()) e["resolved_error"] = w.resolved_error;
   return e;
 }
 

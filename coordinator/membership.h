@@ -70,7 +70,19 @@ struct WorkerInfo {
   double wait_input_seconds_total = 0, idle_ready_seconds_total = 0;
   double idle_ready_fraction = 0;  // of the last heartbeat window (the heartbeat's busy_fraction's twin)
   int64_t kv_used_tokens = 0, kv_capacity_tokens = 0, sequences = 0;
+  // What went wrong with it, while that still stands. Once it is ready again in a later
+  // epoch (a failover re-wired it) the error is over: it moves to resolved_error, with the
+  // epoch and what the re-wire was for (`cause`: most often a neighbour's death, which is
+  // what a wiring error during a failover comes from), so a healthy worker does not show a
+  // neighbour's death as a fault of its own.
   std::string last_error;
+  std::string resolved_error;
+  void error_resolved(uint32_t ready_epoch, const std::string& cause) {
+    if (last_error.empty()) return;
+    resolved_error = last_error + " (resolved: ready again in epoch " + std::to_string(ready_epoch) +
+                     (cause.empty() ? "" : "; its pipeline was re-wired after " + cause) + ")";
+    last_error.clear();
+  }
   std::chrono::steady_clock::time_point last_seen = std::chrono::steady_clock::now();
 
   bool alive() const { return state != MemberState::Dead; }

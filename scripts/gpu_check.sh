@@ -8,7 +8,9 @@
 #                                                  benchmark programs plus the non-CUDA shared
 #                                                  libraries they need, for a machine that has
 #                                                  the CUDA driver and toolkit but not the build
-#                                                  (PACK_PROGRAMS="bin/x tests/y ..." packs only those)
+#                                                  (PACK_PROGRAMS="bin/x tests/y ..." packs only those);
+#                                                  a build linking a UCX without CUDA is first
+#                                                  moved to UCX built with CUDA (built if need be)
 #   scripts/gpu_check.sh --bundle BUNDLE           unpack BUNDLE and run from it
 #
 # Environment: OUT (logs go to $OUT, else /tmp/gpu_check), CHECK_PEER=0 skips the PyTorch
@@ -30,14 +32,33 @@ cuda_tests() {
   find "$repo/tests" -path '*/cuda/test_*.cc' -printf '%f\n' | sed 's/\.cc$//' | sort
 }
 
+# A GPU bundle moves activations GPU to GPU, which needs UCX built with CUDA: when the build
+# folder links a UCX without it (setup.sh builds one only where a GPU is), build it now
+# (setup.sh --ucx-cuda, once), point the folder at it and rebuild the programs to pack.
+ensure_ucx_cuda() {
+  local build="$1"; shift
+  local libdir prefix=${CONVEYOR_UCX_PREFIX:-/opt/conveyor/ucx-1.13.1-cuda}
+  libdir=$(sed -n 's/^UCX_LIBDIR:INTERNAL=//p' "$build/CMakeCache.txt" 2>/dev/null)
+  [[ -n "$libdir" && -e "$libdir/ucx/libuct_cuda.so" ]] && return 0
+  echo "gpu_check: $build links a UCX without CUDA (${libdir:-none}): building UCX with CUDA into $prefix"
+  CONVEYOR_UCX_PREFIX="$prefix" "$repo/scripts/setup.sh" --ucx-cuda || return 1
+  cmake -S "$repo" -B "$build" -DCONVEYOR_UCX_PREFIX="$prefix" >"$build/configure-ucx-cuda.log" 2>&1 ||
+    { tail -n 20 "$build/configure-ucx-cuda.log" >&2; return 1; }
+  local targets=()
+  for p in "$@"; do targets+=("$(basename "$p")"); done
+  cmake --build "$build" -j "$(nproc)" --target "${targets[@]}"
+}
+
 if [[ "${1:-}" == "--pack" ]]; then
   build="$2"; bundle="$3"
-  stage="$(mktemp -d)"
   programs=${PACK_PROGRAMS:-"$(cuda_tests | sed 's#^#tests/#')
            bin/conveyor-bench-all-reduce bin/conveyor-bench-int8-gemm
            bin/conveyor-bench-gpu-decode bin/conveyor-bench-gpu-kernels bin/conveyor-bench-cluster
            bin/conveyor-bench-stage-step bin/conveyor-bench-transport tests/test_ucx_channel tests/test_handoff
            bin/conveyor bin/conveyor-coordinator bin/conveyor-worker"}
+  # shellcheck disable=SC2086  # one program a word
+  ensure_ucx_cuda "$build" $programs || exit 1
+  stage="$(mktemp -d)"
   for p in $programs; do
     strip -o "$stage/$(basename "$p")" "$build/$p" || exit 1
   done

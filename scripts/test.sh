@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# Runs the whole test suite: setup if needed (packages, npm tools), build, then ctest.
+# Runs the whole test suite: setup if needed (packages, npm tools), build everything (tests
+# and benchmarks too; the CUDA backend where the toolkit is, even after a demo left it out),
+# then ctest.
 #   scripts/test.sh [extra ctest arguments, e.g. -R tokenizer]
 set -euo pipefail
 cd "$(dirname "$0")/.."

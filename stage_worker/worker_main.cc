@@ -46,7 +46,8 @@ void add_worker_flags(CLI::App& app, Flags& f) {
                  "the data plane's network interface(s), UCX_NET_DEVICES syntax, or 'any' (default: the interface "
                  "holding --host's address, lo for 127.0.0.1; without --host, the route to the coordinator's; UCX_NET_DEVICES in the "
                  "environment wins)");
-  app.add_option("--join-token", opt.join_token, "the cluster's join token (default: $CONVEYOR_JOIN_TOKEN)");
+  app.add_option("--join-token", opt.join_token, "the cluster's join token; every user can read it in ps: pass it as "
+                 "$CONVEYOR_JOIN_TOKEN instead (the default)");
   app.add_option("--curve-server-key", opt.curve_server_key, "the coordinator's CURVE public key (Z85)");
   app.add_option("--heartbeat-ms", f.heartbeat_ms, "heartbeat period")->check(CLI::Range(10, 60000));
   app.add_option("--coordinator-liveness-ms", f.liveness_ms, "register again after this much silence")
@@ -69,10 +70,11 @@ void add_stage_flags(CLI::App& app, Flags& f) {
       ->check(CLI::IsMember({"auto", "cpu", "cuda"}));
   app.add_flag("--print-gpus", f.print_gpus, "print how many GPUs this worker can use (0 without CUDA) and exit");
   app.add_option("--device", f.device, "cuda: the stage's first GPU (with --tp N: GPUs device .. device+N-1)")
-      ->check(CLI::NonNegativeNumber);
+      ->check(CLI::Range(0, 255));
   app.add_option("--gpus", f.gpus, "cuda: the stage's GPUs, tensor parallel over them (e.g. 0,1,2,3)")
       ->delimiter(',')
-      ->check(CLI::NonNegativeNumber);
+      ->check(CLI::Range(0, 255))
+      ->default_str("none: --device and --tp");
   app.add_option("--dtype", f.dtype, "cuda: f16 or bf16")->check(CLI::IsMember({"f16", "bf16"}));
   app.add_flag("--int8-weights", stage.int8_weights,
                "cuda: store the layer matrices as int8 with a scale per output channel (converted at load)");
@@ -150,6 +152,7 @@ int fail(const std::string& why, int code) {
 int main(int argc, char** argv) {
   Flags flags;
   CLI::App app{"conveyor-worker: a pipeline stage worker"};
+  app.option_defaults()->always_capture_default();  // --help shows each default
   add_worker_flags(app, flags);
   add_stage_flags(app, flags);
   CLI11_PARSE(app, argc, argv);

@@ -10,12 +10,27 @@
 
 #include <cerrno>
 #include <chrono>
+#include <cstdio>
 #include <optional>
 #include <string>
 #include <thread>
 #include <vector>
 
 namespace conveyor::testing {
+
+// Runs `command` through the shell; its stdout (add 2>&1 for stderr too), and its exit status
+// in `rc` (-1 when it did not exit).
+inline std::string run_shell(const std::string& command, int& rc) {
+  rc = -1;
+  std::FILE* p = ::popen(command.c_str(), "r");
+  if (!p) return "";
+  std::string out;
+  char buf[4096];
+  for (size_t n; (n = std::fread(buf, 1, sizeof(buf), p)) > 0;) out.append(buf, n);
+  const int status = ::pclose(p);
+  if (WIFEXITED(status)) rc = WEXITSTATUS(status);
+  return out;
+}
 
 // True while child `pid` runs. Once it has exited (or is no child of ours any more) it is
 // reaped, `pid` becomes -1 and its wait status goes to `status` (when there is one).

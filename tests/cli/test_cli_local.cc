@@ -1,9 +1,11 @@
 // `conveyor local` when a daemon cannot start: the launcher prints the daemon's own reason
 // (not only where its log is) and exits non-zero at once, instead of waiting. And where its
 // daemons' data plane runs: on loopback (`lo`) alone, never on an interface UCX would pick
-// by itself (issue 28: a bridge that came and went hung the cluster).
+// by itself (issue 28: a bridge that came and went hung the cluster). And where the join
+// token goes: in each daemon's environment, never on a command line (issue 29).
 // Real processes on loopback; each test is bounded in time and stops what it started.
 #include <chrono>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <optional>
@@ -128,6 +130,51 @@ TEST(ConveyorLocal, ModelNoWorkerCanLoadPrintsTheLoadError) {
   EXPECT_NE(o.err.find("no worker could load the model"), std::string::npos) << o.err;
 }
 
+// A NUL-separated /proc file (cmdline, environ) as its strings.
+std::vector<std::string> proc_strings(pid_t pid, const char* file) {
+  std::vector<std::string> out;
+  std::stringstream in(read_file(fs::path("/proc") / std::to_string(pid) / file));
+  for (std::string item; std::getline(in, item, '\0');) out.push_back(item);
+  return out;
+}
+
+// The processes whose parent is `parent`.
+std::vector<pid_t> children_of(pid_t parent) {
+  std::vector<pid_t> out;
+  for (const auto& e : fs::directory_iterator("/proc")) {
+    const std::string name = e.path().filename().string();
+    if (name.find_first_not_of("0123456789") != std::string::npos) continue;
+    std::istringstream status(read_file(e.path() / "status"));
+    for (std::string line; std::getline(status, line);)
+      if (line.rfind("PPid:", 0) == 0 && std::stol(line.substr(5)) == parent) out.push_back(std::stoi(name));
+  }
+  return out;
+}
+
+// The join token `conveyor local` made is in its daemons' environments (readable by their
+// user alone), the same in each; on no command line (every user reads those: ps) and in no
+// file of the log folder.
+void expect_token_only_in_environment(pid_t local, const fs::path& logs) {
+  const std::vector<pid_t> daemons = children_of(local);
+  EXPECT_GE(daemons.size(), 3u) << "the coordinator and two workers";
+  std::string token;
+  for (pid_t pid : daemons)
+    for (const std::string& var : proc_strings(pid, "environ"))
+      if (var.rfind("CONVEYOR_JOIN_TOKEN=", 0) == 0) {
+        const std::string value = var.substr(std::strlen("CONVEYOR_JOIN_TOKEN="));
+        if (token.empty()) token = value;
+        EXPECT_EQ(value, token) << "pid " << pid;
+      }
+  ASSERT_GE(token.size(), 16u) << "no CONVEYOR_JOIN_TOKEN in the daemons' environments";
+  for (pid_t pid : daemons) {
+    const std::vector<std::string> argv = proc_strings(pid, "cmdline");
+    ASSERT_FALSE(argv.empty()) << "pid " << pid;
+    for (const std::string& arg : argv) EXPECT_EQ(arg.find(token), std::string::npos) << "pid " << pid << ": " << arg;
+  }
+  for (const auto& e : fs::directory_iterator(logs))
+    EXPECT_EQ(read_file(e.path()).find(token), std::string::npos) << e.path();
+}
+
 // A cluster as `conveyor local` starts it: the coordinator (control.host 127.0.0.1) and every
 // worker (--host 127.0.0.1) say their data plane is on lo, and the cluster serves.
 TEST(ConveyorLocal, DaemonsKeepTheDataPlaneOnLoopback) {
@@ -147,6 +194,7 @@ TEST(ConveyorLocal, DaemonsKeepTheDataPlaneOnLoopback) {
         << worker << ":\n"
         << log;
   }
+  expect_token_only_in_environment(local.pid(), logs);
   local.stop(std::chrono::seconds(15));
 }
 

@@ -39,12 +39,28 @@ ChildProcess* worker_named(Cluster& cluster, const std::string& name) {
   return nullptr;
 }
 
+// Once the cluster serves again, a worker that is ready carries no last_error: what it met
+// during the failover (most often wiring to the neighbour that had died) is over, and shows
+// as resolved_error with the epoch it recovered in (issue 29).
+void expect_ready_workers_have_no_error(Cluster& cluster) {
+  auto r = cluster.get("/v1/cluster");
+  ASSERT_TRUE(r && r->status == 200) << (r ? r->body : r.error());
+  for (const auto& w : json::parse(r->body).at("workers")) {
+    if (w.value("state", std::string()) != "ready") continue;
+    EXPECT_FALSE(w.contains("last_error")) << w.dump();
+    if (w.contains("resolved_error")) {
+      EXPECT_NE(w["resolved_error"].get<std::string>().find("resolved: ready"), std::string::npos) << w.dump();
+    }
+  }
+}
+
 // Runs the mixed load while `chaos` does its damage on another thread.
 void run_with_chaos(Cluster& cluster, uint32_t seed, const std::function<void(std::mt19937&)>& chaos) {
   std::mt19937 rng(seed);
   run_load(cluster, seed, 64, [&] { chaos(rng); });
   auto health = cluster.get("/health");
   EXPECT_TRUE(health && health->status == 200) << (health ? health->body : health.error());
+  if (health && health->status == 200) expect_ready_workers_have_no_error(cluster);
 }
 
 class Failover : public ::testing::TestWithParam<uint32_t> {};

@@ -246,6 +246,15 @@ TEST_F(StatusPage, ShowsTheClusterAndAFailover) {
   EXPECT_EQ(workers_in(failed), workers_in(now));
   EXPECT_EQ(stages_in(failed), stages_in(now)) << "page: " << describe(stages_in(failed))
                                                << "\n/v1/cluster: " << describe(stages_in(now));
+  // The survivors serve again: none shows an error as if it still stood (issue 29); what
+  // they met while the victim was dying is resolved, naming the re-wire after its death.
+  for (const auto& w : now.at("workers")) {
+    if (w.at("state") != "ready") continue;
+    EXPECT_FALSE(w.contains("last_error")) << w.dump();
+    if (w.contains("resolved_error")) {
+      EXPECT_NE(w.at("resolved_error").get<std::string>().find("re-wired after " + victim), std::string::npos) << w.dump();
+    }
+  }
   screenshot(cluster, "failover-shot", url, fs::path(CONVEYOR_BINARY_DIR) / "status_page_failover.png");
 }
 

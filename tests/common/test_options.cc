@@ -20,6 +20,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "tests/process_util.h"
 #include "tests/test_util.h"
 
 namespace conveyor {
@@ -251,16 +252,7 @@ TEST(Options, TheProcessSnapshotIsInstalledOnce) {
 }
 
 // Runs `command` through the shell; its stdout, and its exit status in `rc`.
-std::string run(const std::string& command, int& rc) {
-  std::FILE* p = ::popen(command.c_str(), "r");
-  if (!p) return "";
-  std::string out;
-  char buf[4096];
-  for (size_t n; (n = std::fread(buf, 1, sizeof(buf), p)) > 0;) out.append(buf, n);
-  const int status = ::pclose(p);
-  rc = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  return out;
-}
+std::string run(const std::string& command, int& rc) { return testing::run_shell(command, rc); }
 
 TEST(Options, DaemonsCheckPrintsTheirOptions) {
   const std::string worker = testing::bin_dir() + "/conveyor-worker";

@@ -9,6 +9,7 @@
 #include <unistd.h>
 
 #include "coordinator/cluster_config.h"
+#include "tests/process_util.h"
 #include "tests/test_util.h"
 
 namespace conveyor {
@@ -148,6 +149,54 @@ TEST(ClusterConfig, LogFormat) {
   EXPECT_NE(bad.find("c.yaml:3"), std::string::npos) << bad;
   EXPECT_NE(bad.find("'log.format' must be text or json, got 'xml'"), std::string::npos) << bad;
   EXPECT_NE(error_of("log: {level: info}\n").find("unknown key 'level' in 'log'"), std::string::npos);
+}
+
+// The scheduler block is checked against ranges, and every mistake is listed with its line
+// in the file's order, not only the first (issue 29).
+TEST(ClusterConfig, EveryMistakeIsListedWithItsLine) {
+  const std::string all = error_of(
+      "scheduler:\n  max_batch_tokens: 1\n  max_queue: 100000000\nheartbeat: {interval_ms: 5}\n"
+      "pipeline: {replica: 2}\nhttp: {threads: many}\n");
+  const std::vector<std::string> expected = {
+      "c.yaml:4: 'scheduler.max_batch_tokens' must be 0 (auto) or at least 16 and at most 1048576 (it is 1)",
+      "c.yaml:5: 'scheduler.max_queue' must be at least 1 and at most 1000000 (it is 100000000)",
+      "c.yaml:6: 'heartbeat.interval_ms' must be at least 10 and at most 60000 (it is 5)",
+      "c.yaml:7: unknown key 'replica' in 'pipeline' (known: layers, replicas, stages)",
+      "c.yaml:8: 'http.threads' must be a whole number, at least 1 and at most 256"};
+  std::string want;
+  for (const auto& e : expected) want += (want.empty() ? "" : "\n") + e;
+  EXPECT_EQ(all, want);
+  // Each bound of a range, and 0 where it means auto.
+  EXPECT_EQ(error_of("scheduler: {max_batch_tokens: 16, max_queue: 1000000, in_flight: 0, batch_timeout_ms: 0}\n"), "");
+  EXPECT_NE(error_of("scheduler: {batch_timeout_ms: 5}\n").find("0 (never) or at least 100"), std::string::npos);
+  EXPECT_NE(error_of("scheduler: {in_flight: 65}\n").find("(it is 65)"), std::string::npos);
+  EXPECT_NE(error_of("scheduler: {max_queue: 0}\n").find("'scheduler.max_queue' must be at least 1"), std::string::npos);
+  EXPECT_NE(error_of("scheduler: {max_running: 99999999999999999999}\n").find("must be a whole number"),
+            std::string::npos);
+}
+
+// --check runs the same validation as the daemon's start: every mistake on stderr, one a
+// line under the program's name, and exit status 2; a good file prints the scheduler too.
+TEST(ClusterConfig, CoordinatorCheckListsEveryMistake) {
+  const std::string coordinator = testing::bin_dir() + "/conveyor-coordinator";
+  if (!fs::exists(coordinator)) GTEST_SKIP() << "conveyor-coordinator is not built in " << testing::bin_dir();
+  const fs::path dir = fs::temp_directory_path() / ("conveyor-check-" + std::to_string(::getpid()));
+  fs::create_directories(dir);
+  const std::string head = "model: {path: \"" + model_dir() + "\"}\ncontrol: {join_token: t}\n";
+  std::ofstream(dir / "bad.yaml") << head << "scheduler:\n  max_batch_tokens: 1\n  max_queue: 100000000\n";
+  std::ofstream(dir / "good.yaml") << head << "scheduler: {max_batch_tokens: 64}\n";
+  int rc = -1;
+  const std::string bad = testing::run_shell(coordinator + " --check --config " + (dir / "bad.yaml").string() + " 2>&1", rc);
+  EXPECT_EQ(rc, 2) << bad;
+  const std::string file = (dir / "bad.yaml").string();
+  EXPECT_NE(bad.find("conveyor-coordinator: " + file + ":4: 'scheduler.max_batch_tokens' must be 0 (auto) or at least 16"),
+            std::string::npos) << bad;
+  EXPECT_NE(bad.find("conveyor-coordinator: " + file + ":5: 'scheduler.max_queue' must be at least 1 and at most 1000000"),
+            std::string::npos) << bad;
+  const std::string good = testing::run_shell(coordinator + " --check --config " + (dir / "good.yaml").string(), rc);
+  fs::remove_all(dir);
+  EXPECT_EQ(rc, 0) << good;
+  EXPECT_NE(good.find("\"max_batch_tokens\": 64"), std::string::npos) << good;
 }
 
 }  // namespace
