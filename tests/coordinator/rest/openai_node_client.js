@@ -1,6 +1,6 @@
 // OpenAI's official Node client (tools/node_modules/openai) against a running Conveyor:
-// chat, a chat stream, completions and a completions stream, each compared with what it must
-// equal. Run by tests/coordinator/rest/test_openai_node_client.cc:
+// chat, a chat stream, completions, a completions stream and the scoring idiom, each compared
+// with what it must equal. Run by tests/coordinator/rest/test_openai_node_client.cc:
 //
 //   node openai_node_client.js BASE_URL MODEL GOLDEN_PROMPT_FILE
 //
@@ -77,6 +77,20 @@ async function main() {
   assert.equal(Buffer.from(content.flatMap((t) => t.bytes)).toString("utf8"), answer);
   assert.ok(content.every((t) => t.top_logprobs.length === 2 && t.logprob <= 0));
   console.log("ok: chat logprobs.content spells the answer, two alternatives a token");
+
+  // lm-evaluation-harness's loglikelihood request: the prompt scored, nothing generated.
+  const scored = await client.completions.create({ model, prompt: rendered.tokens, echo: true, max_tokens: 0, logprobs: 1, temperature: 0 });
+  const lp = scored.choices[0].logprobs;
+  assert.equal(scored.choices[0].text, text);
+  assert.equal(scored.usage.completion_tokens, 0);
+  assert.equal(lp.token_logprobs.length, rendered.count);
+  assert.equal(lp.token_logprobs[0], null);
+  for (let i = 1; i < rendered.count; ++i) {
+    assert.ok(Number.isFinite(lp.token_logprobs[i]) && lp.token_logprobs[i] <= 0, `token ${i}`);
+    const best = Math.max(...Object.values(lp.top_logprobs[i]));
+    assert.ok(best >= lp.token_logprobs[i] - 1e-6, `top_logprobs of token ${i}`);
+  }
+  console.log(`ok: the scoring idiom (echo, max_tokens 0, logprobs 1) scores the ${rendered.count} prompt tokens`);
 
   try {
     await client.chat.completions.create({ model, messages, top_logprobs: 2 }, { headers: { "X-Request-Id": "node-bad-1" } });
