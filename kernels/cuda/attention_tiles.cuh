@@ -90,6 +90,15 @@ __device__ __forceinline__ uint32_t pack_pair(float lo, float hi) {
   return *reinterpret_cast<const uint32_t*>(&v);
 }
 
+// Zeros N mma accumulator fragments (four floats a lane each): S before q K^T, O before P V.
+template <int N>
+__device__ __forceinline__ void zero_fragments(float (&a)[N][4]) {
+#pragma unroll
+  for (int j = 0; j < N; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) a[j][e] = 0.f;
+}
+
 // A lane's share of one piece (or of the running state) for its rows g = lane / 4 and
 // g + 8: o[j][2r + c] is row (g + 8r), element 8j + 2(lane % 4) + c.
 template <int D>
@@ -156,10 +165,7 @@ __device__ __forceinline__ void piece_scores(TileState<D>& st, uint32_t (&p)[4][
   constexpr int P = pitch<D>();
   const int lane = threadIdx.x & 31, mtx = lane >> 3;
   float s[8][4];
-#pragma unroll
-  for (int j = 0; j < 8; ++j)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) s[j][e] = 0.f;
+  zero_fragments(s);
 #pragma unroll
   for (int kk = 0; kk < D / 16; ++kk)
 #pragma unroll
@@ -190,10 +196,7 @@ __device__ __forceinline__ void piece_values_steps(TileState<D>& st, const uint3
 }
 template <int D>
 __device__ __forceinline__ void clear_values(TileState<D>& st) {
-#pragma unroll
-  for (int j = 0; j < D / 8; ++j)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) st.o[j][e] = 0.f;
+  zero_fragments(st.o);
 }
 template <class T, int D>
 __device__ __forceinline__ void piece_values(TileState<D>& st, const uint32_t (&p)[4][4], const T* sV) {
@@ -421,10 +424,7 @@ __device__ __forceinline__ void piece_scores_fp8(TileState<D>& st_out, uint32_t 
   constexpr int KP = fp8_pitch<D>();
   const int lane = threadIdx.x & 31, t = lane & 3, g = lane >> 2;
   float s[8][4];
-#pragma unroll
-  for (int j = 0; j < 8; ++j)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) s[j][e] = 0.f;
+  zero_fragments(s);
 #pragma unroll
   for (int kk = 0; kk < D / 16; ++kk)
 #pragma unroll
