@@ -13,7 +13,7 @@
 // Beside them: the Gemm's deterministic plans (the sequential order, gemm_sequential.cc, and
 // the fixed-order tiles, fixed_gemm.h), its fast plan, and the sequential-order GEMV alone.
 //
-//   conveyor-bench-gemm-order [--dtype f16|bf16|fp8] [--shapes gpt2-xl,gpt3-6.7b,gpt3-175b-tp8,...]
+//   conveyor-bench-gemm-order [--dtype f16|f16-f32|bf16|fp8] [--shapes gpt2-xl,gpt3-6.7b,gpt3-175b-tp8,...]
 //                             [--ts 1,2,3,...] [--verbose]
 //
 // Prints, per shape: each class's best time per T against the fastest configuration of any
@@ -131,6 +131,14 @@ struct Problem {
   size_t ab_bytes, out_bytes;
 };
 
+// Calls f(input tag, output tag) with the element types of an fp16/bf16 problem.
+template <class F>
+void with_types(const Problem& pr, F&& f) {
+  const bool f32_out = pr.out == CUDA_R_32F;
+  if (pr.ab == CUDA_R_16F) f32_out ? f(__half{}, float{}) : f(__half{}, __half{});
+  else f32_out ? f(__nv_bfloat16{}, float{}) : f(__nv_bfloat16{}, __nv_bfloat16{});
+}
+
 class Probe {
  public:
   Probe(cublasLtHandle_t lt, const Problem& pr, const Shape& s, cudaStream_t stream)
@@ -228,8 +236,9 @@ int run(int argc, char** argv) {
   Problem pr{};
   if (dtype == "f16") pr = {CUDA_R_16F, CUDA_R_16F, 2, 2};
   else if (dtype == "bf16") pr = {CUDA_R_16BF, CUDA_R_16BF, 2, 2};
+  else if (dtype == "f16-f32") pr = {CUDA_R_16F, CUDA_R_32F, 2, 4};  // the LM head: fp32 logits
   else if (dtype == "fp8") pr = {CUDA_R_8F_E4M3, CUDA_R_32F, 1, 4};
-  else { std::fprintf(stderr, "--dtype is f16, bf16 or fp8\n"); return 2; }
+  else { std::fprintf(stderr, "--dtype is f16, f16-f32, bf16 or fp8\n"); return 2; }
   const std::vector<int64_t> ts = numbers(ts_list);
   const int64_t t_max = ts.back();
   const std::vector<int64_t> heuristic_ts = {1, 16, 64, 256, 1024, 4096};
@@ -347,14 +356,12 @@ int run(int argc, char** argv) {
         g.set_sequential_order(mode == 0);
         for (int64_t T : ts) {
           auto call = [&](int rep) {
-            const void* wp = w[size_t(rep % copies)].get();
-            if (pr.ab == CUDA_R_16F)
-              g.run<__half, __half>(out.as<__half>(), x.as<__half>(), static_cast<const __half*>(wp), nullptr, T, s.K,
-                                    s.N, WeightLayout::NK, GemmAct::None, stream);
-            else
-              g.run<__nv_bfloat16, __nv_bfloat16>(out.as<__nv_bfloat16>(), x.as<__nv_bfloat16>(),
-                                                  static_cast<const __nv_bfloat16*>(wp), nullptr, T, s.K, s.N,
-                                                  WeightLayout::NK, GemmAct::None, stream);
+            with_types(pr, [&](auto in_tag, auto out_tag) {
+              using T_ = decltype(in_tag);
+              using O = decltype(out_tag);
+              g.run<T_, O>(out.as<O>(), x.as<T_>(), static_cast<const T_*>(w[size_t(rep % copies)].get()), nullptr, T,
+                           s.K, s.N, WeightLayout::NK, GemmAct::None, stream);
+            });
             return true;
           };
           (mode == 0 ? det_us : mode == 1 ? fixed_us : fast_us)[T] = probe.time_us(call);
@@ -369,18 +376,12 @@ int run(int argc, char** argv) {
       for (int64_t T : ts) {
         if (T > detail::kGemvMaxTokens) continue;
         auto call = [&](int rep) {
-          const void* wp = w[size_t(rep % copies)].get();
-          if (pr.ab == CUDA_R_16F) {
-            auto* o = out.as<__half>();
-            const auto* xi = x.as<__half>();
-            const auto* wi = static_cast<const __half*>(wp);
-            detail::gemv_seq<__half, __half>(o, xi, wi, nullptr, T, s.K, s.N, GemmAct::None, stream);
-          } else {
-            auto* o = out.as<__nv_bfloat16>();
-            const auto* xi = x.as<__nv_bfloat16>();
-            const auto* wi = static_cast<const __nv_bfloat16*>(wp);
-            detail::gemv_seq<__nv_bfloat16, __nv_bfloat16>(o, xi, wi, nullptr, T, s.K, s.N, GemmAct::None, stream);
-          }
+          with_types(pr, [&](auto in_tag, auto out_tag) {
+            using T_ = decltype(in_tag);
+            using O = decltype(out_tag);
+            detail::gemv_seq<T_, O>(out.as<O>(), x.as<T_>(), static_cast<const T_*>(w[size_t(rep % copies)].get()),
+                                    nullptr, T, s.K, s.N, GemmAct::None, stream);
+          });
           return true;
         };
         call(0);

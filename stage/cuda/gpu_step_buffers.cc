@@ -6,6 +6,7 @@
 #include <string>
 
 #include "kernels/cuda/attention.h"
+#include "stage/cuda/gpu_weights.h"
 
 namespace conveyor::cuda {
 
@@ -47,7 +48,7 @@ Expected<std::unique_ptr<StepBuffers>> StepBuffers::create(const GpuStageShape& 
     b->logits = device_alloc(size_t(b->logits_rows * V) * sizeof(float), n, "logits");
     b->tokens_dev = device_alloc(size_t(max_step_seqs) * sizeof(int32_t), n, "sampled tokens");
     b->tokens_host = PinnedBuffer(size_t(max_step_seqs) * sizeof(int32_t), n + " sampled tokens");
-    b->raw_logits = device_alloc(size_t(b->logits_rows * V) * sizeof(float), n, "raw logits");
+    b->raw_logits = device_alloc(size_t(b->logits_rows * head_rows(V)) * sizeof(float), n, "raw logits");
     b->logprobs_dev = device_alloc(size_t(max_step_seqs) * sizeof(float), n, "sampled log-probs");
     b->logprobs_host = PinnedBuffer(size_t(max_step_seqs) * sizeof(float), n + " sampled log-probs");
     b->sampler = std::make_unique<GpuSampler>(n, max_step_seqs, V);

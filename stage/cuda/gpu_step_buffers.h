@@ -52,7 +52,10 @@ struct StepBuffers {
   DeviceBuffer logits;       // [logits_rows, V] fp32
   DeviceBuffer tokens_dev;   // [max_step_seqs] the chosen ids
   PinnedBuffer tokens_host;
-  DeviceBuffer raw_logits;   // [logits_rows, V] sample(): the logits before the sampler mutates them
+  // [logits_rows, head_rows(V)]: the LM head's product at its padded pitch (gpu_weights.h),
+  // copied into `logits` at once; then sample()'s [rows, V] copy of the logits before the
+  // sampler mutates them.
+  DeviceBuffer raw_logits;
   DeviceBuffer logprobs_dev;  // [max_step_seqs] the chosen ids' log-probs
   PinnedBuffer logprobs_host;
   std::unique_ptr<GpuSampler> sampler;

@@ -182,12 +182,18 @@ Status StepRunner::reduce_residual_layernorm(T* hidden, T* ln_out, T* x, const T
 
 // ---- the head ----
 
+// The product over the head's padded rows (gpu_weights.h, head_rows) into raw_logits, then
+// its first V columns into `logits` [rows, V]: one strided copy.
 void StepRunner::lm_head(const void* in_rows, int64_t rows, float* logits) {
+  const int64_t V = config_.vocab_size, Vp = head_rows(V);
+  float* padded = buffers_.raw_logits.as<float>();
   with_dtype(options_.dtype, [&](auto tag) {
     using T = decltype(tag);
-    gemm_.run<T, float>(logits, static_cast<const T*>(in_rows), weights_.as<T>(StageTensor::LmHead), nullptr, rows,
-                         config_.n_embd, config_.vocab_size, WeightLayout::NK, GemmAct::None, stream_);
+    gemm_.run<T, float>(padded, static_cast<const T*>(in_rows), weights_.as<T>(StageTensor::LmHead), nullptr, rows,
+                         config_.n_embd, Vp, WeightLayout::NK, GemmAct::None, stream_);
   });
+  CUDA_CHECK(cudaMemcpy2DAsync(logits, size_t(V) * sizeof(float), padded, size_t(Vp) * sizeof(float),
+                               size_t(V) * sizeof(float), size_t(rows), cudaMemcpyDeviceToDevice, stream_));
 }
 
 void StepRunner::all_logits(int64_t num_tokens, float* out) {

@@ -185,7 +185,8 @@ GpuWeightLayout plan_weight_layout(const ModelConfig& c, const TpShard& shard, i
     }
     r.shape = {dim_size(spec.rows, c), dim_size(spec.cols, c)};
     r.bytes = r.shape.elements() * e;
-    r.offset = take(r.bytes);
+    // The vocabulary matrices keep room for their zero rows up to head_rows (above).
+    r.offset = take(spec.rows == StageDim::Vocab ? head_rows(r.shape.rows) * r.shape.cols * e : r.bytes);
   }
   return w;
 }
@@ -207,6 +208,15 @@ GpuWeights GpuWeights::allocate(const GpuStageShape& shape) {
   // A decode step reads every layer, and on the head's rank ln_f and the head matrix.
   g.decode_bytes_ = g.layout_.layer_bytes + (shape.holds_head() ? (V * C + 2 * C) * e : 0);
   return g;
+}
+
+void GpuWeights::zero_vocab_padding(cudaStream_t stream) {
+  for (StageTensor t : {StageTensor::Wte, StageTensor::LmHead}) {
+    const TensorRef& r = ref(t);
+    if (!r.held()) continue;
+    const int64_t pad_bytes = r.bytes / r.shape.rows * (head_rows(r.shape.rows) - r.shape.rows);
+    CUDA_CHECK(cudaMemsetAsync(buf_.as<char>() + r.offset + r.bytes, 0, size_t(pad_bytes), stream));
+  }
 }
 
 Status GpuWeights::validate_fp8(const ModelConfig& c, const GpuStageOptions& o) {
@@ -235,6 +245,7 @@ Status GpuWeights::validate_fp8(const ModelConfig& c, const GpuStageOptions& o) 
 Status GpuWeights::upload(const StageWeights& w, const GpuStageShape& shape, const WeightLoadScratch& scratch,
                           cudaStream_t stream) {
   DeviceGuard on(shape.device);
+  zero_vocab_padding(stream);
   Status status;
   with_dtype(shape.options.dtype, [&](auto tag) {
     WeightUpload<decltype(tag)> up(*this, shape, scratch, stream);
@@ -254,6 +265,7 @@ Status GpuWeights::upload(const StageWeights& w, const GpuStageShape& shape, con
 void GpuWeights::synthesize(uint64_t seed, const GpuStageShape& shape, const WeightLoadScratch& scratch,
                             cudaStream_t stream) {
   DeviceGuard on(shape.device);
+  zero_vocab_padding(stream);
   const GpuStageOptions& options = shape.options;
   uint64_t tensor = 0;
   with_dtype(options.dtype, [&](auto tag) {

@@ -37,6 +37,17 @@ namespace conveyor::cuda {
 
 inline constexpr int64_t kWeightAlign = 256;  // bytes: every weight tensor starts on this boundary
 
+// The vocabulary matrices (wte, the LM head) hold their rows padded with zero rows to a
+// multiple of kHeadRowAlign, and the LM head runs as a product of head_rows(V) rows into
+// fp32 rows of that pitch. GPT-2's 50,257 rows give fp32 rows of 201,028 bytes, not a
+// multiple of 16: cuBLASLt then offers only its older align-1 kernels, which keep a row's
+// bits only in classes the sequential GEMV does not match and take 448 us at T = 1 and
+// 947 us at T = 256 (deterministic) for gpt3-6.7b's head. Padded to 50,304, every
+// algorithm it proposes is one row-invariant class that the GEMV matches: 141 and 182 us,
+// the fast plan's speed (conveyor-bench-gemm-order --dtype f16-f32, one H100, 2026-11-26).
+inline constexpr int64_t kHeadRowAlign = 64;
+inline int64_t head_rows(int64_t vocab_size) { return (vocab_size + kHeadRowAlign - 1) / kHeadRowAlign * kHeadRowAlign; }
+
 // Where one tensor lives in the weight allocation.
 struct TensorRef {
   int64_t offset = -1;        // bytes from the allocation's start; -1: the stage does not hold it
@@ -126,6 +137,9 @@ class GpuWeights {
   int64_t decode_bytes() const { return decode_bytes_; }
 
  private:
+  // The vocabulary matrices' rows past the vocabulary, up to head_rows: zeros.
+  void zero_vocab_padding(cudaStream_t stream);
+
   GpuWeightLayout layout_;
   DeviceBuffer buf_;
   int64_t decode_bytes_ = 0;
