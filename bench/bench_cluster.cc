@@ -348,12 +348,14 @@ int engine_mode(const std::string& model, const std::vector<int>& batches, int64
     const double decode_s = std::chrono::duration<double>(token_times.back() - token_times[size_t(batch) - 1]).count();
     const double decode_tokens = double(token_times.size()) - batch;
     const double ms_step = decode_s * 1e3 / std::max(1, max_tokens - 1);
+    const double whole_s = std::chrono::duration<double>(token_times.back() - t0).count();  // whole requests
     std::printf("engine, batch %d, prompt %lld, %d new tokens: %.1f tokens/s (decode), %.3f ms a step, prefill %.3f s\n",
                 batch, (long long)prompt_tokens, max_tokens, decode_tokens / decode_s, ms_step, ttft);
     if (!json_path.empty()) {
       std::ofstream(json_path, std::ios::app) << json{{"mode", "engine"}, {"backend", "cpu"}, {"clients", batch},
                                                       {"prompt", prompt_tokens}, {"max_tokens", max_tokens},
                                                       {"tokens_per_s", decode_tokens / decode_s},
+                                                      {"whole_tokens_per_s", double(token_times.size()) / whole_s},
                                                       {"ms_per_token", ms_step}, {"ttft_s", ttft}}.dump()
                                               << "\n";
     }

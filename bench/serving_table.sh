@@ -125,10 +125,11 @@ if backend == "cuda":
     for r in csv_rows("engine.csv"):
         if r.get("mode", "det") != "det" or int(r["prompt"]) != int(prompt):
             continue
-        engine[int(r["batch"])] = (float(r["tokens_per_s"]), float(r["ms_per_token"]))
+        whole = int(r["batch"]) * int(r["new_tokens"]) / (float(r["total_ms"]) / 1e3)  # first token + decode steps
+        engine[int(r["batch"])] = (float(r["tokens_per_s"]), float(r["ms_per_token"]), whole)
 else:
     for r in jsonl("engine.jsonl"):
-        engine[int(r["clients"])] = (r["tokens_per_s"], r["ms_per_token"])
+        engine[int(r["clients"])] = (r["tokens_per_s"], r["ms_per_token"], r.get("whole_tokens_per_s"))
 rest = {int(r["clients"]): r for r in jsonl("rest.jsonl") if not r.get("mixed")}
 torch_rows = {}
 for r in csv_rows("torch.csv"):
@@ -144,13 +145,14 @@ def ratio(a, b):
 print(f"\n{device}, {datetime.date.today().isoformat()}; shape {shape}, prompt {prompt} tokens, {new_tokens} new tokens, "
       f"temperature 0.8 / top-k 40 through REST{' and in the CPU engine' if backend == 'cpu' else ''}, "
       f"greedy in {'PyTorch' if backend == 'cpu' else 'conveyor-bench-gpu-decode and PyTorch'}; "
-      f"engine tokens/s: decode steps only; REST tokens/s: completions' tokens over the load's wall time\n")
+      f"engine tokens/s: whole requests (prefill + decode, the static batch's tokens over its time) and decode steps "
+      f"only; REST tokens/s: completions' tokens over the load's wall time; REST / engine: against whole requests\n")
 print(f"    {command}\n")
-print("| clients = batch | engine tokens/s | REST tokens/s | REST / engine | PyTorch tokens/s | REST / PyTorch "
+print("| clients = batch | engine tokens/s, whole requests | engine tokens/s, decode only | REST tokens/s | REST / engine | PyTorch tokens/s | REST / PyTorch "
       "| engine ms/step | REST ms/token (1 client, streamed) | REST / engine step | stage busy | idle, input waiting (% of a step) | coordinator turn-around ms (mean / p99) |")
-print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---|")
+print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---|")
 for c in clients:
-    e_tps, e_ms = engine.get(c, (None, None))
+    e_tps, e_ms, e_whole = engine.get(c, (None, None, None))
     r = rest.get(c, {})
     r_tps = r.get("tokens_per_s")
     t_tps = torch_rows.get(c, (None, None))[0]
@@ -162,7 +164,7 @@ for c in clients:
     idle = " / ".join(f"{100 * s['idle_ready_of_step']:.1f}%" for s in tr.get("stages", [])) or "—"
     co = tr.get("coordinator")
     gap = f"{co['gap_ms_mean']:.3f} / {co['gap_ms_p99']:.3f}" if co else "—"
-    print(f"| {c} | {f(e_tps)} | {f(r_tps)} | {ratio(r_tps, e_tps)} | {f(t_tps)} | {ratio(r_tps, t_tps)} | "
+    print(f"| {c} | {f(e_whole)} | {f(e_tps)} | {f(r_tps)} | {ratio(r_tps, e_whole)} | {f(t_tps)} | {ratio(r_tps, t_tps)} | "
           f"{f(e_ms, '{:.3f}')} | {f(r_ms, '{:.3f}')} | {ratio(r_ms, e_ms) if c == 1 else '—'} | {busy} | {idle} | {gap} |")
 if torch_note:
     print(f"\nPyTorch column: {torch_note}.")
