@@ -20,6 +20,10 @@ bool tile_order_head_dim(int64_t head_dim);
 int64_t tile_pieces(int64_t max_kv_len);
 // The floats of DecodeWorkspace::partial that let a decode launch spread every row.
 int64_t tile_partial_floats(int64_t rows, int64_t n_head, int64_t head_dim, int64_t max_kv_len);
+// The most rows tile_decode_splits spreads (more than one warp per (row, head)) on a GPU of
+// num_sms SMs: a workspace of tile_partial_floats(min(max rows, this), ...) lets every launch
+// that would spread do so.
+int64_t tile_spread_rows(int64_t n_head, int num_sms);
 // Warps per (row, head) a decode launch of `rows` rows spreads over: 1 when the workspace
 // cannot hold every piece's state. It never changes a result.
 int tile_decode_splits(int64_t rows, int64_t n_head, int64_t head_dim, const DecodeWorkspace& ws);

@@ -256,18 +256,23 @@ int64_t tile_partial_floats(int64_t rows, int64_t n_head, int64_t head_dim, int6
   return rows * n_head * tile_pieces(max_kv_len) * (head_dim + 4);
 }
 
+// A small batch's warps spread until there are about 16 per SM (six are resident at a time).
+// Measured on the H100: spreading further (eight waves) was slower, the pieces' states
+// written and merged costing more than the shorter tail saves.
+constexpr int64_t kSpreadWarpsPerSm = 16;
+
 int tile_decode_splits(int64_t rows, int64_t n_head, int64_t head_dim, const DecodeWorkspace& ws) {
   const int64_t pieces = tile_pieces(ws.max_kv_len);
   if (pieces <= 1 || !ws.partial || !ws.counters || rows * n_head > ws.counter_entries ||
       tile_partial_floats(rows, n_head, head_dim, ws.max_kv_len) > ws.partial_floats)
     return 1;
-  // A small batch's warps spread until there are about 16 per SM (six are resident at a
-  // time). Measured on the H100: spreading further (eight waves) was slower, the pieces'
-  // states written and merged costing more than the shorter tail saves.
-  const int sms = sm_count();
   const int64_t warps = std::max<int64_t>(1, rows * n_head);
-  const int64_t want = (int64_t(sms) * 16 + warps - 1) / warps;
+  const int64_t want = (int64_t(sm_count()) * kSpreadWarpsPerSm + warps - 1) / warps;
   return int(std::clamp<int64_t>(want, 1, pieces));
+}
+
+int64_t tile_spread_rows(int64_t n_head, int num_sms) {
+  return std::max<int64_t>(0, (int64_t(num_sms) * kSpreadWarpsPerSm - 1) / std::max<int64_t>(1, n_head));
 }
 
 

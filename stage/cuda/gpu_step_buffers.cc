@@ -6,6 +6,7 @@
 #include <string>
 
 #include "kernels/cuda/attention.h"
+#include "kernels/cuda/attention_tiles.h"
 #include "stage/cuda/gpu_weights.h"
 
 namespace conveyor::cuda {
@@ -54,8 +55,12 @@ Expected<std::unique_ptr<StepBuffers>> StepBuffers::create(const GpuStageShape& 
     b->sampler = std::make_unique<GpuSampler>(n, max_step_seqs, V);
   }
   b->meta = std::make_unique<StepMetaStaging>(shape.max_rows, max_step_seqs, shape.max_pages, n);
-  // Decode attention workspace: every piece of every row, up to the context length.
-  const int64_t partial = decode_partial_floats(max_step_seqs, H, D, shape.config.n_positions);
+  // Decode attention workspace: every piece of every row, up to the context length, for
+  // either order (the tile order's pieces are shorter; it spreads only small batches).
+  const int64_t P = shape.config.n_positions;
+  const int64_t partial =
+      std::max(decode_partial_floats(max_step_seqs, H, D, P),
+               tile_partial_floats(std::min(max_step_seqs, tile_spread_rows(H, shape.num_sms)), H, D, P));
   b->decode_partial =
       device_alloc(size_t(std::max<int64_t>(partial, 1)) * sizeof(float), n, "decode attention workspace");
   b->decode_counters = device_alloc(size_t(max_step_seqs * H) * sizeof(int32_t), n, "decode attention counters");
