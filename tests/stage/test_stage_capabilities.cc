@@ -151,8 +151,11 @@ TEST(StageCapabilities, GpuInt8LayersTakeAboutHalf) {
   EXPECT_EQ(fp16, (12 * C * C + 13 * C) * 2);
   EXPECT_EQ(int8->layer_bytes, 12 * C * C + 9 * C * 4 + 13 * C * 2);
   EXPECT_NEAR(double(int8->layer_bytes) / double(fp16), 0.5, 0.001);
-  EXPECT_GE(int8->embedding_bytes, (50257 + 256) * C * 2);
-  EXPECT_LT(int8->embedding_bytes, (50257 + 256) * C * 2 + 2 * 256);  // padding to 256-byte boundaries
+  // wte's rows padded with zeros to head_rows (gpu_weights.h), then 256-byte boundaries.
+  const int64_t wte_rows = cuda::head_rows(50257);
+  EXPECT_EQ(wte_rows, 50304);
+  EXPECT_GE(int8->embedding_bytes, (wte_rows + 256) * C * 2);
+  EXPECT_LT(int8->embedding_bytes, (wte_rows + 256) * C * 2 + 2 * 256);
   o.max_seqs = 512;  // as the worker builds its stage (backend_factory.cc)
   const StageCapabilities caps = cuda::GpuStageBackend::capabilities(o, int64_t(80) << 30);
   EXPECT_EQ(caps.weight_format, "int8");
