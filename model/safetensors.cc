@@ -265,29 +265,33 @@ std::span<const std::byte> SafetensorsFile::data(const TensorInfo& info) const {
   return {map_ + info.offset, size_t(info.size_bytes)};
 }
 
-void SafetensorsFile::advise(const TensorInfo& info, int advice) const {
-  if (info.size_bytes == 0) return;
-  const uint64_t begin = info.offset & ~uint64_t(page_bytes() - 1);  // madvise needs page alignment
-  (void)::madvise(map_ + begin, size_t(info.offset + info.size_bytes - begin), advice);
+void SafetensorsFile::advise(uint64_t offset, uint64_t bytes, int advice) const {
+  if (bytes == 0) return;
+  const uint64_t begin = offset & ~uint64_t(page_bytes() - 1);  // madvise needs page alignment
+  (void)::madvise(map_ + begin, size_t(offset + bytes - begin), advice);
 }
 
 void SafetensorsFile::prefetch(const TensorInfo& info) const {
-  advise(info, MADV_SEQUENTIAL);
-  advise(info, MADV_WILLNEED);
+  advise(info.offset, info.size_bytes, MADV_SEQUENTIAL);
+  advise(info.offset, info.size_bytes, MADV_WILLNEED);
 }
 
-void SafetensorsFile::populate(const TensorInfo& info) const {
+void SafetensorsFile::populate(const TensorInfo& info) const { populate(info, 0, info.size_bytes); }
+
+void SafetensorsFile::populate(const TensorInfo& info, uint64_t begin, uint64_t bytes) const {
 #ifdef MADV_POPULATE_READ
-  advise(info, MADV_POPULATE_READ);
+  advise(info.offset + begin, std::min(bytes, info.size_bytes - std::min(begin, info.size_bytes)), MADV_POPULATE_READ);
 #else
-  (void)info;
+  (void)info, (void)begin, (void)bytes;
 #endif
 }
 
-void SafetensorsFile::release(const TensorInfo& info) const {
+void SafetensorsFile::release(const TensorInfo& info) const { release(info, 0, info.size_bytes); }
+
+void SafetensorsFile::release(const TensorInfo& info, uint64_t begin, uint64_t bytes) const {
   // The mapping is private and never written, so dropping its pages loses nothing; a later
   // read of a shared boundary page simply faults it back in from the page cache.
-  advise(info, MADV_DONTNEED);
+  advise(info.offset + begin, std::min(bytes, info.size_bytes - std::min(begin, info.size_bytes)), MADV_DONTNEED);
 }
 
 // ---------------------------------------------------------------------------------------

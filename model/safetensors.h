@@ -69,10 +69,14 @@ class SafetensorsFile {
   void prefetch(const TensorInfo& info) const;
   void populate(const TensorInfo& info) const;
   void release(const TensorInfo& info) const;
+  // The same for bytes [begin, begin + bytes) of a tensor's data (a loader's piece of it).
+  void populate(const TensorInfo& info, uint64_t begin, uint64_t bytes) const;
+  void release(const TensorInfo& info, uint64_t begin, uint64_t bytes) const;
 
  private:
   SafetensorsFile() = default;
-  void advise(const TensorInfo& info, int advice) const;
+  // `advice` over file bytes [offset, offset + bytes), widened to whole pages.
+  void advise(uint64_t offset, uint64_t bytes, int advice) const;
 
   std::string path_;
   std::byte* map_ = nullptr;  // whole file, PROT_READ, MAP_PRIVATE; the fd is closed after mmap
