@@ -6,7 +6,7 @@
 //
 //   conveyor-bench-weight-load [--shape gpt2-xl|gpt3-6.7b|L,C,H] [--dir DIR] [--storage f16|bf16|f32]
 //       [--dtype f16|bf16] [--weights dtype|int8|fp8] [--gpus 0[,1,...]] [--threads 4] [--slots 6]
-//       [--slot-mb 16] [--repeat 3] [--host-only]
+//       [--slot-mb 16] [--read pread|mmap] [--repeat 3] [--host-only]
 //
 // It writes a checkpoint of random weights of the shape into DIR (default
 // /tmp/conveyor-weight-load-<shape>-<storage>; kept and reused when its config matches), reads
@@ -18,7 +18,8 @@
 //   gpu: stage without weights        GpuStage's other costs (buffers, K/V cache, synthetic fill)
 //   gpu: old (load + upload)          load_stage_weights + TpStage::create(weights)
 //   gpu: direct                       TpStage::create(checkpoint)
-// --gpus: the stage's GPUs (tensor parallel over several; one GPU may be named twice to run
+// --read: how the direct path's readers copy whole rows (pread, the default, or from the mapping;
+// a rank's columns always come from the mapping). --gpus: the stage's GPUs (tensor parallel over several; one GPU may be named twice to run
 // both ranks on it). Without a GPU (or with --host-only) only the host rows run, and it says so.
 #include <fcntl.h>
 #include <unistd.h>
@@ -61,6 +62,7 @@ struct Args {
   std::vector<int> gpus = {0};
   int threads = 4, slots = 6, repeat = 3;
   uint64_t slot_mb = 16;
+  PieceRead read = PieceRead::Pread;
   bool host_only = false;
 };
 
@@ -170,6 +172,7 @@ bool direct_read(const Args& a, const StageCheckpoint& ckpt) {
   static std::vector<std::vector<std::byte>> memory;  // kept across runs: faulted in once
   PieceRing ring;
   ring.slot_bytes = a.slot_mb << 20;
+  ring.read = a.read;
   memory.resize(size_t(a.slots));
   for (auto& m : memory) {
     m.resize(ring.slot_bytes);
@@ -213,7 +216,7 @@ void gpu_rows(const Args& a, const ModelConfig& c, const std::string& dir, DType
   o.int8_weights = a.weights == "int8";
   o.fp8 = a.weights == "fp8";
   o.max_seqs = 512;  // as a worker builds it (stage/backend_factory.cc)
-  cuda::DirectLoadOptions load{a.threads, a.slots, a.slot_mb << 20};
+  cuda::DirectLoadOptions load{a.threads, a.slots, a.slot_mb << 20, a.read};
   row("gpu: stage without weights", 0, time_runs(a.repeat, [&] {
         return make_stage([&] { return cuda::TpStage::create_synthetic(c, 0, c.n_layer, 1, a.gpus, o); });
       }));
@@ -253,6 +256,7 @@ Expected<Args> parse_args(int argc, char** argv) {
     else if (k == "--slots") a.slots = std::atoi(v.c_str());
     else if (k == "--slot-mb") a.slot_mb = uint64_t(std::atoll(v.c_str()));
     else if (k == "--repeat") a.repeat = std::atoi(v.c_str());
+    else if (k == "--read" && (v == "pread" || v == "mmap")) a.read = v == "pread" ? PieceRead::Pread : PieceRead::Map;
     else if (k == "--gpus") {
       a.gpus.clear();
       std::stringstream ss(v);
@@ -294,9 +298,10 @@ int run(int argc, char** argv) {
     return 1;
   }
   const int64_t bytes = ckpt->bytes();
-  std::printf("# %s, %s checkpoint (%.1f MB of tensors), the whole model as one stage; %d reader threads, %d slots "
-              "of %lu MiB; %u host threads\n",
-              a.shape.c_str(), a.storage.c_str(), double(bytes) / 1e6, a.threads, a.slots, (unsigned long)a.slot_mb,
+  std::printf("# %s, %s checkpoint (%.1f MB of tensors), the whole model as one stage; %d reader threads (%s), %d "
+              "slots of %lu MiB; %u host threads\n",
+              a.shape.c_str(), a.storage.c_str(), double(bytes) / 1e6, a.threads,
+              a.read == PieceRead::Pread ? "pread" : "mmap", a.slots, (unsigned long)a.slot_mb,
               std::thread::hardware_concurrency());
   std::printf("| path | MB | best s | median s | GB/s (best) |\n|---|---:|---:|---:|---:|\n");
   host_floors(a, *dir, *file_bytes);

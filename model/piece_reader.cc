@@ -46,8 +46,9 @@ Status read_pieces(std::span<const TensorPiece> pieces, int threads, const Piece
           std::lock_guard lk(mu);
           return fail(s);
         }
-      gather(pieces[i], ring.slots[i % S]);
+      const Status read = gather(pieces[i], ring.slots[i % S], ring.read);
       std::lock_guard lk(mu);
+      if (!read) return fail(read);
       filled[i] = 1;
       cv.notify_all();
     }

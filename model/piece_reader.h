@@ -19,6 +19,7 @@ namespace conveyor {
 struct PieceRing {
   std::vector<std::byte*> slots;  // the buffers, each slot_bytes long
   uint64_t slot_bytes = 0;
+  PieceRead read = PieceRead::Pread;  // how whole-row pieces are copied (gather)
   // On a reader thread, before slot `slot` takes its next piece: returns once the consumer's
   // use of the previous one (a DMA copy in flight) is over. Optional.
   std::function<Status(size_t slot)> wait_free;
@@ -28,7 +29,7 @@ struct PieceRing {
 
 // Reads every piece through `ring` with up to `threads` reader threads. A piece larger than a
 // slot is refused before anything is read (the error names the tensor). The first error (from
-// wait_free or consume) stops the readers at their next piece and is returned.
+// a read, wait_free or consume) stops the readers at their next piece and is returned.
 Status read_pieces(std::span<const TensorPiece> pieces, int threads, const PieceRing& ring);
 
 }  // namespace conveyor

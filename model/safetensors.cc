@@ -220,10 +220,11 @@ Expected<SafetensorsFile> SafetensorsFile::open(const std::string& path) {
 
   void* map = ::mmap(nullptr, file_bytes, PROT_READ, MAP_PRIVATE, fd, 0);
   if (map == MAP_FAILED) return file_error(path, "mmap failed: " + errno_text(errno));
-  SafetensorsFile f;  // owns the mapping from here on; the fd closes at scope exit
+  SafetensorsFile f;  // owns the mapping and the fd from here on
   f.path_ = path;
   f.map_ = static_cast<std::byte*>(map);
   f.map_bytes_ = file_bytes;
+  f.fd_ = std::exchange(closer.fd, -1);
 
   auto tensors = parse_safetensors(std::span<const std::byte>(f.map_, f.map_bytes_), path);
   if (!tensors) return tensors.status();
@@ -236,12 +237,15 @@ SafetensorsFile::SafetensorsFile(SafetensorsFile&& other) noexcept
     : path_(std::move(other.path_)),
       map_(std::exchange(other.map_, nullptr)),
       map_bytes_(std::exchange(other.map_bytes_, 0)),
+      fd_(std::exchange(other.fd_, -1)),
       tensors_(std::move(other.tensors_)),
       index_(std::move(other.index_)) {}
 
 SafetensorsFile& SafetensorsFile::operator=(SafetensorsFile&& other) noexcept {
   if (this != &other) {
     if (map_) ::munmap(map_, map_bytes_);
+    if (fd_ >= 0) ::close(fd_);
+    fd_ = std::exchange(other.fd_, -1);
     path_ = std::move(other.path_);
     map_ = std::exchange(other.map_, nullptr);
     map_bytes_ = std::exchange(other.map_bytes_, 0);
@@ -253,6 +257,7 @@ SafetensorsFile& SafetensorsFile::operator=(SafetensorsFile&& other) noexcept {
 
 SafetensorsFile::~SafetensorsFile() {
   if (map_) ::munmap(map_, map_bytes_);
+  if (fd_ >= 0) ::close(fd_);
 }
 
 const TensorInfo* SafetensorsFile::find(std::string_view name) const {
@@ -263,6 +268,21 @@ const TensorInfo* SafetensorsFile::find(std::string_view name) const {
 std::span<const std::byte> SafetensorsFile::data(const TensorInfo& info) const {
   // Bounds were checked at open; `info` must come from this file.
   return {map_ + info.offset, size_t(info.size_bytes)};
+}
+
+Status SafetensorsFile::read(const TensorInfo& info, uint64_t begin, uint64_t bytes, std::byte* out) const {
+  if (begin > info.size_bytes || bytes > info.size_bytes - begin)
+    return tensor_error(path_, info.name, "bytes [" + std::to_string(begin) + ", " + std::to_string(begin + bytes) +
+                                              ") asked of a tensor of " + std::to_string(info.size_bytes));
+  for (uint64_t done = 0; done < bytes;) {
+    const ssize_t n = ::pread(fd_, out + done, size_t(bytes - done), off_t(info.offset + begin + done));
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0)
+      return tensor_error(path_, info.name, n < 0 ? "read failed: " + errno_text(errno)
+                                                  : "the file ends early (was it truncated since it was opened?)");
+    done += uint64_t(n);
+  }
+  return ok_status();
 }
 
 void SafetensorsFile::advise(uint64_t offset, uint64_t bytes, int advice) const {

@@ -173,25 +173,27 @@ Expected<std::vector<TensorPiece>> stage_pieces(const StageCheckpoint& c, const 
   return pieces;
 }
 
-void gather(const TensorPiece& p, std::byte* out) {
+Status gather(const TensorPiece& p, std::byte* out, PieceRead read) {
   const SafetensorsFile& file = *p.source->ref.file;
   const TensorInfo& info = *p.source->ref.info;
-  const uint64_t span = p.pitch * uint64_t(p.rows - 1) + p.runs[size_t(p.num_runs - 1)].offset +
-                        p.runs[size_t(p.num_runs - 1)].bytes;  // from begin to the last byte read
+  const bool block = p.num_runs == 1 && p.runs[0].offset == 0 && p.runs[0].bytes == p.pitch;  // whole rows
+  if (block && read == PieceRead::Pread) return file.read(info, p.begin, p.bytes(), out);
+  const TensorPiece::Run& last = p.runs[size_t(p.num_runs - 1)];
+  const uint64_t span = p.pitch * uint64_t(p.rows - 1) + last.offset + last.bytes;  // begin to the last byte read
   file.populate(info, p.begin, span);
   const std::byte* base = file.data(info).data() + p.begin;
-  if (p.num_runs == 1 && p.runs[0].offset == 0 && p.runs[0].bytes == p.pitch) {  // whole rows: one block
+  if (block) {
     std::memcpy(out, base, p.bytes());
-    file.release(info, p.begin, span);
-    return;
+  } else {
+    for (int64_t r = 0; r < p.rows; ++r)
+      for (int i = 0; i < p.num_runs; ++i) {
+        const TensorPiece::Run& run = p.runs[size_t(i)];
+        std::memcpy(out, base + uint64_t(r) * p.pitch + run.offset, run.bytes);
+        out += run.bytes;
+      }
   }
-  for (int64_t r = 0; r < p.rows; ++r)
-    for (int i = 0; i < p.num_runs; ++i) {
-      const TensorPiece::Run& run = p.runs[size_t(i)];
-      std::memcpy(out, base + uint64_t(r) * p.pitch + run.offset, run.bytes);
-      out += run.bytes;
-    }
   file.release(info, p.begin, span);
+  return ok_status();
 }
 
 }  // namespace conveyor

@@ -90,8 +90,12 @@ std::vector<TensorPiece> tensor_pieces(const TensorSource& source, int64_t rows,
 Expected<std::vector<TensorPiece>> stage_pieces(const StageCheckpoint& checkpoint, const TpShard& shard,
                                                 const std::function<bool(StageTensor)>& holds, uint64_t max_bytes);
 
-// Copies the piece's bytes into `out` (piece.bytes() of them), from the mapped file: the
-// pages are mapped in one call first, and dropped from this process's mapping after.
-void gather(const TensorPiece& piece, std::byte* out);
+// How gather copies a piece of whole rows (one block of the file): with pread, or from the
+// mapping (its pages mapped in one call, copied, and dropped from the mapping after). A
+// piece of a rank's columns (several runs a row) always goes through the mapping.
+enum class PieceRead : uint8_t { Pread, Map };
+// Copies the piece's bytes into `out` (piece.bytes() of them). Errors (a read failing, a file
+// cut short since it was opened) name the file and the tensor.
+Status gather(const TensorPiece& piece, std::byte* out, PieceRead read = PieceRead::Pread);
 
 }  // namespace conveyor

@@ -147,6 +147,7 @@ Status GpuWeights::load(const StageCheckpoint& checkpoint, const GpuStageShape& 
   std::vector<Event> copied(size_t(o.slots));
   PieceRing ring;
   ring.slot_bytes = o.slot_bytes;
+  ring.read = o.read;
   for (int i = 0; i < o.slots; ++i) {
     slots.emplace_back(o.slot_bytes, name + " weight load buffer");
     ring.slots.push_back(slots.back().as<std::byte>());

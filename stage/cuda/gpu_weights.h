@@ -91,12 +91,14 @@ struct WeightLoadScratch {
 };
 
 // How a direct load (GpuWeights::load) reads: `threads` threads copy pieces of at most
-// `slot_bytes` from the mapped checkpoint into `slots` page-locked buffers, while the stage's
-// stream copies the filled ones to the GPU and converts them there.
+// `slot_bytes` from the checkpoint into `slots` page-locked buffers (whole rows by `read`,
+// model/stage_checkpoint.h), while the stage's stream copies the filled ones to the GPU and
+// converts them there. conveyor-bench-weight-load times other choices.
 struct DirectLoadOptions {
   int threads = 4;
   int slots = 6;
   uint64_t slot_bytes = uint64_t(16) << 20;
+  PieceRead read = PieceRead::Pread;
 };
 
 // Rows [n0, n0 + num_rows) of a byte matrix (int8 or FP8, per the options) and their scales,

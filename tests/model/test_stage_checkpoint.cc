@@ -4,7 +4,8 @@
 // rank, for checkpoints stored in fp32, fp16 and bf16, at tp 1, 2 and 3, in pieces of a few
 // rows and in whole tensors; the reader threads hand pieces on in order through a ring smaller
 // than the piece count, stop at the first error, and refuse a piece larger than a slot; and a
-// truncated or incomplete checkpoint is refused naming the file and the tensor.
+// checkpoint truncated (before it is opened, or while it is read) or not matching the config
+// is refused naming the file and the tensor.
 #include <gtest/gtest.h>
 
 #include <unistd.h>
@@ -58,11 +59,11 @@ class StageCheckpointTest : public ::testing::Test {
 // What a rank's pieces hold, widened to fp32: (layer, tensor) -> values, placed by first_row.
 using Gathered = std::map<std::pair<int64_t, uint8_t>, std::vector<float>>;
 
-Gathered gather_all(const std::vector<TensorPiece>& pieces) {
+Gathered gather_all(const std::vector<TensorPiece>& pieces, PieceRead read) {
   Gathered out;
   for (const TensorPiece& p : pieces) {
     std::vector<std::byte> bytes(p.bytes());
-    gather(p, bytes.data());
+    EXPECT_TRUE(gather(p, bytes.data(), read).ok());
     const size_t e = dtype_bytes(p.source->dtype()), row = p.row_bytes() / e;
     std::vector<float>& v = out[{p.layer, p.tensor}];
     v.resize(std::max(v.size(), size_t(p.first_row + p.rows) * row));
@@ -92,7 +93,8 @@ TEST_F(StageCheckpointTest, EveryRankGathersWhatShardLayerGives) {
               EXPECT_TRUE(p.bytes() <= max_bytes || p.rows == 1);
               last += p.last;
             }
-            const Gathered got = gather_all(*pieces);
+            const Gathered got = gather_all(*pieces, r % 2 ? PieceRead::Map : PieceRead::Pread);
+            EXPECT_EQ(got, gather_all(*pieces, r % 2 ? PieceRead::Pread : PieceRead::Map));
             EXPECT_EQ(size_t(last), got.size());  // one last piece a tensor
             for (size_t l = 0; l < w->layers.size(); ++l) {
               const LayerWeights part = shard_layer(w->layers[l], config_, shard);
@@ -140,7 +142,7 @@ TEST_F(StageCheckpointTest, ReadersHandPiecesOnInOrderThroughASmallRing) {
   std::vector<std::byte> want;
   for (const TensorPiece& p : *pieces) {
     std::vector<std::byte> b(p.bytes());
-    gather(p, b.data());
+    ASSERT_TRUE(gather(p, b.data()).ok());
     want.insert(want.end(), b.begin(), b.end());
   }
   std::vector<std::vector<std::byte>> memory(3, std::vector<std::byte>(96));
@@ -198,7 +200,23 @@ TEST_F(StageCheckpointTest, TruncatedOrIncompleteCheckpointsNameFileAndTensor) {
   uint64_t last_end = 0;
   for (const TensorInfo& t : intact->tensors())
     if (t.offset + t.size_bytes > last_end) last_end = t.offset + t.size_bytes, last_tensor = t.name;
+  // Cut short after it was opened: a read of the lost bytes fails naming file and tensor.
+  auto opened = open_stage_checkpoint(dir, config_, 0, 3);
+  ASSERT_TRUE(opened.ok());
   fs::resize_file(file, fs::file_size(file) - 10);
+  auto pieces = stage_pieces(*opened, TpShard::of(config_, 0, 1), [](StageTensor) { return true; }, 1 << 20);
+  ASSERT_TRUE(pieces.ok());
+  const TensorPiece* tail = nullptr;
+  for (const TensorPiece& p : *pieces)
+    if (p.source->name == last_tensor) tail = &p;
+  ASSERT_NE(tail, nullptr);
+  std::vector<std::byte> buf(tail->bytes());
+  Status cut = gather(*tail, buf.data(), PieceRead::Pread);
+  ASSERT_FALSE(cut.ok());
+  EXPECT_NE(cut.message().find(file.string() + ": tensor \"" + last_tensor + "\""), std::string::npos) << cut.message();
+  EXPECT_NE(cut.message().find("ends early"), std::string::npos) << cut.message();
+
+  // Opened after: the header's offsets run past the end.
   auto truncated = open_stage_checkpoint(dir, config_, 0, 3);
   ASSERT_FALSE(truncated.ok());
   EXPECT_NE(truncated.error().find(file.string()), std::string::npos) << truncated.error();
