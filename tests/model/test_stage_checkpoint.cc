@@ -12,6 +12,7 @@
 
 #include <cstring>
 #include <filesystem>
+#include <functional>
 #include <map>
 #include <mutex>
 #include <string>
@@ -56,6 +57,15 @@ class StageCheckpointTest : public ::testing::Test {
   fs::path dir_;
 };
 
+// What the lead rank of the stage holds (as a GPU stage's layout does), with or without an LM
+// head of its own.
+std::function<bool(StageTensor)> rank0_holds(const StageCheckpoint& c, bool own_head) {
+  return [&c, own_head](StageTensor t) {
+    if (t == StageTensor::LmHead) return own_head && c.has_head();
+    return kStageTensors[size_t(t)].held_by == HeldBy::FirstStage ? c.has_embedding() : c.has_head();
+  };
+}
+
 // What a rank's pieces hold, widened to fp32: (layer, tensor) -> values, placed by first_row.
 using Gathered = std::map<std::pair<int64_t, uint8_t>, std::vector<float>>;
 
@@ -86,7 +96,8 @@ TEST_F(StageCheckpointTest, EveryRankGathersWhatShardLayerGives) {
                        std::to_string(max_bytes));
           for (int r = 0; r < ranks; ++r) {
             const TpShard shard = TpShard::of(config_, r, ranks);
-            auto pieces = stage_pieces(*ckpt, shard, [](StageTensor t) { return t != StageTensor::LmHead; }, max_bytes);
+            auto holds = rank0_holds(*ckpt, false);
+            auto pieces = stage_pieces(*ckpt, shard, holds, max_bytes);
             ASSERT_TRUE(pieces.ok()) << pieces.error();
             int64_t last = 0;
             for (const TensorPiece& p : *pieces) {
@@ -121,8 +132,15 @@ TEST_F(StageCheckpointTest, AHeadHeldFromWteWhenTiedAndRefusedWhereNotOpened) {
   ASSERT_TRUE(last.ok()) << last.error();
   ASSERT_NE(last->head(), nullptr);
   EXPECT_EQ(last->head()->name, "transformer.wte.weight");
-  auto pieces = stage_pieces(*last, TpShard::of(config_, 0, 1), [](StageTensor) { return true; }, 1 << 20);
+  auto pieces = stage_pieces(*last, TpShard::of(config_, 0, 1), rank0_holds(*last, true), 1 << 20);
   ASSERT_TRUE(pieces.ok()) << pieces.error();
+  int64_t head_bytes = 0;
+  for (const TensorPiece& p : *pieces)
+    if (p.layer < 0 && StageTensor(p.tensor) == StageTensor::LmHead) {
+      EXPECT_EQ(p.source->name, "transformer.wte.weight");
+      head_bytes += int64_t(p.bytes());
+    }
+  EXPECT_EQ(head_bytes, config_.vocab_size * config_.n_embd * 2);
   auto middle = open_stage_checkpoint(dir, config_, 1, 2);  // neither embedding nor head
   ASSERT_TRUE(middle.ok());
   EXPECT_EQ(middle->head(), nullptr);
