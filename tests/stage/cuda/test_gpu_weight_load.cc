@@ -29,7 +29,6 @@ TEST(GpuWeightLoad, NotBuilt) { GTEST_SKIP() << "built without the CUDA backend"
 #include "model/weights.h"
 #include "stage/cuda/tp_stage.h"
 #include "tests/gpu_test_util.h"
-#include "tests/test_util.h"
 
 namespace conveyor {
 namespace {
@@ -38,15 +37,8 @@ namespace fs = std::filesystem;
 using cuda::GpuStageOptions;
 using cuda::GpuWeights;
 using cuda::TpStage;
-using testing::gpu_count;
-
-bool can_place(int ranks) { return gpu_count() >= ranks || (gpu_count() > 0 && testing::gpu_sharing_ranks_allowed()); }
-
-std::vector<int> devices_for(int ranks) {
-  std::vector<int> d;
-  for (int r = 0; r < ranks; ++r) d.push_back(gpu_count() >= ranks ? r : 0);
-  return d;
-}
+using testing::can_place;
+using testing::devices_for;
 
 ModelConfig config() {
   ModelConfig c;
@@ -161,7 +153,7 @@ TEST_F(GpuWeightLoad, SameBytesAsTheFp32PathAtTp1) {
 }
 
 TEST_F(GpuWeightLoad, SameBytesAsTheFp32PathOnEachRankOfTp2) {
-  if (!can_place(2)) GTEST_SKIP() << "one GPU, and ranks may share it only with CUDA_DEVICE_MAX_CONNECTIONS >= 16";
+  if (!can_place(2)) GTEST_SKIP() << testing::kNoPlace;
   for (DType storage : {DType::F32, DType::F16})
     for (Format f : {Format::F16, Format::BF16, Format::Int8, Format::Fp8}) {
       if (f == Format::Fp8 && !fp8_here()) continue;
