@@ -12,7 +12,8 @@
 // /tmp/conveyor-weight-load-<shape>-<storage>; kept and reused when its config matches), reads
 // it once to warm the page cache, then prints the floors (the page cache read by pread on one
 // thread, a host memcpy on one and on --threads threads, and on a GPU the copy from pinned
-// memory) and each path's time, best and median of --repeat runs:
+// memory) and each path's time, best and median of --repeat runs (the first CUDA call once:
+// the context, and under CUDA_MODULE_LOADING=EAGER every module of every CUDA library linked):
 //   host: load_stage_weights          the old path's host part (read + convert to fp32, 8 threads)
 //   host: direct read                 the new path's host part (its reader threads into plain memory)
 //   gpu: stage without weights        GpuStage's other costs (buffers, K/V cache, synthetic fill)
@@ -210,6 +211,14 @@ bool make_stage(Make&& make) {
 }
 
 void gpu_rows(const Args& a, const ModelConfig& c, const std::string& dir, DType dtype, int64_t bytes) {
+  // Once a process, and part of a worker's first load: the context, and under
+  // CUDA_MODULE_LOADING=EAGER every kernel of every CUDA library the program links.
+  const char* loading = std::getenv("CUDA_MODULE_LOADING");
+  row(std::string("gpu: first CUDA call (") + (loading ? loading : "LAZY") + ")", 0, time_runs(1, [&] {
+        CUDA_CHECK(cudaSetDevice(a.gpus[0]));
+        CUDA_CHECK(cudaFree(nullptr));
+        return true;
+      }));
   row("floor: pinned host -> GPU copy", int64_t(8) << 28, h2d_floor(a));
   cuda::GpuStageOptions o;
   o.name = "bench stage";
