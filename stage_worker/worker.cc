@@ -280,10 +280,12 @@ void Worker::Impl::load(AssignMsg a) {
   }
   state = WorkerState::Ready;
   const double secs = std::chrono::duration<double>(Clock::now() - t0).count();
+  const double gbps = load_secs > 0 ? double(bytes) / load_secs / 1e9 : 0.0;
   spdlog::info("{}: layers [{}, {}) loaded in {:.2f} s ({:.1f} MB of checkpoint at {:.2f} GB/s, on {}; wired in {:.2f} s)",
-               opt.name, a.layer_begin, a.layer_end, load_secs, double(bytes) / 1e6,
-               load_secs > 0 ? double(bytes) / load_secs / 1e9 : 0.0, executor->backend().describe(),
-               secs - load_secs);
+               opt.name, a.layer_begin, a.layer_end, load_secs, double(bytes) / 1e6, gbps,
+               executor->backend().describe(), secs - load_secs);
+  service::status(fmt::format("stage {}, layers [{}, {}): loaded in {:.2f} s at {:.2f} GB/s", a.stage, a.layer_begin,
+                              a.layer_end, load_secs, gbps));
   send_ready(secs, bytes);
 }
 
