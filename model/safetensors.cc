@@ -220,10 +220,11 @@ Expected<SafetensorsFile> SafetensorsFile::open(const std::string& path) {
 
   void* map = ::mmap(nullptr, file_bytes, PROT_READ, MAP_PRIVATE, fd, 0);
   if (map == MAP_FAILED) return file_error(path, "mmap failed: " + errno_text(errno));
-  SafetensorsFile f;  // owns the mapping from here on; the fd closes at scope exit
+  SafetensorsFile f;  // owns the mapping and the fd from here on
   f.path_ = path;
   f.map_ = static_cast<std::byte*>(map);
   f.map_bytes_ = file_bytes;
+  f.fd_ = std::exchange(closer.fd, -1);
 
   auto tensors = parse_safetensors(std::span<const std::byte>(f.map_, f.map_bytes_), path);
   if (!tensors) return tensors.status();
@@ -236,12 +237,15 @@ SafetensorsFile::SafetensorsFile(SafetensorsFile&& other) noexcept
     : path_(std::move(other.path_)),
       map_(std::exchange(other.map_, nullptr)),
       map_bytes_(std::exchange(other.map_bytes_, 0)),
+      fd_(std::exchange(other.fd_, -1)),
       tensors_(std::move(other.tensors_)),
       index_(std::move(other.index_)) {}
 
 SafetensorsFile& SafetensorsFile::operator=(SafetensorsFile&& other) noexcept {
   if (this != &other) {
     if (map_) ::munmap(map_, map_bytes_);
+    if (fd_ >= 0) ::close(fd_);
+    fd_ = std::exchange(other.fd_, -1);
     path_ = std::move(other.path_);
     map_ = std::exchange(other.map_, nullptr);
     map_bytes_ = std::exchange(other.map_bytes_, 0);
@@ -253,6 +257,7 @@ SafetensorsFile& SafetensorsFile::operator=(SafetensorsFile&& other) noexcept {
 
 SafetensorsFile::~SafetensorsFile() {
   if (map_) ::munmap(map_, map_bytes_);
+  if (fd_ >= 0) ::close(fd_);
 }
 
 const TensorInfo* SafetensorsFile::find(std::string_view name) const {
@@ -265,29 +270,48 @@ std::span<const std::byte> SafetensorsFile::data(const TensorInfo& info) const {
   return {map_ + info.offset, size_t(info.size_bytes)};
 }
 
-void SafetensorsFile::advise(const TensorInfo& info, int advice) const {
-  if (info.size_bytes == 0) return;
-  const uint64_t begin = info.offset & ~uint64_t(page_bytes() - 1);  // madvise needs page alignment
-  (void)::madvise(map_ + begin, size_t(info.offset + info.size_bytes - begin), advice);
+Status SafetensorsFile::read(const TensorInfo& info, uint64_t begin, uint64_t bytes, std::byte* out) const {
+  if (begin > info.size_bytes || bytes > info.size_bytes - begin)
+    return tensor_error(path_, info.name, "bytes [" + std::to_string(begin) + ", " + std::to_string(begin + bytes) +
+                                              ") asked of a tensor of " + std::to_string(info.size_bytes));
+  for (uint64_t done = 0; done < bytes;) {
+    const ssize_t n = ::pread(fd_, out + done, size_t(bytes - done), off_t(info.offset + begin + done));
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0)
+      return tensor_error(path_, info.name, n < 0 ? "read failed: " + errno_text(errno)
+                                                  : "the file ends early (was it truncated since it was opened?)");
+    done += uint64_t(n);
+  }
+  return ok_status();
+}
+
+void SafetensorsFile::advise(uint64_t offset, uint64_t bytes, int advice) const {
+  if (bytes == 0) return;
+  const uint64_t begin = offset & ~uint64_t(page_bytes() - 1);  // madvise needs page alignment
+  (void)::madvise(map_ + begin, size_t(offset + bytes - begin), advice);
 }
 
 void SafetensorsFile::prefetch(const TensorInfo& info) const {
-  advise(info, MADV_SEQUENTIAL);
-  advise(info, MADV_WILLNEED);
+  advise(info.offset, info.size_bytes, MADV_SEQUENTIAL);
+  advise(info.offset, info.size_bytes, MADV_WILLNEED);
 }
 
-void SafetensorsFile::populate(const TensorInfo& info) const {
+void SafetensorsFile::populate(const TensorInfo& info) const { populate(info, 0, info.size_bytes); }
+
+void SafetensorsFile::populate(const TensorInfo& info, uint64_t begin, uint64_t bytes) const {
 #ifdef MADV_POPULATE_READ
-  advise(info, MADV_POPULATE_READ);
+  advise(info.offset + begin, std::min(bytes, info.size_bytes - std::min(begin, info.size_bytes)), MADV_POPULATE_READ);
 #else
-  (void)info;
+  (void)info, (void)begin, (void)bytes;
 #endif
 }
 
-void SafetensorsFile::release(const TensorInfo& info) const {
+void SafetensorsFile::release(const TensorInfo& info) const { release(info, 0, info.size_bytes); }
+
+void SafetensorsFile::release(const TensorInfo& info, uint64_t begin, uint64_t bytes) const {
   // The mapping is private and never written, so dropping its pages loses nothing; a later
   // read of a shared boundary page simply faults it back in from the page cache.
-  advise(info, MADV_DONTNEED);
+  advise(info.offset + begin, std::min(bytes, info.size_bytes - std::min(begin, info.size_bytes)), MADV_DONTNEED);
 }
 
 // ---------------------------------------------------------------------------------------

@@ -69,14 +69,23 @@ class SafetensorsFile {
   void prefetch(const TensorInfo& info) const;
   void populate(const TensorInfo& info) const;
   void release(const TensorInfo& info) const;
+  // Reads bytes [begin, begin + bytes) of a tensor's data into `out` with pread (no page of the
+  // mapping touched). Errors name the file and the tensor (a range outside it, a read error, a
+  // file cut short since it was opened).
+  Status read(const TensorInfo& info, uint64_t begin, uint64_t bytes, std::byte* out) const;
+  // The same for bytes [begin, begin + bytes) of a tensor's data (a loader's piece of it).
+  void populate(const TensorInfo& info, uint64_t begin, uint64_t bytes) const;
+  void release(const TensorInfo& info, uint64_t begin, uint64_t bytes) const;
 
  private:
   SafetensorsFile() = default;
-  void advise(const TensorInfo& info, int advice) const;
+  // `advice` over file bytes [offset, offset + bytes), widened to whole pages.
+  void advise(uint64_t offset, uint64_t bytes, int advice) const;
 
   std::string path_;
-  std::byte* map_ = nullptr;  // whole file, PROT_READ, MAP_PRIVATE; the fd is closed after mmap
+  std::byte* map_ = nullptr;  // whole file, PROT_READ, MAP_PRIVATE
   size_t map_bytes_ = 0;
+  int fd_ = -1;               // kept open for read()
   std::vector<TensorInfo> tensors_;
   std::unordered_map<std::string, size_t> index_;  // name -> position in tensors_
 };

@@ -4,6 +4,7 @@
 // the same split, so their results agree.
 #pragma once
 
+#include <array>
 #include <cstdint>
 
 #include "common/model_config.h"
@@ -25,6 +26,26 @@ struct TpShard {
             c.n_inner * (rank + 1) / ranks};
   }
 };
+
+// Where a rank's part of a layer tensor lies in the whole [in, out] tensor: rows
+// [row_begin, row_begin + rows), and from each of them up to three runs of columns, packed side
+// by side in the part (q | k | v of the rank's heads). A vector is one row [1, out]. Without a
+// shard (or for a TpSplit::Whole tensor) it is the whole tensor: all rows, one run.
+// shard_layer copies by it, and a GPU stage's direct load reads the checkpoint's bytes by it.
+struct TpSlice {
+  struct Run {
+    int64_t first = 0, count = 0;  // columns of the whole tensor
+  };
+  int64_t row_begin = 0, rows = 0;
+  int num_runs = 1;
+  std::array<Run, 3> runs{};
+  int64_t cols() const {
+    int64_t n = 0;
+    for (int i = 0; i < num_runs; ++i) n += runs[size_t(i)].count;
+    return n;
+  }
+};
+TpSlice tp_slice(const LayerTensorSpec& spec, const ModelConfig& config, const TpShard* shard);
 
 // The shard's slices of a layer's split tensors, still [in, out] (layer_tensor_shape with the
 // shard gives each size): attn_qkv_w [C, 3W] (q | k | v of its heads, W = heads x head_dim),

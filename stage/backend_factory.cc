@@ -3,6 +3,7 @@
 #include <unistd.h>
 
 #include "kernels/cpu/ops.h"
+#include "model/stage_checkpoint.h"
 #include "stage/cpu/cpu_stage_backend.h"
 #ifdef CONVEYOR_HAVE_CUDA
 #include "stage/cuda/gpu_node.h"
@@ -66,6 +67,27 @@ Expected<std::unique_ptr<StageBackend>> make_stage_backend(StageWeights weights,
 #else
   return Status::error(o.name + ": this build has no CUDA backend (configure with nvcc present, -DCONVEYOR_CUDA=ON)");
 #endif
+}
+
+Expected<LoadedStage> load_stage_backend(const std::string& model_dir, int64_t layer_begin, int64_t layer_end,
+                                         const StageOptions& o, const LoadProgress& progress) {
+#ifdef CONVEYOR_HAVE_CUDA
+  if (o.backend == Backend::Cuda) {
+    auto config = load_model_config(model_dir);
+    if (!config) return config.status();
+    auto checkpoint = open_stage_checkpoint(model_dir, *config, layer_begin, layer_end);
+    if (!checkpoint) return checkpoint.status();
+    auto b = cuda::GpuStageBackend::create(*checkpoint, o.gpus, gpu_options(o), progress);
+    if (!b) return b.status();
+    return LoadedStage{std::unique_ptr<StageBackend>(std::move(b).value()), checkpoint->bytes()};
+  }
+#endif
+  auto weights = load_stage_weights(model_dir, layer_begin, layer_end, progress);
+  if (!weights) return weights.status();
+  const int64_t bytes = weights->checkpoint_bytes_read;
+  auto b = make_stage_backend(std::move(weights).value(), o);
+  if (!b) return b.status();
+  return LoadedStage{std::move(b).value(), bytes};
 }
 
 StageCapabilities stage_capabilities(const StageOptions& o) {

@@ -48,6 +48,20 @@ Status apply_kernel_options(const KernelOptions& options);
 // backend this build lacks, a GPU the node has not, weights that do not fit).
 Expected<std::unique_ptr<StageBackend>> make_stage_backend(StageWeights weights, const StageOptions& options);
 
+// A stage loaded from a checkpoint directory, and what its load read.
+struct LoadedStage {
+  std::unique_ptr<StageBackend> backend;
+  int64_t checkpoint_bytes = 0;  // the stage's tensor data, as stored (fp16 checkpoints: 2 bytes a weight)
+};
+
+// Layers [layer_begin, layer_end) of the checkpoint in `model_dir`, on the backend `options`
+// name: a GPU stage straight from the checkpoint's bytes (each rank its part, through
+// page-locked buffers; GpuStageBackend), a CPU stage through fp32 host weights
+// (load_stage_weights). `progress`: checkpoint bytes done, of all. Errors name the file and
+// the tensor (missing, wrong shape or dtype) or what make_stage_backend refused.
+Expected<LoadedStage> load_stage_backend(const std::string& model_dir, int64_t layer_begin, int64_t layer_end,
+                                         const StageOptions& options, const LoadProgress& progress = {});
+
 // What the stage `options` name is before it holds a model, as its backend says (a worker's
 // register carries it). A build without CUDA describes the CPU stage.
 StageCapabilities stage_capabilities(const StageOptions& options);

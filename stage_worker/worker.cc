@@ -14,7 +14,6 @@
 #include <spdlog/spdlog.h>
 
 #include "common/service.h"
-#include "model/weights.h"
 #include "protocol/batch_result.h"
 #include "protocol/microbatch.h"
 #include "stage/backend_factory.h"
@@ -203,11 +202,11 @@ void Worker::Impl::on(const AssignMsg& a) {
   loader = std::thread([this, a] { load(a); });
 }
 
-Expected<std::unique_ptr<StageBackend>> Worker::Impl::make_backend(StageWeights weights, const AssignMsg& a) {
+StageOptions Worker::Impl::stage_options(const AssignMsg& a) const {
   StageOptions o = opt.stage;
   o.name = opt.name + " stage " + std::to_string(a.stage) + " (layers " + std::to_string(a.layer_begin) + ".." +
            std::to_string(a.layer_end) + ")";
-  return make_stage_backend(std::move(weights), o);
+  return o;
 }
 
 void Worker::Impl::report_wiring_failure(const AssignMsg& a, const Status& s) {
@@ -248,7 +247,11 @@ void Worker::Impl::load(AssignMsg a) {
   const auto t0 = Clock::now();
   auto last_report = t0;
   spdlog::info("{}: loading layers [{}, {}) of {}", opt.name, a.layer_begin, a.layer_end, a.model);
-  auto weights = load_stage_weights(a.model, a.layer_begin, a.layer_end, [&](int64_t done, int64_t total) {
+  // Built without stage_mu: placing a large stage on a GPU can outlast the coordinator's
+  // liveness window, and the heartbeats need that lock. A GPU stage reads the checkpoint's
+  // bytes straight to its GPUs; a CPU stage converts them to fp32 first.
+  auto loaded = load_stage_backend(a.model, a.layer_begin, a.layer_end, stage_options(a),
+                                   [&](int64_t done, int64_t total) {
     const double f = total > 0 ? double(done) / double(total) : 1.0;
     {
       std::lock_guard lk(stage_mu);
@@ -259,22 +262,17 @@ void Worker::Impl::load(AssignMsg a) {
       send(transport::LoadProgressMsg{.fraction = f, .bytes_done = done, .bytes_total = total});
     }
   });
-  const int64_t bytes = weights ? weights->checkpoint_bytes_read : 0;
-  const double read_secs = std::chrono::duration<double>(Clock::now() - t0).count();
-  // The backend is built without stage_mu: placing a large stage on a GPU can outlast the
-  // coordinator's liveness window, and the heartbeats need that lock.
-  std::optional<Expected<std::unique_ptr<StageBackend>>> backend;
-  if (weights) backend = make_backend(std::move(weights).value(), a);
+  const double load_secs = std::chrono::duration<double>(Clock::now() - t0).count();
   std::lock_guard lk(stage_mu);
-  auto fail = [&](const std::string& why) {
+  if (!loaded) {
     state = WorkerState::Idle;
     assignment.reset();
-    spdlog::error("{}: load failed: {}", opt.name, why);
-    send(transport::LoadFailedMsg{.error = why});
-  };
-  if (!weights) return fail(weights.error());
-  if (!*backend) return fail(backend->error());
-  executor = std::make_shared<StageExecutor>(std::move(*backend).value());
+    spdlog::error("{}: load failed: {}", opt.name, loaded.error());
+    send(transport::LoadFailedMsg{.error = loaded.error()});
+    return;
+  }
+  const int64_t bytes = loaded->checkpoint_bytes;
+  executor = std::make_shared<StageExecutor>(std::move(loaded->backend));
   if (Status s = wire(a); !s) {
     state = WorkerState::Ready;  // the layers are loaded and kept; the next assignment re-wires
     report_wiring_failure(a, s);
@@ -282,9 +280,12 @@ void Worker::Impl::load(AssignMsg a) {
   }
   state = WorkerState::Ready;
   const double secs = std::chrono::duration<double>(Clock::now() - t0).count();
-  spdlog::info("{}: layers [{}, {}) loaded in {:.2f} s ({:.1f} MB; read and converted in {:.2f} s, placed on {} in {:.2f} s)",
-               opt.name, a.layer_begin, a.layer_end, secs, double(bytes) / 1e6, read_secs,
-               executor->backend().describe(), secs - read_secs);
+  const double gbps = load_secs > 0 ? double(bytes) / load_secs / 1e9 : 0.0;
+  spdlog::info("{}: layers [{}, {}) loaded in {:.2f} s ({:.1f} MB of checkpoint at {:.2f} GB/s, on {}; wired in {:.2f} s)",
+               opt.name, a.layer_begin, a.layer_end, load_secs, double(bytes) / 1e6, gbps,
+               executor->backend().describe(), secs - load_secs);
+  service::status(fmt::format("stage {}, layers [{}, {}): loaded in {:.2f} s at {:.2f} GB/s", a.stage, a.layer_begin,
+                              a.layer_end, load_secs, gbps));
   send_ready(secs, bytes);
 }
 

@@ -119,8 +119,8 @@ struct Worker::Impl {
 
   void on(const AssignMsg& a);
 
-  // The backend this worker was started with, holding `weights`.
-  Expected<std::unique_ptr<StageBackend>> make_backend(StageWeights weights, const AssignMsg& a);
+  // The stage options of an assignment: the worker's, named for the stage.
+  StageOptions stage_options(const AssignMsg& a) const;
 
   // A neighbour could not be reached (most often it has just died). That is not this
   // worker's failure: it keeps its layers and does not confirm the epoch, so the pipeline

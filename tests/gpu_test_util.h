@@ -19,6 +19,7 @@
 #include "common/dtype.h"
 #include "kernels/cuda/check.h"
 #include "stage/cpu/cpu_stage.h"
+#include "tests/test_util.h"
 
 namespace conveyor::testing {
 
@@ -27,6 +28,18 @@ inline int gpu_count() {
   return cudaGetDeviceCount(&n) == cudaSuccess ? n : 0;
 }
 inline bool have_gpu() { return gpu_count() > 0; }
+
+// A tensor-parallel group of `ranks` can be built: a GPU each, or fewer GPUs that the ranks may
+// share (tests/test_util.h: gpu_sharing_ranks_allowed).
+inline bool can_place(int ranks) { return gpu_count() >= ranks || (gpu_count() > 0 && gpu_sharing_ranks_allowed()); }
+inline constexpr const char* kNoPlace = "no GPU, or ranks would share a GPU without CUDA_DEVICE_MAX_CONNECTIONS >= 16";
+
+// Rank r on GPU r where there are enough GPUs, else every rank on GPU 0.
+inline std::vector<int> devices_for(int ranks) {
+  std::vector<int> d;
+  for (int r = 0; r < ranks; ++r) d.push_back(gpu_count() >= ranks ? r : 0);
+  return d;
+}
 
 // A float as the bits of T (__half or __nv_bfloat16), rounded to nearest even, and back.
 template <class T>

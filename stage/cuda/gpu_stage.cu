@@ -69,6 +69,19 @@ Expected<std::unique_ptr<GpuStage>> GpuStage::create(const StageWeights& weights
   });
 }
 
+Expected<std::unique_ptr<GpuStage>> GpuStage::create(const StageCheckpoint& checkpoint, const GpuStageOptions& options,
+                                                     const DirectLoadOptions& load, const LoadProgress& progress) {
+  return guard("", [&]() -> Expected<std::unique_ptr<GpuStage>> {
+    const ModelConfig& c = checkpoint.config;
+    if (Status s = validate(c, checkpoint.layer_begin, checkpoint.layer_end, options); !s) return s;
+    std::unique_ptr<GpuStage> s(new GpuStage(c, checkpoint.layer_begin, checkpoint.layer_end, options));
+    s->weights_ = GpuWeights::allocate(s->shape_);
+    if (Status st = s->weights_.load(checkpoint, s->shape_, load, s->stream_, progress); !st) return st;
+    if (Status st = s->allocate_runtime(); !st) return st;
+    return std::move(s);  // nvcc: no implicit move into Expected
+  });
+}
+
 Expected<std::unique_ptr<GpuStage>> GpuStage::create_synthetic(const ModelConfig& config, int64_t layer_begin,
                                                                int64_t layer_end, uint64_t seed,
                                                                const GpuStageOptions& options) {

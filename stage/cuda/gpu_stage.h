@@ -75,6 +75,12 @@ class GpuStage {
   // On the current device. Fails on bad shapes, bad options, weights of the wrong size, out
   // of memory (the message names the stage, the bytes asked and the bytes free).
   static Expected<std::unique_ptr<GpuStage>> create(const StageWeights& weights, const GpuStageOptions& options);
+  // The same stage loaded straight from the checkpoint's bytes (GpuWeights::load: this rank's
+  // part, no fp32 host copy), before the step buffers and the K/V cache are sized, so the
+  // load's scratch leaves them the memory they would have had. `progress`: this rank's bytes.
+  static Expected<std::unique_ptr<GpuStage>> create(const StageCheckpoint& checkpoint, const GpuStageOptions& options,
+                                                    const DirectLoadOptions& load = {},
+                                                    const LoadProgress& progress = {});
   // Weights drawn on the GPU (synthetic.h): N(0, 0.02) matrices, biases and LN shifts, LN
   // gains 1, deterministic in `seed`. For benchmarks of any shape.
   static Expected<std::unique_ptr<GpuStage>> create_synthetic(const ModelConfig& config, int64_t layer_begin,
@@ -154,6 +160,7 @@ class GpuStage {
   int64_t num_sequences() const { return int64_t(lengths_.size()); }
 
   // Memory figures.
+  const GpuWeights& weights() const { return weights_; }
   int64_t weight_bytes() const { return weights_.bytes(); }                // resident weights
   int64_t decode_weight_bytes() const { return weights_.decode_bytes(); }  // read by one decode step
   int64_t kv_bytes() const { return kv_->bytes(); }

@@ -11,9 +11,10 @@
 
 namespace conveyor::cuda {
 
-Expected<std::unique_ptr<GpuStageBackend>> GpuStageBackend::create(const StageWeights& weights,
-                                                                   const std::vector<int>& devices,
-                                                                   const GpuStageOptions& options) {
+namespace {
+
+// The devices exist, and the first is current (the stage's lead GPU).
+Status check_devices(const std::vector<int>& devices, const GpuStageOptions& options) {
   int count = 0;
   if (cudaError_t e = cudaGetDeviceCount(&count); e != cudaSuccess)
     return Status::error(options.name + ": no CUDA device usable: " + cudaGetErrorString(e));
@@ -25,7 +26,26 @@ Expected<std::unique_ptr<GpuStageBackend>> GpuStageBackend::create(const StageWe
   if (cudaError_t e = cudaSetDevice(devices[0]); e != cudaSuccess)
     return Status::error(std::string("cudaSetDevice(devices[0]) failed: ") + cudaGetErrorName(e) + ": " +
                          cudaGetErrorString(e));
+  return ok_status();
+}
+
+}  // namespace
+
+Expected<std::unique_ptr<GpuStageBackend>> GpuStageBackend::create(const StageWeights& weights,
+                                                                   const std::vector<int>& devices,
+                                                                   const GpuStageOptions& options) {
+  if (Status s = check_devices(devices, options); !s) return s;
   auto stage = TpStage::create(weights, devices, options);
+  if (!stage) return stage.status();
+  return std::unique_ptr<GpuStageBackend>(new GpuStageBackend(std::move(stage).value()));
+}
+
+Expected<std::unique_ptr<GpuStageBackend>> GpuStageBackend::create(const StageCheckpoint& checkpoint,
+                                                                   const std::vector<int>& devices,
+                                                                   const GpuStageOptions& options,
+                                                                   const LoadProgress& progress) {
+  if (Status s = check_devices(devices, options); !s) return s;
+  auto stage = TpStage::create(checkpoint, devices, options, DirectLoadOptions{}, progress);
   if (!stage) return stage.status();
   return std::unique_ptr<GpuStageBackend>(new GpuStageBackend(std::move(stage).value()));
 }

@@ -27,6 +27,12 @@ class GpuStageBackend final : public StageBackend {
   // Builds the stage over `devices` (one GPU, or the tensor-parallel group in rank order).
   static Expected<std::unique_ptr<GpuStageBackend>> create(const StageWeights& weights, const std::vector<int>& devices,
                                                            const GpuStageOptions& options);
+  // The same, each rank loading its part straight from the checkpoint's bytes (TpStage's
+  // direct load: no fp32 host copy). `progress`: checkpoint bytes done over all ranks.
+  static Expected<std::unique_ptr<GpuStageBackend>> create(const StageCheckpoint& checkpoint,
+                                                           const std::vector<int>& devices,
+                                                           const GpuStageOptions& options,
+                                                           const LoadProgress& progress = {});
 
   // What a GPU stage built with `options` is before it holds a model (stage_backend.h): its
   // dtype and weight format, the share of its GPUs' `memory_bytes` its weights may take, its

@@ -39,17 +39,6 @@ const char* upload_name(StageTensor t) {
   return "?";
 }
 
-// Rows [n0, n0 + num_rows) of a byte matrix (int8 or FP8, per the options) and their scales
-// from `rows` [num_rows, K] of T.
-template <class T>
-void quantize_matrix_rows(const GpuStageOptions& options, void* dst, float* scales, int64_t n0, const T* rows,
-                          int64_t num_rows, int64_t K, cudaStream_t stream) {
-  if (options.fp8)
-    quantize_rows_fp8<T>(static_cast<uint8_t*>(dst) + n0 * K, scales + n0, rows, num_rows, K, stream);
-  else
-    quantize_rows_int8<T>(static_cast<int8_t*>(dst) + n0 * K, scales + n0, rows, num_rows, K, stream);
-}
-
 // GpuWeights::upload in element type T: each host tensor checked for size, then copied in
 // chunks through the fp32 staging rows and converted (or quantised) into its place.
 template <class T>
@@ -148,6 +137,19 @@ class WeightUpload {
 };
 
 }  // namespace
+
+template <class T>
+void quantize_matrix_rows(const GpuStageOptions& options, void* dst, float* scales, int64_t n0, const T* rows,
+                          int64_t num_rows, int64_t K, cudaStream_t stream) {
+  if (options.fp8)
+    quantize_rows_fp8<T>(static_cast<uint8_t*>(dst) + n0 * K, scales + n0, rows, num_rows, K, stream);
+  else
+    quantize_rows_int8<T>(static_cast<int8_t*>(dst) + n0 * K, scales + n0, rows, num_rows, K, stream);
+}
+template void quantize_matrix_rows<__half>(const GpuStageOptions&, void*, float*, int64_t, const __half*, int64_t,
+                                           int64_t, cudaStream_t);
+template void quantize_matrix_rows<__nv_bfloat16>(const GpuStageOptions&, void*, float*, int64_t,
+                                                  const __nv_bfloat16*, int64_t, int64_t, cudaStream_t);
 
 GpuWeightLayout plan_weight_layout(const ModelConfig& c, const TpShard& shard, int64_t num_layers, bool has_embedding,
                                 bool holds_head, DType dtype, bool byte_matrices) {

@@ -3,8 +3,9 @@
 // rank's TpShard. Nothing else lists a layer's tensors: the forward pass reads
 // layer.at(LayerTensor::QkvWeight), and the upload and the synthetic fill walk the same table.
 // GpuWeights owns the allocation and everything done to it: the FP8 checks, the upload of HF
-// fp32 weights (this rank's slices, converted, int8 or FP8 quantised), the synthetic fill and
-// the byte counts (resident, and read by one decode step).
+// fp32 weights (this rank's slices, converted, int8 or FP8 quantised), the direct load from a
+// checkpoint's bytes (gpu_weight_load.cu: the same layout and conversions, without the fp32
+// host copy), the synthetic fill and the byte counts (resident, and read by one decode step).
 //
 // On the device (e = the stage dtype's bytes):
 //   vectors   [out] of dtype (LayerNorm gains and shifts, biases)
@@ -29,6 +30,7 @@
 #include "common/model_config.h"
 #include "common/status.h"
 #include "kernels/cuda/check.h"
+#include "model/stage_checkpoint.h"
 #include "model/tp_shard.h"
 #include "model/weights.h"
 #include "stage/cuda/gpu_stage_shape.h"
@@ -99,6 +101,24 @@ struct WeightLoadScratch {
   const DeviceBuffer& rows;
 };
 
+// How a direct load (GpuWeights::load) reads: `threads` threads copy pieces of at most
+// `slot_bytes` from the checkpoint into `slots` page-locked buffers (whole rows by `read`,
+// model/stage_checkpoint.h), while the stage's stream copies the filled ones to the GPU and
+// converts them there. conveyor-bench-weight-load times other choices.
+struct DirectLoadOptions {
+  int threads = 4;
+  int slots = 6;
+  uint64_t slot_bytes = uint64_t(16) << 20;
+  PieceRead read = PieceRead::Pread;
+};
+
+// Rows [n0, n0 + num_rows) of a byte matrix (int8 or FP8, per the options) and their scales,
+// quantised from `rows` [num_rows, K] of T (__half or __nv_bfloat16): the one place the
+// uploads, the direct load and the synthetic fill quantise.
+template <class T>
+void quantize_matrix_rows(const GpuStageOptions& options, void* dst, float* scales, int64_t n0, const T* rows,
+                          int64_t num_rows, int64_t K, cudaStream_t stream);
+
 // A stage's weights: the one allocation and its layout. Moves, never copies.
 class GpuWeights {
  public:
@@ -114,6 +134,14 @@ class GpuWeights {
   // dtype (or quantised). Fails naming a tensor of the wrong size. Synchronous.
   Status upload(const StageWeights& w, const GpuStageShape& shape, const WeightLoadScratch& scratch,
                 cudaStream_t stream);
+  // Fills the allocation straight from the checkpoint's bytes (stage_checkpoint.h): this rank's
+  // part of each tensor, in its stored dtype, through page-locked buffers to the GPU, where it
+  // is widened to fp32 and converted (or quantised) as upload() does, so the bytes on the
+  // device are upload()'s to the bit. Borrows no step buffer: its own scratch (the pieces,
+  // their fp32, and for int8 and FP8 one matrix of the dtype) is freed before it returns.
+  // `progress` gets this rank's checkpoint bytes done. Errors name the tensor. Synchronous.
+  Status load(const StageCheckpoint& checkpoint, const GpuStageShape& shape, const DirectLoadOptions& options,
+              cudaStream_t stream, const LoadProgress& progress = {});
   // Weights drawn on the GPU (kernels/cuda/synthetic.h): N(0, 0.02) matrices, biases and LN
   // shifts, LN gains 1, deterministic in `seed`. Synchronous.
   void synthesize(uint64_t seed, const GpuStageShape& shape, const WeightLoadScratch& scratch, cudaStream_t stream);
@@ -131,6 +159,8 @@ class GpuWeights {
   // The LM head is the embedding matrix itself (tied, and both on this stage).
   bool head_is_wte() const { return ref(StageTensor::LmHead).held() && at(StageTensor::LmHead) == at(StageTensor::Wte); }
 
+  const void* data() const { return buf_.get(); }  // the allocation (device memory)
+  const GpuWeightLayout& layout() const { return layout_; }
   int64_t bytes() const { return layout_.bytes; }
   int64_t layer_bytes() const { return layout_.layer_bytes; }
   // Bytes one decode step reads: every layer, and on the head's rank ln_f and the head matrix.

@@ -1,7 +1,9 @@
 #include "stage/cuda/tp_stage.h"
 
 #include <algorithm>
+#include <mutex>
 #include <sstream>
+#include <utility>
 
 #include "stage/cuda/guard.h"
 
@@ -76,6 +78,46 @@ Expected<std::unique_ptr<TpStage>> TpStage::create(const StageWeights& weights, 
                                                    const GpuStageOptions& options) {
   return build(weights.config, devices, options,
                [&](const GpuStageOptions& o) { return GpuStage::create(weights, o); });
+}
+
+namespace {
+
+// The ranks' load progress as one figure: bytes done summed over the ranks, over their totals
+// (a rank that has not started yet counts as large as the largest that has).
+class RankProgress {
+ public:
+  RankProgress(int ranks, LoadProgress out) : done_(size_t(ranks)), total_(size_t(ranks)), out_(std::move(out)) {}
+  LoadProgress of(int rank) {
+    if (!out_) return {};
+    return [this, rank](int64_t done, int64_t total) {
+      std::lock_guard lk(mu_);
+      done_[size_t(rank)] = done;
+      total_[size_t(rank)] = total;
+      const int64_t largest = *std::max_element(total_.begin(), total_.end());
+      int64_t sum_done = 0, sum_total = 0;
+      for (size_t r = 0; r < done_.size(); ++r) {
+        sum_done += done_[r];
+        sum_total += total_[r] > 0 ? total_[r] : largest;
+      }
+      out_(sum_done, sum_total);
+    };
+  }
+
+ private:
+  std::mutex mu_;
+  std::vector<int64_t> done_, total_;
+  LoadProgress out_;
+};
+
+}  // namespace
+
+Expected<std::unique_ptr<TpStage>> TpStage::create(const StageCheckpoint& checkpoint, const std::vector<int>& devices,
+                                                   const GpuStageOptions& options, const DirectLoadOptions& load,
+                                                   const LoadProgress& progress) {
+  RankProgress ranks(int(devices.size()), progress);
+  return build(checkpoint.config, devices, options, [&](const GpuStageOptions& o) {
+    return GpuStage::create(checkpoint, o, load, ranks.of(o.tp_rank));
+  });
 }
 
 Expected<std::unique_ptr<TpStage>> TpStage::create_synthetic(const ModelConfig& config, int64_t layer_begin,

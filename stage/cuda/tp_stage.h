@@ -41,6 +41,11 @@ class TpStage {
   // `weights`. options.tp_* are set here. Fails on shapes, memory, NCCL.
   static Expected<std::unique_ptr<TpStage>> create(const StageWeights& weights, const std::vector<int>& devices,
                                                    const GpuStageOptions& options);
+  // Each rank loading its own part straight from the checkpoint (GpuStage::create from a
+  // StageCheckpoint), ranks on distinct GPUs at once. `progress`: the ranks' bytes summed.
+  static Expected<std::unique_ptr<TpStage>> create(const StageCheckpoint& checkpoint, const std::vector<int>& devices,
+                                                   const GpuStageOptions& options, const DirectLoadOptions& load = {},
+                                                   const LoadProgress& progress = {});
   // Synthetic weights (GpuStage::create_synthetic), each rank drawing its own shard.
   static Expected<std::unique_ptr<TpStage>> create_synthetic(const ModelConfig& config, int64_t layer_begin,
                                                              int64_t layer_end, uint64_t seed,

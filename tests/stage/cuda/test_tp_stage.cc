@@ -38,22 +38,14 @@ namespace {
 using cuda::GpuStageOptions;
 using cuda::TpStage;
 
-using testing::gpu_count;
 using testing::rel_err;
 using testing::step_both;
 using testing::top1;
 
-// The tests' largest group: 3 ranks (a 5-rank group is only refused). With fewer GPUs the
-// ranks share them, where that is allowed (tests/test_util.h).
-bool can_place(int ranks) { return gpu_count() >= ranks || (gpu_count() > 0 && testing::gpu_sharing_ranks_allowed()); }
-constexpr const char* kNoPlace = "no GPU, or ranks would share a GPU without CUDA_DEVICE_MAX_CONNECTIONS >= 16";
-
-// Rank r on GPU r where there are enough GPUs, else every rank on GPU 0.
-std::vector<int> devices_for(int ranks) {
-  std::vector<int> d;
-  for (int r = 0; r < ranks; ++r) d.push_back(gpu_count() >= ranks ? r : 0);
-  return d;
-}
+// The tests' largest group: 3 ranks (a 5-rank group is only refused).
+using testing::can_place;
+using testing::devices_for;
+using testing::kNoPlace;
 
 ModelConfig tp_config() {
   ModelConfig c;
