@@ -135,6 +135,7 @@ Status GpuWeights::load(const StageCheckpoint& checkpoint, const GpuStageShape& 
     return Status::error(name + ": a direct load needs a thread, a slot and slots of 4 KiB or more");
   auto plan = plan_load(*this, checkpoint, shape, o.slot_bytes);
   if (!plan) return plan.status();
+  zero_vocab_padding(stream);
   // The device side: a piece's stored bytes, its fp32 (twice the bytes of a 16-bit piece),
   // and for int8 / FP8 one whole matrix of the dtype to quantise from.
   const bool byte_matrices = shape.options.int8_weights || shape.options.fp8;
