@@ -2,8 +2,10 @@
 // coordinator, --stages x --replicas serving workers and --spares spare workers, the demo
 // model models/brown-gpt2) serves a mixed load from --clients threads for --duration seconds
 // while faults strike one at a time, chosen at random (bench/soak_faults.h: SIGKILL and
-// SIGSTOP/SIGCONT of workers, drains, re-plans, data-plane connection resets, coordinator
-// restarts). Every seed is printed: `--seed S` repeats a run's choices.
+// SIGSTOP/SIGCONT of workers, drains, re-plans, coordinator restarts; on network namespaces
+// link cuts and partitions, on loopback data-plane connection resets). Where root can make
+// network namespaces (--netns auto, the default) every process runs on a node of its own
+// (tests/netns/netns_cluster.h). Every seed is printed: `--seed S` repeats a run's choices.
 //
 // The load draws from a pool of --pool requests (seeded): greedy and seeded sampling,
 // n = 3, beam search, prompts sharing a long prefix (prefix reuse), token-id prompts with stop
@@ -53,6 +55,7 @@ struct Options {
   double fault_gap_s = 5;  // mean time between faults (uniform in [0.5, 1.5] of it)
   bool no_faults = false;
   std::string keep_logs;  // copy the cluster's logs here (always kept on a failure)
+  std::string netns = "auto";  // on | off | auto: network namespaces where the machine can
 };
 
 struct PoolItem {
@@ -270,17 +273,37 @@ int report(Tally& t, SoakState& s, FaultInjector& faults, const EpochWatch& epoc
   return failed ? 1 : 0;
 }
 
-int run(const Options& o) {
-  Cluster cluster;
+// Starts the cluster: on nodes of their own when `o.netns` allows and the machine can (one
+// node more than the workers, for a fresh worker while one is down), else on loopback.
+bool start_cluster(netns_test::NetnsCluster& nc, const Options& o, bool& on_nodes) {
+  Cluster& cluster = nc.cluster;
   cluster.replicas = o.replicas;
   cluster.faults_expected = true;
   const int workers = o.stages * o.replicas + o.spares;
-  if (auto r = cluster.start("soak", o.stages, workers, "heartbeat: {interval_ms: 200, liveness_ms: 2000}\n"); !r) {
-    std::fprintf(stderr, "soak: the cluster did not start: %s\n", r.message());
-    return 2;
+  const std::string why = o.netns == "off" ? "--netns off" : netns_test::netns_unavailable();
+  on_nodes = why.empty() && workers + 2 <= 10;
+  if (!on_nodes) {
+    if (o.netns == "on") {
+      std::fprintf(stderr, "soak: --netns on, but %s\n", why.empty() ? "at most 8 workers fit 10 nodes" : why.c_str());
+      return false;
+    }
+    std::printf("soak: on loopback, without link cuts and partitions (%s)\n",
+                why.empty() ? "more workers than namespaces" : why.c_str());
   }
+  const auto r = on_nodes ? nc.start("soak", o.stages, workers, workers + 1)
+                          : cluster.start("soak", o.stages, workers, "heartbeat: {interval_ms: 200, liveness_ms: 2000}\n");
+  if (!r) std::fprintf(stderr, "soak: the cluster did not start: %s\n", r.message());
+  else if (on_nodes) std::printf("soak: on %d network namespaces (a node each), links cut and partitioned too\n", workers + 2);
+  return bool(r);
+}
+
+int run(const Options& o) {
+  netns_test::NetnsCluster nc;  // its topology stays empty on loopback
+  Cluster& cluster = nc.cluster;
+  bool on_nodes = false;
+  if (!start_cluster(nc, o, on_nodes)) return 2;
   SoakState state;
-  FaultInjector faults(cluster, o.seed, state, o.stages, o.replicas);
+  FaultInjector faults(cluster, on_nodes ? &nc : nullptr, o.seed, state, o.stages, o.replicas);
   if (!faults.back_to_plan(std::chrono::seconds(120))) {
     std::fprintf(stderr, "soak: the cluster never served %d x %d\n", o.stages, o.replicas);
     return 2;
@@ -335,6 +358,8 @@ int main(int argc, char** argv) {
   app.add_option("--spares", o.spares, "spare workers beside the serving ones")->check(CLI::Range(0, 8));
   app.add_option("--fault-gap", o.fault_gap_s, "mean seconds between faults")->check(CLI::Range(0.1, 3600.0));
   app.add_flag("--no-faults", o.no_faults, "the load alone");
+  app.add_option("--netns", o.netns, "run the processes on network namespaces (link cuts, partitions): on, off, or auto "
+                 "(where root can make them)")->check(CLI::IsMember({"on", "off", "auto"}));
   app.add_option("--keep-logs", o.keep_logs, "copy the cluster's logs to this folder (a failed run keeps them anyway)");
   CLI11_PARSE(app, argc, argv);
   if (o.seed == 0) o.seed = std::random_device{}() % 1000000 + 1;

@@ -11,10 +11,22 @@
 //   restart  the coordinator is SIGKILLed and started again on its ports; the workers find
 //            it, its clients lose their connections (and send their requests again)
 //
+// and where the processes run on nodes of their own (network namespaces, tests/netns/):
+//
+//   cut        a serving worker's link goes down for 0.5 to 6 s (past the 3 s liveness
+//              window it is replaced and comes back as a spare), then up again
+//   partition  a serving worker's node stops seeing the coordinator, or one other worker's
+//              node, for 0.5 to 6 s, then sees it again
+//
+// (`reset` is loopback's: `ss` sees no other namespace's sockets.)
+//
 // Header-only: one program includes it.
 #pragma once
 
+#include <algorithm>
 #include <atomic>
+#include <cmath>
+#include <cstdlib>
 #include <chrono>
 #include <cstdio>
 #include <map>
@@ -25,6 +37,7 @@
 
 #include "tests/cluster/cluster_harness.h"
 #include "tests/cluster/connection_reset.h"
+#include "tests/netns/netns_cluster.h"
 
 namespace conveyor::soak {
 
@@ -45,27 +58,21 @@ struct SoakState {
 
 class FaultInjector {
  public:
-  FaultInjector(Cluster& cluster, uint64_t seed, SoakState& state, int stages, int replicas)
-      : c_(cluster), rng_(seed), s_(state), stages_(stages), replicas_(replicas) {
-    has_ss_ = std::system("ss -V >/dev/null 2>&1") == 0;
+  // `netns`: the processes run on nodes of their own (null: on loopback, in `cluster`).
+  FaultInjector(Cluster& cluster, netns_test::NetnsCluster* netns, uint64_t seed, SoakState& state, int stages,
+                int replicas)
+      : c_(cluster), netns_(netns), rng_(seed), s_(state), stages_(stages), replicas_(replicas) {
+    has_ss_ = !netns_ && std::system("ss -V >/dev/null 2>&1") == 0;
+    for (size_t i = 0; i < c_.workers.size(); ++i) {
+      names_.push_back(netns_ ? "n" + std::to_string(i + 1) : "w" + std::to_string(i));
+      nodes_.push_back(netns_ ? names_.back() : "");
+    }
   }
 
   // Applies one fault chosen at random and waits (up to 120 s) for the cluster to serve its
   // plan again; returns a line saying what it did.
   std::string strike() {
-    static const std::vector<std::pair<std::string, int>> kinds = {{"kill", 3},   {"stop", 3},  {"drain", 2},
-                                                                   {"replan", 2}, {"reset", 2}, {"restart", 1}};
-    int total = 0;
-    for (const auto& [k, w] : kinds) total += (k != "reset" || has_ss_) ? w : 0;
-    int pick = int(rng_() % uint64_t(total));
-    std::string kind;
-    for (const auto& [k, w] : kinds) {
-      if (k == "reset" && !has_ss_) continue;
-      if ((pick -= w) < 0) {
-        kind = k;
-        break;
-      }
-    }
+    const std::string kind = pick_kind();
     {
       std::lock_guard lk(s_.mu);
       s_.faults.emplace_back(s_.now(), kind);
@@ -85,7 +92,22 @@ class FaultInjector {
   int replans_refused = 0;
 
  private:
+  // A kind of fault, by weight, among those this cluster can take.
+  std::string pick_kind() {
+    static const std::vector<std::pair<std::string, int>> kinds = {
+        {"kill", 3}, {"stop", 3}, {"drain", 2}, {"replan", 2}, {"reset", 2}, {"restart", 1}, {"cut", 3}, {"partition", 3}};
+    auto can = [&](const std::string& k) { return k == "reset" ? has_ss_ : (k == "cut" || k == "partition") ? !!netns_ : true; };
+    int total = 0;
+    for (const auto& [k, w] : kinds) total += can(k) ? w : 0;
+    int pick = int(rng_() % uint64_t(total));
+    for (const auto& [k, w] : kinds)
+      if (can(k) && (pick -= w) < 0) return k;
+    return "kill";
+  }
+
   std::string apply(const std::string& kind) {
+    if (kind == "cut") return cut();
+    if (kind == "partition") return partition();
     if (kind == "kill") return kill();
     if (kind == "stop") return stop();
     if (kind == "drain") return drain();
@@ -103,19 +125,40 @@ class FaultInjector {
       if (w.value("state", std::string()) == "ready" && w.value("stage", -1) >= 0) names.push_back(w["name"]);
     return names.empty() ? "" : names[rng_() % names.size()];
   }
-  cluster_test::ChildProcess* process(const std::string& name) {
-    for (size_t i = 0; i < c_.workers.size(); ++i)
-      if ("w" + std::to_string(i) == name) return c_.workers[i].get();
-    return nullptr;
+  int index(const std::string& name) const {
+    for (size_t i = 0; i < names_.size(); ++i)
+      if (names_[i] == name) return int(i);
+    return -1;
   }
-  void add_spare() { c_.add_worker("w" + std::to_string(c_.workers.size()), c_.token); }
+  cluster_test::ChildProcess* process(const std::string& name) {
+    const int i = index(name);
+    return i < 0 ? nullptr : c_.workers[size_t(i)].get();
+  }
+  // A fresh worker, "w<N>": on loopback, or on a node no running worker is on.
+  std::string add_spare() {
+    const std::string name = "w" + std::to_string(c_.workers.size());
+    if (!netns_) {
+      c_.add_worker(name, c_.token);
+      names_.push_back(name), nodes_.push_back("");
+      return name + " joins";
+    }
+    for (const auto& n : netns_->topo.nodes()) {
+      bool taken = n.name == "coord";
+      for (size_t i = 0; i < nodes_.size() && !taken; ++i) taken = nodes_[i] == n.name && c_.workers[i]->running();
+      if (taken) continue;
+      netns_->start_worker(n.name, name);
+      names_.push_back(name), nodes_.push_back(n.name);
+      return name + " joins on " + n.name;
+    }
+    return "no free node for a fresh worker";
+  }
 
   std::string kill() {
     const std::string v = victim();
     if (v.empty() || !process(v)) return "kill: no serving worker";
     process(v)->signal(SIGKILL);
-    add_spare();
-    return "kill: SIGKILL to " + v + ", w" + std::to_string(c_.workers.size() - 1) + " joins";
+    process(v)->wait_exit(std::chrono::seconds(5));
+    return "kill: SIGKILL to " + v + ", " + add_spare();
   }
 
   std::string stop() {
@@ -136,9 +179,11 @@ class FaultInjector {
     // Drained: it serves nothing; let it go and let a fresh worker take its place.
     process(v)->signal(SIGTERM);
     const auto code = process(v)->wait_exit(std::chrono::seconds(20));
-    add_spare();
-    return "drain: " + v + " (" + r->body.substr(0, 160) + "), then SIGTERM (exit " +
-           (code ? std::to_string(*code) : std::string("none")) + ")";
+    const std::string joined = add_spare();
+    std::string said = r->body.substr(0, 160);
+    said.erase(std::remove(said.begin(), said.end(), '\n'), said.end());
+    return "drain: " + v + " (" + said + "), then SIGTERM (exit " +
+           (code ? std::to_string(*code) : std::string("none")) + "), " + joined;
   }
 
   // POST /v1/cluster/plan; true when it was taken (the cluster then moves to it).
@@ -173,6 +218,44 @@ class FaultInjector {
     return "reset: " + std::to_string(n) + " connection(s) between the coordinator and " + v;
   }
 
+  // The victim's node (netns only), "" when none serves.
+  std::string victim_node(std::string& v) {
+    v = victim();
+    const int i = index(v);
+    return i < 0 ? "" : nodes_[size_t(i)];
+  }
+
+  std::string cut() {
+    std::string v;
+    const std::string node = victim_node(v);
+    if (node.empty()) return "cut: no serving worker";
+    const int ms = 500 + int(rng_() % 5500);
+    const auto down = netns_->topo.cut(node);
+    std::this_thread::sleep_for(std::chrono::milliseconds(ms));
+    const auto up = netns_->topo.restore(node);
+    return "cut: " + v + "'s link (" + node + ") down for " + std::to_string(ms) + " ms" +
+           (down && up ? "" : ": FAILED " + std::string(down ? up.message() : down.message()));
+  }
+
+  std::string partition() {
+    std::string v;
+    const std::string node = victim_node(v);
+    if (node.empty()) return "partition: no serving worker";
+    std::string other = "coord";
+    if (rng_() % 2) {  // another worker's node instead of the coordinator's
+      const std::string w = victim();
+      if (index(w) >= 0 && nodes_[size_t(index(w))] != node) other = nodes_[size_t(index(w))];
+    }
+    const int ms = 500 + int(rng_() % 5500);
+    netns_test::LinkShape hide;
+    hide.blocked = {netns_->topo.node(other).address};
+    const auto cut = netns_->topo.shape(node, hide);
+    std::this_thread::sleep_for(std::chrono::milliseconds(ms));
+    const auto healed = netns_->topo.shape(node, {});
+    return "partition: " + v + " (" + node + ") and " + other + " apart for " + std::to_string(ms) + " ms" +
+           (cut && healed ? "" : ": FAILED " + std::string(cut ? healed.message() : cut.message()));
+  }
+
   std::string restart() {
     {
       std::lock_guard lk(s_.mu);  // clients see the generation change before their connection breaks
@@ -182,7 +265,7 @@ class FaultInjector {
     batch_timeout_replays_before += batch_timeout_replays();
     c_.coordinator->signal(SIGKILL);
     c_.coordinator->wait_exit(std::chrono::seconds(10));
-    const auto started = c_.restart_coordinator();
+    const auto started = netns_ ? netns_->restart_coordinator() : c_.restart_coordinator();
     s_.coordinator_down = false;
     return std::string("restart: SIGKILL to the coordinator, started again") + (started ? "" : ": FAILED " + std::string(started.message()));
   }
@@ -209,6 +292,8 @@ class FaultInjector {
 
  private:
   Cluster& c_;
+  netns_test::NetnsCluster* netns_;
+  std::vector<std::string> names_, nodes_;  // of c_.workers[i]: its name, its node (netns)
   std::mt19937_64 rng_;
   SoakState& s_;
   int stages_, replicas_;
