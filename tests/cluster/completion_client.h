@@ -21,6 +21,8 @@ struct Answer {
   nlohmann::json choices = nlohmann::json::array();  // [{index, text, token_ids, finish_reason}], by index
   std::string error;                                   // what the client met; "" when the answer is whole
   bool cancelled = false;                              // the client went away on purpose
+  int events = 0;                                      // stream events with choices
+  nlohmann::json usage;                                // a whole answer's, when not streamed
   bool ok() const { return error.empty() && !cancelled; }
 };
 
@@ -68,7 +70,6 @@ inline Answer call_completion(const std::string& host, int port, const nlohmann:
   r.timeout = opt.timeout;
   const bool stream = body.value("stream", false);
   bool done = false;
-  int events = 0;
   SseParser sse([&](std::string_view data) {
     if (data == "[DONE]") {
       done = true;
@@ -81,7 +82,8 @@ inline Answer call_completion(const std::string& host, int port, const nlohmann:
     }
     if (!completion_detail::add_chunk(chunk, out)) return;
     if (opt.on_progress) opt.on_progress();
-    if (opt.cancel_after_events >= 0 && ++events >= opt.cancel_after_events) {
+    if (!chunk.value("choices", json::array()).empty()) ++out.events;
+    if (opt.cancel_after_events >= 0 && out.events >= opt.cancel_after_events) {
       out.cancelled = true;
       throw std::runtime_error("the client goes away");  // http_call closes the connection
     }
@@ -103,6 +105,7 @@ inline Answer call_completion(const std::string& host, int port, const nlohmann:
     c["token_ids"] = ch.value("token_ids", json::array());
     c["finish_reason"] = ch.value("finish_reason", json());
   }
+  out.usage = j.value("usage", json());
   if (opt.on_progress) opt.on_progress();
   return out;
 }
