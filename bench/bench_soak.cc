@@ -21,8 +21,10 @@
 // changes of the pipelines (replays, failovers, re-plans; from /v1/cluster), the longest
 // pause a stream saw (between its events, from its send to its first, across its retries),
 // the longest stall (requests in flight and no client receiving anything), each also with
-// the coordinator restarts left out, and the faults applied by kind. Exit status 1 on any lost or altered answer, or when the
-// cluster did not come back to its plan after a fault; 2 when the fault-free pass failed.
+// the coordinator restarts left out, and the faults applied by kind. Exit status 1 on any
+// lost or altered answer, when a worker ended that no fault ended (a crash: noted with its
+// log's last word, and replaced so the soak goes on), or when the cluster did not come back
+// to its plan after a fault; 2 when the fault-free pass failed.
 //
 //   conveyor-bench-soak --duration 120              (what CI runs: ctest -L soak)
 //   conveyor-bench-soak --duration 1800 --seed 7
@@ -268,7 +270,8 @@ int report(Tally& t, SoakState& s, FaultInjector& faults, const EpochWatch& epoc
               t.errors_restart.load(), t.errors_other.load(), t.retried.load(), replays, (long long)epochs.changes, gap,
               gap_no_restart, stall, stall_no_restart, total_faults, by_kind.empty() ? "none" : by_kind.c_str());
   if (faults.not_recovered) std::printf("soak: %d fault(s) after which the plan did not come back\n", faults.not_recovered);
-  const bool failed = t.lost > 0 || t.altered > 0 || faults.not_recovered > 0;
+  for (const auto& c : faults.crashes) std::printf("soak: a worker crashed: %s\n", c.c_str());
+  const bool failed = t.lost > 0 || t.altered > 0 || faults.not_recovered > 0 || !faults.crashes.empty();
   std::printf("soak: %s\n", failed ? "FAILED (see the lines above)" : "nothing lost, nothing altered");
   return failed ? 1 : 0;
 }
@@ -335,6 +338,7 @@ int run(const Options& o) {
   state.stop = true;
   for (auto& th : threads) th.join();
   watch.join();
+  faults.reap_crashes();
   const int rc = report(tally, state, faults, epochs, o);
   const std::string keep = !o.keep_logs.empty() ? o.keep_logs : rc ? "/tmp/conveyor-soak-" + std::to_string(o.seed) : "";
   if (!keep.empty()) {

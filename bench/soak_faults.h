@@ -32,6 +32,7 @@
 #include <map>
 #include <mutex>
 #include <random>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -66,12 +67,14 @@ class FaultInjector {
     for (size_t i = 0; i < c_.workers.size(); ++i) {
       names_.push_back(netns_ ? "n" + std::to_string(i + 1) : "w" + std::to_string(i));
       nodes_.push_back(netns_ ? names_.back() : "");
+      ended_.push_back(false);
     }
   }
 
   // Applies one fault chosen at random and waits (up to 120 s) for the cluster to serve its
   // plan again; returns a line saying what it did.
   std::string strike() {
+    reap_crashes();
     const std::string kind = pick_kind();
     {
       std::lock_guard lk(s_.mu);
@@ -90,6 +93,28 @@ class FaultInjector {
   std::map<std::string, int> counts;  // faults applied, by kind
   int not_recovered = 0;              // faults after which the plan did not come back
   int replans_refused = 0;
+  std::vector<std::string> crashes;  // workers that ended unasked: name, exit status, what their log says
+
+  // Workers that ended although no fault ended them (a crash): noted and replaced by a fresh
+  // worker, so that the soak goes on with its capacity.
+  void reap_crashes() {
+    for (size_t i = 0; i < names_.size(); ++i) {
+      if (ended_[i] || c_.workers[i]->running()) continue;
+      ended_[i] = true;
+      const auto code = c_.workers[i]->wait_exit(std::chrono::milliseconds(0));
+      std::string said, last;  // UCX's "Caught signal" line where there is one, else the last line
+      std::istringstream log(Cluster::read(c_.dir / (names_[i] + ".log")));
+      for (std::string line; std::getline(log, line);) {
+        if (said.empty() && line.find("Caught signal") != std::string::npos) said = line;
+        if (!line.empty()) last = line;
+      }
+      if (said.empty()) said = last;
+      crashes.push_back(names_[i] + " at " + std::to_string(int(s_.now())) + " s (exit " +
+                        (code ? std::to_string(*code) : std::string("?")) + "): " + said.substr(0, 200));
+      std::printf("soak: %7.1f s  CRASH: %s; %s\n", s_.now(), crashes.back().c_str(), add_spare().c_str());
+      std::fflush(stdout);
+    }
+  }
 
  private:
   // A kind of fault, by weight, among those this cluster can take.
@@ -139,7 +164,7 @@ class FaultInjector {
     const std::string name = "w" + std::to_string(c_.workers.size());
     if (!netns_) {
       c_.add_worker(name, c_.token);
-      names_.push_back(name), nodes_.push_back("");
+      names_.push_back(name), nodes_.push_back(""), ended_.push_back(false);
       return name + " joins";
     }
     for (const auto& n : netns_->topo.nodes()) {
@@ -147,7 +172,7 @@ class FaultInjector {
       for (size_t i = 0; i < nodes_.size() && !taken; ++i) taken = nodes_[i] == n.name && c_.workers[i]->running();
       if (taken) continue;
       netns_->start_worker(n.name, name);
-      names_.push_back(name), nodes_.push_back(n.name);
+      names_.push_back(name), nodes_.push_back(n.name), ended_.push_back(false);
       return name + " joins on " + n.name;
     }
     return "no free node for a fresh worker";
@@ -156,6 +181,7 @@ class FaultInjector {
   std::string kill() {
     const std::string v = victim();
     if (v.empty() || !process(v)) return "kill: no serving worker";
+    ended_[size_t(index(v))] = true;
     process(v)->signal(SIGKILL);
     process(v)->wait_exit(std::chrono::seconds(5));
     return "kill: SIGKILL to " + v + ", " + add_spare();
@@ -177,6 +203,7 @@ class FaultInjector {
     auto r = c_.post("/v1/cluster/workers/" + v + "/drain", json::object());
     if (!r || r->status != 200) return "drain: " + v + " refused: " + (r ? r->body : r.error());
     // Drained: it serves nothing; let it go and let a fresh worker take its place.
+    ended_[size_t(index(v))] = true;
     process(v)->signal(SIGTERM);
     const auto code = process(v)->wait_exit(std::chrono::seconds(20));
     const std::string joined = add_spare();
@@ -286,7 +313,10 @@ class FaultInjector {
   }
   bool back_to_plan(std::chrono::seconds limit) {
     return c_.wait_until(
-        [&](const json& i) { return i["plan"]["stages"] == stages_ && i["plan"]["replicas"] == replicas_ && all_ready(i); },
+        [&](const json& i) {
+          reap_crashes();
+          return i["plan"]["stages"] == stages_ && i["plan"]["replicas"] == replicas_ && all_ready(i);
+        },
         limit);
   }
 
@@ -294,6 +324,7 @@ class FaultInjector {
   Cluster& c_;
   netns_test::NetnsCluster* netns_;
   std::vector<std::string> names_, nodes_;  // of c_.workers[i]: its name, its node (netns)
+  std::vector<bool> ended_;                 // and whether it ended (by a fault, or noticed as a crash)
   std::mt19937_64 rng_;
   SoakState& s_;
   int stages_, replicas_;
