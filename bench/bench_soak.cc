@@ -26,7 +26,7 @@
 // log's last word, and replaced so the soak goes on), or when the cluster did not come back
 // to its plan after a fault; 2 when the fault-free pass failed.
 //
-//   conveyor-bench-soak --duration 120              (what CI runs: ctest -L soak)
+//   conveyor-bench-soak --duration 120 --seed 1 --netns off   (what CI runs: ctest -L soak)
 //   conveyor-bench-soak --duration 1800 --seed 7
 //   conveyor-bench-soak --duration 60 --no-faults   (the load alone)
 #include <algorithm>
