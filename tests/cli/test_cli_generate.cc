@@ -13,9 +13,7 @@
 #include <csignal>
 #include <cstdio>
 #include <filesystem>
-#include <fstream>
 #include <optional>
-#include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
@@ -84,13 +82,6 @@ class StuckServer {
   std::thread thread_;
 };
 
-std::string read_file(const fs::path& p) {
-  std::ifstream in(p);
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
-
 struct Generated {
   std::optional<int> code;
   double seconds = 0;
@@ -116,7 +107,7 @@ Generated generate(const StuckServer& server, const std::vector<std::string>& fl
     r.code = p.wait_exit(std::chrono::seconds(20));
     r.seconds = std::chrono::duration<double>(Clock::now() - t0).count();
   }
-  r.err = read_file(err);
+  r.err = conveyor::testing::read_text_file(err.string());
   fs::remove(err);
   return r;
 }
