@@ -73,6 +73,8 @@ struct GenerateOptions {
   std::optional<uint64_t> seed;
   std::vector<std::string> stop;
   std::string api_key;
+  double idle_timeout_s = 60;  // the stream fails when nothing arrives for this long
+  double timeout_s = 600;      // and when it has not ended after this long
 };
 void add_generate_command(CLI::App& app, GenerateOptions& options);
 int generate_command(const GenerateOptions& options);

@@ -48,6 +48,9 @@ void add_generate_command(CLI::App& app, GenerateOptions& o) {
   cmd->add_option("--seed", o.seed, "sampling seed (default: none, each run differs)");
   cmd->add_option("--stop", o.stop, "stop strings")->default_str("none");
   cmd->add_option("--api-key", o.api_key, "API key (default: $CONVEYOR_API_KEY)");
+  cmd->add_option("--idle-timeout", o.idle_timeout_s, "seconds without a byte from the server before giving up")
+      ->check(CLI::Range(0.1, 86400.0));
+  cmd->add_option("--timeout", o.timeout_s, "seconds the whole completion may take")->check(CLI::Range(0.1, 86400.0));
 }
 
 int generate_command(const GenerateOptions& o) {
@@ -64,7 +67,8 @@ int generate_command(const GenerateOptions& o) {
   req.method = "POST";
   req.target = "/v1/completions";
   req.body = body.dump();
-  req.timeout = std::chrono::minutes(10);
+  req.timeout = std::chrono::milliseconds(int64_t(o.timeout_s * 1000));
+  req.idle_timeout = std::chrono::milliseconds(int64_t(o.idle_timeout_s * 1000));
   authorize(req, o.api_key);
   std::string error;
   std::cout << o.prompt << std::flush;
@@ -90,6 +94,9 @@ int generate_command(const GenerateOptions& o) {
   std::cout << "\n";
   if (!r) {
     std::cerr << "conveyor generate: " << r.error() << "\n";
+    if (r.error().find("(the idle limit)") != std::string::npos || r.error().find("(the call's limit)") != std::string::npos)
+      std::cerr << "conveyor generate: the cluster may be stuck: see its /health and `conveyor status` "
+                   "(--idle-timeout and --timeout set these limits)\n";
     return 1;
   }
   if (r->status != 200) {

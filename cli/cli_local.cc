@@ -33,7 +33,11 @@ namespace fs = std::filesystem;
 namespace {
 
 std::atomic<bool> g_interrupted{false};
-void on_interrupt(int) { g_interrupted = true; }
+std::atomic<int> g_signal{0};  // the signal that stopped it (SIGINT: Ctrl-C)
+void on_interrupt(int sig) {
+  g_signal = sig;
+  g_interrupted = true;
+}
 
 fs::path self_dir() {
   std::error_code ec;
@@ -101,12 +105,16 @@ void stop_child(Child& c, std::chrono::steady_clock::time_point deadline) {
 
 void stop_children(std::vector<Child>& children) {
   // The coordinator first (children[0]): it finishes what it accepted and says goodbye, so
-  // the workers then leave at once instead of handing their stages to each other.
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+  // the workers then leave at once instead of handing their stages to each other. After
+  // Ctrl-C a person waits: 0.5 s for each (what is still sent is cut), then SIGKILL; a hung
+  // cluster once took 9.6 s to go (issue 28). SIGTERM gives 5 s, and 3 s more to the workers.
+  const bool now = g_signal == SIGINT;
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(now ? 500 : 5000);
   if (!children.empty()) stop_child(children[0], deadline);
   for (size_t i = 1; i < children.size(); ++i)
     if (children[i].pid > 0) ::kill(children[i].pid, SIGTERM);
-  for (size_t i = 1; i < children.size(); ++i) stop_child(children[i], deadline + std::chrono::seconds(3));
+  const auto workers_by = std::chrono::steady_clock::now() + std::chrono::milliseconds(now ? 500 : 3000);
+  for (size_t i = 1; i < children.size(); ++i) stop_child(children[i], workers_by);
 }
 
 // Reads one line from fd within the timeout ("" on timeout or EOF).

@@ -5,19 +5,61 @@
 #include <boost/beast/core.hpp>
 #include <boost/beast/http.hpp>
 
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+
 namespace conveyor {
 
 namespace beast = boost::beast;
 namespace http = beast::http;
 namespace asio = boost::asio;
 
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// What a call that timed out says: which of its limits ran out.
+std::string timeout_text(const HttpRequest& req, Clock::time_point deadline) {
+  const auto ms = [](std::chrono::milliseconds d) {
+    char buf[32];
+    std::snprintf(buf, sizeof buf, "%g s", double(d.count()) / 1000.0);
+    return std::string(buf);
+  };
+  if (req.idle_timeout.count() > 0 && Clock::now() + std::chrono::milliseconds(50) < deadline)
+    return "nothing received for " + ms(req.idle_timeout) + " (the idle limit)";
+  return "no whole answer within " + ms(req.timeout) + " (the call's limit)";
+}
+
+// Runs one asynchronous step on `ioc` to its end and throws its error. Asynchronous, because a
+// Beast stream's expiry bounds only asynchronous operations: a synchronous read waits forever
+// on a server that stops sending (issue 28).
+template <class Start>
+void await(asio::io_context& ioc, Start start) {
+  beast::error_code result;
+  start([&result](beast::error_code ec, auto&&...) { result = ec; });
+  ioc.restart();
+  ioc.run();
+  if (result) throw beast::system_error(result);
+}
+
+}  // namespace
+
 Expected<HttpResponse> http_call(const std::string& host, int port, const HttpRequest& req) {
+  const auto deadline = Clock::now() + req.timeout;
+  const std::string what = req.method + " http://" + host + ":" + std::to_string(port) + req.target + ": ";
   try {
     asio::io_context ioc;
     asio::ip::tcp::resolver resolver(ioc);
     beast::tcp_stream stream(ioc);
-    stream.expires_after(req.timeout);
-    stream.connect(resolver.resolve(host, std::to_string(port)));
+    // Before each step: the idle limit, or what is left of the whole call's when that is less.
+    auto arm = [&] {
+      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
+      stream.expires_after(req.idle_timeout.count() > 0 ? std::min(left, req.idle_timeout) : left);
+    };
+    arm();
+    const auto endpoints = resolver.resolve(host, std::to_string(port));
+    await(ioc, [&](auto done) { stream.async_connect(endpoints, done); });
     http::request<http::string_body> r{http::string_to_verb(req.method), req.target, 11};
     r.set(http::field::host, host + ":" + std::to_string(port));
     r.set(http::field::connection, "close");
@@ -27,7 +69,8 @@ Expected<HttpResponse> http_call(const std::string& host, int port, const HttpRe
       r.body() = req.body;
       r.prepare_payload();
     }
-    http::write(stream, r);
+    arm();
+    await(ioc, [&](auto done) { http::async_write(stream, r, done); });
 
     beast::flat_buffer buffer;
     http::response_parser<http::string_body> parser;
@@ -39,14 +82,20 @@ Expected<HttpResponse> http_call(const std::string& host, int port, const HttpRe
       return body.size();
     };
     if (req.on_body) parser.on_chunk_body(on_chunk);
-    http::read_header(stream, buffer, parser);
+    arm();
+    await(ioc, [&](auto done) { http::async_read_header(stream, buffer, parser, done); });
     out.status = int(parser.get().result_int());
     out.content_type = std::string(parser.get()[http::field::content_type]);
     while (!parser.is_done()) {
-      beast::error_code ec;
-      http::read_some(stream, buffer, parser, ec);
-      if (ec == http::error::end_of_stream || ec == asio::error::eof) break;
-      if (ec) throw beast::system_error(ec);
+      arm();
+      bool ended = false;
+      await(ioc, [&](auto done) {
+        http::async_read_some(stream, buffer, parser, [&, done](beast::error_code ec, std::size_t n) mutable {
+          ended = ec == http::error::end_of_stream || ec == asio::error::eof;
+          done(ended ? beast::error_code() : ec, n);
+        });
+      });
+      if (ended) break;
     }
     out.body = std::move(parser.get().body());
     if (req.on_body && !parser.chunked() && !out.body.empty()) {
@@ -56,8 +105,11 @@ Expected<HttpResponse> http_call(const std::string& host, int port, const HttpRe
     beast::error_code ignored;
     stream.socket().shutdown(asio::ip::tcp::socket::shutdown_both, ignored);
     return out;
+  } catch (const beast::system_error& e) {
+    if (e.code() == beast::error::timeout) return Status::error(what + timeout_text(req, deadline));
+    return Status::error(what + e.what());
   } catch (const std::exception& e) {
-    return Status::error(req.method + " http://" + host + ":" + std::to_string(port) + req.target + ": " + e.what());
+    return Status::error(what + e.what());
   }
 }
 

@@ -25,7 +25,8 @@ struct HttpRequest {
   std::string target = "/";
   std::string body;
   std::vector<std::pair<std::string, std::string>> headers;
-  std::chrono::milliseconds timeout{30000};
+  std::chrono::milliseconds timeout{30000};       // the whole call, from connect to the last byte
+  std::chrono::milliseconds idle_timeout{0};      // > 0: the call fails when nothing arrives for this long
   std::function<void(std::string_view)> on_body;  // set: body bytes are streamed here
 };
 

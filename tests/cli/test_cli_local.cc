@@ -2,20 +2,27 @@
 // (not only where its log is) and exits non-zero at once, instead of waiting. And where its
 // daemons' data plane runs: on loopback (`lo`) alone, never on an interface UCX would pick
 // by itself (issue 28: a bridge that came and went hung the cluster). And where the join
-// token goes: in each daemon's environment, never on a command line (issue 29).
+// token goes: in each daemon's environment, never on a command line (issue 29). And Ctrl-C on a
+// cluster that hangs ends it all within about a second (issue 28).
 // Real processes on loopback; each test is bounded in time and stops what it started.
+#include <atomic>
 #include <chrono>
+#include <csignal>
+#include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <optional>
 #include <sstream>
 #include <string>
+#include <thread>
+#include <utility>
 #include <vector>
 
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include "cli/http_client.h"
 #include "tests/process_util.h"
 #include "tests/test_util.h"
 
@@ -196,6 +203,49 @@ TEST(ConveyorLocal, DaemonsKeepTheDataPlaneOnLoopback) {
   }
   expect_token_only_in_environment(local.pid(), logs);
   local.stop(std::chrono::seconds(15));
+}
+
+// Ctrl-C on a cluster that hangs (a worker stopped with SIGSTOP while streams run, so the
+// accepted requests can never finish): `conveyor local` and every daemon it started are gone
+// within about a second. It once waited 5 s for the coordinator and 3 s more for the
+// workers, 9.6 s in all (issue 28).
+TEST(ConveyorLocal, CtrlCOnAHungClusterEndsEverythingWithinASecond) {
+  TempDir dir("ctrl-c");
+  ChildProcess local({bin("conveyor"), "local", "--port", "0", "--backend", "cpu", "--log-dir", (dir.path / "logs").string(),
+                      "--model", source("models/brown-gpt2"), "--stages", "2"},
+                     (dir.path / "stderr").string());
+  const std::string ready = local.read_line_matching("ready at", std::chrono::seconds(120));
+  int port = 0;
+  ASSERT_EQ(std::sscanf(ready.c_str(), "conveyor local: ready at http://127.0.0.1:%d", &port), 1)
+      << ready << read_file(dir.path / "stderr");
+  const std::vector<pid_t> daemons = children_of(local.pid());
+  ASSERT_EQ(daemons.size(), 3u) << "a coordinator and two workers";
+  std::atomic<int> streaming{0};
+  std::vector<std::thread> streams;
+  for (int i = 0; i < 4; ++i)
+    streams.emplace_back([&] {
+      conveyor::HttpRequest r;
+      r.method = "POST";
+      r.target = "/v1/completions";
+      r.body = nlohmann::json{{"prompt", "The jury said"}, {"max_tokens", 200}, {"ignore_eos", true}, {"stream", true}}.dump();
+      r.timeout = std::chrono::seconds(30);
+      bool counted = false;
+      r.on_body = [&](std::string_view) {
+        if (!std::exchange(counted, true)) ++streaming;
+      };
+      (void)conveyor::http_call("127.0.0.1", port, r);
+    });
+  for (const auto until = Clock::now() + std::chrono::seconds(30); streaming < 4 && Clock::now() < until;)
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  ::kill(daemons.back(), SIGSTOP);  // a worker: the pipeline hangs
+  const auto t0 = Clock::now();
+  local.signal(SIGINT);
+  const auto code = local.wait_exit(std::chrono::seconds(15));
+  const double took = std::chrono::duration<double>(Clock::now() - t0).count();
+  EXPECT_TRUE(code.has_value()) << "conveyor local still runs 15 s after Ctrl-C";
+  EXPECT_LT(took, 1.5) << read_file(dir.path / "stderr");
+  for (pid_t d : daemons) EXPECT_NE(::kill(d, 0), 0) << "daemon " << d << " outlived conveyor local";
+  for (auto& t : streams) t.join();
 }
 
 // The coordinator's --check on the cluster file `conveyor local` writes says the interface

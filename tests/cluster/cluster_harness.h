@@ -52,6 +52,7 @@ struct Cluster {
   std::string http_host = "127.0.0.1";  // where the REST API is reached (a node's address in tests/netns)
   std::string token = "test-token";
   std::string api_key;  // set before start(): the coordinator requires it
+  int replicas = 1;     // set before start(): the pipeline replicas of its plan
   // Set before start(): worker i's own arguments, after `worker_args` (e.g. its GPU).
   std::function<std::vector<std::string>(int)> worker_args_for;
   // A test that injects faults (kills, stops, cuts, failing stages) sets this. Otherwise no
@@ -68,7 +69,7 @@ struct Cluster {
     std::ofstream(dir / "cluster.yaml") << "model: {path: \"" << model_dir() << "\"}\n"
                                         << "http: {host: 127.0.0.1, port: 0" << (api_key.empty() ? "" : ", api_key: " + api_key) << "}\n"
                                         << "control: {host: 127.0.0.1, port: 0, join_token: " << token << "}\n"
-                                        << "pipeline: {stages: " << stages << "}\n"
+                                        << "pipeline: {stages: " << stages << ", replicas: " << replicas << "}\n"
                                         << yaml_extra;
     coordinator = std::make_unique<ChildProcess>(
         std::vector<std::string>{bin("conveyor-coordinator"), "--config", (dir / "cluster.yaml").string()},

@@ -7,6 +7,7 @@
 #include <map>
 
 #include "tests/cluster/cluster_harness.h"
+#include "tests/cluster/completion_client.h"
 #include "tests/coordinator/inproc_pipeline.h"
 
 namespace conveyor {
@@ -88,44 +89,23 @@ TEST(BeamSearchCluster, BeamsThroughRestSurviveAFailover) {
       const json& body = reqs[i].body;
       std::vector<BeamChoice>& out = got[i];
       out.resize(size_t(body["n"].get<int>()));
-      if (body["stream"].get<bool>()) {
-        bool done = false;
-        int events = 0;
-        SseParser sse([&](std::string_view data) {
-          if (data == "[DONE]") {
-            done = true;
-            return;
-          }
-          ++events;
-          const json chunk = json::parse(data);
-          for (const auto& ch : chunk.at("choices")) {
-            BeamChoice& c = out.at(ch.at("index").get<size_t>());
-            c.text += ch.at("text").get<std::string>();
-            for (int32_t t : ch.at("token_ids")) c.ids.push_back(t);
-            if (!ch["finish_reason"].is_null()) c.finish = ch["finish_reason"];
-          }
-        });
-        auto r = cluster.post("/v1/completions", body, [&](std::string_view b) { sse.feed(b); });
-        if (!r || r->status != 200) errors[i] = r ? "HTTP " + std::to_string(r->status) : r.error();
-        else if (!done) errors[i] = "stream ended without [DONE]";
-        else if (events != body["n"].get<int>()) errors[i] = "a stream of beams sends one event a choice, got " + std::to_string(events);
-      } else {
-        auto r = cluster.post("/v1/completions", body);
-        if (!r || r->status != 200) {
-          errors[i] = r ? "HTTP " + std::to_string(r->status) + " " + r->body : r.error();
-          return;
-        }
-        const json j = json::parse(r->body);
-        for (const auto& ch : j.at("choices")) {
-          BeamChoice& c = out.at(ch.at("index").get<size_t>());
-          c.text = ch.at("text");
-          c.ids = ch.at("token_ids").get<std::vector<int32_t>>();
-          c.finish = ch.at("finish_reason");
-        }
-        int64_t tokens = 0;
-        for (const BeamChoice& c : out) tokens += int64_t(c.ids.size());
-        if (j.at("usage").at("completion_tokens") != tokens) errors[i] = "usage counts " + j.at("usage").dump();
+      const Answer a = call_completion(cluster.http_host, cluster.http_port, body);
+      if (!a.ok()) {
+        errors[i] = a.error;
+        return;
       }
+      int64_t tokens = 0;
+      for (const auto& ch : a.choices) {
+        BeamChoice& c = out.at(ch.at("index").get<size_t>());
+        c.text = ch.at("text");
+        c.ids = ch.at("token_ids").get<std::vector<int32_t>>();
+        c.finish = ch.at("finish_reason").is_null() ? "" : ch.at("finish_reason").get<std::string>();
+        tokens += int64_t(c.ids.size());
+      }
+      if (body["stream"].get<bool>() && a.events != body["n"].get<int>())
+        errors[i] = "a stream of beams sends one event a choice, got " + std::to_string(a.events);
+      if (!body["stream"].get<bool>() && a.usage.at("completion_tokens") != tokens)
+        errors[i] = "usage counts " + a.usage.dump();
     });
   // A serving worker dies while the beams are searched; the spare takes its stage.
   std::this_thread::sleep_for(std::chrono::milliseconds(150));

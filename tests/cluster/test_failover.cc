@@ -13,6 +13,8 @@
 #include <map>
 
 #include "tests/cluster/cluster_harness.h"
+#include "tests/cluster/completion_client.h"
+#include "tests/cluster/connection_reset.h"
 
 namespace conveyor {
 namespace {
@@ -145,40 +147,6 @@ TEST(Drain, ServingWorkersUnderLoadLoseNothing) {
   EXPECT_TRUE(health && health->status == 200);
 }
 
-// Resets every TCP connection between the processes `a` and `b` except those to `keep_port`
-// (`ss -K`: a data-plane failure with both processes alive). Returns how many it reset.
-int reset_connections(pid_t a, pid_t b, int keep_port) {
-  std::map<std::string, pid_t> owner;  // "ip:port" -> pid
-  std::vector<std::pair<std::string, std::string>> of_a;  // (local, peer) of a's sockets
-  FILE* p = ::popen("ss -tnpH state established 2>/dev/null", "r");
-  if (!p) return -1;
-  char buf[1024];
-  const std::regex pid_re("pid=([0-9]+)");
-  while (std::fgets(buf, sizeof buf, p)) {
-    std::istringstream line(buf);
-    std::string recvq, sendq, local, peer;
-    line >> recvq >> sendq >> local >> peer;
-    std::smatch m;
-    const std::string rest(buf);
-    if (!std::regex_search(rest, m, pid_re)) continue;
-    const pid_t pid = pid_t(std::stol(m[1]));
-    owner[local] = pid;
-    if (pid == a) of_a.emplace_back(local, peer);
-  }
-  ::pclose(p);
-  int n = 0;
-  auto port = [](const std::string& addr) { return addr.substr(addr.rfind(':') + 1); };
-  for (const auto& [local, peer] : of_a) {
-    if (owner.count(peer) == 0 || owner[peer] != b) continue;
-    if (port(local) == std::to_string(keep_port) || port(peer) == std::to_string(keep_port)) continue;
-    const std::string cmd = "ss -K -tn state established src " + local.substr(0, local.rfind(':')) + " sport = :" +
-                            port(local) + " dst " + peer.substr(0, peer.rfind(':')) + " dport = :" + port(peer) +
-                            " >/dev/null 2>&1";
-    n += std::system(cmd.c_str()) == 0;
-  }
-  return n;
-}
-
 // The coordinator's data-plane connection to a serving worker is reset (twice, at random
 // moments) while both stay alive: the pipeline is replayed on fresh connections and every
 // answer is still the engine's.
@@ -228,6 +196,66 @@ TEST(CoordinatorRestart, WorkersKeepTheirLayers) {
   for (const auto& w : cluster.workers) EXPECT_TRUE(w->running());
   cases = make_cases(ref, 32, 32);
   for (const auto& f : run_cases(cluster, cases, 8)) ADD_FAILURE() << f;
+}
+
+// Clients whose connections the coordinator's death cuts (two streams and two plain requests,
+// each mid-answer) send the same request again, with the same seed, until the restarted
+// coordinator answers: each retried answer is the engine's, token for token (issue 28).
+TEST(CoordinatorRestart, AClientRetriesWithTheSameSeedAndGetsTheSameAnswer) {
+  Cluster cluster;
+  ASSERT_TRUE(cluster.start("restart-retry", 2, 2));
+  cluster.faults_expected = true;
+  Reference ref;
+  struct Sent {
+    json body;
+    Expected_ expect;
+    Answer got;
+    int tries = 0;
+  };
+  std::vector<Sent> sent;
+  for (int i = 0; i < 4; ++i) {
+    SamplingParams sp;
+    sp.temperature = 0.9f;
+    sp.top_k = 40;
+    sp.seed = 4200 + uint64_t(i);
+    const std::string prompt = kSentences[size_t(i)];
+    const json body = {{"prompt", prompt}, {"max_tokens", 200}, {"ignore_eos", true}, {"temperature", 0.9},
+                       {"top_k", 40}, {"seed", sp.seed}, {"stream", i % 2 == 0}, {"return_token_ids", true}};
+    sent.push_back({body, ref.run(ref.tokenizer.encode(prompt), 200, sp, {}), {}, 0});
+  }
+  std::atomic<int> events{0};
+  std::atomic<bool> killed{false};
+  std::vector<std::thread> clients;
+  for (Sent& s : sent)
+    clients.emplace_back([&] {
+      CallOptions opt;
+      opt.on_progress = [&] { ++events; };
+      // Retried once the coordinator was killed, for at most 120 s.
+      const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(120);
+      s.got = call_with_retry(cluster.http_host, cluster.http_port, s.body, opt,
+                              [&](const std::string&) { return killed && std::chrono::steady_clock::now() < until; }, s.tries);
+    });
+  // Kill once both streams have had tokens and every request holds K/V on the pipeline.
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+  auto all_running = [&] {
+    const json info = cluster.info();
+    return info.is_object() && info["pipelines"][0].value("running_sequences", 0) == 4;
+  };
+  while (std::chrono::steady_clock::now() < deadline && !(events >= 4 && all_running()))
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  killed = true;
+  cluster.coordinator->signal(SIGKILL);
+  ASSERT_TRUE(cluster.coordinator->wait_exit(std::chrono::seconds(5)));
+  EXPECT_TRUE(cluster.restart_coordinator());
+  for (auto& t : clients) t.join();
+  for (const Sent& s : sent) {
+    EXPECT_GE(s.tries, 2) << "the coordinator died before this request's connection was cut? " << s.body.dump();
+    ASSERT_TRUE(s.got.ok()) << s.got.error << " for " << s.body.dump();
+    ASSERT_EQ(s.got.choices.size(), 1u) << s.got.choices.dump();
+    EXPECT_EQ(s.got.choices[0]["token_ids"].get<std::vector<int32_t>>(), s.expect.tokens) << s.body.dump();
+    EXPECT_EQ(s.got.choices[0]["text"], s.expect.text) << s.body.dump();
+    EXPECT_EQ(s.got.choices[0]["finish_reason"], s.expect.finish) << s.body.dump();
+  }
 }
 
 // SIGTERM to a serving worker under load: it asks the coordinator to take its stage (a
