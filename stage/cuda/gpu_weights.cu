@@ -188,7 +188,8 @@ GpuWeightLayout plan_weight_layout(const ModelConfig& c, const TpShard& shard, i
     r.shape = {dim_size(spec.rows, c), dim_size(spec.cols, c)};
     r.bytes = r.shape.elements() * e;
     // The vocabulary matrices keep room for their zero rows up to head_rows (above).
-    r.offset = take(spec.rows == StageDim::Vocab ? head_rows(r.shape.rows) * r.shape.cols * e : r.bytes);
+    if (spec.rows == StageDim::Vocab) r.zero_bytes = (head_rows(r.shape.rows) - r.shape.rows) * r.shape.cols * e;
+    r.offset = take(r.bytes + r.zero_bytes);
   }
   return w;
 }
@@ -213,11 +214,10 @@ GpuWeights GpuWeights::allocate(const GpuStageShape& shape) {
 }
 
 void GpuWeights::zero_vocab_padding(cudaStream_t stream) {
-  for (StageTensor t : {StageTensor::Wte, StageTensor::LmHead}) {
-    const TensorRef& r = ref(t);
-    if (!r.held()) continue;
-    const int64_t pad_bytes = r.bytes / r.shape.rows * (head_rows(r.shape.rows) - r.shape.rows);
-    CUDA_CHECK(cudaMemsetAsync(buf_.as<char>() + r.offset + r.bytes, 0, size_t(pad_bytes), stream));
+  for (const StageTensorSpec& spec : kStageTensors) {
+    const TensorRef& r = ref(spec.id);
+    if (!r.held() || r.zero_bytes == 0 || (spec.id == StageTensor::LmHead && head_is_wte())) continue;
+    CUDA_CHECK(cudaMemsetAsync(buf_.as<char>() + r.offset + r.bytes, 0, size_t(r.zero_bytes), stream));
   }
 }
 

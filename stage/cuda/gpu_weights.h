@@ -55,6 +55,8 @@ struct TensorRef {
   int64_t offset = -1;        // bytes from the allocation's start; -1: the stage does not hold it
   int64_t bytes = 0;          // bytes of its values (the padding to the next tensor not counted)
   int64_t scale_offset = -1;  // int8 or FP8 matrices: their fp32 scales, one per output row; else -1
+  int64_t zero_bytes = 0;     // zeros right after the values that the stage reads (the vocabulary
+                              // matrices' rows up to head_rows); every load writes them
   TensorShape shape;          // [in, out] elements of this rank's part, as on the host
   bool held() const { return offset >= 0; }
 };
@@ -167,7 +169,7 @@ class GpuWeights {
   int64_t decode_bytes() const { return decode_bytes_; }
 
  private:
-  // The vocabulary matrices' rows past the vocabulary, up to head_rows: zeros.
+  // Every stage tensor's zero_bytes (the vocabulary matrices' rows up to head_rows): zeros.
   void zero_vocab_padding(cudaStream_t stream);
 
   GpuWeightLayout layout_;
