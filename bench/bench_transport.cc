@@ -9,18 +9,22 @@
 //  - bandwidth: one sender thread calling send() back to back (each send returns when the
 //    peer has the data), the peer acknowledging the last message; bytes / elapsed time.
 // Receive-side costs are included: the receiver allocates a fresh buffer per message.
-// UCX_TLS in the environment overrides --transports.
+// UCX_TLS in the environment overrides --transports. --spin-us N sets both channels'
+// spin_while_pending (ucx_channel.h; 0: the progress threads sleep whenever idle).
 //
-//   conveyor-bench-transport --handoff [--device 0] [--min 16384] [--max 67108864] [--seconds 0.5]
+//   conveyor-bench-transport --handoff [--device 0] [--peer-device 1] [--min 16384] [--max 67108864]
+//       [--seconds 0.5]
 //
-// (CUDA builds.) One micro-batch handoff between two GPU stage processes on one GPU, as the
-// stage worker makes it, on both data paths in one run:
+// (CUDA builds.) One micro-batch handoff between two GPU stage processes, on one GPU or (with
+// --peer-device) on two, as the stage worker makes it, on both data paths in one run:
 //  - staged: device rows -> page-locked slot (cudaMemcpy D2H) -> UCX (host memory) ->
 //    page-locked receive buffer -> device rows (cudaMemcpy H2D);
 //  - direct: device rows -> device slot (D2D) -> UCX (CUDA memory: cuda_ipc between two
 //    processes on one GPU) -> device receive buffer -> device rows (D2D); only when the UCX
 //    moves CUDA memory (a UCX built with CUDA: scripts/setup.sh), else reported as absent.
-// Latency is half the round trip of a handoff and its way back; bandwidth is back-to-back
+// Latency is half the round trip of a handoff and its way back, with the sender's side in
+// phases (p50): the copy into the slot and its stream synchronisation, send() until it
+// returns, the wait for the answer, and the copy into the rows; bandwidth is back-to-back
 // handoffs of one sender, each waiting for its send (the handoff's back-pressure), the
 // receiver copying every one into its rows, acknowledged at the end.
 #include <spawn.h>
@@ -86,10 +90,18 @@ PeerId register_with_parent(const std::string& endpoint, UcxChannel& ch) {
   return check(ch.connect(assign->blob, "bench"), "connect");
 }
 
-int run_peer(const std::string& endpoint, const std::string& transports) {
-  UcxChannelOptions options;
-  options.name = "bench-peer";
-  options.transports = transports;
+// A channel's options as both processes of the bench set them; spin_us < 0: the default
+// spin_while_pending.
+UcxChannelOptions bench_options(const std::string& name, const std::string& transports, long spin_us) {
+  UcxChannelOptions o;
+  o.name = name;
+  o.transports = transports;
+  if (spin_us >= 0) o.spin_while_pending = std::chrono::microseconds(spin_us);
+  return o;
+}
+
+int run_peer(const std::string& endpoint, const std::string& transports, long spin_us) {
+  const UcxChannelOptions options = bench_options("bench-peer", transports, spin_us);
   auto ch = check(UcxChannel::create(options), "create channel");
   const PeerId parent = register_with_parent(endpoint, *ch);
   for (;;) {
@@ -112,6 +124,8 @@ struct Args {
   double seconds = 0.5;  // per size and measurement
   bool handoff = false;  // --handoff: the GPU stage handoff, staged and direct
   int device = 0;
+  int peer_device = -1;  // --handoff: the peer process's GPU (-1: --device's)
+  long spin_us = -1;     // --spin-us: both channels' spin_while_pending (-1: the default)
   std::string path;      // the handoff peer's path: "staged" or "direct"
 };
 
@@ -152,13 +166,13 @@ Peer start_peer(const char* self, ControlServer& server, UcxChannel& ch, std::ve
 
 int run_bench(const Args& args, const char* self) {
   auto server = check(ControlServer::bind("tcp://127.0.0.1:0"), "control bind");
-  UcxChannelOptions options;
-  options.name = "bench";
-  options.transports = args.transports;
-  auto ch = check(UcxChannel::create(options), "create channel");
+  auto ch = check(UcxChannel::create(bench_options("bench", args.transports, args.spin_us)), "create channel");
 
   // Start the peer and wire the two channels up through the control plane.
-  const Peer started = start_peer(self, *server, *ch, {"--peer", server->endpoint(), "--transports", args.transports}, 20s);
+  const Peer started = start_peer(self, *server, *ch,
+                                  {"--peer", server->endpoint(), "--transports", args.transports, "--spin-us",
+                                   std::to_string(args.spin_us)},
+                                  20s);
   const pid_t pid = started.pid;
   const PeerId peer = started.id;
 
@@ -254,9 +268,7 @@ struct GpuEnd {
 // A channel as a GPU worker's: page-locked receive buffers; on the direct path device receive
 // buffers too, with the GPU current on the progress thread.
 UcxChannelOptions gpu_channel_options(const std::string& name, const Args& args, bool direct) {
-  UcxChannelOptions o;
-  o.name = name;
-  o.transports = args.transports;
+  UcxChannelOptions o = bench_options(name, args.transports, args.spin_us);
   const int device = args.device;
   o.receive_allocator.allocate = [device](std::size_t n) -> void* {
     void* p = nullptr;
@@ -305,8 +317,8 @@ std::vector<HandoffRow> measure_handoff(const Args& args, const char* self, bool
     return {};
   }
   const Peer started = start_peer(self, *server, *ch,
-                                  {"--peer", server->endpoint(), "--transports", args.transports, "--handoff", "--path",
-                                   direct ? "direct" : "staged", "--device", std::to_string(args.device), "--max",
+                                  {"--peer", server->endpoint(), "--transports", args.transports, "--spin-us", std::to_string(args.spin_us), "--handoff", "--path",
+                                   direct ? "direct" : "staged", "--device", std::to_string(args.peer_device), "--max",
                                    std::to_string(args.max_bytes)},
                                   30s);
   const pid_t pid = started.pid;
@@ -320,14 +332,28 @@ std::vector<HandoffRow> measure_handoff(const Args& args, const char* self, bool
       handoff("ping");
       end.take_in(recv_message(*ch));
     }
-    std::vector<double> half_rtt_us;
+    std::vector<double> half_rtt_us, phase_us[4];  // copy into the slot, send, wait, copy into the rows
     const auto lat_end = Clock::now() + std::chrono::duration<double>(args.seconds);
+    auto us = [](Clock::time_point a, Clock::time_point b) { return std::chrono::duration<double, std::micro>(b - a).count(); };
     while (half_rtt_us.size() < 5 || (Clock::now() < lat_end && half_rtt_us.size() < 100000)) {
       const auto t0 = Clock::now();
-      handoff("ping");
-      end.take_in(recv_message(*ch));
-      half_rtt_us.push_back(std::chrono::duration<double, std::micro>(Clock::now() - t0).count() / 2);
+      const PayloadView slot = end.hand_on(n);
+      const auto t1 = Clock::now();
+      check(ch->send(peer, as_bytes("ping"), slot, 60s), "send");
+      const auto t2 = Clock::now();
+      const Message back = recv_message(*ch);
+      const auto t3 = Clock::now();
+      end.take_in(back);
+      const auto t4 = Clock::now();
+      half_rtt_us.push_back(us(t0, t4) / 2);
+      phase_us[0].push_back(us(t0, t1)), phase_us[1].push_back(us(t1, t2));
+      phase_us[2].push_back(us(t2, t3)), phase_us[3].push_back(us(t3, t4));
     }
+    std::printf("%s %s: round trip p50 %.1f us = copy into the slot %.1f + send %.1f + wait for the answer %.1f + "
+                "copy into the rows %.1f\n",
+                direct ? "direct" : "staged", size_text(n).c_str(), 2 * percentile(half_rtt_us, 0.5),
+                percentile(phase_us[0], 0.5), percentile(phase_us[1], 0.5), percentile(phase_us[2], 0.5),
+                percentile(phase_us[3], 0.5));
     const std::size_t count = std::clamp<std::size_t>(static_cast<std::size_t>(args.seconds * 5e9 / double(n)), 4, 20000);
     const auto t0 = Clock::now();
     for (std::size_t i = 0; i + 1 < count; ++i) handoff("bulk");
@@ -352,7 +378,8 @@ int run_handoff_bench(Args args, const char* self) {
   std::vector<std::size_t> sizes;
   for (std::size_t n = args.min_bytes; n <= args.max_bytes; n *= 4) sizes.push_back(n);
   const char* env_tls = std::getenv("UCX_TLS");
-  std::printf("GPU handoff, both processes on GPU %d (%s); UCX_TLS=%s\n", args.device, prop.name,
+  if (args.peer_device < 0) args.peer_device = args.device;
+  std::printf("GPU handoff, processes on GPU %d and GPU %d (%s); UCX_TLS=%s\n", args.device, args.peer_device, prop.name,
               env_tls ? env_tls : (args.transports.empty() ? "(default)" : args.transports.c_str()));
   const auto staged = measure_handoff(args, self, false, sizes);
   const auto direct = measure_handoff(args, self, true, sizes);
@@ -398,6 +425,10 @@ int main(int argc, char** argv) {
       args.handoff = true;
     else if (a == "--device")
       args.device = std::stoi(next());
+    else if (a == "--spin-us")
+      args.spin_us = std::stol(next());
+    else if (a == "--peer-device")
+      args.peer_device = std::stoi(next());
     else if (a == "--path")
       args.path = next();
     else
@@ -412,6 +443,6 @@ int main(int argc, char** argv) {
     die("--handoff needs a build with the CUDA backend");
 #endif
   }
-  if (!peer_endpoint.empty()) return run_peer(peer_endpoint, args.transports);
+  if (!peer_endpoint.empty()) return run_peer(peer_endpoint, args.transports, args.spin_us);
   return run_bench(args, self.c_str());
 }

@@ -67,6 +67,11 @@ struct UcxChannelOptions {
   // messages are dropped, counted (refused_messages) and logged. Empty: anyone may send.
   std::string auth_secret{};
   std::chrono::milliseconds idle_tick{50};        // idle wake-up period of the progress thread
+  // While a send or a receive is under way, the progress thread polls UCX instead of sleeping
+  // in epoll, for up to this long since it last made progress: a payload past the eager
+  // limit takes a rendezvous (several messages each way), and a sleeping thread pays a
+  // wake-up for each. 0: sleep whenever there is nothing to do.
+  std::chrono::microseconds spin_while_pending{200};
   std::chrono::milliseconds close_timeout{2000};  // bound on the destructor's clean-up
 };
 

@@ -163,6 +163,7 @@ struct UcxChannel::Impl {
   void advance(Incoming& in);
   void abandon(Incoming& in, const std::string& why);
   void check_deadlines(Clock::time_point now);
+  bool operations_under_way() const;  // a send not yet complete, or a receive in flight
   // The authenticated data plane (data_auth.h), on the progress thread.
   enum class Admission { kAdmit, kConsumed, kRefused, kDefer };
   Admission admit(Incoming& in, std::uint32_t sender);
@@ -247,6 +248,7 @@ struct UcxChannel::Impl {
   bool shutdown_started = false;
   Clock::time_point shutdown_deadline;
   bool arm_supported = true;
+  Clock::time_point last_progress;  // when the loop last did something (spin_while_pending)
 
   std::thread thread;
 };

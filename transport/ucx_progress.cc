@@ -41,7 +41,13 @@ void UcxChannel::Impl::loop() {
       busy = true;
     }
     if (shutdown_started && (shutdown_complete() || Clock::now() > shutdown_deadline)) break;
-    if (busy) continue;
+    if (busy) {
+      last_progress = Clock::now();
+      continue;
+    }
+    // A send or a receive under way: its next step (a rendezvous' reply, the data) is
+    // microseconds off; polling for it costs less than a wake-up from epoll.
+    if (operations_under_way() && Clock::now() - last_progress < opt.spin_while_pending) continue;
 
     // Nothing to do: sleep until UCX or a caller has something, or the idle tick.
     int wait_ms = static_cast<int>(opt.idle_tick.count());
@@ -67,6 +73,14 @@ void UcxChannel::Impl::loop() {
   }
   // Fail whatever is still queued (post() takes no more once stopping is set).
   run_tasks();
+}
+
+bool UcxChannel::Impl::operations_under_way() const {
+  if (!sends.empty()) return true;
+  for (const auto& [sender, queue] : incoming)
+    for (const auto& in : queue)
+      if (in->in_flight) return true;
+  return false;
 }
 
 bool UcxChannel::Impl::run_tasks() {
