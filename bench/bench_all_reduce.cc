@@ -155,7 +155,7 @@ int main(int argc, char** argv) {
   for (int d = 0; d < n_gpus; ++d) devices.push_back(d);
   // The push call up to 4 MiB, past its default crossover (kPushMaxBytes), to show where it is.
   const size_t push_max = std::min(max_bytes, size_t(4) << 20);
-  auto ar = CustomAllReduce::create(devices, max_bytes, 0, push_max);
+  auto ar = CustomAllReduce::create(devices, max_bytes, push_max);
   if (!ar) {
     std::fprintf(stderr, "%s\n", ar.error().c_str());
     return 1;

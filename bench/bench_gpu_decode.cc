@@ -14,7 +14,7 @@
 //   conveyor-bench-gpu-decode [--shapes gpt2-xl,gpt3-6.7b] [--batches 1,8,32,128]
 //       [--prompts 128,1024] [--new-tokens 128] [--dtype f16|bf16] [--max-tokens 8192]
 //       [--kv-fraction 0.9] [--no-graphs] [--tp N] [--pp N] [--weights dtype,int8,fp8] [--int8]
-//       [--fp8] [--kv-dtype auto|fp8] [--fused-ar] [--ar-push-max BYTES] [--csv FILE] [--modes det,fast]
+//       [--fp8] [--kv-dtype auto|fp8] [--ar-push-max BYTES] [--csv FILE] [--modes det,fast]
 //
 // --kv-dtype fp8: every stage's K/V cache in E4M3 with a scale per position and head
 // (GpuStageOptions::kv_fp8): half the bytes, so twice the sequences fit; its rows name the
@@ -23,8 +23,7 @@
 // tp x pp: a correctness run only, its times mean nothing). --weights: the layer matrices in
 // the stage's dtype, int8 weight-only (quant.h) and/or FP8 weights and activations (fp8.h,
 // Hopper), each built in turn, the rows of int8 and fp8 showing the dtype's ms/token over
-// theirs ("x dtype"); --int8 and --fp8 are --weights int8 and --weights fp8. --fused-ar: tensor-parallel decode steps join the all-reduce with the
-// bias, residual and LayerNorm after it (GpuStageOptions::fused_all_reduce). --ar-push-max:
+// theirs ("x dtype"); --int8 and --fp8 are --weights int8 and --weights fp8. --ar-push-max:
 // tensor-parallel all-reduces up to BYTES take the push call (GpuStageOptions::
 // all_reduce_push_max_bytes; 0: the one-shot pull of before, to compare). --modes: det
 // (the default: fixed-order kernels, GpuStageOptions::deterministic) and/or fast (the fastest
@@ -88,7 +87,6 @@ struct Args {
   double kv_fraction = 0.9;
   bool graphs = true;
   int tp = 1, pp = 1;
-  bool fused_ar = false;
   long long ar_push_max = -1;  // -1: the stage's default
   std::vector<std::string> weights = {"dtype"};  // dtype, int8, fp8
   bool kv_fp8 = false;
@@ -100,7 +98,7 @@ struct Args {
   std::fprintf(stderr,
                "usage: conveyor-bench-gpu-decode [--shapes S,..] [--batches N,..] [--prompts N,..] [--new-tokens N]\n"
                "       [--dtype f16|bf16] [--max-tokens N] [--kv-fraction F] [--no-graphs] [--tp N] [--pp N]\n"
-               "       [--weights dtype,int8,fp8] [--int8] [--fp8] [--kv-dtype auto|fp8] [--fused-ar] [--ar-push-max BYTES]\n"
+               "       [--weights dtype,int8,fp8] [--int8] [--fp8] [--kv-dtype auto|fp8] [--ar-push-max BYTES]\n"
                "       [--csv FILE] [--modes det,fast]\n");
   std::exit(2);
 }
@@ -131,7 +129,6 @@ Args parse(int argc, char** argv) {
       if (v != "auto" && v != "fp8") usage();
       a.kv_fp8 = v == "fp8";
     }
-    else if (k == "--fused-ar") a.fused_ar = true;
     else if (k == "--ar-push-max") a.ar_push_max = std::stoll(val());
     else if (k == "--csv") a.csv = val();
     else if (k == "--modes") a.modes = split(val());
@@ -371,7 +368,6 @@ int main(int argc, char** argv) {
       o.int8_weights = int8;
       o.fp8 = fp8;
       o.kv_fp8 = args.kv_fp8;
-      o.fused_all_reduce = args.fused_ar;
       if (args.ar_push_max >= 0) o.all_reduce_push_max_bytes = size_t(args.ar_push_max);
       o.gemm = process_options().kernels.gemm;  // CONVEYOR_GEMM_ORDER and the rest
       o.deterministic = mode == "det";

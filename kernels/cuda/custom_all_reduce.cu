@@ -11,7 +11,6 @@
 namespace conveyor::cuda {
 namespace {
 
-using detail::block_sum;
 using detail::from_float;
 using detail::from_float2;
 using detail::pack8;
@@ -212,113 +211,23 @@ __global__ void __launch_bounds__(kThreads) push_all_reduce_kernel(PushPeers pee
   }
 }
 
-// ---- the fused decode step: push with the flag in the data, then residual and LayerNorm ----
-
-constexpr int kFusedThreads = 512;
-
-struct FusedPeers {
-  uint2* recv[kMaxRanks];  // every rank's receive area: [2 halves][kMaxRanks slots][slot_lines]
-};
-
-// 8-byte lines {2 elements, flag}: one store, one load, never torn, so a line whose flag is
-// this call's carries this call's data: no barrier, one NVLink write latency per call.
-__device__ __forceinline__ void store_line(uint2* p, uint32_t data, uint32_t flag) {
-  asm volatile("st.volatile.global.v2.u32 [%0], {%1, %2};" ::"l"(p), "r"(data), "r"(flag) : "memory");
-}
-__device__ __forceinline__ uint32_t wait_line(const uint2* p, uint32_t flag) {
-  uint32_t data, f;
-  do {
-    asm volatile("ld.volatile.global.v2.u32 {%0, %1}, [%2];" : "=r"(data), "=r"(f) : "l"(p) : "memory");
-  } while (f != flag);
-  return data;
-}
-
-// Block b: row b. Pushes the rank's partial row into slot `rank` of every rank's receive
-// area, then sums the ranks' slots in rank order as lines arrive, and does what the
-// all-reduce and add_bias_residual_layernorm would have done in two kernels, with the same
-// roundings: the sum rounded to T, residual + sum + bias in fp32 rounded to T (stored), then
-// LayerNorm of the stored row. Call c uses half c % 2 with flag c + 1: a rank writes a half
-// again two calls later, when every peer has finished reading it (the call between needed
-// the peer's data, which the peer pushes only after finishing its own earlier call).
-// state[2]: calls finished; state[3]: blocks of the running call finished.
-template <class T>
-__global__ void __launch_bounds__(kFusedThreads)
-    fused_residual_layernorm_kernel(FusedPeers peers, const T* partial, T* hidden, const T* bias, const T* gamma,
-                                    const T* beta, T* ln_out, int width, float eps, int rank, int ranks,
-                                    uint32_t* state, int64_t slot_lines) {
-  using T2 = typename detail::Pair<T>::type;
-  __shared__ uint32_t call_s;
-  __shared__ float scratch[32];
-  if (threadIdx.x == 0) call_s = *reinterpret_cast<volatile uint32_t*>(state + 2);
-  __syncthreads();
-  const uint32_t call = call_s, flag = call + 1;
-  const int lines = width / 2;
-  const int64_t row_off = int64_t(blockIdx.x) * lines, half = int64_t(call & 1) * kMaxRanks * slot_lines;
-  const uint32_t* in = reinterpret_cast<const uint32_t*>(partial) + row_off;
-  for (int i = threadIdx.x; i < lines; i += blockDim.x) {
-    const uint32_t d = in[i];
-    for (int p = 0; p < ranks; ++p) store_line(peers.recv[p] + half + rank * slot_lines + row_off + i, d, flag);
-  }
-  T2* h = reinterpret_cast<T2*>(hidden) + row_off;
-  const T2* b = reinterpret_cast<const T2*>(bias);
-  const uint2* mine = peers.recv[rank] + half + row_off;
-  float sum = 0.f;
-  for (int i = threadIdx.x; i < lines; i += blockDim.x) {
-    float2 acc = make_float2(0.f, 0.f);
-    for (int p = 0; p < ranks; ++p) {
-      const uint32_t d = wait_line(mine + p * slot_lines + i, flag);
-      const float2 f = to_float2(*reinterpret_cast<const T2*>(&d));
-      acc.x += f.x, acc.y += f.y;
-    }
-    const float2 s = to_float2(from_float2<T>(acc)), r = to_float2(h[i]);
-    const float2 bb = b ? to_float2(b[i]) : make_float2(0.f, 0.f);
-    const T2 o = from_float2<T>(make_float2(r.x + s.x + bb.x, r.y + s.y + bb.y));
-    h[i] = o;
-    const float2 of = to_float2(o);
-    sum += of.x + of.y;
-  }
-  if (gamma != nullptr) {  // uniform across the block
-    const float mean = block_sum(sum, scratch) / float(width);
-    float sq = 0.f;
-    for (int i = threadIdx.x; i < lines; i += blockDim.x) {
-      const float2 v = to_float2(h[i]);
-      sq += (v.x - mean) * (v.x - mean) + (v.y - mean) * (v.y - mean);
-    }
-    const float rstd = 1.f / sqrtf(block_sum(sq, scratch) / float(width) + eps);
-    const T2* g = reinterpret_cast<const T2*>(gamma);
-    const T2* be = reinterpret_cast<const T2*>(beta);
-    T2* out = reinterpret_cast<T2*>(ln_out) + row_off;
-    for (int i = threadIdx.x; i < lines; i += blockDim.x) {
-      const float2 v = to_float2(h[i]), gg = to_float2(g[i]), bv = to_float2(be[i]);
-      out[i] = from_float2<T>(make_float2((v.x - mean) * rstd * gg.x + bv.x, (v.y - mean) * rstd * gg.y + bv.y));
-    }
-  }
-  __syncthreads();
-  if (threadIdx.x == 0 && atomicAdd(state + 3, 1u) == gridDim.x - 1) {  // the last block of this call
-    state[3] = 0;
-    state[2] = call + 1;
-  }
-}
-
 }  // namespace
 
 Expected<std::unique_ptr<CustomAllReduce>> CustomAllReduce::create(const std::vector<int>& devices, size_t max_bytes,
-                                                                  int64_t fused_max_elems, size_t push_max_bytes) {
+                                                                  size_t push_max_bytes) {
   const int R = int(devices.size());
   if (R < 2 || R > kMaxRanks)
     return Status::error("custom all-reduce: " + std::to_string(R) + " GPUs given; it needs 2 to " + std::to_string(kMaxRanks));
   std::unique_ptr<CustomAllReduce> ar(new CustomAllReduce());
   ar->devices_ = devices;
   ar->max_bytes_ = max_bytes;
-  ar->fused_max_elems_ = std::max<int64_t>(0, fused_max_elems) / 2 * 2;
-  ar->slot_lines_ = ar->fused_max_elems_ / 2;
   ar->push_max_bytes_ = std::min(max_bytes, push_max_bytes);
   ar->push_lines_ = int64_t((ar->push_max_bytes_ + 7) / 8);
   ar->distinct_ = std::set<int>(devices.begin(), devices.end()).size() == devices.size();
   const size_t buf_bytes = 2 * ((max_bytes + 15) / 16 * 16);  // two halves, alternate calls
-  const size_t flag_bytes = size_t(kMaxBlocks) * kMaxRanks * sizeof(uint32_t), counter_bytes = 4 * sizeof(uint32_t);
-  const size_t recv_bytes = size_t(2 * kMaxRanks * ar->slot_lines_) * sizeof(uint2);  // zeros: no flag matches
-  const size_t push_bytes = size_t(2 * R * ar->push_lines_) * sizeof(uint4);            // zeros too
+  const size_t flag_bytes = size_t(kMaxBlocks) * kMaxRanks * sizeof(uint32_t);
+  const size_t counter_bytes = 16;  // two counters, padded: the push area after them stays 16-byte aligned
+  const size_t push_bytes = size_t(2 * R * ar->push_lines_) * sizeof(uint4);  // zeros: no flag matches
   try {
     for (int a = 0; a < R; ++a)
       for (int b = 0; b < R; ++b) {
@@ -340,12 +249,10 @@ Expected<std::unique_ptr<CustomAllReduce>> CustomAllReduce::create(const std::ve
         else CUDA_CHECK(e);
       }
       DeviceBuffer mem =
-          device_alloc(buf_bytes + flag_bytes + counter_bytes + recv_bytes + push_bytes, "custom all-reduce",
+          device_alloc(buf_bytes + flag_bytes + counter_bytes + push_bytes, "custom all-reduce",
                        "staging buffer and flags on GPU " + std::to_string(devices[size_t(r)]));
-      CUDA_CHECK(cudaMemset(mem.as<char>() + buf_bytes, 0, flag_bytes + counter_bytes + recv_bytes + push_bytes));
-      char* const recv = mem.as<char>() + buf_bytes + flag_bytes + counter_bytes;
-      ar->recv_.push_back(reinterpret_cast<uint2*>(recv));
-      ar->push_.push_back(reinterpret_cast<uint4*>(recv + recv_bytes));
+      CUDA_CHECK(cudaMemset(mem.as<char>() + buf_bytes, 0, flag_bytes + counter_bytes + push_bytes));
+      ar->push_.push_back(reinterpret_cast<uint4*>(mem.as<char>() + buf_bytes + flag_bytes + counter_bytes));
       ar->buffers_.push_back(mem.as<uint4>());
       ar->flags_.push_back(reinterpret_cast<uint32_t*>(mem.as<char>() + buf_bytes));
       ar->counters_.push_back(reinterpret_cast<uint32_t*>(mem.as<char>() + buf_bytes + flag_bytes));
@@ -419,35 +326,7 @@ Status CustomAllReduce::push(int rank, T* data, size_t count, bool aligned, cuda
   return ok_status();
 }
 
-template <class T>
-Status CustomAllReduce::all_reduce_residual_layernorm(int rank, const T* partial, T* hidden, const T* bias,
-                                                      const T* gamma, const T* beta, T* ln_out, int64_t rows,
-                                                      int64_t width, float eps, cudaStream_t stream) {
-  const int R = ranks();
-  if (rank < 0 || rank >= R) return Status::error("custom all-reduce: rank " + std::to_string(rank) + " of " + std::to_string(R));
-  if (rows <= 0 || width <= 0 || width % 2 != 0 || rows * width > fused_max_elems_ || rows > 65535)
-    return Status::error("custom all-reduce: a fused step of " + std::to_string(rows) + " x " + std::to_string(width) +
-                         " does not fit its " + std::to_string(fused_max_elems_) + "-element buffers");
-  if ((gamma == nullptr) != (ln_out == nullptr) || (gamma != nullptr && beta == nullptr))
-    return Status::error("custom all-reduce: a LayerNorm needs gamma, beta and ln_out");
-  FusedPeers peers{};
-  for (int p = 0; p < R; ++p) peers.recv[p] = recv_[size_t(p)];
-  const int threads = int(std::min<int64_t>(kFusedThreads, (width / 2 + 31) / 32 * 32));
-  DeviceGuard on(devices_[size_t(rank)]);
-  fused_residual_layernorm_kernel<T><<<unsigned(rows), threads, 0, stream>>>(
-      peers, partial, hidden, bias, gamma, beta, ln_out, int(width), eps, rank, R, counters_[size_t(rank)], slot_lines_);
-  const cudaError_t e = cudaGetLastError();
-  if (e != cudaSuccess) return Status::error(std::string("custom all-reduce: launch: ") + cudaGetErrorString(e));
-  return ok_status();
-}
-
 template Status CustomAllReduce::all_reduce<__half>(int, __half*, size_t, cudaStream_t, Algo);
-template Status CustomAllReduce::all_reduce_residual_layernorm<__half>(int, const __half*, __half*, const __half*,
-                                                                      const __half*, const __half*, __half*, int64_t,
-                                                                      int64_t, float, cudaStream_t);
-template Status CustomAllReduce::all_reduce_residual_layernorm<__nv_bfloat16>(
-    int, const __nv_bfloat16*, __nv_bfloat16*, const __nv_bfloat16*, const __nv_bfloat16*, const __nv_bfloat16*,
-    __nv_bfloat16*, int64_t, int64_t, float, cudaStream_t);
 template Status CustomAllReduce::all_reduce<__nv_bfloat16>(int, __nv_bfloat16*, size_t, cudaStream_t, Algo);
 
 }  // namespace conveyor::cuda

@@ -26,11 +26,9 @@
 // advances, so a call captured in a CUDA graph is correct on every replay. Sums are taken
 // in fp32 and rounded to fp16 once.
 //
-// The decode step's fused call (all_reduce_residual_layernorm) joins the sum with what
-// follows it in a layer: bias, residual and the next LayerNorm, one kernel instead of two.
-// It pushes instead of pulling: each rank stores its partial rows into every rank's receive
-// area as 8-byte lines carrying 2 elements and the call's flag (NCCL's LL protocol), and
-// reads its own area as the lines arrive: no barrier, one NVLink write latency.
+// (A call fused with the bias, residual and LayerNorm after it was tried and removed: on two
+// H200s it made the tensor-parallel decode step 4-13% slower than this call followed by the
+// LayerNorm kernel, docs/PERFORMANCE.md.)
 //
 // Ranks may share a GPU (a tensor-parallel stage tested on a one-GPU machine): their
 // buffers are then plain device memory of that GPU, and their kernels run side by side on
@@ -62,12 +60,9 @@ class CustomAllReduce {
   // Enables peer access between `devices` (2 to 8 ranks' GPUs, each able to reach every other)
   // and allocates on each a staging buffer of `max_bytes` and the flags. Errors name the
   // pair without peer access or the failed call.
-  // fused_max_elems (rows x width, even) sizes the fused call's receive areas: 2 halves x
-  // 8 slots x fused_max_elems / 2 lines of 8 bytes on each GPU (0: no fused call).
   // push_max_bytes sizes the push call's receive areas (2 halves x ranks x push_max_bytes x 2
   // on each GPU); Auto pushes up to it (0: never; the default is the measured crossover).
   static Expected<std::unique_ptr<CustomAllReduce>> create(const std::vector<int>& devices, size_t max_bytes,
-                                                           int64_t fused_max_elems = 0,
                                                            size_t push_max_bytes = kPushMaxBytes);
   ~CustomAllReduce();
   CustomAllReduce(const CustomAllReduce&) = delete;
@@ -91,22 +86,11 @@ class CustomAllReduce {
   template <class T>
   Status all_reduce(int rank, T* data, size_t count, cudaStream_t stream, Algo algo = Algo::Auto);
 
-  // Rank `rank`'s part of a fused decode step over rows x width (width even, rows x width
-  // <= fused_max_elems()): hidden[r] = T(hidden[r] + T(sum over ranks of partial[r]) + bias),
-  // in place, then ln_out[r] = LayerNorm(hidden[r]) with gamma, beta (all three null: no
-  // LayerNorm). bias may be null. The same roundings as all_reduce followed by
-  // add_bias_residual_layernorm (ops.h); the LayerNorm's sums run in another order.
-  // Capturable; the fused calls are a sequence of their own beside all_reduce's.
-  template <class T>
-  Status all_reduce_residual_layernorm(int rank, const T* partial, T* hidden, const T* bias, const T* gamma,
-                                       const T* beta, T* ln_out, int64_t rows, int64_t width, float eps,
-                                       cudaStream_t stream);
-  int64_t fused_max_elems() const { return fused_max_elems_; }
 
  private:
   CustomAllReduce() = default;
   // The push call (Algo::Push): count * sizeof(T) <= push_max_bytes_. Its ranks
-  // wait for each other's stores with no barrier, like the fused call's, so Auto pushes only
+  // wait for each other's stores with no barrier, so Auto pushes only
   // when no two ranks share a GPU.
   template <class T>
   Status push(int rank, T* data, size_t count, bool aligned, cudaStream_t stream);
@@ -116,11 +100,9 @@ class CustomAllReduce {
   std::vector<DeviceBuffer> memory_;  // per rank, on its device: staging buffer, flags, counters
   std::vector<uint4*> buffers_;       // per rank: staging buffer, two halves of max_bytes (rounded up to 16)
   std::vector<uint32_t*> flags_;      // per rank: [kMaxBlocks][kMaxRanks] barrier flags
-  std::vector<uint32_t*> counters_;   // per rank: calls finished, blocks of the running call finished (all_reduce),
-                                      // then the same two for the fused calls
-  std::vector<uint2*> recv_;          // per rank: the fused calls' receive area
+  std::vector<uint32_t*> counters_;   // per rank: calls finished, blocks of the running call finished
   std::vector<uint4*> push_;          // per rank: the push calls' receive area, [2 halves][ranks][push_lines_]
-  int64_t fused_max_elems_ = 0, slot_lines_ = 0, push_lines_ = 0;
+  int64_t push_lines_ = 0;
   size_t push_max_bytes_ = 0;  // Auto pushes up to this (create's push_max_bytes, within max_bytes)
   bool distinct_ = true;  // no two ranks on one GPU: Auto may push (see push())
 };

@@ -42,10 +42,6 @@ struct GpuStageOptions {
   // and all_reduce (rank tp_rank's GPU must be this stage's) joins the ranks' partial sums.
   int tp_rank = 0, tp_ranks = 1;
   TpAllReduce* all_reduce = nullptr;
-  // Tensor parallel: decode steps join their partial sums with the bias, the residual and
-  // the next LayerNorm in one kernel (CustomAllReduce::all_reduce_residual_layernorm).
-  // Off until it is measured on several GPUs: so far it ran on ranks sharing one GPU only.
-  bool fused_all_reduce = false;
   // Tensor parallel: messages up to this many bytes take the custom all-reduce's push call
   // (CustomAllReduce::Algo::Push; 0: never): by default its measured crossover; the benches
   // set it to compare the calls in one run.

@@ -159,9 +159,8 @@ void StepRunner::matmul(T* out, const T* in, const void* w, const float* scales,
 
 // hidden = hidden + x + bias (x: this rank's partial sums of a row-split projection,
 // [num_tokens, C], joined over the ranks first), then ln_out = LayerNorm(hidden) with gamma,
-// beta (ln_out null: none). Tensor parallel: one fused kernel when the rows fit its buffers
-// (the decode steps), else the all-reduce and then the LayerNorm kernel. A failed all-reduce
-// comes back naming the stage; nothing after it is launched.
+// beta (ln_out null: none). Tensor parallel: the all-reduce, then the LayerNorm kernel. A
+// failed all-reduce comes back naming the stage; nothing after it is launched.
 template <class T>
 Status StepRunner::reduce_residual_layernorm(T* hidden, T* ln_out, T* x, const T* bias, const T* gamma, const T* beta,
                                              int64_t num_tokens) {
@@ -169,13 +168,8 @@ Status StepRunner::reduce_residual_layernorm(T* hidden, T* ln_out, T* x, const T
   const float eps = config_.layer_norm_epsilon;
   TpAllReduce* ar = options_.tp_ranks > 1 ? options_.all_reduce : nullptr;
   Status s;
-  if (ar && num_tokens * C <= ar->fused_max_elems()) {
-    s = ar->all_reduce_residual_layernorm(options_.tp_rank, x, hidden, bias, ln_out ? gamma : nullptr,
-                                          ln_out ? beta : nullptr, ln_out, num_tokens, C, eps, stream_);
-  } else {
-    if (ar) s = ar->all_reduce(options_.tp_rank, x, size_t(num_tokens * C), stream_);
-    if (s) add_bias_residual_layernorm<T>(hidden, ln_out, x, bias, gamma, beta, num_tokens, C, eps, stream_);
-  }
+  if (ar) s = ar->all_reduce(options_.tp_rank, x, size_t(num_tokens * C), stream_);
+  if (s) add_bias_residual_layernorm<T>(hidden, ln_out, x, bias, gamma, beta, num_tokens, C, eps, stream_);
   if (!s) return Status::error(options_.name + ": " + s.message());
   return ok_status();
 }

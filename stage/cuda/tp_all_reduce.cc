@@ -17,7 +17,7 @@ struct TpAllReduce::Nccl {
 };
 
 Expected<std::unique_ptr<TpAllReduce>> TpAllReduce::create(const std::vector<int>& devices, size_t max_bytes,
-                                                           int64_t fused_max_elems, size_t push_max_bytes) {
+                                                           size_t push_max_bytes) {
   std::unique_ptr<TpAllReduce> t(new TpAllReduce());
   t->max_bytes_ = max_bytes;
   const bool distinct = distinct_gpus(devices);
@@ -26,10 +26,7 @@ Expected<std::unique_ptr<TpAllReduce>> TpAllReduce::create(const std::vector<int
   // sum would change with the size of the message it travels in (the batch, the chunk).
   const bool nccl_above = distinct && devices.size() == 2;
   const size_t custom_bytes = nccl_above ? std::min(max_bytes, CustomAllReduce::kNcclCrossoverBytes) : max_bytes;
-  // Ranks sharing a GPU run the plain all-reduce only: the fused kernel's ranks wait for
-  // each other's stores without a barrier, which kernels of one GPU can only do when their
-  // streams never share a hardware queue.
-  auto custom = CustomAllReduce::create(devices, custom_bytes, distinct ? fused_max_elems : 0, push_max_bytes);
+  auto custom = CustomAllReduce::create(devices, custom_bytes, push_max_bytes);
   if (!custom) return custom.status();
   t->custom_ = std::move(custom).value();
   if (!nccl_above || max_bytes <= custom_bytes) return t;

@@ -9,9 +9,8 @@
 //
 // Ranks may share a GPU (tests of a tensor-parallel stage on a one-GPU machine). NCCL
 // refuses that, so such a group sizes the custom kernel's buffers for its largest message
-// and uses it at every size, and has no fused call (fused_max_elems() is 0). Its ranks
-// still wait for each other inside the kernel, so nothing may make one wait for the GPU to
-// go idle: such tests raise CUDA_DEVICE_MAX_CONNECTIONS and load kernels eagerly
+// and uses it at every size. Its ranks still wait for each other inside the kernel, so
+// nothing may make one wait for the GPU to go idle: such tests raise CUDA_DEVICE_MAX_CONNECTIONS and load kernels eagerly
 // (tests/test_util.h, scripts/gpu_check.sh).
 #pragma once
 
@@ -28,19 +27,18 @@
 
 namespace conveyor::cuda {
 
-// No GPU appears twice (ranks sharing a GPU make NCCL and the fused call unusable).
+// No GPU appears twice (ranks sharing a GPU make NCCL unusable).
 inline bool distinct_gpus(const std::vector<int>& devices) {
   return std::set<int>(devices.begin(), devices.end()).size() == devices.size();
 }
 
 class TpAllReduce {
  public:
-  // The GPUs of the group, in rank order; `max_bytes` bounds one message, fused_max_elems
-  // one fused decode step (rows x width). NCCL communicators for all of them (distinct
-  // GPUs) and the custom kernel's buffers.
+  // The GPUs of the group, in rank order; `max_bytes` bounds one message. NCCL communicators
+  // for all of them (distinct GPUs) and the custom kernel's buffers.
   // push_max_bytes: the custom kernel's push call up to this size (CustomAllReduce::create).
   static Expected<std::unique_ptr<TpAllReduce>> create(const std::vector<int>& devices,
-                                                       size_t max_bytes = size_t(1) << 30, int64_t fused_max_elems = 0,
+                                                       size_t max_bytes = size_t(1) << 30,
                                                        size_t push_max_bytes = CustomAllReduce::kPushMaxBytes);
   ~TpAllReduce();
   TpAllReduce(const TpAllReduce&) = delete;
@@ -52,16 +50,6 @@ class TpAllReduce {
   // __nv_bfloat16. Capturable in a CUDA graph whichever path it takes.
   template <class T>
   Status all_reduce(int rank, T* data, size_t count, cudaStream_t stream);
-  // The custom kernel's fused decode step (CustomAllReduce::all_reduce_residual_layernorm),
-  // for rows x width <= fused_max_elems().
-  template <class T>
-  Status all_reduce_residual_layernorm(int rank, const T* partial, T* hidden, const T* bias, const T* gamma,
-                                       const T* beta, T* ln_out, int64_t rows, int64_t width, float eps,
-                                       cudaStream_t stream) {
-    return custom_->all_reduce_residual_layernorm(rank, partial, hidden, bias, gamma, beta, ln_out, rows, width, eps,
-                                                  stream);
-  }
-  int64_t fused_max_elems() const { return custom_->fused_max_elems(); }
 
   struct Nccl;
 

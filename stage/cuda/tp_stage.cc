@@ -34,9 +34,7 @@ Expected<std::unique_ptr<TpStage>> TpStage::build(const ModelConfig& config, con
   t->devices_ = devices;
   if (R > 1) {
     const int64_t rows = GpuStage::activation_rows(options);
-    // Fused steps (when asked for): up to the largest decode graph's rows (128).
     auto ar = TpAllReduce::create(devices, size_t(rows * config.n_embd) * dtype_bytes(options.dtype),
-                                  options.fused_all_reduce ? std::min<int64_t>(rows, 128) * config.n_embd : 0,
                                   options.all_reduce_push_max_bytes);
     if (!ar) return Status::error(options.name + ": " + ar.error());
     t->all_reduce_ = std::move(ar).value();

@@ -106,9 +106,7 @@ TYPED_TEST(TpStageTest, PrefillChunksAndGraphDecodeMatchCpu) {
   for (int ranks : {2, 3}) {
     SCOPED_TRACE("tp " + std::to_string(ranks));
     auto cpu = CpuStage::create(w).value();
-    GpuStageOptions o = options(this->dtype());
-    o.fused_all_reduce = true;  // taken where the ranks have GPUs of their own (TpAllReduce)
-    auto gpu = TpStage::create(w, devices_for(ranks), o).value();
+    auto gpu = TpStage::create(w, devices_for(ranks), options(this->dtype())).value();
     ASSERT_EQ(gpu->ranks(), ranks);
     // Sequence 1 prefilled in two chunks, the others at once.
     auto p1 = this->tokens(37), p2 = this->tokens(5), p3 = this->tokens(100);
