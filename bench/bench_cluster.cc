@@ -41,6 +41,8 @@
 //       wait for input and the idle time with the next input waiting, and the
 //       coordinator's turn-around between a result and the next micro-batch;
 //     --json FILE: each row also as one JSON line appended to FILE (bench/serving_table.sh).
+//     --tp N, --replicas R: conveyor local's (a stage's ranks on N GPUs; R pipelines); each
+//       serving worker's busy fraction is reported (bench/two_gpu_table.sh: three shapes).
 //   --engine: no cluster: the in-process CPU engine (stage/engine.h) on the same model,
 //     a static batch of --concurrency sequences of --prompt-tokens, --max-tokens new tokens
 //     each: decode tokens/s and ms a step (the CPU column of bench/serving_table.sh).
@@ -97,6 +99,7 @@ struct LocalCluster {
   std::string backend = "cpu";
   int gpus = 1;  // cuda: worker i on GPU i % gpus
   int spares = 0;
+  int tp = 1, replicas = 1;  // conveyor local --tp, --replicas
   std::string kv_cache_mb;  // conveyor local --kv-cache-mb; empty: its default (auto)
   bool fp8 = false;         // cuda: conveyor local --fp8
   std::string kv_dtype = "auto";  // cuda: conveyor local --kv-dtype
@@ -107,6 +110,8 @@ struct LocalCluster {
                                      "--port", "0", "--log-dir", logs};
     if (in_flight > 0) argv.insert(argv.end(), {"--in-flight", std::to_string(in_flight)});
     argv.insert(argv.end(), {"--backend", backend, "--spares", std::to_string(spares)});
+    if (tp > 1) argv.insert(argv.end(), {"--tp", std::to_string(tp)});
+    if (replicas > 1) argv.insert(argv.end(), {"--replicas", std::to_string(replicas)});
     if (backend == "cuda") argv.insert(argv.end(), {"--gpus", std::to_string(gpus)});
     if (backend == "cuda" && fp8) argv.push_back("--fp8");
     if (backend == "cuda" && kv_dtype != "auto") argv.insert(argv.end(), {"--kv-dtype", kv_dtype});
@@ -375,6 +380,9 @@ int main(int argc, char** argv) {
   CLI::App app{"conveyor-bench-cluster: the cluster through its REST API"};
   app.add_option("--model", model, "checkpoint directory");
   app.add_option("--stages", stages, "pipeline stages")->check(CLI::Range(1, 64));
+  int tp = 1, replicas = 1;
+  app.add_option("--tp", tp, "tensor-parallel ranks per worker (conveyor local --tp)")->check(CLI::Range(1, 64));
+  app.add_option("--replicas", replicas, "pipeline replicas (conveyor local --replicas)")->check(CLI::Range(1, 64));
   app.add_option("--requests", requests, "requests to send (each load)")->check(CLI::PositiveNumber);
   app.add_option("--requests-per-client", requests_per_client, "requests a load: this many per client (overrides --requests)")
       ->check(CLI::PositiveNumber);
@@ -550,6 +558,8 @@ int main(int argc, char** argv) {
   cluster.fp8 = fp8;
   cluster.kv_dtype = kv_dtype;
   cluster.no_prefix_cache = no_prefix_cache;
+  cluster.tp = tp;
+  cluster.replicas = replicas;
   if (!cluster.start(bin_dir, model, stages, in_flight)) {
     std::fprintf(stderr, "the cluster did not start\n");
     return 1;
@@ -619,11 +629,15 @@ int main(int argc, char** argv) {
     };
     // Untimed first: a worker's first steps of each size plan their GEMMs and capture graphs.
     if (warmup != 0) drive(warmup < 0 ? clients : warmup, false);
-    std::vector<std::vector<double>> busy(static_cast<size_t>(stages), std::vector<double>{});
-    // Each stage's cumulative busy seconds at its own clock, per heartbeat seen: the busy
-    // fraction over the whole load is the difference between two of them.
-    std::vector<std::vector<std::pair<double, double>>> busy_total(static_cast<size_t>(stages));
-    std::vector<std::vector<double>> idle_total(static_cast<size_t>(stages));  // idle_ready_seconds_total
+    // Per worker serving a stage (a replica's stage is a worker of its own): its busy
+    // fraction per heartbeat, and its cumulative busy seconds at its own clock per heartbeat
+    // seen, so the busy fraction over the whole load is the difference between two of them.
+    struct Series {
+      std::vector<double> busy;
+      std::vector<std::pair<double, double>> total;  // busy_seconds_total, clock_seconds
+      std::vector<double> idle;                      // idle_ready_seconds_total
+    };
+    std::map<std::pair<int, std::string>, Series> series;  // (stage, worker)
     std::thread poller([&] {
       while (running) {
         std::this_thread::sleep_for(std::chrono::milliseconds(600));
@@ -631,12 +645,12 @@ int main(int argc, char** argv) {
         if (!running) continue;
         for (const auto& w : info.value("workers", json::array())) {
           if (!w.contains("stage") || w["stage"].get<int>() >= stages) continue;
-          const size_t st = size_t(w["stage"].get<int>());
-          busy[st].push_back(w["busy_fraction"].get<double>());
+          Series& ser = series[{w["stage"].get<int>(), w.value("name", std::string())}];
+          ser.busy.push_back(w["busy_fraction"].get<double>());
           const std::pair<double, double> total{w.value("busy_seconds_total", 0.0), w.value("clock_seconds", 0.0)};
-          if (busy_total[st].empty() || busy_total[st].back().second != total.second) {
-            busy_total[st].push_back(total);
-            idle_total[st].push_back(w.value("idle_ready_seconds_total", 0.0));
+          if (ser.total.empty() || ser.total.back().second != total.second) {
+            ser.total.push_back(total);
+            ser.idle.push_back(w.value("idle_ready_seconds_total", 0.0));
           }
         }
       }
@@ -649,13 +663,14 @@ int main(int argc, char** argv) {
     running = false;
     poller.join();
     const double mean_latency = mean_of(latencies);
-    std::printf("%s, stages %d, in-flight %s, %d requests x %d tokens, prompt %s, %d clients: %.1f tokens/s, %.2f requests/s, "
+    std::printf("%s, stages %d, replicas %d, tp %d, in-flight %s, %d requests x %d tokens, prompt %s, %d clients: %.1f tokens/s, %.2f requests/s, "
                 "mean latency %.2f s, %d failed\n",
-                backend.c_str(), stages, in_flight > 0 ? std::to_string(in_flight).c_str() : "default", n_requests, max_tokens,
+                backend.c_str(), stages, replicas, tp, in_flight > 0 ? std::to_string(in_flight).c_str() : "default", n_requests, max_tokens,
                 mixed ? ("mix " + prompt_mix).c_str()
                              : prompt_tokens > 0 ? (std::to_string(prompt_tokens) + " tokens").c_str() : "short texts",
                 clients, tokens / wall, double(latencies.size()) / wall, mean_latency, failed.load());
-    json row = {{"mode", "rest"}, {"backend", backend}, {"stages", stages}, {"clients", clients},
+    json row = {{"mode", "rest"}, {"backend", backend}, {"stages", stages},
+                {"replicas", replicas}, {"tp", tp}, {"clients", clients},
                 {"requests", n_requests}, {"prompt", mixed ? json(prompt_mix) : json(prompt_tokens)}, {"mixed", mixed},
                 {"max_tokens", max_tokens}, {"tokens_per_s", tokens / wall}, {"mean_latency_s", mean_latency},
                 {"failed", failed.load()}, {"busy", json::array()}};
@@ -669,21 +684,22 @@ int main(int argc, char** argv) {
       row["itl_ms_mean"] = mean_of(gaps) * 1e3;
       row["itl_ms_p50"] = percentile(gaps, 50) * 1e3, row["itl_ms_p99"] = percentile(gaps, 99) * 1e3;
     }
-    for (int s = 0; s < stages; ++s) {
-      auto& b = busy[size_t(s)];
+    for (auto& [key, ser] : series) {
+      auto& b = ser.busy;
       // Drop the first and last samples: the ramp up and down.
       if (b.size() > 2) b = std::vector<double>(b.begin() + 1, b.end() - 1);
       // Cumulative: between the second and the second-to-last heartbeat (past the ramps).
-      const auto& c = busy_total[size_t(s)];
-      const auto& idle = idle_total[size_t(s)];
+      const auto& c = ser.total;
+      const auto& idle = ser.idle;
       if (c.empty()) continue;
       const size_t first = c.size() >= 4 ? 1 : 0, last = c.size() >= 4 ? c.size() - 2 : c.size() - 1;
       const double window = c.size() >= 2 ? c[last].second - c[first].second : 0.0;
       const double frac = window > 0 ? (c[last].first - c[first].first) / window : 0.0;
       const double idle_frac = window > 0 ? (idle[last] - idle[first]) / window : 0.0;
-      std::printf("  stage %d busy fraction: %.0f%% over %.1f s (cumulative busy time); idle with its next input "
+      std::printf("  stage %d (%s) busy fraction: %.0f%% over %.1f s (cumulative busy time); idle with its next input "
                   "waiting: %.1f%%; heartbeat windows: mean %.0f%% of %zu\n",
-                  s, 100 * frac, window, 100 * idle_frac, b.empty() ? 0.0 : 100 * mean_of(b), b.size());
+                  key.first, key.second.c_str(), 100 * frac, window, 100 * idle_frac, b.empty() ? 0.0 : 100 * mean_of(b),
+                  b.size());
       row["busy"].push_back(frac);
     }
     if (trace) row["trace"] = print_trace_summary(trace_dir, clock0, clock1);
