@@ -57,6 +57,11 @@ struct LocalOptions {
   bool fp8 = false;              // cuda, Hopper: FP8 E4M3 layer matrices and activations
   std::string kv_dtype = "auto";  // cuda: the K/V cache's type, auto (the dtype) or fp8
   int tp = 1;                    // tensor-parallel ranks per worker: threads (cpu) or GPUs (cuda)
+  bool shape_given = false;      // --stages, --replicas or --tp on the command line
+  // With several GPUs and no shape given: the cluster's objective (coordinator/layout_choice.h)
+  // and the measured figures the layout is chosen from (empty: the project's, when found).
+  std::string objective = "throughput";
+  std::string layout_figures;
   std::string chat_template;     // model.chat_template: a built-in name or a file; empty: the model's own
 };
 void add_local_command(CLI::App& app, LocalOptions& options);

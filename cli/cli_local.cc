@@ -23,7 +23,11 @@
 #include "cli/cli.h"
 #include "cli/http_client.h"
 #include "common/options.h"
+#include "common/model_config.h"
+#include "coordinator/layout_choice.h"
+#include "coordinator/planner.h"
 #include "model/chat_template.h"
+#include "stage/backend_factory.h"
 
 namespace conveyor::cli {
 
@@ -203,8 +207,9 @@ void report_failure(const std::string& name, const std::string& what, std::optio
 void add_local_command(CLI::App& app, LocalOptions& o) {
   CLI::App* cmd = app.add_subcommand("local", "start a coordinator and N stage workers on this machine");
   cmd->add_option("--model", o.model_dir, "checkpoint directory")->required();
-  cmd->add_option("--stages", o.stages, "pipeline stages")->check(CLI::Range(1, 1024));
-  cmd->add_option("--replicas", o.replicas, "pipeline replicas")->check(CLI::Range(1, 64));
+  const auto shape_given = [&o](const std::string&) { o.shape_given = true; };
+  cmd->add_option("--stages", o.stages, "pipeline stages")->check(CLI::Range(1, 1024))->each(shape_given);
+  cmd->add_option("--replicas", o.replicas, "pipeline replicas")->check(CLI::Range(1, 64))->each(shape_given);
   cmd->add_option("--spares", o.spares, "extra workers kept as spares")->check(CLI::Range(0, 64));
   cmd->add_option("--port", o.port, "HTTP port (0: any free port)")->check(CLI::Range(0, 65535));
   cmd->add_option("--kv-cache-mb", o.kv_cache_mb,
@@ -233,7 +238,17 @@ void add_local_command(CLI::App& app, LocalOptions& o) {
   cmd->add_flag("--fp8", o.fp8, "cuda, Hopper: FP8 E4M3 layer matrices (converted at load) and activations");
   cmd->add_option("--kv-dtype", o.kv_dtype, "cuda: the K/V cache's type, auto (the dtype) or fp8 (E4M3, twice the positions)")
       ->check(CLI::IsMember({"auto", "fp8"}));
-  cmd->add_option("--tp", o.tp, "tensor-parallel ranks per worker: threads (cpu) or GPUs (cuda)")->check(CLI::Range(1, 256));
+  cmd->add_option("--tp", o.tp, "tensor-parallel ranks per worker: threads (cpu) or GPUs (cuda)")
+      ->check(CLI::Range(1, 256))
+      ->each(shape_given);
+  cmd->add_option("--objective", o.objective,
+                  "what the cluster optimises (its cluster file's objective): with several GPUs and no --stages, "
+                  "--tp or --replicas, the layout measured best for it is taken")
+      ->check(CLI::IsMember({"latency", "throughput"}));
+  cmd->add_option("--layout-figures", o.layout_figures,
+                  "the measured figures the layout is chosen from (bench/two_gpu_table.sh's figures.jsonl; default: "
+                  "the project's bench/layout_figures.jsonl)")
+      ->check(CLI::ExistingFile);
   cmd->add_option("--chat-template", o.chat_template,
                   "the template /v1/chat/completions renders conversations with: a built-in name (chatml, llama2, "
                   "llama3, mistral, zephyr, gemma) or a Jinja file (default: the model's tokenizer_config.json)")
@@ -264,18 +279,24 @@ void print_capacity(int http_port) {
   }
 }
 
-// The GPUs a worker on this machine can use (`conveyor-worker --print-gpus`); -1 when it
-// cannot be asked.
-int usable_gpus(const fs::path& worker) {
+// The GPUs a worker on this machine can use and the smallest one's memory
+// (`conveyor-worker --print-gpus`); count -1 when it cannot be asked.
+struct GpuCensus {
+  int count = -1;
+  long long smallest_bytes = 0;
+};
+GpuCensus gpu_census(const fs::path& worker) {
   int out = -1;
   const pid_t pid = spawn({worker.string(), "--print-gpus"}, "/dev/null", &out);
-  if (pid < 0) return -1;
+  if (pid < 0) return {};
   const std::string line = read_line(out, std::chrono::seconds(30));
   ::close(out);
   int status = 0;
   ::waitpid(pid, &status, 0);
-  int n = -1;
-  return WIFEXITED(status) && WEXITSTATUS(status) == 0 && std::sscanf(line.c_str(), "%d", &n) == 1 ? n : -1;
+  GpuCensus g;
+  if (!WIFEXITED(status) || WEXITSTATUS(status) != 0 || std::sscanf(line.c_str(), "%d %lld", &g.count, &g.smallest_bytes) < 1)
+    return {};
+  return g;
 }
 
 namespace {
@@ -283,7 +304,7 @@ namespace {
 // `auto`: the GPUs when there are any, all of them unless --gpus says.
 void resolve_backend(LocalOptions& o, const fs::path& bin) {
   if (o.backend != "auto") return;
-  const int n = usable_gpus(bin / "conveyor-worker");
+  const int n = gpu_census(bin / "conveyor-worker").count;
   if (n < 0) std::cerr << "conveyor local: cannot ask conveyor-worker for the GPUs; using the CPU\n";
   o.backend = n > 0 ? "cuda" : "cpu";
   if (n > 0 && !o.gpus_given) o.gpus = n;
@@ -291,6 +312,58 @@ void resolve_backend(LocalOptions& o, const fs::path& bin) {
                                                   std::to_string(o.gpus) + " (--backend cpu for the CPU)"
                                             : std::string("no GPU found: the stages run on the CPU"))
             << std::endl;
+}
+
+// The project's measured figures (bench/layout_figures.jsonl) beside an installed or a built
+// `conveyor`: <prefix>/share/conveyor, or the source tree above build/bin.
+fs::path default_layout_figures(const fs::path& bin) {
+  for (const fs::path& p : {bin / "../share/conveyor/layout_figures.jsonl", bin / "../../bench/layout_figures.jsonl"}) {
+    std::error_code ec;
+    if (fs::is_regular_file(p, ec)) return fs::weakly_canonical(p, ec);
+  }
+  return {};
+}
+
+// With several GPUs and no shape given: the layout (tp, stages or replicas) that the measured
+// figures say is best for the objective, said with why. False (said) when the figures or the
+// model cannot be read.
+bool choose_local_layout(LocalOptions& o, const fs::path& model, const fs::path& bin) {
+  if (o.backend != "cuda" || o.gpus < 2 || o.shape_given) return true;
+  auto config = load_model_config(model.string());
+  if (!config) {
+    std::cerr << "conveyor local: " << config.error() << "\n";
+    return false;
+  }
+  StageOptions so;
+  so.backend = Backend::Cuda;
+  so.dtype = o.dtype == "bf16" ? DType::BF16 : DType::F16;
+  so.int8_weights = o.int8_weights;
+  so.fp8 = o.fp8;
+  const auto footprint = stage_footprint(*config, so);
+  const int64_t weights = footprint ? stage_weight_bytes(*footprint, {0, config->n_layer}, config->n_layer) : 0;
+  const GpuCensus g = gpu_census(bin / "conveyor-worker");
+  // A replica needs the whole model on one GPU with room left for its K/V cache.
+  const bool fits = footprint && g.smallest_bytes > 0 && double(weights) <= 0.8 * double(g.smallest_bytes);
+  const fs::path file = o.layout_figures.empty() ? default_layout_figures(bin) : fs::path(o.layout_figures);
+  std::vector<LayoutFigure> figures;
+  if (!file.empty()) {
+    std::ifstream in(file);
+    std::stringstream text;
+    text << in.rdbuf();
+    auto parsed = parse_layout_figures(text.str(), file.string());
+    if (!in || !parsed) {
+      std::cerr << "conveyor local: " << (parsed ? file.string() + ": cannot read it" : parsed.error()) << "\n";
+      return false;
+    }
+    figures = std::move(parsed).value();
+  }
+  const LayoutChoice c = choose_layout(*parse_objective(o.objective), o.gpus, fits, figures);
+  o.stages = c.stages, o.tp = c.tp, o.replicas = c.replicas;
+  std::cout << "conveyor local: " << o.gpus << " GPUs, objective " << o.objective << ": " << c.layout << " ("
+            << c.stages << " stage(s) x " << c.replicas << " replica(s), tp " << c.tp << "): " << c.why
+            << (file.empty() ? "" : "; figures from " + file.string()) << " (--stages, --tp or --replicas set it)"
+            << std::endl;
+  return true;
 }
 
 // The cluster file holds no secret: the join token goes to every daemon in its environment
@@ -304,7 +377,8 @@ void write_cluster_yaml(const fs::path& file, const fs::path& model, const Local
   y << "}\n"
     << "http: {host: 127.0.0.1, port: " << o.port << "}\n"
     << "control: {host: 127.0.0.1, port: 0}\n"
-    << "pipeline: {stages: " << o.stages << ", replicas: " << o.replicas << "}\n";
+    << "pipeline: {stages: " << o.stages << ", replicas: " << o.replicas << "}\n"
+    << "objective: " << o.objective << "\n";
   y << "scheduler: {prefix_cache: " << (o.no_prefix_cache ? "false" : "true");
   if (o.in_flight > 0) y << ", in_flight: " << o.in_flight;
   y << "}\n";
@@ -507,6 +581,7 @@ int local_command(const LocalOptions& options) {
     std::cerr << "conveyor local: " << model.string() << " has no config.json\n";
     return 1;
   }
+  if (!choose_local_layout(o, model, c.bin)) return 2;
   c.dir = o.log_dir.empty() ? fs::temp_directory_path() / ("conveyor-local-" + std::to_string(::getpid()))
                             : fs::path(o.log_dir);
   fs::create_directories(c.dir, ec);

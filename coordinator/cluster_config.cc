@@ -376,6 +376,16 @@ void parse_log_section(const Ctx& c, const YAML::Node& root, ClusterConfig& cfg)
   cfg.log_json = format == "json";
 }
 
+// 'objective': what the cluster optimises (layout_choice.h); throughput when absent.
+void parse_objective_key(const Ctx& c, const YAML::Node& root, ClusterConfig& cfg) {
+  const YAML::Node n = root["objective"];
+  if (!n) return;
+  const auto o = n.IsScalar() ? parse_objective(n.Scalar()) : Expected<Objective>(Status::error(""));
+  if (!o)
+    return c.at(n, "'objective' must be latency or throughput" + (n.IsScalar() ? ", got '" + n.Scalar() + "'" : std::string()));
+  cfg.objective = *o;
+}
+
 }  // namespace
 
 Expected<ClusterConfig> parse_cluster_config(const std::string& text, const std::string& source,
@@ -391,7 +401,7 @@ Expected<ClusterConfig> parse_cluster_config(const std::string& text, const std:
   if (!root || root.IsNull()) return Status::error(source + ": the cluster file is empty");
   std::vector<std::string> errors;
   const Ctx c{source, errors};
-  if (!check_keys(c, root, "", {"model", "http", "control", "pipeline", "scheduler", "heartbeat", "log"}))
+  if (!check_keys(c, root, "", {"model", "http", "control", "pipeline", "scheduler", "heartbeat", "log", "objective"}))
     return Status::error(errors.front());
   const bool model_loaded = parse_model_section(c, root, cfg) && load_model(c, root, base_dir, cfg);
   parse_listen_sections(c, root, cfg);
@@ -399,6 +409,7 @@ Expected<ClusterConfig> parse_cluster_config(const std::string& text, const std:
   parse_scheduler_section(c, root, cfg);
   parse_heartbeat_section(c, root, cfg);
   parse_log_section(c, root, cfg);
+  parse_objective_key(c, root, cfg);
   if (errors.empty()) return cfg;
   // Every mistake, one a line, in the file's order.
   std::stable_sort(errors.begin(), errors.end(), [&](const std::string& a, const std::string& b) {

@@ -36,6 +36,7 @@
 
 #include "common/model_config.h"
 #include "common/status.h"
+#include "coordinator/layout_choice.h"
 
 namespace conveyor {
 
@@ -102,6 +103,9 @@ struct ClusterConfig {
   int liveness_ms = 3000;
 
   bool log_json = false;  // log.format: json (every log line a JSON object; default text)
+  // What the cluster optimises (layout_choice.h): the layout `conveyor local` takes for
+  // several GPUs when it is given no shape, and what /v1/cluster reports.
+  Objective objective = Objective::Throughput;
 };
 
 Expected<ClusterConfig> load_cluster_config(const std::string& path);

@@ -309,7 +309,8 @@ json ClusterManager::cluster_json(const EngineStats& e) const {
                               {"prefill_chunk", l.prefill_chunk}, {"prefill_tokens_per_batch", l.prefill_tokens}}},
                   {"stages", stages}});
   }
-  return {{"model", cfg.model_name}, {"workers", wj}, {"pipelines", pj}, {"queue", e.queue},
+  return {{"model", cfg.model_name}, {"objective", objective_name(cfg.objective)}, {"workers", wj}, {"pipelines", pj},
+          {"queue", e.queue},
           {"queue_wait", queue_wait_name(e.queue_wait)}, {"max_queue", cfg.max_queue},
           {"in_flight_depth", pipelines.empty() ? 0 : in_flight_depth(pipelines.front())},
           {"plan", shape_json(current_shape())},

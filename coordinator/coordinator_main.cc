@@ -133,6 +133,7 @@ conveyor::Expected<nlohmann::json> check_json(const Flags& f, const conveyor::Op
       {"scheduler", scheduler_json(cfg)},
       {"heartbeat", {{"interval_ms", cfg.heartbeat_interval_ms}, {"liveness_ms", cfg.liveness_ms}}},
       {"log", {{"format", cfg.log_json ? "json" : "text"}}},
+      {"objective", conveyor::objective_name(cfg.objective)},
       {"options", conveyor::options_json(options, conveyor::kCoordinatorScope)}};
 }
 

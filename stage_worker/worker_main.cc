@@ -2,6 +2,7 @@
 //   conveyor-worker --coordinator HOST:PORT [--backend cpu|cuda|auto] [--gpus 0,1,...] ... [--check]
 // The environment's options (common/options.h) are read once, first: a bad value stops the
 // worker naming the variable. --check prints their effective values and exits.
+#include <algorithm>
 #include <csignal>
 #include <iostream>
 
@@ -68,7 +69,7 @@ void add_stage_flags(CLI::App& app, Flags& f) {
           ->check(CLI::Range(1, 1 << 24));
   app.add_option("--backend", f.backend, "where the stage runs: cpu, cuda, or auto (cuda when this node has a GPU)")
       ->check(CLI::IsMember({"auto", "cpu", "cuda"}));
-  app.add_flag("--print-gpus", f.print_gpus, "print how many GPUs this worker can use (0 without CUDA) and exit");
+  app.add_flag("--print-gpus", f.print_gpus, "print how many GPUs this worker can use (0 without CUDA) and the smallest one's memory in bytes, and exit");
   app.add_option("--device", f.device, "cuda: the stage's first GPU (with --tp N: GPUs device .. device+N-1)")
       ->check(CLI::Range(0, 255));
   app.add_option("--gpus", f.gpus, "cuda: the stage's GPUs, tensor parallel over them (e.g. 0,1,2,3)")
@@ -164,8 +165,17 @@ int main(int argc, char** argv) {
     std::cout << conveyor::describe_options(*options, conveyor::kWorkerScope) << std::flush;
     return 0;
   }
-  if (flags.print_gpus) {
-    std::cout << conveyor::usable_gpus() << std::endl;
+  if (flags.print_gpus) {  // the count, then the smallest GPU's memory in bytes (0: none)
+    const int n = conveyor::usable_gpus();
+    int64_t smallest = 0;
+    for (int g = 0; g < n; ++g) {
+      conveyor::StageOptions o;
+      o.backend = conveyor::Backend::Cuda;
+      o.gpus = {g};
+      const int64_t bytes = conveyor::stage_memory_bytes(o);
+      smallest = g == 0 ? bytes : std::min(smallest, bytes);
+    }
+    std::cout << n << " " << smallest << std::endl;
     return 0;
   }
   if (flags.opt.coordinator.empty()) return fail("--coordinator HOST:PORT is required", kBadInput);

@@ -11,6 +11,7 @@
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
+#include <memory>
 #include <fstream>
 #include <optional>
 #include <sstream>
@@ -279,6 +280,40 @@ TEST(ConveyorLocal, CoordinatorCheckReportsTheLoopbackInterface) {
   c = check({"UCX_NET_DEVICES=lo"}, {"--data-interface", "any"});
   EXPECT_EQ(c["data_interface"], "lo") << c;
   EXPECT_EQ(c["data_interface_from"], "UCX_NET_DEVICES") << c;
+}
+
+// With several GPUs and no shape, `conveyor local` takes the layout the measured figures say
+// is best for the objective, says which and why, and writes the objective into the cluster
+// file; a bad figures file is refused with its line. The choice comes before any daemon
+// starts, so it is checked here whether or not this machine has the two GPUs (the workers
+// then fail to start, or serve until the test stops them).
+TEST(ConveyorLocal, SeveralGpusAndNoShapeTakeTheLayoutMeasuredBestForTheObjective) {
+  TempDir dir("layout");
+  std::ofstream(dir.path / "figures.jsonl")
+      << R"({"layout": "tp", "gpus": 2, "clients": 1, "tokens_per_s": 266, "itl_ms_p50": 3.48, "device": "test"})" "\n"
+      << R"({"layout": "stages", "gpus": 2, "clients": 1, "tokens_per_s": 170, "itl_ms_p50": 5.22})" "\n"
+      << R"({"layout": "replicas", "gpus": 2, "clients": 1, "tokens_per_s": 190, "itl_ms_p50": 4.98})" "\n";
+  auto start = [&](const std::string& objective, const fs::path& figures) {
+    return std::make_unique<ChildProcess>(
+        std::vector<std::string>{bin("conveyor"), "local", "--port", "0", "--backend", "cuda", "--gpus", "2", "--log-dir",
+                                 (dir.path / "logs").string(), "--model", source("models/brown-gpt2"), "--objective",
+                                 objective, "--layout-figures", figures.string()},
+        (dir.path / "stderr").string());
+  };
+  {
+    auto local = start("latency", dir.path / "figures.jsonl");
+    const std::string line = local->read_line_matching("objective latency", std::chrono::seconds(30));
+    EXPECT_NE(line.find("2 GPUs, objective latency: tp (1 stage(s) x 1 replica(s), tp 2): 1 stage at tp 2 measured "
+                        "3.48 ms between tokens at 1 client"),
+              std::string::npos)
+        << line << read_file(dir.path / "stderr");
+    EXPECT_NE(read_file(dir.path / "logs" / "cluster.yaml").find("objective: latency"), std::string::npos);
+  }
+  std::ofstream(dir.path / "bad.jsonl") << "{\"layout\": \"ring\", \"gpus\": 2}\n";
+  auto bad = start("throughput", dir.path / "bad.jsonl");
+  EXPECT_EQ(bad->wait_exit(std::chrono::seconds(30)), 2);
+  bad.reset();
+  EXPECT_NE(read_file(dir.path / "stderr").find("bad.jsonl:1: "), std::string::npos) << read_file(dir.path / "stderr");
 }
 
 }  // namespace

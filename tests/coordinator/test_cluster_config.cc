@@ -151,6 +151,20 @@ TEST(ClusterConfig, LogFormat) {
   EXPECT_NE(error_of("log: {level: info}\n").find("unknown key 'level' in 'log'"), std::string::npos);
 }
 
+// objective: throughput (the default) or latency (layout_choice.h); anything else is named.
+TEST(ClusterConfig, Objective) {
+  auto parse = [](const std::string& yaml) {
+    return parse_cluster_config("model: {path: \"" + model_dir() + "\"}\ncontrol: {join_token: t}\n" + yaml, "c.yaml");
+  };
+  EXPECT_EQ(parse("").value().objective, Objective::Throughput);
+  EXPECT_EQ(parse("objective: latency\n").value().objective, Objective::Latency);
+  EXPECT_EQ(parse("objective: throughput\n").value().objective, Objective::Throughput);
+  const std::string bad = error_of("objective: speed\n");
+  EXPECT_NE(bad.find("c.yaml:3"), std::string::npos) << bad;
+  EXPECT_NE(bad.find("'objective' must be latency or throughput, got 'speed'"), std::string::npos) << bad;
+  EXPECT_NE(error_of("objective: [latency]\n").find("'objective' must be latency or throughput"), std::string::npos);
+}
+
 // The scheduler block is checked against ranges, and every mistake is listed with its line
 // in the file's order, not only the first (issue 29).
 TEST(ClusterConfig, EveryMistakeIsListedWithItsLine) {
