@@ -2,7 +2,7 @@
 # Bundles Conveyor's programs with the shared libraries a bare node lacks, for shipping to
 # GPU nodes (which have the NVIDIA driver, CUDA runtime, cuBLAS and NCCL, but not Debian's
 # ZeroMQ, UCX, yaml-cpp, OpenBLAS, ...). Programs get an rpath of $ORIGIN/../lib plus the
-# CUDA toolkit's library folders; the archive unpacks to bin/, tests/, lib/.
+# CUDA toolkit's library folders; the archive unpacks to bin/, tests/, lib/, share/conveyor/.
 #
 #   scripts/bundle.sh [BUILD_DIR] [OUT.tar.xz]      (defaults: build, .dist/conveyor-bundle.tar.xz)
 #
@@ -15,7 +15,9 @@ command -v patchelf >/dev/null || { echo "bundle: patchelf missing (apt-get inst
 
 STAGE=$(mktemp -d)
 trap 'rm -rf "$STAGE"' EXIT
-mkdir -p "$STAGE/bin" "$STAGE/tests" "$STAGE/lib"
+mkdir -p "$STAGE/bin" "$STAGE/tests" "$STAGE/lib" "$STAGE/share/conveyor"
+# The measured figures `conveyor local --gpus N` chooses a layout from (coordinator/layout_choice.h).
+cp "$(dirname "${BASH_SOURCE[0]}")/../bench/layout_figures.jsonl" "$STAGE/share/conveyor/"
 
 # Libraries every node has (glibc, the C++ runtime) or must take from its own CUDA install.
 is_system_lib() {
