@@ -1,16 +1,28 @@
 // UcxChannel latency and bandwidth between two processes on this machine.
 //
 //   conveyor-bench-transport [--transports tcp] [--min 4096] [--max 67108864] [--seconds 0.5]
+//                            [--auth off|on|both]
 //
 // The program starts a copy of itself as the peer; the two exchange channel addresses over
 // the control plane, as a worker and the coordinator do. For each message size it reports
 //  - latency: half the round-trip time of a ping-pong (the peer sends every message back),
 //    median and 99th percentile over the iterations;
-//  - bandwidth: one sender thread calling send() back to back (each send returns when the
-//    peer has the data), the peer acknowledging the last message; bytes / elapsed time.
+//  - bandwidth: bursts of back-to-back sends from one thread (each send returns when the peer
+//    has the data; up to 40 MB or 256 messages a burst, at least 4), the peer acknowledging
+//    each burst's last message; bytes / elapsed time of the median burst.
 // Receive-side costs are included: the receiver allocates a fresh buffer per message.
 // UCX_TLS in the environment overrides --transports. --spin-us N sets both channels'
 // spin_while_pending (ucx_channel.h; 0: the progress threads sleep whenever idle).
+//
+// --auth: the channels without a secret (off, the default), with one as the daemons have
+// theirs (on: the handshake at connect, a MAC on every envelope, transport/data_auth.h), or
+// both, A/B in one run: two peer processes, one of each kind, measured interleaved so that
+// both see the same machine (one ping-pong on each in turn, bursts in turn), with the ratio
+// on/off. With auth the program first prints the floor: what the MAC alone costs on this CPU
+// (keyed BLAKE2b over what an envelope carries: its 48-byte prefix, the header and an inline
+// payload up to 8 KiB; a larger payload travels without a MAC of its bytes) and its rate over
+// whole payloads; the table's "predicted" columns add two MACs a message (the sender's and
+// the receiver's) to the plain channel's figures.
 //
 //   conveyor-bench-transport --handoff [--device 0] [--peer-device 1] [--min 16384] [--max 67108864]
 //       [--seconds 0.5]
@@ -37,6 +49,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -45,6 +58,7 @@
 #endif
 
 #include "transport/control_plane.h"
+#include "transport/data_auth.h"
 #include "transport/ucx_channel.h"
 
 extern char** environ;
@@ -82,7 +96,7 @@ Message recv_message(Channel& ch) {
 // server and connects to the address the parent assigns back.
 PeerId register_with_parent(const std::string& endpoint, UcxChannel& ch) {
   ControlClientOptions co;
-  co.identity = "bench-peer";
+  co.identity = "bench-peer-" + std::to_string(::getpid());
   auto control = check(ControlClient::connect(endpoint, co), "control connect");
   check(control->send(ControlMessage::make("register", nullptr, ch.address()), 10s), "register");
   auto assign = check(control->recv(20s), "assign");
@@ -90,19 +104,22 @@ PeerId register_with_parent(const std::string& endpoint, UcxChannel& ch) {
   return check(ch.connect(assign->blob, "bench"), "connect");
 }
 
+// Both ends of an authenticated pair know it, as a cluster's members know its join token.
+constexpr const char* kBenchSecret = "conveyor-bench-transport";
+
 // A channel's options as both processes of the bench set them; spin_us < 0: the default
 // spin_while_pending.
-UcxChannelOptions bench_options(const std::string& name, const std::string& transports, long spin_us) {
-  UcxChannelOptions o;
-  o.name = name;
-  o.transports = transports;
-  if (spin_us >= 0) o.spin_while_pending = std::chrono::microseconds(spin_us);
-  return o;
+UcxChannelOptions channel_options(const std::string& name, const std::string& transports, bool auth, long spin_us) {
+  UcxChannelOptions options;
+  options.name = name;
+  options.transports = transports;
+  if (auth) options.auth_secret = kBenchSecret;
+  if (spin_us >= 0) options.spin_while_pending = std::chrono::microseconds(spin_us);
+  return options;
 }
 
-int run_peer(const std::string& endpoint, const std::string& transports, long spin_us) {
-  const UcxChannelOptions options = bench_options("bench-peer", transports, spin_us);
-  auto ch = check(UcxChannel::create(options), "create channel");
+int run_peer(const std::string& endpoint, const std::string& transports, bool auth, long spin_us) {
+  auto ch = check(UcxChannel::create(channel_options("bench-peer", transports, auth, spin_us)), "create channel");
   const PeerId parent = register_with_parent(endpoint, *ch);
   for (;;) {
     Message m = recv_message(*ch);
@@ -127,6 +144,7 @@ struct Args {
   int peer_device = -1;  // --handoff: the peer process's GPU (-1: --device's)
   long spin_us = -1;     // --spin-us: both channels' spin_while_pending (-1: the default)
   std::string path;      // the handoff peer's path: "staged" or "direct"
+  std::string auth = "off";  // off, on or both (the A/B)
 };
 
 double percentile(std::vector<double> v, double p) {
@@ -164,60 +182,183 @@ Peer start_peer(const char* self, ControlServer& server, UcxChannel& ch, std::ve
   return peer;
 }
 
-int run_bench(const Args& args, const char* self) {
-  auto server = check(ControlServer::bind("tcp://127.0.0.1:0"), "control bind");
-  auto ch = check(UcxChannel::create(bench_options("bench", args.transports, args.spin_us)), "create channel");
+// One message size's figures on one channel pair.
+struct Row {
+  double p50_us = 0, p99_us = 0, gb_per_s = 0;
+};
 
-  // Start the peer and wire the two channels up through the control plane.
-  const Peer started = start_peer(self, *server, *ch,
-                                  {"--peer", server->endpoint(), "--transports", args.transports, "--spin-us",
-                                   std::to_string(args.spin_us)},
-                                  20s);
-  const pid_t pid = started.pid;
-  const PeerId peer = started.id;
+// A channel and the peer process at its other end.
+struct Side {
+  std::unique_ptr<UcxChannel> ch;
+  Peer peer;
+};
 
-  auto info = check(ch->transport_info(peer), "transport info");
-  const char* env_tls = std::getenv("UCX_TLS");
-  std::printf("UCX_TLS=%s\n%s\n",
-              env_tls ? env_tls : (args.transports.empty() ? "(default)" : args.transports.c_str()),
-              info.c_str());
-  std::printf("| size | latency p50 (us) | latency p99 (us) | bandwidth (GB/s) |\n");
-  std::printf("|---:|---:|---:|---:|\n");
-
-  std::vector<unsigned char> buf(args.max_bytes);
-  for (std::size_t i = 0; i < buf.size(); ++i) buf[i] = static_cast<unsigned char>(i * 131);
-  for (std::size_t n = args.min_bytes; n <= args.max_bytes; n *= 4) {
-    const PayloadView payload{buf.data(), n};
-    // Latency: ping-pong; a few warm-up rounds, then until the time budget is used.
-    for (int i = 0; i < 3; ++i) {
-      check(ch->send(peer, as_bytes("ping"), payload, 60s), "send");
-      recv_message(*ch);
-    }
-    std::vector<double> half_rtt_us;
-    const auto lat_end = Clock::now() + std::chrono::duration<double>(args.seconds);
-    while (half_rtt_us.size() < 5 || (Clock::now() < lat_end && half_rtt_us.size() < 100000)) {
+// Latency: ping-pongs, one on each side in turn, a few warm-up rounds first, then until the
+// time budget is used. Half round trips in microseconds, per side.
+std::vector<std::vector<double>> measure_latency(std::vector<Side>& sides, const PayloadView payload, double budget_seconds) {
+  auto ping = [&](Side& s) {
+    check(s.ch->send(s.peer.id, as_bytes("ping"), payload, 60s), "send");
+    recv_message(*s.ch);
+  };
+  for (int i = 0; i < 3; ++i)
+    for (Side& s : sides) ping(s);
+  std::vector<std::vector<double>> half_rtt_us(sides.size());
+  const auto end = Clock::now() + std::chrono::duration<double>(budget_seconds);
+  while (half_rtt_us[0].size() < 5 || (Clock::now() < end && half_rtt_us[0].size() < 100000))
+    for (std::size_t k = 0; k < sides.size(); ++k) {
       const auto t0 = Clock::now();
-      check(ch->send(peer, as_bytes("ping"), payload, 60s), "send");
-      recv_message(*ch);
-      half_rtt_us.push_back(std::chrono::duration<double, std::micro>(Clock::now() - t0).count() /
-                            2);
+      ping(sides[k]);
+      half_rtt_us[k].push_back(std::chrono::duration<double, std::micro>(Clock::now() - t0).count() / 2);
     }
-    // Bandwidth: back-to-back sends, acknowledged at the end.
-    const std::size_t count =
-        std::clamp<std::size_t>(static_cast<std::size_t>(args.seconds * 2e9 / n), 4, 20000);
-    const auto t0 = Clock::now();
-    for (std::size_t i = 0; i + 1 < count; ++i)
-      check(ch->send(peer, as_bytes("bulk"), payload, 60s), "send");
-    check(ch->send(peer, as_bytes("last"), payload, 60s), "send");
-    recv_message(*ch);
-    const double seconds = std::chrono::duration<double>(Clock::now() - t0).count();
-    std::printf("| %s | %.1f | %.1f | %.2f |\n", size_text(n).c_str(), percentile(half_rtt_us, 0.5),
-                percentile(half_rtt_us, 0.99), double(n) * count / seconds / 1e9);
+  return half_rtt_us;
+}
+
+// Bandwidth: bursts of back-to-back sends (up to 40 MB or 256 messages, at least 4), the last
+// one acknowledged, the sides taking turns until the budget is used. The median burst's GB/s
+// per side (a burst the machine's other work descheduled counts as one).
+std::vector<double> measure_bandwidth(std::vector<Side>& sides, const PayloadView payload, double budget_seconds) {
+  const std::size_t n = payload.bytes;
+  const std::size_t burst = std::clamp<std::size_t>(static_cast<std::size_t>(40e6 / double(n)), 4, 256);
+  std::vector<std::vector<double>> rates(sides.size());
+  const auto end = Clock::now() + std::chrono::duration<double>(budget_seconds);
+  while (rates[0].size() < 3 || Clock::now() < end)
+    for (std::size_t k = 0; k < sides.size(); ++k) {
+      Side& s = sides[k];
+      const auto t0 = Clock::now();
+      for (std::size_t i = 0; i + 1 < burst; ++i) check(s.ch->send(s.peer.id, as_bytes("bulk"), payload, 60s), "send");
+      check(s.ch->send(s.peer.id, as_bytes("last"), payload, 60s), "send");
+      recv_message(*s.ch);
+      rates[k].push_back(double(n) * double(burst) / std::chrono::duration<double>(Clock::now() - t0).count() / 1e9);
+    }
+  std::vector<double> gb_per_s;
+  for (const auto& r : rates) gb_per_s.push_back(percentile(r, 0.5));
+  return gb_per_s;
+}
+
+// Every side's row for one message size.
+std::vector<Row> measure_size(std::vector<Side>& sides, const PayloadView payload, double budget_seconds) {
+  const auto latency = measure_latency(sides, payload, budget_seconds);
+  const auto bandwidth = measure_bandwidth(sides, payload, budget_seconds);
+  std::vector<Row> rows;
+  for (std::size_t k = 0; k < sides.size(); ++k)
+    rows.push_back({percentile(latency[k], 0.5), percentile(latency[k], 0.99), bandwidth[k]});
+  return rows;
+}
+
+// Microseconds per call of `f`, run for about `budget_seconds`.
+template <class F>
+double time_us(F&& f, double budget_seconds) {
+  std::size_t calls = 0;
+  const auto t0 = Clock::now();
+  const auto end = t0 + std::chrono::duration<double>(budget_seconds);
+  do {
+    for (int i = 0; i < 8; ++i) f();
+    calls += 8;
+  } while (Clock::now() < end);
+  return std::chrono::duration<double, std::micro>(Clock::now() - t0).count() / double(calls);
+}
+
+// What the MAC costs alone, per size: per envelope (what UcxChannel MACs: the 48-byte prefix,
+// the 4-byte header here, and the payload when it goes inline), and over the whole payload
+// (its rate, against the wire's). Returns the per-envelope microseconds.
+std::vector<double> mac_floor(const std::vector<std::size_t>& sizes, const unsigned char* buf, double budget_seconds) {
+  constexpr std::size_t kPrefixBytes = 48, kHeaderBytes = 4;
+  const std::size_t inline_limit = UcxChannelOptions{}.inline_payload_bytes;
+  const auth::Key session = auth::derive_key(kBenchSecret);
+  const auto* bytes = reinterpret_cast<const std::byte*>(buf);
+  std::printf("The floor: the MAC alone (keyed BLAKE2b, 16 bytes; one thread, this CPU)\n");
+  std::printf("| size | bytes MACed per envelope | MAC per envelope (us) | MAC over the whole payload (GB/s) |\n");
+  std::printf("|---:|---:|---:|---:|\n");
+  std::vector<double> per_envelope_us;
+  volatile std::uint8_t sink = 0;
+  for (std::size_t n : sizes) {
+    const std::size_t inline_bytes = n <= inline_limit ? n : 0;
+    const std::span<const std::byte> envelope[] = {{bytes, kPrefixBytes}, {bytes, kHeaderBytes}, {bytes, inline_bytes}};
+    const std::span<const std::byte> whole[] = {{bytes, n}};
+    const double env_us = time_us([&] { sink = sink ^ auth::message_mac(session, envelope)[0]; }, budget_seconds / 2);
+    const double whole_us = time_us([&] { sink = sink ^ auth::message_mac(session, whole)[0]; }, budget_seconds / 2);
+    per_envelope_us.push_back(env_us);
+    std::printf("| %s | %zu | %.2f | %.2f |\n", size_text(n).c_str(), kPrefixBytes + kHeaderBytes + inline_bytes, env_us,
+                double(n) / whole_us / 1e3);
+  }
+  std::printf("\n");
+  return per_envelope_us;
+}
+
+// The sizes measured: powers of 4 from --min to --max; with auth, 8 KiB too (the largest
+// payload that goes inline, so the most an envelope's MAC covers).
+std::vector<std::size_t> bench_sizes(const Args& args) {
+  std::vector<std::size_t> sizes;
+  for (std::size_t n = args.min_bytes; n <= args.max_bytes; n *= 4) sizes.push_back(n);
+  const std::size_t inline_limit = UcxChannelOptions{}.inline_payload_bytes;
+  if (args.auth != "off" && inline_limit >= args.min_bytes && inline_limit <= args.max_bytes &&
+      std::find(sizes.begin(), sizes.end(), inline_limit) == sizes.end()) {
+    sizes.push_back(inline_limit);
+    std::sort(sizes.begin(), sizes.end());
+  }
+  return sizes;
+}
+
+void print_table(const std::vector<std::size_t>& sizes, const std::vector<std::vector<Row>>& rows,
+                 const std::vector<double>& mac_us) {
+  if (rows.size() == 1) {
+    std::printf("| size | latency p50 (us) | latency p99 (us) | bandwidth (GB/s) |\n|---:|---:|---:|---:|\n");
+    for (std::size_t i = 0; i < sizes.size(); ++i)
+      std::printf("| %s | %.1f | %.1f | %.2f |\n", size_text(sizes[i]).c_str(), rows[0][i].p50_us, rows[0][i].p99_us,
+                  rows[0][i].gb_per_s);
+    return;
+  }
+  // Predicted: each message pays two more MACs (sender's and receiver's) than the plain one.
+  std::printf("| size | p50 off (us) | p50 on (us) | on/off | predicted | p99 off (us) | p99 on (us) | GB/s off | GB/s on "
+              "| on/off | predicted |\n|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
+  for (std::size_t i = 0; i < sizes.size(); ++i) {
+    const Row& off = rows[0][i];
+    const Row& on = rows[1][i];
+    const double message_us = double(sizes[i]) / (off.gb_per_s * 1e3);  // one bulk message, plain
+    std::printf("| %s | %.1f | %.1f | %.3f | %.3f | %.1f | %.1f | %.2f | %.2f | %.3f | %.3f |\n", size_text(sizes[i]).c_str(),
+                off.p50_us, on.p50_us, on.p50_us / off.p50_us, (off.p50_us + 2 * mac_us[i]) / off.p50_us, off.p99_us,
+                on.p99_us, off.gb_per_s, on.gb_per_s, on.gb_per_s / off.gb_per_s,
+                message_us / (message_us + 2 * mac_us[i]));
     std::fflush(stdout);
   }
-  check(ch->send(peer, as_bytes("bye"), {}, 10s), "bye");
-  int status = 0;
-  waitpid(pid, &status, 0);
+}
+
+int run_bench(const Args& args, const char* self) {
+  auto server = check(ControlServer::bind("tcp://127.0.0.1:0"), "control bind");
+  const std::vector<bool> auth_of = args.auth == "both" ? std::vector<bool>{false, true} : std::vector<bool>{args.auth == "on"};
+  const std::vector<std::size_t> sizes = bench_sizes(args);
+  std::vector<unsigned char> buf(args.max_bytes);
+  for (std::size_t i = 0; i < buf.size(); ++i) buf[i] = static_cast<unsigned char>(i * 131);
+  std::vector<double> mac_us(sizes.size(), 0.0);
+  if (args.auth != "off") mac_us = mac_floor(sizes, buf.data(), args.seconds);
+
+  // A channel and a peer process per side, wired up through the control plane.
+  std::vector<Side> sides;
+  for (bool auth : auth_of) {
+    Side s;
+    s.ch = check(UcxChannel::create(channel_options("bench", args.transports, auth, args.spin_us)), "create channel");
+    s.peer = start_peer(self, *server, *s.ch,
+                        {"--peer", server->endpoint(), "--transports", args.transports, "--auth", auth ? "on" : "off",
+                         "--spin-us", std::to_string(args.spin_us)},
+                        20s);
+    sides.push_back(std::move(s));
+  }
+  auto info = check(sides[0].ch->transport_info(sides[0].peer.id), "transport info");
+  const char* env_tls = std::getenv("UCX_TLS");
+  std::printf("UCX_TLS=%s; auth %s\n%s\n", env_tls ? env_tls : (args.transports.empty() ? "(default)" : args.transports.c_str()),
+              args.auth.c_str(), info.c_str());
+
+  std::vector<std::vector<Row>> rows(sides.size());
+  for (std::size_t n : sizes) {
+    const std::vector<Row> r = measure_size(sides, {buf.data(), n}, args.seconds);
+    for (std::size_t k = 0; k < sides.size(); ++k) rows[k].push_back(r[k]);
+  }
+  print_table(sizes, rows, mac_us);
+  for (Side& s : sides) {
+    check(s.ch->send(s.peer.id, as_bytes("bye"), {}, 10s), "bye");
+    int status = 0;
+    waitpid(s.peer.pid, &status, 0);
+  }
   return 0;
 }
 
@@ -268,7 +409,7 @@ struct GpuEnd {
 // A channel as a GPU worker's: page-locked receive buffers; on the direct path device receive
 // buffers too, with the GPU current on the progress thread.
 UcxChannelOptions gpu_channel_options(const std::string& name, const Args& args, bool direct) {
-  UcxChannelOptions o = bench_options(name, args.transports, args.spin_us);
+  UcxChannelOptions o = channel_options(name, args.transports, /*auth=*/false, args.spin_us);
   const int device = args.device;
   o.receive_allocator.allocate = [device](std::size_t n) -> void* {
     void* p = nullptr;
@@ -431,6 +572,8 @@ int main(int argc, char** argv) {
       args.peer_device = std::stoi(next());
     else if (a == "--path")
       args.path = next();
+    else if (a == "--auth")
+      args.auth = next();
     else
       die("unknown argument " + a + " (see the comment at the top of bench_transport.cc)");
   }
@@ -443,6 +586,8 @@ int main(int argc, char** argv) {
     die("--handoff needs a build with the CUDA backend");
 #endif
   }
-  if (!peer_endpoint.empty()) return run_peer(peer_endpoint, args.transports, args.spin_us);
+  if (args.auth != "off" && args.auth != "on" && args.auth != "both")
+    die("--auth must be off, on or both, not '" + args.auth + "'");
+  if (!peer_endpoint.empty()) return run_peer(peer_endpoint, args.transports, args.auth == "on", args.spin_us);
   return run_bench(args, self.c_str());
 }

@@ -246,6 +246,7 @@ void ClusterManager::on_engine_ask(const ClusterAsk& ask) {
     p.down_reason = ask.why;
     if (ask.kind == ClusterAsk::Kind::LostBatch) redial(p);
     restart_pipeline(p);
+    p.replayed_from = ask.epoch;
     send_assignments(p);
   });
 }

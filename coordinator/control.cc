@@ -187,13 +187,21 @@ void ClusterManager::on_data_error(WorkerInfo& w, const DataErrorMsg& m) {
   // worker with a fresh one that has not failed yet, and hide the death.
   if (check_own_endpoints(p, m.error)) return;
   if (replace_unreachable(p, w, m)) return;
-  if (m.epoch.value_or(0) == p.epoch && pipeline_ready(p)) {
+  const uint32_t epoch = m.epoch.value_or(0);
+  const std::string link = failed_link(p, w, m);
+  if (epoch == p.epoch && pipeline_ready(p)) {
     p.down_reason = "replaying after a data-plane error at " + w.name + ": " + m.error;
-    const std::string link = failed_link(p, w, m);
     restart_pipeline(p);
+    p.replayed_from = epoch;
     p.suspect_link = link;
     p.suspect_epoch = p.epoch;
     send_assignments(p);
+  } else if (epoch != 0 && epoch == p.replayed_from && !link.empty() && p.suspect_epoch != p.epoch) {
+    // The engine replayed on this failure first: that replay dials the failed connection
+    // afresh too (a worker connects again to a peer whose send failed), so the same send
+    // failing in it means the peer stays unreachable.
+    p.suspect_link = link;
+    p.suspect_epoch = p.epoch;
   }
 }
 
@@ -205,10 +213,15 @@ std::string ClusterManager::failed_link(const Pipeline& p, const WorkerInfo& rep
   return "";
 }
 
+// A failure in the epoch that dialled its connections afresh, or of the send that failed
+// before, names a peer that stays unreachable. The report may come after the engine replayed
+// the pipeline on the same failure (replayed_from): the workers are the same, so it still
+// names the link it failed on.
 bool ClusterManager::replace_unreachable(Pipeline& p, WorkerInfo& reporter, const DataErrorMsg& m) {
   const std::string link = failed_link(p, reporter, m);
-  if (link.empty() || m.epoch.value_or(0) != p.epoch) return false;
-  const bool redialed = p.redialed_epoch == p.epoch, again = p.suspect_epoch == p.epoch && p.suspect_link == link;
+  const uint32_t epoch = m.epoch.value_or(0);
+  if (link.empty() || epoch == 0 || (epoch != p.epoch && epoch != p.replayed_from)) return false;
+  const bool redialed = p.redialed_epoch == epoch, again = p.suspect_epoch == epoch && p.suspect_link == link;
   if (!redialed && !again) return false;
   const bool to_coordinator = m.peer == "coordinator";
   auto it = workers.find(to_coordinator ? reporter.name : link.substr(link.find('>') + 1));

@@ -37,6 +37,11 @@ struct Pipeline {
   // stays unreachable (control.cc).
   std::string suspect_link;
   uint32_t suspect_epoch = 0;
+  // The epoch a replay (the same workers, a new epoch) left; 0 after any other restart. A
+  // worker's report of the failure that caused it may arrive after the replay has begun (the
+  // engine replays on the failed micro-batch's error result, which travels on the data plane,
+  // and the report on the control plane): it still counts as this run's (control.cc).
+  uint32_t replayed_from = 0;
   std::string down_reason;  // why it is not serving, for /health
 
   bool filled() const {

@@ -182,6 +182,7 @@ uint32_t ClusterManager::next_epoch() const {
 void ClusterManager::restart_pipeline(Pipeline& p) {
   p.epoch = next_epoch();
   p.wired = false;
+  p.replayed_from = 0;
 }
 
 // ---------------------------------------------------------------- taking workers out

@@ -11,6 +11,8 @@
 //   5% loss on it for a while                                      -> slower, no failover
 //   hide the coordinator from it (its neighbours still reach it)   -> failover; the node comes back
 //                                                                    as a spare
+//   hide it from its upstream neighbour only (the data plane        -> the node is replaced by the
+//   between them; both keep the coordinator)                          spare, being unreachable
 //
 // and checks: no request lost, every answer the engine's (the fault-free run), the
 // pipeline's epoch and membership as stated, a node that comes back after it was replaced
@@ -309,6 +311,65 @@ TEST_F(NetnsFaults, CoordinatorPartitionedFromOneNodeFailsOverAndFencesIt) {
   print_row("coordinator partitioned from one stage (" + std::to_string(kLivenessMs / 1000 + 2) + " s), healed", o,
             "failover to the spare; the node rejoins as a spare; stale micro-batches dropped: " +
                 std::to_string(nc.stale_drops()));
+}
+
+// Issue 28: "a stage whose peer stays unreachable is reported and replaced like a dead one".
+// The middle stage's node is hidden from its upstream neighbour's alone (the relay drops the
+// frames between the two addresses), while both stay alive and in touch with the coordinator:
+// no heartbeat is missed, so only the data plane can tell. Under load the upstream worker's
+// send to the hidden node times out (10 s); the pipeline replays, the upstream dials the
+// hidden node again, the same send fails again, and the coordinator replaces the node it
+// cannot reach with the spare (its log says why). Nothing lost or altered; the two healthy
+// stages keep their places (neither is taken for dead); the hidden node, never silent, is a
+// spare; a bounded pause.
+//
+// UCX_TCP_CONN_NB=y: UCX 1.13's TCP transport otherwise dials with a blocking connect() on the
+// channel's progress thread, which a dropped SYN holds for the kernel's SYN retries (about 2
+// minutes): the upstream worker's re-dial then stalls its data plane and its control thread
+// (wire() waits 10 s for the progress thread), it misses its heartbeats and is the one
+// replaced, and its data plane stays stuck until connect() gives up. Until UcxChannel asks for
+// non-blocking connects itself (transport/), the daemons here get it from the environment.
+TEST_F(NetnsFaults, PeerUnreachableOnTheDataPlaneOnlyIsReplacedByTheSpare) {
+  const testing::ScopedEnv nonblocking_connect("UCX_TCP_CONN_NB", "y");
+  NetnsCluster nc;
+  ASSERT_TRUE(nc.start("unreach", 3, 4));
+  const std::string upstream = nc.serving(0), victim = nc.serving(1), downstream = nc.serving(2);
+  ASSERT_FALSE(upstream.empty() || victim.empty() || downstream.empty());
+  const int64_t epoch0 = nc.epoch();
+  const json before = *NetnsCluster::worker(nc.cluster.info(), victim);
+  double replaced_s = -1;
+  int64_t blocked = 0;
+  Outcome o = run_fault(nc, 17, 24, [&](Clock::time_point& struck) {
+    ASSERT_TRUE(nc.topo.shape(victim, LinkShape{.blocked = {nc.topo.node(upstream).address}}));
+    struck = Clock::now();
+    // Replaced: another worker serves stage 1, and the hidden one is no longer dead (it kept
+    // its heartbeats) but a spare, the same process.
+    EXPECT_TRUE(nc.cluster.wait_until(
+        [&](const json& info) {
+          const json* w = NetnsCluster::worker(info, victim);
+          return nc.serving(1) != victim && !nc.serving(1).empty() && w && w->value("state", "") == "spare" &&
+                 w->value("pid", 0) == before.value("pid", 0);
+        },
+        seconds(60)));
+    replaced_s = std::chrono::duration<double>(Clock::now() - struck).count();
+    blocked = nc.topo.stats(victim)["blocked"];
+    ASSERT_TRUE(nc.topo.shape(victim, LinkShape{}));
+  });
+  EXPECT_EQ(o.lost + o.altered, 0);
+  EXPECT_GT(blocked, 0) << "nothing was hidden between the two nodes";
+  EXPECT_GT(nc.epoch(), epoch0);
+  EXPECT_NE(nc.serving(1), victim);
+  EXPECT_EQ(nc.serving(0), upstream) << "the healthy upstream stage was replaced";
+  EXPECT_EQ(nc.serving(2), downstream);
+  EXPECT_EQ(nc.silent_deaths(), std::vector<std::string>{}) << "a worker missed its heartbeats";
+  // Two send timeouts (10 s each: the first failure, then the same send on the new connection)
+  // and the spare's wiring, with room for a loaded machine.
+  EXPECT_LT(replaced_s, 40.0);
+  const std::string log = Cluster::read(nc.cluster.dir / "coordinator.log");
+  EXPECT_NE(log.find("loses " + victim + ": unreachable on the data plane from " + upstream), std::string::npos) << log;
+  print_row("one stage hidden from its upstream neighbour's node only (data plane), healed after the replacement", o,
+            "the upstream's send times out (10 s), the replay's on a new connection fails again: the hidden node is "
+            "replaced by the spare " + seconds_text(replaced_s) + " after the fault and is a spare; no heartbeat missed");
 }
 
 // A bridge with a port (one end of a veth pair, both up, so it has carrier) and an address,
