@@ -8,7 +8,9 @@
 //  - A send's caller is woken only after every UCX request of that send has completed and
 //    been released, so its buffers are never touched after send() returns.
 //  - Receive buffers live until their request has completed, or until the worker has been
-//    destroyed (the destructor releases requests, destroys the worker, then the buffers).
+//    destroyed (the destructor releases requests, destroys the worker, then the buffers). A
+//    receive still under way then (a rendezvous its sender gave up) keeps the worker and its
+//    buffers alive until the process exits: UCX 1.13 would abort destroying that worker.
 #pragma once
 
 #include <unistd.h>
@@ -183,6 +185,8 @@ struct UcxChannel::Impl {
   void fail_peer(Peer& peer, const Status& why);
   void begin_shutdown();
   bool shutdown_complete() const;
+  // A receive still under way in UCX when the channel goes (the destructor's question).
+  bool receive_stranded() const;
   void complete_send(SendOp& op);
 
   // any thread
