@@ -104,7 +104,8 @@ struct UcxChannel::Impl {
     PeerId peer = kNoPeer;
     std::span<const std::byte> header;
     PayloadView payload;
-    bool hello = false;  // the handshake connect() sends first (wire::kFlagHello)
+    bool hello = false;   // the handshake connect() sends first (wire::kFlagHello)
+    bool redial = false;  // and the sender's earlier connections to that channel are closed (kFlagRedial)
     Clock::time_point deadline;
     milliseconds timeout{0};
     wire::WirePrefix prefix;
@@ -172,6 +173,11 @@ struct UcxChannel::Impl {
   // recv(); a handshake or a refused message is dropped (kDropped), a deferred one waits.
   bool admitted(Incoming& in, std::uint32_t sender);
   void take_hello(Incoming& in, std::uint32_t sender);
+  // Whether `peer` replaces connections to its channel this channel closed, none of them
+  // working any more (the handshake's kFlagRedial). Progress thread.
+  bool replaces_closed(const Peer& peer);
+  // Gives up the payloads from `sender` still arriving (their connection is closed).
+  void cut_off_payloads(std::uint32_t sender, const std::string& why);
   bool earlier_envelope_pending(std::uint32_t sender, const Incoming& in);
   void refuse(std::uint32_t sender, const std::string& why);
   void sign(SendOp& op, const Peer& peer, bool inline_payload);
