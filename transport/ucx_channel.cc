@@ -44,7 +44,7 @@ Status configure(ucp_config_t* config, const UcxChannelOptions& opt) {
     if (!warned.exchange(true))
       spdlog::warn("UCX_KEEPALIVE_INTERVAL={} turns UCX's endpoint keepalive on: with UCX 1.13 over TCP a peer "
                    "that resumes after this process closed its endpoint (a stop, a healed link cut) can crash "
-                   "it (issue 28); Conveyor leaves it off",
+                   "it (issue 28); unset, it stays off",
                    *env_keepalive);
   }
   return ok_status();
