@@ -4,9 +4,12 @@
 // one of them (SIGSTOP) past that timeout, so the other gives it up (marks it failed, closes
 // its endpoint), then resumes it (SIGCONT) while the other's traffic goes on; each chatter
 // dials again a peer it lost, as a stage worker re-wires. Neither process may crash, every
-// message that arrives must be intact, and traffic must flow again both ways after the last
-// resume. Before the fix, the chatter that gave up its peer died of SIGSEGV inside UCX's TCP
-// transport within a few rounds (transport/README.md, "Closing an endpoint").
+// message that arrives must be intact, traffic must flow again both ways after each resume,
+// and at the end (both quiet, then their channels destroyed) both must exit cleanly. With UCX's
+// endpoint keepalive on, as channels had it before the fix (run it with
+// UCX_KEEPALIVE_INTERVAL=1s), a chatter dies of SIGSEGV inside UCX's TCP transport within a
+// few rounds (transport/README.md, "Closing an endpoint"); with the fix alone and no guard in
+// the channel's destructor, one aborted at its end in ucp_worker_destroy.
 //
 // The chatters are this program re-executed (UcxChatter.DISABLED_Run at the end), so a crash
 // in either is a failed test, not a lost test program.
@@ -35,7 +38,7 @@ using namespace ucx_test;
 using nlohmann::json;
 
 constexpr auto kSendTimeout = 500ms;  // a chatter gives up a peer this long after a send stalls
-constexpr auto kStopped = 2000ms;     // well past the send timeout and UCX's keepalive (1 s)
+constexpr auto kStopped = 2000ms;     // well past the send timeout
 
 std::string self_exe() { return std::filesystem::read_symlink("/proc/self/exe").string(); }
 
