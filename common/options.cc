@@ -261,7 +261,8 @@ void add_ucx_options(std::vector<OptionSpec>& s) {
                    [](auto& o) -> auto& { return o.ucx_net_devices; }));
   s.push_back(text({.name = "ucx.keepalive_interval",
                     .variable = "UCX_KEEPALIVE_INTERVAL",
-                    .meaning = "UCX's endpoint keepalive; when unset, Conveyor sets it from the channel's option (1 s)",
+                    .meaning = "UCX's endpoint keepalive; when unset, Conveyor sets inf (off: with it UCX 1.13 can crash "
+                               "when a peer resumes, transport/README.md)",
                     .values = "UCX's syntax",
                     .scope = kBoth,
                     .ucx = true},

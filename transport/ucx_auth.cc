@@ -46,6 +46,7 @@ void UcxChannel::Impl::send_hello(Peer& peer) {
   op->peer = peer.id;
   op->header = peer.hello;
   op->hello = true;
+  op->redial = replaces_closed(peer);
   op->timeout = kTaskTimeout;
   op->deadline = Clock::now() + kTaskTimeout;
   start_send(op);
@@ -105,6 +106,33 @@ void UcxChannel::Impl::take_hello(Incoming& in, std::uint32_t sender) {
   keys.push_front(auth::session_key(*key, h));
   if (keys.size() > kSessionsKept) keys.pop_back();
   spdlog::debug("ucx channel '{}': {} proved it belongs to the cluster", opt.name, sender_name(sender));
+  if (in.prefix.flags & wire::kFlagRedial)
+    cut_off_payloads(sender, "its sender dialled this channel again, having closed the connection it came on");
+}
+
+bool UcxChannel::Impl::replaces_closed(const Peer& peer) {
+  bool closed = false;
+  std::lock_guard lock(mu);
+  for (const auto& [id, other] : peers) {
+    if (other.get() == &peer || other->channel_id != peer.channel_id) continue;
+    if (other->failure.ok()) return false;  // another connection to that channel still works
+    closed = true;
+  }
+  for (const auto& other : retired) closed |= other->channel_id == peer.channel_id;
+  return closed;
+}
+
+// A payload UCX is still receiving from `sender` would otherwise hold every later message of
+// that sender (they are handed out in order) until stalled_receive_timeout.
+void UcxChannel::Impl::cut_off_payloads(std::uint32_t sender, const std::string& why) {
+  auto it = incoming.find(sender);
+  if (it == incoming.end()) return;
+  int n = 0;
+  for (auto& other : it->second)
+    if (other->stage == Incoming::kPayload && other->in_flight) abandon(*other, "cut off (" + why + ")"), ++n;
+  if (n > 0)
+    spdlog::info("ucx channel '{}': gave up {} payload(s) from {} still arriving: {}", opt.name, n, sender_name(sender),
+                 why);
 }
 
 // Whether an envelope before `in` from the same sender is still arriving (its handshake may

@@ -7,6 +7,7 @@
 #include <sys/eventfd.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <future>
@@ -21,6 +22,36 @@ using namespace ucx_detail;
 
 // ------------------------------------------------------------------ set-up and tear-down
 
+namespace {
+
+// UCX's configuration from the channel's options. The operator's UCX_* (declared in
+// common/options.h as UCX's own) win over these choices.
+Status configure(ucp_config_t* config, const UcxChannelOptions& opt) {
+  if (!ucx_variable(UcxVariable::Tls) && !opt.transports.empty())
+    CONVEYOR_UCX_CHECK(ucp_config_modify(config, "TLS", opt.transports.c_str()));
+  if (!ucx_variable(UcxVariable::NetDevices) && !opt.net_devices.empty())
+    CONVEYOR_UCX_CHECK(ucp_config_modify(config, "NET_DEVICES", opt.net_devices.c_str()));
+  // UCX's endpoint keepalive stays off unless asked for (transport/README.md, "Closing an
+  // endpoint"): its check of an endpoint this side has closed makes UCX 1.13's TCP transport
+  // read freed state (SIGSEGV in uct_tcp_iface_progress, issue 28).
+  const std::optional<std::string> env_keepalive = ucx_variable(UcxVariable::KeepaliveInterval);
+  if (!env_keepalive) {
+    const std::string interval =
+        opt.keepalive_interval.count() > 0 ? std::to_string(opt.keepalive_interval.count()) + "ms" : "inf";
+    CONVEYOR_UCX_CHECK(ucp_config_modify(config, "KEEPALIVE_INTERVAL", interval.c_str()));
+  } else if (*env_keepalive != "inf") {
+    static std::atomic<bool> warned{false};
+    if (!warned.exchange(true))
+      spdlog::warn("UCX_KEEPALIVE_INTERVAL={} turns UCX's endpoint keepalive on: with UCX 1.13 over TCP a peer "
+                   "that resumes after this process closed its endpoint (a stop, a healed link cut) can crash "
+                   "it (issue 28); unset, it stays off",
+                   *env_keepalive);
+  }
+  return ok_status();
+}
+
+}  // namespace
+
 Status UcxChannel::Impl::init() {
   channel_id = opt.channel_id ? opt.channel_id : random_channel_id();
   if (!opt.auth_secret.empty()) {
@@ -31,16 +62,8 @@ Status UcxChannel::Impl::init() {
   ucp_config_t* raw_config = nullptr;
   CONVEYOR_UCX_CHECK(ucp_config_read(nullptr, nullptr, &raw_config));
   ucx::Config config(raw_config);
-  // The operator's UCX_* (declared in common/options.h as UCX's own) win over our choices.
+  if (Status s = configure(config.get(), opt); !s.ok()) return s;
   const std::optional<std::string> env_tls = ucx_variable(UcxVariable::Tls);
-  if (!env_tls && !opt.transports.empty())
-    CONVEYOR_UCX_CHECK(ucp_config_modify(config.get(), "TLS", opt.transports.c_str()));
-  if (!ucx_variable(UcxVariable::NetDevices) && !opt.net_devices.empty())
-    CONVEYOR_UCX_CHECK(ucp_config_modify(config.get(), "NET_DEVICES", opt.net_devices.c_str()));
-  if (!ucx_variable(UcxVariable::KeepaliveInterval)) {
-    const std::string interval = std::to_string(opt.keepalive_interval.count()) + "ms";
-    CONVEYOR_UCX_CHECK(ucp_config_modify(config.get(), "KEEPALIVE_INTERVAL", interval.c_str()));
-  }
 
   ucp_params_t params{};
   params.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_NAME;
@@ -107,6 +130,7 @@ UcxChannel::Impl::~Impl() {
   }
   // Requests first (cancelled if still in flight), then endpoints and the worker, then the
   // buffers UCX may have been writing into, then the context (a member: destroyed last).
+  const bool stranded = receive_stranded();
   for (auto& [sender, queue] : incoming)
     for (auto& in : queue) in->request.reset();
   for (auto& in : abandoned) in->request.reset();
@@ -120,6 +144,19 @@ UcxChannel::Impl::~Impl() {
     ucs_status_ptr_t r = ucp_ep_close_nbx(std::exchange(peer->ep, nullptr), &param);
     if (UCS_PTR_IS_PTR(r)) ucp_request_free(r);
   }
+  if (stranded) {
+    // UCX 1.13's ucp_worker_destroy aborts (an assertion) on an endpoint that still holds a
+    // receive: a rendezvous whose sender gave it up (closed its endpoint) without this side
+    // hearing of it. Leave the worker, its context and those buffers to the process's exit.
+    spdlog::warn("ucx channel '{}': a receive UCX can neither finish nor cancel is still under way (its sender "
+                 "gave it up); the UCX worker is left to the process's exit",
+                 opt.name);
+    (void)worker.release();
+    (void)context.release();
+    for (auto& [sender, queue] : incoming)
+      for (auto& in : queue) (void)in.release();
+    for (auto& in : abandoned) (void)in.release();
+  }
   worker.reset();
   for (auto& op : sends) {  // none unless UCX ignored a forced close: fail them now
     if (op->status.ok()) op->status = Status::error("channel closed");
@@ -129,6 +166,13 @@ UcxChannel::Impl::~Impl() {
   }
   incoming.clear();
   abandoned.clear();
+}
+
+bool UcxChannel::Impl::receive_stranded() const {
+  auto stuck = [](const std::unique_ptr<Incoming>& in) { return in->request && !in->request.done(); };
+  for (const auto& [sender, queue] : incoming)
+    if (std::any_of(queue.begin(), queue.end(), stuck)) return true;
+  return std::any_of(abandoned.begin(), abandoned.end(), stuck);
 }
 
 void UcxChannel::Impl::wake() {

@@ -13,7 +13,7 @@
 // back (their send() waits, up to its timeout).
 //
 // Failures: endpoints use UCP_ERR_HANDLING_MODE_PEER, so a peer that dies shows up as an
-// error (a TCP reset at once; otherwise through UCX keepalive, `keepalive_interval`): sends
+// error (a TCP reset at once; a vanished host through TCP's keepalive once idle): sends
 // to it fail, and recv() reports what it had completed, then one error per message it had
 // under way, then its failure (once). No call waits without a bound.
 //
@@ -43,7 +43,11 @@ struct UcxChannelOptions {
   // UCX_NET_DEVICES when the environment sets none ("eth0", see net_interface.h): the only
   // network interfaces whose addresses the channel publishes and uses. Empty: all of them.
   std::string net_devices{};
-  std::chrono::milliseconds keepalive_interval{1000};   // unless UCX_KEEPALIVE_INTERVAL is set
+  // UCX's endpoint keepalive period, unless UCX_KEEPALIVE_INTERVAL is set; 0: off (the default).
+  // On TCP it adds no failure detection (a dead process resets its connections, TCP's own
+  // keepalive finds a vanished host on an idle connection, sends have timeouts), and its check
+  // of an endpoint this channel closed while the peer lives crashes UCX 1.13 (README.md).
+  std::chrono::milliseconds keepalive_interval{0};
   std::size_t inline_payload_bytes = 8 * 1024;          // larger payloads go as their own message
   std::size_t max_queued_bytes = std::size_t{1} << 30;  // received, not yet recv()'d
   // Idle receive buffers kept for reuse once recv()'d messages are freed (buffer_pool.h).

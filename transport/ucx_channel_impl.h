@@ -8,7 +8,9 @@
 //  - A send's caller is woken only after every UCX request of that send has completed and
 //    been released, so its buffers are never touched after send() returns.
 //  - Receive buffers live until their request has completed, or until the worker has been
-//    destroyed (the destructor releases requests, destroys the worker, then the buffers).
+//    destroyed (the destructor releases requests, destroys the worker, then the buffers). A
+//    receive still under way then (a rendezvous its sender gave up) keeps the worker and its
+//    buffers alive until the process exits: UCX 1.13 would abort destroying that worker.
 #pragma once
 
 #include <unistd.h>
@@ -102,7 +104,8 @@ struct UcxChannel::Impl {
     PeerId peer = kNoPeer;
     std::span<const std::byte> header;
     PayloadView payload;
-    bool hello = false;  // the handshake connect() sends first (wire::kFlagHello)
+    bool hello = false;   // the handshake connect() sends first (wire::kFlagHello)
+    bool redial = false;  // and the sender's earlier connections to that channel are closed (kFlagRedial)
     Clock::time_point deadline;
     milliseconds timeout{0};
     wire::WirePrefix prefix;
@@ -171,6 +174,11 @@ struct UcxChannel::Impl {
   // recv(); a handshake or a refused message is dropped (kDropped), a deferred one waits.
   bool admitted(Incoming& in, std::uint32_t sender);
   void take_hello(Incoming& in, std::uint32_t sender);
+  // Whether `peer` replaces connections to its channel this channel closed, none of them
+  // working any more (the handshake's kFlagRedial). Progress thread.
+  bool replaces_closed(const Peer& peer);
+  // Gives up the payloads from `sender` still arriving (their connection is closed).
+  void cut_off_payloads(std::uint32_t sender, const std::string& why);
   bool earlier_envelope_pending(std::uint32_t sender, const Incoming& in);
   void refuse(std::uint32_t sender, const std::string& why);
   void sign(SendOp& op, const Peer& peer, bool inline_payload);
@@ -184,6 +192,8 @@ struct UcxChannel::Impl {
   void fail_peer(Peer& peer, const Status& why);
   void begin_shutdown();
   bool shutdown_complete() const;
+  // A receive still under way in UCX when the channel goes (the destructor's question).
+  bool receive_stranded() const;
   void complete_send(SendOp& op);
 
   // any thread

@@ -53,6 +53,8 @@ class Owned {
   void reset() {
     if (h_) Release(std::exchange(h_, nullptr));
   }
+  // Gives the handle up without freeing it (left to the process's exit).
+  Handle release() { return std::exchange(h_, nullptr); }
 
  private:
   Handle h_ = nullptr;

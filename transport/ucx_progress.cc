@@ -132,7 +132,7 @@ void UcxChannel::Impl::start_send(const std::shared_ptr<SendOp>& op) {
   op->prefix.payload_bytes = op->payload.bytes;
   op->prefix.seq = next_seq++;
   op->prefix.flags = std::uint16_t((inline_payload ? wire::kFlagInline : 0) | (device ? wire::kFlagDevicePayload : 0) |
-                                   (op->hello ? wire::kFlagHello : 0));
+                                   (op->hello ? wire::kFlagHello : 0) | (op->redial ? wire::kFlagRedial : 0));
   if (peer->session && !op->hello) sign(*op, *peer, inline_payload);
   std::size_t n = 0;
   op->iov[n++] = {&op->prefix, sizeof(op->prefix)};

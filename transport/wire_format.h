@@ -32,7 +32,7 @@ inline constexpr std::uint16_t kVersion = 2;            // 2: the MAC (data_auth
 struct WirePrefix {
   std::uint32_t magic = kMagic;
   std::uint16_t version = kVersion;
-  std::uint16_t flags = 0;  // kFlagInline, kFlagDevicePayload, kFlagHello
+  std::uint16_t flags = 0;  // kFlagInline, kFlagDevicePayload, kFlagHello, kFlagRedial
   std::uint32_t sender_id = 0;
   std::uint32_t header_bytes = 0;
   std::uint64_t payload_bytes = 0;
@@ -51,6 +51,11 @@ inline constexpr std::uint16_t kFlagDevicePayload = 2;
 // A handshake (data_auth.h): the header is the sender's nonce and its proof; no payload.
 // Taken by the channel itself, never handed to recv().
 inline constexpr std::uint16_t kFlagHello = 4;
+// On a handshake: the sender has closed every earlier connection of its to this channel (it
+// gave the peer up and dialled it again), so a payload of its still arriving here never will
+// (transport/README.md, "Closing an endpoint"). Set only where the sender holds no other
+// working connection to this channel.
+inline constexpr std::uint16_t kFlagRedial = 8;
 inline constexpr std::uint64_t kMaxHeaderBytes = (1ull << 24) - 1;
 
 inline constexpr std::uint64_t kEnvelopeBit = 1ull << 63;
