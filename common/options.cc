@@ -267,6 +267,14 @@ void add_ucx_options(std::vector<OptionSpec>& s) {
                     .scope = kBoth,
                     .ucx = true},
                    [](auto& o) -> auto& { return o.ucx_keepalive_interval; }));
+  s.push_back(text({.name = "ucx.tcp_conn_nb",
+                    .variable = "UCX_TCP_CONN_NB",
+                    .meaning = "UCX's TCP connect mode; when unset, Conveyor sets y (non-blocking: a peer whose SYNs "
+                               "are dropped does not hold the data plane for minutes, transport/README.md)",
+                    .values = "y or n",
+                    .scope = kBoth,
+                    .ucx = true},
+                   [](auto& o) -> auto& { return o.ucx_tcp_conn_nb; }));
 }
 
 // In the order --check prints them: the daemons', the kernels', UCX's.
@@ -393,7 +401,8 @@ Status install_options(Options options) {
 
 std::optional<std::string> ucx_variable(UcxVariable variable) {
   // In UcxVariable's order; each is declared above as UCX's own (tests/common/test_options.cc).
-  static constexpr std::string_view kNames[] = {"UCX_TLS", "UCX_NET_DEVICES", "UCX_KEEPALIVE_INTERVAL"};
+  static constexpr std::string_view kNames[] = {"UCX_TLS", "UCX_NET_DEVICES", "UCX_KEEPALIVE_INTERVAL",
+                                                "UCX_TCP_CONN_NB"};
   return process_environment()(kNames[int(variable)]);
 }
 

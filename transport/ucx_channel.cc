@@ -47,6 +47,12 @@ Status configure(ucp_config_t* config, const UcxChannelOptions& opt) {
                    "it (issue 28); unset, it stays off",
                    *env_keepalive);
   }
+  // Non-blocking TCP connects: UCX 1.13 otherwise dials with a blocking connect() on the
+  // progress thread, which a peer whose SYNs are dropped holds for the kernel's SYN retries
+  // (about 2 minutes), stalling the whole data plane (issue 28, an unreachable peer). A
+  // transport's key goes by its name in that transport's table: UCX applies it to every
+  // interface whose table has it (only tcp's), and "TCP_CONN_NB" would match none.
+  if (!ucx_variable(UcxVariable::TcpConnNb)) CONVEYOR_UCX_CHECK(ucp_config_modify(config, "CONN_NB", "y"));
   return ok_status();
 }
 

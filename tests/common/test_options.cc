@@ -66,9 +66,10 @@ TEST(Options, EveryDeclarationIsWholeAndUnique) {
                         "CONVEYOR_DETERMINISTIC", "CONVEYOR_FP8_FAST_ACCUM", "CONVEYOR_PDL", "CONVEYOR_INT8_GEMV_KSPLIT",
                         "CONVEYOR_CPU_THREADS", "CONVEYOR_TRACE_DIR", "UCX_TLS", "UCX_NET_DEVICES",
                         "UCX_KEEPALIVE_INTERVAL", "CONVEYOR_LOG_LEVEL", "CONVEYOR_JOIN_TOKEN", "CONVEYOR_API_KEY",
-                        "CONVEYOR_DIRECT_MIN_BYTES"})
+                        "CONVEYOR_DIRECT_MIN_BYTES", "UCX_TCP_CONN_NB"})
     EXPECT_NE(find_option(v), nullptr) << v << " is not declared";
-  for (const char* v : {"UCX_TLS", "UCX_NET_DEVICES", "UCX_KEEPALIVE_INTERVAL"}) EXPECT_TRUE(find_option(v)->ucx) << v;
+  for (const char* v : {"UCX_TLS", "UCX_NET_DEVICES", "UCX_KEEPALIVE_INTERVAL", "UCX_TCP_CONN_NB"})
+    EXPECT_TRUE(find_option(v)->ucx) << v;
 }
 
 // The defaults are what the programs did before the registry, with nothing set.
@@ -114,7 +115,8 @@ TEST(Options, EachKindParses) {
                              {"CONVEYOR_DIRECT_MIN_BYTES", "0"},
                              {"UCX_TLS", "tcp,self"},
                              {"UCX_NET_DEVICES", "lo"},
-                             {"UCX_KEEPALIVE_INTERVAL", "2s"}});
+                             {"UCX_KEEPALIVE_INTERVAL", "2s"},
+                             {"UCX_TCP_CONN_NB", "n"}});
   const GemmOptions& g = o.kernels.gemm;
   EXPECT_FALSE(g.tuning);
   EXPECT_FALSE(g.deterministic);
@@ -133,6 +135,7 @@ TEST(Options, EachKindParses) {
   EXPECT_EQ(o.ucx_tls, "tcp,self");
   EXPECT_EQ(o.ucx_net_devices, "lo");
   EXPECT_EQ(o.ucx_keepalive_interval, "2s");
+  EXPECT_EQ(o.ucx_tcp_conn_nb, "n");
   EXPECT_EQ(o.from_environment.size(), option_specs().size());
   EXPECT_TRUE(o.set_by_environment("gemm.tune"));
   EXPECT_EQ(read_ok({{"CONVEYOR_GEMM_ORDER", "sequential"}}).kernels.gemm.sequential_order, true);
@@ -237,6 +240,8 @@ TEST(Options, UcxVariablesAreReadLive) {
   EXPECT_EQ(ucx_variable(UcxVariable::Tls), "tcp");
   testing::ScopedEnv devices("UCX_NET_DEVICES", "lo");
   EXPECT_EQ(ucx_variable(UcxVariable::NetDevices), "lo");
+  testing::ScopedEnv connect_mode("UCX_TCP_CONN_NB", "n");
+  EXPECT_EQ(ucx_variable(UcxVariable::TcpConnNb), "n");
 }
 
 // A daemon installs its snapshot once, before anything reads it; it never changes after.

@@ -323,14 +323,13 @@ TEST_F(NetnsFaults, CoordinatorPartitionedFromOneNodeFailsOverAndFencesIt) {
 // stages keep their places (neither is taken for dead); the hidden node, never silent, is a
 // spare; a bounded pause.
 //
-// UCX_TCP_CONN_NB=y: UCX 1.13's TCP transport otherwise dials with a blocking connect() on the
-// channel's progress thread, which a dropped SYN holds for the kernel's SYN retries (about 2
-// minutes): the upstream worker's re-dial then stalls its data plane and its control thread
-// (wire() waits 10 s for the progress thread), it misses its heartbeats and is the one
-// replaced, and its data plane stays stuck until connect() gives up. Until UcxChannel asks for
-// non-blocking connects itself (transport/), the daemons here get it from the environment.
+// UcxChannel's non-blocking TCP connects (UCX_TCP_CONN_NB=y): with UCX 1.13's blocking
+// connect() on the channel's progress thread, a dropped SYN holds it for the kernel's SYN
+// retries (about 2 minutes): the upstream worker's re-dial then stalls its data plane and its
+// control thread (wire() waits 10 s for the progress thread), it misses its heartbeats and is
+// the one replaced. The daemons here inherit no UCX_TCP_CONN_NB, so they take the channel's.
 TEST_F(NetnsFaults, PeerUnreachableOnTheDataPlaneOnlyIsReplacedByTheSpare) {
-  const testing::ScopedEnv nonblocking_connect("UCX_TCP_CONN_NB", "y");
+  const testing::ScopedEnv default_connect("UCX_TCP_CONN_NB", nullptr);
   NetnsCluster nc;
   ASSERT_TRUE(nc.start("unreach", 3, 4));
   const std::string upstream = nc.serving(0), victim = nc.serving(1), downstream = nc.serving(2);
