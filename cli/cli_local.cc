@@ -280,12 +280,14 @@ void print_capacity(int http_port) {
 }
 
 // The GPUs a worker on this machine can use and the smallest one's memory
-// (`conveyor-worker --print-gpus`); count -1 when it cannot be asked.
+// (`conveyor-worker --print-gpus`); count -1 when it cannot be asked. Asked once a launch:
+// each ask starts a worker that opens CUDA (about a second), and both the backend's and the
+// layout's choice need the answer.
 struct GpuCensus {
   int count = -1;
   long long smallest_bytes = 0;
 };
-GpuCensus gpu_census(const fs::path& worker) {
+GpuCensus ask_gpu_census(const fs::path& worker) {
   int out = -1;
   const pid_t pid = spawn({worker.string(), "--print-gpus"}, "/dev/null", &out);
   if (pid < 0) return {};
@@ -297,6 +299,10 @@ GpuCensus gpu_census(const fs::path& worker) {
   if (!WIFEXITED(status) || WEXITSTATUS(status) != 0 || std::sscanf(line.c_str(), "%d %lld", &g.count, &g.smallest_bytes) < 1)
     return {};
   return g;
+}
+const GpuCensus& gpu_census(const fs::path& worker) {
+  static const GpuCensus census = ask_gpu_census(worker);
+  return census;
 }
 
 namespace {
@@ -341,7 +347,7 @@ bool choose_local_layout(LocalOptions& o, const fs::path& model, const fs::path&
   so.fp8 = o.fp8;
   const auto footprint = stage_footprint(*config, so);
   const int64_t weights = footprint ? stage_weight_bytes(*footprint, {0, config->n_layer}, config->n_layer) : 0;
-  const GpuCensus g = gpu_census(bin / "conveyor-worker");
+  const GpuCensus& g = gpu_census(bin / "conveyor-worker");
   // A replica needs the whole model on one GPU with room left for its K/V cache.
   const bool fits = footprint && g.smallest_bytes > 0 && double(weights) <= 0.8 * double(g.smallest_bytes);
   const fs::path file = o.layout_figures.empty() ? default_layout_figures(bin) : fs::path(o.layout_figures);
