@@ -1,9 +1,9 @@
 #include "coordinator/layout_choice.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <map>
-#include <optional>
 #include <sstream>
 
 #include <nlohmann/json.hpp>
@@ -40,13 +40,17 @@ LayoutChoice shape_of(const std::string& layout, int gpus) {
   return c;
 }
 
-std::string number(double v, const char* fmt) {
-  char b[32];
-  std::snprintf(b, sizeof(b), fmt, v);
-  std::string s = b;
-  if (std::string(fmt) == "%.0f")  // thousands apart: 18773 -> 18,773
-    for (int i = int(s.size()) - 3; i > 0; i -= 3) s.insert(size_t(i), ",");
+// 18773.4 -> "18,773"
+std::string grouped(double v) {
+  std::string s = std::to_string(std::llround(v));
+  for (int i = int(s.size()) - 3; i > 0; i -= 3) s.insert(size_t(i), ",");
   return s;
+}
+
+std::string two_decimals(double v) {
+  char b[32];
+  std::snprintf(b, sizeof(b), "%.2f", v);
+  return b;
 }
 
 }  // namespace
@@ -111,7 +115,7 @@ LayoutChoice choose_layout(Objective objective, int gpus, bool fits_one_gpu, con
   for (const std::string& l : allowed)
     if (!best || better(pick[l], best)) best = pick[l];
   auto figure = [&](const LayoutFigure* f) {
-    return latency ? number(f->itl_ms_p50, "%.2f") + " ms between tokens" : number(f->tokens_per_s, "%.0f") + " tokens/s";
+    return latency ? two_decimals(f->itl_ms_p50) + " ms between tokens" : grouped(f->tokens_per_s) + " tokens/s";
   };
   LayoutChoice c = shape_of(best->layout, gpus);
   c.why = layout_text(best->layout, gpus) + " measured " + figure(best) + " at " + std::to_string(best->clients) +
