@@ -71,6 +71,11 @@ void Handoff::drain() {
   changed_.wait(lock, [&] { return queue_.empty() && !sending_; });
 }
 
+bool Handoff::drain_for(std::chrono::milliseconds timeout) {
+  std::unique_lock lock(mu_);
+  return changed_.wait_for(lock, timeout, [&] { return queue_.empty() && !sending_; });
+}
+
 bool Handoff::idle() {
   std::lock_guard lock(mu_);
   return queue_.empty() && !sending_;

@@ -62,6 +62,8 @@ class Handoff {
   void cancel(int index);
   // Returns once every queued send has returned.
   void drain();
+  // The same within `timeout`: true when every queued send has returned.
+  bool drain_for(std::chrono::milliseconds timeout);
   // Nothing queued or being sent: a send made now by the caller goes out in order.
   bool idle();
 

@@ -89,6 +89,15 @@ void Worker::Impl::send_register() {
   last_register = Clock::now();
 }
 
+// Waits for the handoff's sends on the control thread, heartbeating meanwhile: one send may
+// take its whole timeout (a peer that stopped answering), longer than the coordinator's
+// liveness window, and a worker that only waited was taken for dead (a drained one, or the
+// healthy upstream of an unreachable stage re-wired by a replay).
+void Worker::Impl::drain_handoff() {
+  while (!handoff->drain_for(opt.heartbeat_interval))
+    if (welcomed) send_heartbeat();
+}
+
 void Worker::Impl::send_heartbeat() {
   const auto now = Clock::now();
   const int64_t busy = busy_ns.load();
@@ -174,7 +183,7 @@ void Worker::Impl::on(const AssignMsg& a) {
   if (loader.joinable()) loader.join();
   if (reuse) {
     std::unique_lock run(run_mu);  // no micro-batch is running while the cache goes
-    handoff->drain();              // nor being sent (a failed send takes stage_mu)
+    drain_handoff();  // nor being sent (a failed send takes stage_mu)
     std::lock_guard lk(stage_mu);
     executor->drop_all();
     publish_stats();
@@ -190,7 +199,7 @@ void Worker::Impl::on(const AssignMsg& a) {
   }
   compute_stop = true;
   if (compute.joinable()) compute.join();
-  handoff->drain();
+  drain_handoff();
   {
     std::lock_guard lk(stage_mu);
     executor.reset();
@@ -293,7 +302,7 @@ void Worker::Impl::unassign() {
   if (loader.joinable()) loader.join();
   compute_stop = true;
   if (compute.joinable()) compute.join();
-  handoff->drain();
+  drain_handoff();
   std::lock_guard lk(stage_mu);
   executor.reset();
   assignment.reset();

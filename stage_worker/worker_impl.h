@@ -107,6 +107,7 @@ struct Worker::Impl {
   void send_register();
 
   void send_heartbeat();
+  void drain_handoff();
 
   // Not welcomed for a few seconds: says why every few seconds, naming the coordinator's
   // address ("connection refused", "no answer within 500 ms", or that it accepts connections
