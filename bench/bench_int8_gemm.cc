@@ -13,9 +13,11 @@
 // (Gemm::run_fp8, kernels/cuda/fp8.h; Hopper): its time (the activations' quantisation
 // included), fp16 / fp8, and its TFLOPS (2 T K N over its time; dense FP8 peak: H100 SXM ~1979).
 // --fast turns deterministic mode off (gemm.h), so fp16 runs cuBLASLt, not the fixed-order
-// tiles, and FP8 times cuBLASLt's proposals per T. The plans Gemm made are listed at the end.
+// tiles, and FP8 times cuBLASLt's proposals per T. --both adds the int8 product of a second
+// Gemm in fast mode, and det / fast (issue 30's side by side: above 1, deterministic is
+// slower). The plans Gemm made are listed at the end.
 //
-//   conveyor-bench-int8-gemm [--reps 50] [--tokens 1,8,32,128,2048] [--bf16] [--kernels] [--fp8] [--fast]
+//   conveyor-bench-int8-gemm [--reps 50] [--tokens 1,8,32,128,2048] [--bf16] [--kernels] [--fp8] [--fast] [--both]
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
@@ -100,7 +102,7 @@ std::vector<int64_t> parse_list(const char* s) {
 }
 
 template <class T>
-int bench(Timer& timer, const std::vector<int64_t>& tokens, bool per_kernel, bool fp8, bool fast) {
+int bench(Timer& timer, const std::vector<int64_t>& tokens, bool per_kernel, bool fp8, bool fast, bool both) {
   const char* type = std::is_same_v<T, __half> ? "fp16" : "bf16";
   const double copy_bw = measure_copy_bandwidth();
   int device = 0;
@@ -112,9 +114,12 @@ int bench(Timer& timer, const std::vector<int64_t>& tokens, bool per_kernel, boo
   std::printf("%7s %7s %6s %8s us %11s %5s/int8 %11s %7s", "K", "N", "T", type, "int8 us", type, "int8 GB/s",
               "%copy");
   if (fp8) std::printf(" %11s %5s/fp8 %11s", "fp8 us", type, "fp8 TFLOPS");
+  if (both) std::printf(" %13s %9s", "int8 fast us", "det/fast");
   std::printf("\n");
   Gemm gemm(process_options().kernels.gemm);  // the environment's tuning and GEMV splits
   gemm.set_deterministic(!fast);
+  Gemm fast_gemm(process_options().kernels.gemm);
+  fast_gemm.set_deterministic(false);
   if (fp8)
     if (Status st = gemm.fp8_supported(); !st) throw Error(st.message());
   const int64_t max_t = *std::max_element(tokens.begin(), tokens.end());
@@ -130,6 +135,7 @@ int bench(Timer& timer, const std::vector<int64_t>& tokens, bool per_kernel, boo
     // As the GPU stage does: run_int8 may dequantise into this and run the fp16 GEMM (prefill).
     DeviceBuffer dequant = device_alloc(size_t(N * K) * sizeof(T), "bench", "dequantisation workspace");
     gemm.set_dequant_workspace(dequant.get(), dequant.bytes());
+    fast_gemm.set_dequant_workspace(dequant.get(), dequant.bytes());
     fill_normal<T>(w.as<T>(), N * K, 0.f, 0.02f, 7, uint64_t(K * 100003 + N), s);
     fill_normal<T>(bias.as<T>(), N, 0.f, 0.1f, 7, 1, s);
     fill_normal<T>(in.as<T>(), max_t * K, 0.f, 1.f, 7, 2, s);
@@ -160,6 +166,13 @@ int bench(Timer& timer, const std::vector<int64_t>& tokens, bool per_kernel, boo
         });
         std::printf(" %11.2f %9.2f %11.1f", fp8_us, wide_us / fp8_us, 2.0 * double(t) * K * N / (fp8_us * 1e-6) * 1e-12);
       }
+      if (both) {
+        const double fast_us = timer.median_us([&] {
+          fast_gemm.run_int8<T, T>(out.as<T>(), in.as<T>(), q.as<int8_t>(), scales.as<float>(), bias.as<T>(), t, K,
+                                   N, GemmAct::None, s);
+        });
+        std::printf(" %13.2f %9.2f", fast_us, int8_us / fast_us);
+      }
       std::printf("\n");
       std::fflush(stdout);
       if (per_kernel) {
@@ -175,12 +188,13 @@ int bench(Timer& timer, const std::vector<int64_t>& tokens, bool per_kernel, boo
     }
   }
   std::printf("\n%s", gemm.describe_plans().c_str());
+  if (both) std::printf("\nfast mode:\n%s", fast_gemm.describe_plans().c_str());
   return 0;
 }
 
 int run(int argc, char** argv) {
   std::vector<int64_t> tokens = {1, 8, 32, 128, 2048};
-  bool bf16 = false, per_kernel = false, fp8 = false, fast = false;
+  bool bf16 = false, per_kernel = false, fp8 = false, fast = false, both = false;
   int reps = 50;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
@@ -190,6 +204,7 @@ int run(int argc, char** argv) {
     else if (a == "--kernels") per_kernel = true;
     else if (a == "--fp8") fp8 = true;
     else if (a == "--fast") fast = true;
+    else if (a == "--both") both = true;
     else {
       std::fprintf(stderr, "unknown option %s (see the top of bench/bench_int8_gemm.cc)\n", a.c_str());
       return 2;
@@ -206,8 +221,8 @@ int run(int argc, char** argv) {
   }
   Timer timer;
   timer.reps = reps;
-  return bf16 ? bench<__nv_bfloat16>(timer, tokens, per_kernel, fp8, fast)
-              : bench<__half>(timer, tokens, per_kernel, fp8, fast);
+  return bf16 ? bench<__nv_bfloat16>(timer, tokens, per_kernel, fp8, fast, both)
+              : bench<__half>(timer, tokens, per_kernel, fp8, fast, both);
 }
 
 }  // namespace

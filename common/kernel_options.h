@@ -32,6 +32,10 @@ struct GemmOptions {
   // Deterministic mode's order: the sequential order where a canonical unsplit cuBLASLt
   // algorithm exists (else the fixed-order tiles); off: the fixed-order tiles for every shape.
   bool sequential_order = true;
+  // Int8 weight-only products in deterministic mode: the sequential order over the
+  // dequantised weights (prefill at cuBLASLt's speed, decode slower) instead of the
+  // fixed-order tiles (docs/PERFORMANCE.md measures both). Needs sequential_order.
+  bool int8_sequential_order = false;
   // cuBLASLt's fast FP8 accumulation (no periodic promotion to fp32): faster, less exact.
   bool fp8_fast_accum = false;
   // Forced K slices of the fp16/bf16 GEMV (kGemvKSplits; 0: by N), for measurements.

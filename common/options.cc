@@ -78,6 +78,20 @@ OptionSpec flag(OptionSpec spec, Field field) {
   return spec;
 }
 
+// A bool shown and given as one of two words: `on` (true) or `off` (false).
+template <class Field>
+OptionSpec choice(OptionSpec spec, Field field, const char* on, const char* off) {
+  spec.values = std::string(on) + " or " + off;
+  spec.parse = [field, on = std::string(on), off = std::string(off)](std::string_view t, Options& o) -> Status {
+    const std::string v = lower(t);
+    if (v != on && v != off) return Status::error("expected " + on + " or " + off);
+    field(o) = v == on;
+    return {};
+  };
+  spec.show = [field, on, off](const Options& o) -> std::string { return field(o) ? on : off; };
+  return spec;
+}
+
 template <class Field>
 OptionSpec number(OptionSpec spec, Field field, int64_t lo, int64_t hi) {
   spec.parse = [field, lo, hi](std::string_view text, Options& o) -> Status {
@@ -189,24 +203,19 @@ void add_kernel_options(std::vector<OptionSpec>& s) {
                                "heuristic's first choice, untimed)",
                     .scope = kWorkerScope},
                    [](auto& o) -> auto& { return o.kernels.gemm.tuning; }));
-  {
-    OptionSpec order{.name = "gemm.order",
-                     .variable = "CONVEYOR_GEMM_ORDER",
-                     .meaning = "deterministic products: sequential (cuBLASLt's unsplit kernels and the sequential "
-                                "GEMV where they apply) or fixed (the fixed-order tiles for every shape)",
-                     .values = "sequential or fixed",
-                     .scope = kWorkerScope};
-    order.parse = [](std::string_view t, Options& o) -> Status {
-      const std::string v = lower(t);
-      if (v != "sequential" && v != "fixed") return Status::error("expected sequential or fixed");
-      o.kernels.gemm.sequential_order = v == "sequential";
-      return {};
-    };
-    order.show = [](const Options& o) -> std::string {
-      return o.kernels.gemm.sequential_order ? "sequential" : "fixed";
-    };
-    s.push_back(std::move(order));
-  }
+  s.push_back(choice({.name = "gemm.order",
+                      .variable = "CONVEYOR_GEMM_ORDER",
+                      .meaning = "deterministic products: sequential (cuBLASLt's unsplit kernels and the sequential "
+                                 "GEMV where they apply) or fixed (the fixed-order tiles for every shape)",
+                      .scope = kWorkerScope},
+                     [](auto& o) -> auto& { return o.kernels.gemm.sequential_order; }, "sequential", "fixed"));
+  s.push_back(choice({.name = "gemm.int8_order",
+                      .variable = "CONVEYOR_GEMM_INT8_ORDER",
+                      .meaning = "deterministic int8 weight-only products: fixed (the fixed-order tiles: the fastest "
+                                 "decode) or sequential (the sequential order over the dequantised weights: prefill "
+                                 "at cuBLASLt's speed, decode slower; with gemm.order sequential)",
+                      .scope = kWorkerScope},
+                     [](auto& o) -> auto& { return o.kernels.gemm.int8_sequential_order; }, "sequential", "fixed"));
   s.push_back(flag({.name = "gemm.fp8_fast_accum",
                     .variable = "CONVEYOR_FP8_FAST_ACCUM",
                     .meaning = "cuBLASLt's fast FP8 accumulation for --fp8 stages (no periodic promotion to fp32: "

@@ -415,7 +415,9 @@ void Gemm::run_int8(OutT* out, const T* in, const int8_t* w, const float* scales
   detail::int8_check_args(out, in, w, scales, T_, K, N);
   check_device();
   if (options_.deterministic) {
-    run_fixed<T, int8_t, OutT>(out, in, w, scales, bias, T_, K, N, act, stream);
+    if (!options_.sequential_order || !options_.int8_sequential_order ||
+        !run_sequential_int8<T, OutT>(out, in, w, scales, bias, T_, K, N, act, stream))
+      run_fixed<T, int8_t, OutT>(out, in, w, scales, bias, T_, K, N, act, stream);
     return;
   }
 

@@ -125,14 +125,18 @@ class Gemm {
   // increasing 16-element tensor-core steps from zero, as cuBLASLt's kernels without a split
   // along K sum; those kernels and the sequential GEMV, each admitted by its bits on a probe,
   // timed per T bucket) for every shape where a canonical unsplit cuBLASLt algorithm exists,
-  // else the fixed-order tiles (fixed_gemm.h: chains that depend on K alone); run_int8()
-  // takes the fixed-order tiles. set_sequential_order(false), or GemmOptions::sequential_order
+  // else the fixed-order tiles (fixed_gemm.h: chains that depend on K alone). run_int8()
+  // takes the fixed-order tiles, or with GemmOptions::int8_sequential_order the same
+  // sequential order over the dequantised matrix T(q * s) (the dequantisation workspace
+  // below, or gemv_seq_int8 in registers for T <= 64): prefill at cuBLASLt's speed, decode
+  // slower than the tiles. set_sequential_order(false), or GemmOptions::sequential_order
   // off, keeps every shape on the tiles. Off: the fastest of cuBLASLt, the GEMV and the
   // int8 kernels, whose order follows T. The [K, N] layout always takes cuBLASLt (the stage
   // never uses it). A shape's route is settled at its first call, which must come outside
   // graph capture (GpuStage plans every shape eagerly before it captures).
   void set_deterministic(bool on) { options_.deterministic = on; }
   void set_sequential_order(bool on) { options_.sequential_order = on; }
+  void set_int8_sequential_order(bool on) { options_.int8_sequential_order = on; }
   bool deterministic() const { return options_.deterministic; }
   const GemmOptions& options() const { return options_; }
 
@@ -181,6 +185,15 @@ class Gemm {
   template <class T, class OutT>
   bool run_sequential(OutT* out, const T* in, const T* w, const T* bias, int64_t T_, int64_t K, int64_t N,
                       GemmAct act, cudaStream_t stream);
+  // Int8 weights in that order (dequantised in the producer): false when the shape keeps the
+  // fixed-order tiles (no dequantisation workspace for it, or no canonical algorithm).
+  template <class T, class OutT>
+  bool run_sequential_int8(OutT* out, const T* in, const int8_t* q, const float* scales, const T* bias, int64_t T_,
+                           int64_t K, int64_t N, GemmAct act, cudaStream_t stream);
+  enum class SeqInt8 : int;  // gemm_sequential.cc
+  template <class T, class OutT>
+  SeqInt8 seq_int8_family(const Key& family, const int8_t* q, const float* scales, const T* bias,
+                                     cudaStream_t stream);
   struct SeqFamily;
   struct SeqPlan;
   struct SeqState;

@@ -46,12 +46,14 @@
 #include "kernels/cuda/gemv.h"
 #include "kernels/cuda/lt_descriptors.h"
 #include "kernels/cuda/ops.h"
+#include "kernels/cuda/quant.h"
 #include "kernels/cuda/synthetic.h"
 
 namespace conveyor::cuda {
 namespace {
 
-constexpr int kSeqLayout = 6;  // Key::layout of these plans (gemm.cc uses 0..4, fp8_gemm.cc 5)
+constexpr int kSeqLayout = 6;      // Key::layout of these plans (gemm.cc uses 0..4, fp8_gemm.cc 5)
+constexpr int kSeqInt8Layout = 7;  // run_sequential_int8's
 constexpr int64_t kSeqAnchorRows = 256;
 constexpr int64_t kSeqProbeRows = 8;
 constexpr int kSeqProposals = 32;
@@ -116,10 +118,16 @@ struct Gemm::SeqPlan {
   std::string choice;
 };
 
+// How an int8 family (run_sequential_int8) runs: not at all (the fixed-order tiles keep it),
+// always through the dequantised matrix, or also through gemv_seq_int8 for T <= 64.
+enum class Gemm::SeqInt8 : int { Tiles, Dequantised, AlsoGemv };
+
 struct Gemm::SeqState {
   std::map<Key, SeqFamily> families;  // key with T = 0
   std::map<Key, std::unique_ptr<SeqPlan>> plans;
   std::map<Key, const SeqPlan*> timed_buckets;  // key with T = its bucket
+  std::map<Key, SeqInt8> int8_families;         // int8 keys with T = 0
+  std::map<Key, bool> int8_gemv_plans;          // int8 keys with T: the GEMV (else the dequantised matrix)
 
   template <class T, class OutT>
   struct Call;
@@ -175,6 +183,14 @@ Gemm::SeqFamily& Gemm::seq_family(const Key& fk, const T* w, const T* bias, cuda
     return f;
   }
   const int64_t K = fk.K, N = fk.N, P = kSeqProbeRows;
+  // Rows that are not 16-byte aligned take cuBLASLt's older kernels, and among those an
+  // admitted configuration (algorithm 11, on an H200) kept the probe's bits but not a row's
+  // at other T (test_cuda_determinism, K = 100, 2026-11-26). The premise was measured on
+  // aligned rows (every model's K is a multiple of 64).
+  if (K % 8 != 0 || fk.align < 16) {
+    f.why = "rows or pointers not 16-byte aligned (K % 8 != 0)";
+    return f;
+  }
   const bool bias_epi = fk.has_bias && fk.act == int(GemmAct::None);
   const size_t ob = type_bytes(fk.out_type);
   f.row_bytes = size_t(N) * ob;
@@ -375,9 +391,94 @@ bool Gemm::run_sequential(OutT* out, const T* in, const T* w, const T* bias, int
   return true;
 }
 
+// Int8 weights in the sequential order (gemm.h, "Deterministic mode"): "dequantise in the
+// producer". The matrix T(q * s) is the fp16/bf16 product's weight: T > 64 dequantises it
+// into the dequantisation workspace and runs run_sequential over it; T <= 64 may run
+// gemv_seq_int8, which reads only the int8 bytes and makes the same values in registers. The
+// GEMV joins a family when its probe rows equal the canonical algorithm's over the same
+// dequantised matrix, bit for bit; for 8 < T <= 64 the two routes are timed (T <= 8 is the
+// GEMV's: half the bytes of either).
+template <class T, class OutT>
+Gemm::SeqInt8 Gemm::seq_int8_family(const Key& ik, const int8_t* q, const float* scales, const T* bias,
+                              cudaStream_t stream) {
+  if (auto it = seq_->int8_families.find(ik); it != seq_->int8_families.end()) return it->second;
+  T* dequant = static_cast<T*>(dequant_);
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
+  if (capture != cudaStreamCaptureStatusNone) return seq_->int8_families[ik] = SeqInt8::Tiles;
+  dequantize_rows_int8<T>(dequant, q, scales, ik.N, ik.K, stream);
+  Key fk = ik;
+  fk.layout = kSeqLayout;
+  fk.align = std::min(ik.align, lt_alignment(dequant));
+  SeqFamily& f = seq_family<T, OutT>(fk, dequant, bias, stream);
+  if (!f.usable) return seq_->int8_families[ik] = SeqInt8::Tiles;
+  const int64_t P = kSeqProbeRows;
+  if (!detail::gemv_seq_int8_supported(P, ik.K, ik.N, f.probe_in.get(), q))
+    return seq_->int8_families[ik] = SeqInt8::Dequantised;
+  DeviceBuffer ref = device_alloc(size_t(P) * f.row_bytes, "gemm", "int8 sequential-order probe output");
+  DeviceBuffer got = device_alloc(size_t(P) * f.row_bytes, "gemm", "int8 sequential-order probe output");
+  SeqPlan canonical;
+  canonical.problem = std::make_unique<SeqProblem>(fk.in_type, fk.out_type, P, ik.K, ik.N,
+                                                   ik.has_bias && ik.act == int(GemmAct::None));
+  const SeqState::Call<T, OutT> call{.gemm = *this, .f = f, .out = ref.as<OutT>(), .in = f.probe_in.as<T>(),
+                                     .w = dequant, .bias = bias, .T_ = P, .K = ik.K, .N = ik.N,
+                                     .act = GemmAct(ik.act), .stream = stream};
+  if (!call.launch(canonical))
+    throw Error("gemm: the canonical sequential-order algorithm failed the int8 probe");
+  detail::gemv_seq_int8<T, OutT>(got.as<OutT>(), f.probe_in.as<T>(), q, scales, bias, P, ik.K, ik.N,
+                                 GemmAct(ik.act), stream);
+  const bool same = same_rows(ref.get(), got.get(), P, f.row_bytes, stream);
+  return seq_->int8_families[ik] = same ? SeqInt8::AlsoGemv : SeqInt8::Dequantised;
+}
+
+template <class T, class OutT>
+bool Gemm::run_sequential_int8(OutT* out, const T* in, const int8_t* q, const float* scales, const T* bias,
+                               int64_t T_, int64_t K, int64_t N, GemmAct act, cudaStream_t stream) {
+  T* dequant = static_cast<T*>(dequant_);
+  if (dequant == nullptr || size_t(N * K) * sizeof(T) > dequant_bytes_) return false;
+  if (!seq_) seq_.reset(new SeqState);
+  Key key{};
+  key.layout = kSeqInt8Layout;
+  key.in_type = int(lt_data_type<T>());
+  key.out_type = int(lt_data_type<OutT>());
+  key.has_bias = bias != nullptr;
+  key.act = int(act);
+  key.align = std::min({lt_alignment(out), lt_alignment(in), lt_alignment(bias)});
+  key.K = K, key.N = N;
+  const SeqInt8 route = seq_int8_family<T, OutT>(key, q, scales, bias, stream);
+  if (route == SeqInt8::Tiles) return false;
+  auto through_dequantised = [&] {
+    dequantize_rows_int8<T>(dequant, q, scales, N, K, stream);
+    if (!run_sequential<T, OutT>(out, in, dequant, bias, T_, K, N, act, stream))
+      throw Error("gemm: the int8 sequential-order family lost its canonical algorithm");
+    return true;
+  };
+  auto through_gemv = [&] {
+    detail::gemv_seq_int8<T, OutT>(out, in, q, scales, bias, T_, K, N, act, stream);
+    return true;
+  };
+  if (route != SeqInt8::AlsoGemv || !detail::gemv_seq_int8_supported(T_, K, N, in, q)) return through_dequantised();
+  if (T_ <= detail::kGemvMaxTokens) return through_gemv();
+  key.T = T_;
+  auto it = seq_->int8_gemv_plans.find(key);
+  if (it == seq_->int8_gemv_plans.end()) {
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
+    bool gemv = true;
+    if (options_.tuning && capture == cudaStreamCaptureStatusNone) {
+      const float dequantised_ms = time_ms(stream, through_dequantised), gemv_ms = time_ms(stream, through_gemv);
+      gemv = gemv_ms >= 0 && (dequantised_ms < 0 || gemv_ms <= dequantised_ms);
+    }
+    it = seq_->int8_gemv_plans.emplace(key, gemv).first;
+  }
+  return it->second ? through_gemv() : through_dequantised();
+}
+
 #define CONVEYOR_SEQ(T, OutT)                                                                                       \
   template bool Gemm::run_sequential<T, OutT>(OutT*, const T*, const T*, const T*, int64_t, int64_t, int64_t, GemmAct, \
-                                              cudaStream_t);
+                                              cudaStream_t);                                                 \
+  template bool Gemm::run_sequential_int8<T, OutT>(OutT*, const T*, const int8_t*, const float*, const T*, int64_t, \
+                                                   int64_t, int64_t, GemmAct, cudaStream_t);
 CONVEYOR_SEQ(__half, __half)
 CONVEYOR_SEQ(__half, float)
 CONVEYOR_SEQ(__nv_bfloat16, __nv_bfloat16)

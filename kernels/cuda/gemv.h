@@ -37,4 +37,16 @@ template <class T, class OutT>
 void gemv_seq(OutT* out, const T* in, const T* w, const T* bias, int64_t T_, int64_t K, int64_t N, GemmAct act,
               cudaStream_t stream);
 
+// The same order over int8 weights q [N, K] with a scale per row (quant.h), dequantised in
+// registers: each weight is T(q[n, k] * s[n]) rounded once, as dequantize_rows_int8 writes
+// it, so a row's bits are those of gemv_seq (and of the sequential cuBLASLt kernels) over the
+// dequantised matrix, while only the int8 bytes are read. Up to kGemvSeqInt8MaxTokens tokens:
+// blocks of 8 tokens, the groups of one row block launched together so that they share the
+// weights in L2. K % 16 == 0, in and w 16-byte aligned (gemv_seq_int8_supported).
+constexpr int64_t kGemvSeqInt8MaxTokens = 64;
+bool gemv_seq_int8_supported(int64_t T_, int64_t K, int64_t N, const void* in, const void* w);
+template <class T, class OutT>
+void gemv_seq_int8(OutT* out, const T* in, const int8_t* w, const float* scales, const T* bias, int64_t T_, int64_t K,
+                   int64_t N, GemmAct act, cudaStream_t stream);
+
 }  // namespace conveyor::cuda::detail

@@ -63,6 +63,7 @@ TEST(Options, EveryDeclarationIsWholeAndUnique) {
   EXPECT_EQ(find_option("no.such.option"), nullptr);
   // The variables issue 27 found read across the tree, each declared once.
   for (const char* v : {"CONVEYOR_GEMV_L2_PREFETCH", "CONVEYOR_GEMV_KSPLIT", "CONVEYOR_GEMM_TUNE", "CONVEYOR_GEMM_ORDER",
+                        "CONVEYOR_GEMM_INT8_ORDER",
                         "CONVEYOR_DETERMINISTIC", "CONVEYOR_FP8_FAST_ACCUM", "CONVEYOR_PDL", "CONVEYOR_INT8_GEMV_KSPLIT",
                         "CONVEYOR_CPU_THREADS", "CONVEYOR_TRACE_DIR", "UCX_TLS", "UCX_NET_DEVICES",
                         "UCX_KEEPALIVE_INTERVAL", "CONVEYOR_LOG_LEVEL", "CONVEYOR_JOIN_TOKEN", "CONVEYOR_API_KEY",
@@ -102,6 +103,7 @@ TEST(Options, EachKindParses) {
   const Options o = read_ok({{"CONVEYOR_GEMM_TUNE", "0"},
                              {"CONVEYOR_DETERMINISTIC", "off"},
                              {"CONVEYOR_GEMM_ORDER", "fixed"},
+                             {"CONVEYOR_GEMM_INT8_ORDER", "sequential"},
                              {"CONVEYOR_FP8_FAST_ACCUM", "TRUE"},
                              {"CONVEYOR_GEMV_KSPLIT", "4"},
                              {"CONVEYOR_GEMV_L2_PREFETCH", "4096"},
@@ -121,6 +123,7 @@ TEST(Options, EachKindParses) {
   EXPECT_FALSE(g.tuning);
   EXPECT_FALSE(g.deterministic);
   EXPECT_FALSE(g.sequential_order);
+  EXPECT_TRUE(g.int8_sequential_order);
   EXPECT_TRUE(g.fp8_fast_accum);
   EXPECT_EQ(g.gemv_k_split, 4);
   EXPECT_EQ(g.gemv_l2_prefetch_bytes, 4096);
@@ -139,6 +142,9 @@ TEST(Options, EachKindParses) {
   EXPECT_EQ(o.from_environment.size(), option_specs().size());
   EXPECT_TRUE(o.set_by_environment("gemm.tune"));
   EXPECT_EQ(read_ok({{"CONVEYOR_GEMM_ORDER", "sequential"}}).kernels.gemm.sequential_order, true);
+  EXPECT_EQ(read_ok({{"CONVEYOR_GEMM_INT8_ORDER", "Sequential"}}).kernels.gemm.int8_sequential_order, true);
+  EXPECT_EQ(read_error({{"CONVEYOR_GEMM_INT8_ORDER", "tiles"}}),
+            "bad environment: CONVEYOR_GEMM_INT8_ORDER='tiles': expected sequential or fixed");
   EXPECT_EQ(read_ok({{"CONVEYOR_LOG_LEVEL", "warning"}}).log_level, spdlog::level::warn);
 }
 

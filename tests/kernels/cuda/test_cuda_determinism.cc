@@ -2,7 +2,8 @@
 //   - a row of a product is the same bits whatever the token count, its place among the
 //     rows, the tile that ran it, or whether the aligned loader did (T or int8 weights, T or
 //     fp32 output, one split along K or several), and Gemm::run/run_int8 in deterministic
-//     mode give those bits too;
+//     mode give those bits too; the same for the sequential order (gemm_sequential.cc),
+//     int8 weights included (dequantised in the producer);
 //   - decode attention at position p gives the bits the context kernel gives row p, with
 //     the prompt in one chunk or several, any number of blocks per row, over 1..3 pieces.
 // The stage-level suite (tests/stage/cuda/test_gpu_determinism.cc) builds on these.
@@ -31,6 +32,7 @@ TEST(CudaDeterminism, NotBuilt) { GTEST_SKIP() << "built without the CUDA backen
 #include "kernels/cuda/check.h"
 #include "kernels/cuda/fixed_gemm.h"
 #include "kernels/cuda/gemm.h"
+#include "kernels/cuda/gemv.h"
 #include "kernels/cuda/paged_kv.h"
 #include "kernels/cuda/quant.h"
 #include "stage/cuda/kv_cache.h"
@@ -184,6 +186,99 @@ TYPED_TEST(CudaOps, SequentialOrderProductRowsIgnoreTheBatch) {
   check_sequential_rows<T, T>(rng, 1600, 6400, false, cuda::GemmAct::GeluErf);
   check_sequential_rows<T, T>(rng, 256, 200, false, cuda::GemmAct::None);
   check_sequential_rows<T, float>(rng, 1600, 50257, false, cuda::GemmAct::None);
+}
+
+// Int8 weights in the sequential order ("dequantise in the producer"): every row of
+// run_int8 in deterministic mode, whatever T and wherever the row sits, has the bits of the
+// fp16/bf16 sequential product over the dequantised matrix T(q * s); and gemv_seq_int8, the
+// route of T <= 64, has them on its own (so Gemm's admission of it is not what the first
+// check rests on).
+template <class T>
+void check_sequential_int8_rows(Rng& rng, int64_t K, int64_t N, bool with_bias, cuda::GemmAct act) {
+  const int64_t Tmax = 300;
+  SCOPED_TRACE("int8 K=" + std::to_string(K) + " N=" + std::to_string(N) + (with_bias ? " bias" : "") +
+               (act != cuda::GemmAct::None ? " gelu" : ""));
+  Dev<T> x(rng.normal(size_t(Tmax * K)));
+  Dev<T> bias(rng.normal(size_t(N), 0.1f));
+  Dev<T> wt(rng.normal(size_t(N * K), 1.f / std::sqrt(float(K))));
+  cuda::DeviceBuffer q = cuda::device_alloc(size_t(N * K), "test", "int8 weights");
+  Dev<float> scales(N);
+  Dev<T> dequantised(N * K), workspace(N * K);
+  const int8_t* qp = static_cast<const int8_t*>(q.get());
+  cuda::quantize_rows_int8<T>(static_cast<int8_t*>(q.get()), scales.p(), wt.p(), N, K, nullptr);
+  cuda::dequantize_rows_int8<T>(dequantised.p(), qp, scales.p(), N, K, nullptr);
+  const T* b = with_bias ? bias.p() : nullptr;
+  const size_t row_bytes = size_t(N) * sizeof(T);
+  cuda::Gemm fp16;
+  Dev<T> ref_out(Tmax * N);
+  fp16.run<T, T>(ref_out.p(), x.p(), dequantised.p(), b, Tmax, K, N, cuda::WeightLayout::NK, act, nullptr);
+  CUDA_CHECK(cudaDeviceSynchronize());
+  const auto ref = bytes_of(ref_out.p(), size_t(Tmax) * row_bytes);
+
+  cuda::Gemm gemm;
+  ASSERT_TRUE(gemm.deterministic());
+  gemm.set_int8_sequential_order(true);
+  gemm.set_dequant_workspace(workspace.p(), size_t(N * K) * sizeof(T));
+  for (int64_t T_ : {1, 2, 5, 8, 9, 16, 33, 64, 65, 100, 256, 293}) {
+    for (int64_t first : {int64_t(0), int64_t(7), Tmax - T_}) {
+      Dev<T> out(T_ * N);
+      gemm.run_int8<T, T>(out.p(), x.p() + first * K, qp, scales.p(), b, T_, K, N, act, nullptr);
+      CUDA_CHECK(cudaDeviceSynchronize());
+      const auto got = bytes_of(out.p(), size_t(T_) * row_bytes);
+      for (int64_t r = 0; r < T_; ++r)
+        ASSERT_TRUE(same_row(got, r, ref, first + r, row_bytes))
+            << "run_int8 T=" << T_ << " row " << r << " (x row " << first + r << ")\n" << gemm.describe_plans();
+    }
+  }
+  if (!cuda::detail::gemv_seq_int8_supported(1, K, N, x.p(), qp)) return;
+  for (int64_t T_ : {int64_t(1), int64_t(8), int64_t(40), cuda::detail::kGemvSeqInt8MaxTokens}) {
+    Dev<T> out(T_ * N);
+    cuda::detail::gemv_seq_int8<T, T>(out.p(), x.p() + 3 * K, qp, scales.p(), b, T_, K, N, act, nullptr);
+    CUDA_CHECK(cudaDeviceSynchronize());
+    const auto got = bytes_of(out.p(), size_t(T_) * row_bytes);
+    for (int64_t r = 0; r < T_; ++r)
+      ASSERT_TRUE(same_row(got, r, ref, 3 + r, row_bytes)) << "gemv_seq_int8 T=" << T_ << " row " << r;
+  }
+}
+
+TYPED_TEST(CudaOps, SequentialOrderInt8RowsIgnoreTheBatchAndEqualTheDequantisedProduct) {
+  using T = TypeParam;
+  Rng rng;
+  SEED_TRACE(rng);
+  // gpt2-xl's projection and FC (GeLU), gpt3-6.7b's QKV and FC2, a small shape, and K = 200
+  // (no GEMV: K % 16 != 0).
+  check_sequential_int8_rows<T>(rng, 1600, 1600, true, cuda::GemmAct::None);
+  check_sequential_int8_rows<T>(rng, 1600, 6400, true, cuda::GemmAct::GeluTanh);
+  check_sequential_int8_rows<T>(rng, 4096, 12288, true, cuda::GemmAct::None);
+  check_sequential_int8_rows<T>(rng, 16384, 4096, true, cuda::GemmAct::None);
+  check_sequential_int8_rows<T>(rng, 256, 200, false, cuda::GemmAct::None);
+  check_sequential_int8_rows<T>(rng, 200, 72, true, cuda::GemmAct::None);
+}
+
+// Rows not 16-byte aligned (K = 100) keep the fixed-order tiles in the sequential mode too,
+// and their rows still ignore the batch.
+TYPED_TEST(CudaOps, SequentialOrderLeavesUnalignedRowsToTheTiles) {
+  using T = TypeParam;
+  Rng rng;
+  SEED_TRACE(rng);
+  const int64_t K = 100, N = 72, Tmax = 300;
+  Dev<T> x(rng.normal(size_t(Tmax * K))), w(rng.normal(size_t(N * K), 0.1f)), bias(rng.normal(size_t(N), 0.1f));
+  cuda::Gemm gemm;
+  Dev<T> ref_out(Tmax * N);
+  gemm.run<T, T>(ref_out.p(), x.p(), w.p(), bias.p(), Tmax, K, N, cuda::WeightLayout::NK, cuda::GemmAct::None, nullptr);
+  CUDA_CHECK(cudaDeviceSynchronize());
+  const size_t row_bytes = size_t(N) * sizeof(T);
+  const auto ref = bytes_of(ref_out.p(), size_t(Tmax) * row_bytes);
+  for (int64_t T_ : {1, 5, 8, 9, 64, 100, 293}) {
+    Dev<T> out(T_ * N);
+    gemm.run<T, T>(out.p(), x.p() + 7 * K, w.p(), bias.p(), T_, K, N, cuda::WeightLayout::NK, cuda::GemmAct::None,
+                   nullptr);
+    CUDA_CHECK(cudaDeviceSynchronize());
+    const auto got = bytes_of(out.p(), size_t(T_) * row_bytes);
+    for (int64_t r = 0; r < T_; ++r) ASSERT_TRUE(same_row(got, r, ref, 7 + r, row_bytes)) << "T=" << T_ << " row " << r;
+  }
+  const std::string plans = gemm.describe_plans();
+  EXPECT_NE(plans.find("fixed-order tiles (rows or pointers not 16-byte aligned"), std::string::npos) << plans;
 }
 
 TYPED_TEST(CudaOps, FixedOrderProductChecksItsArguments) {
