@@ -105,8 +105,11 @@ mkdir -p "$out"
 export CONVEYOR_SOURCE_DIR="$repo"
 # Ranks of a tensor-parallel test that share a GPU wait for each other inside kernels: their
 # streams must not share a hardware queue (8 by default), and no kernel may be loaded on
-# first launch (that waits for the running ones). See tests/test_util.h.
-export CUDA_DEVICE_MAX_CONNECTIONS="${CUDA_DEVICE_MAX_CONNECTIONS:-32}" CUDA_MODULE_LOADING=EAGER
+# first launch (that waits for the running ones). See tests/test_util.h. EAGER loading is
+# for the test programs alone (run_tests): under it a worker's first cuBLASLt handle loads
+# every kernel of the library, which made the benchmarks' placements and failovers 1.5 s
+# slower (docs/PERFORMANCE.md, "The placement regression").
+export CUDA_DEVICE_MAX_CONNECTIONS="${CUDA_DEVICE_MAX_CONNECTIONS:-32}"
 summary=()
 t_start=$SECONDS
 
@@ -115,7 +118,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --f
 run_tests() {  # name, program
   local name="$1" prog="$2"
   if [[ ! -x "$prog" ]]; then summary+=("$name: MISSING ($prog)"); return; fi
-  timeout 300 "$prog" --gtest_brief=1 --gtest_color=no >"$out/$name.log" 2>&1
+  CUDA_MODULE_LOADING=EAGER timeout 300 "$prog" --gtest_brief=1 --gtest_color=no >"$out/$name.log" 2>&1
   local rc=$?
   local passed failed skipped
   passed=$(grep -c '^\[       OK \]' "$out/$name.log")
