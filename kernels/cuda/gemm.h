@@ -193,7 +193,7 @@ class Gemm {
   enum class SeqInt8 : int;  // gemm_sequential.cc
   template <class T, class OutT>
   SeqInt8 seq_int8_family(const Key& family, const int8_t* q, const float* scales, const T* bias,
-                                     cudaStream_t stream);
+                          cudaStream_t stream);
   struct SeqFamily;
   struct SeqPlan;
   struct SeqState;

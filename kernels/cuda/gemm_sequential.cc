@@ -183,10 +183,10 @@ Gemm::SeqFamily& Gemm::seq_family(const Key& fk, const T* w, const T* bias, cuda
     return f;
   }
   const int64_t K = fk.K, N = fk.N, P = kSeqProbeRows;
-  // Rows that are not 16-byte aligned take cuBLASLt's older kernels, and among those an
-  // admitted configuration (algorithm 11, on an H200) kept the probe's bits but not a row's
-  // at other T (test_cuda_determinism, K = 100, 2026-11-26). The premise was measured on
-  // aligned rows (every model's K is a multiple of 64).
+  // Rows that are not 16-byte aligned take cuBLASLt's older kernels, and the configurations
+  // admitted by the probe there (algorithms 23 and 11, on an H200) did not all give a row the
+  // same bits at every T (test_cuda_determinism, K = 100, 2026-11-26). The premise was
+  // measured on aligned rows (every model's K is a multiple of 64).
   if (K % 8 != 0 || fk.align < 16) {
     f.why = "rows or pointers not 16-byte aligned (K % 8 != 0)";
     return f;
@@ -400,7 +400,7 @@ bool Gemm::run_sequential(OutT* out, const T* in, const T* w, const T* bias, int
 // GEMV's: half the bytes of either).
 template <class T, class OutT>
 Gemm::SeqInt8 Gemm::seq_int8_family(const Key& ik, const int8_t* q, const float* scales, const T* bias,
-                              cudaStream_t stream) {
+                                     cudaStream_t stream) {
   if (auto it = seq_->int8_families.find(ik); it != seq_->int8_families.end()) return it->second;
   T* dequant = static_cast<T*>(dequant_);
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
