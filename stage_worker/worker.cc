@@ -239,9 +239,11 @@ void Worker::Impl::report_wiring_failure(const AssignMsg& a, const Status& s) {
   send(transport::DataErrorMsg{.error = "wiring: " + s.message(), .epoch = a.epoch});
 }
 
-void Worker::Impl::report_data_error(const std::string& error, const std::string& peer) {
+void Worker::Impl::report_data_error(const std::string& error, const std::string& peer, uint32_t epoch) {
   transport::DataErrorMsg m{.error = error, .peer = peer};
-  {
+  if (epoch != 0) {
+    m.epoch = epoch;
+  } else {
     std::lock_guard lk(stage_mu);
     if (assignment) m.epoch = assignment->epoch;
   }

@@ -156,9 +156,10 @@ struct Worker::Impl {
   // stays down until the coordinator, having found the dead neighbour, assigns again.
   void report_wiring_failure(const AssignMsg& a, const Status& s);
 
-  // Tells the coordinator that the data plane failed under the current assignment; it
-  // replays the pipeline on fresh connections (once per epoch).
-  void report_data_error(const std::string& error, const std::string& peer);
+  // Tells the coordinator that the data plane failed in `epoch` (0: the current assignment's);
+  // it replays the pipeline on fresh connections (once per epoch) when that is its epoch, and
+  // weighs a report of the epoch it replayed from as evidence of an unreachable peer.
+  void report_data_error(const std::string& error, const std::string& peer, uint32_t epoch = 0);
 
   // Under run_mu, or while no compute thread runs.
   void publish_stats();
@@ -252,9 +253,10 @@ struct Worker::Impl {
 
   void send_result(PeerId coord, const BatchResult& r);
 
-  // A step's hand-on (or result) that failed after the stage was re-assigned: most often its
-  // neighbour was dropped by the re-wiring. Its epoch is over, so it is no data-plane error:
-  // said, not reported (a report, or an error result, would replay the new plan for nothing).
+  // A step's hand-on that failed after the stage was re-assigned (often to the neighbour the
+  // re-wiring dropped): reported with its own epoch, but no error result goes for it, since
+  // the coordinator has left that epoch (an engine that had not yet heard of the new one took
+  // such a result for a failure of its own and replayed the new plan).
   void log_superseded(const BatchResult& r, const Status& sent);
 
   // Decodes once and dispatches to the on(...) overload of the message's kind.

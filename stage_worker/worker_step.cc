@@ -201,8 +201,8 @@ void Worker::Impl::hand_on(const StepStage& st, std::vector<std::byte> header, c
                       std::lock_guard lk(stage_mu);
                       if (next_peer == next) next_address.clear();  // the next wiring connects afresh
                     }
+                    report_data_error(sent.message(), "next", result.epoch);
                     if (superseded(result.epoch)) return log_superseded(result, sent);
-                    report_data_error(sent.message(), "next");
                     result.error = opt.name + ": could not hand batch to the next stage: " + sent.message();
                     send_result(coord, result);
                   });
@@ -223,23 +223,20 @@ void Worker::Impl::queue_result(PeerId coord, const BatchResult& r, const std::s
   const std::vector<uint8_t> bytes = encode(r);
   std::vector<std::byte> header(reinterpret_cast<const std::byte*>(bytes.data()),
                                 reinterpret_cast<const std::byte*>(bytes.data()) + bytes.size());
-  handoff->submit(*slot, coord, std::move(header), 0, [this, r](const Status& sent) {
-    if (superseded(r.epoch)) return log_superseded(r, sent);
-    report_data_error(sent.message(), "coordinator");
+  handoff->submit(*slot, coord, std::move(header), 0, [this, epoch = r.epoch](const Status& sent) {
+    report_data_error(sent.message(), "coordinator", epoch);
   });
 }
 
 void Worker::Impl::send_result(PeerId coord, const BatchResult& r) {
   const std::vector<uint8_t> bytes = encode(r);
   Status s = channel->send(coord, std::as_bytes(std::span(bytes)), {}, std::chrono::milliseconds(10000));
-  if (s) return;
-  if (superseded(r.epoch)) return log_superseded(r, s);
-  report_data_error(s.message(), "coordinator");
+  if (!s) report_data_error(s.message(), "coordinator", r.epoch);
 }
 
 void Worker::Impl::log_superseded(const BatchResult& r, const Status& sent) {
-  spdlog::info("{}: micro-batch {} of epoch {} not handed on ({}): the stage has been re-assigned since; not an "
-               "error of the new plan",
+  spdlog::info("{}: micro-batch {} of epoch {} not handed on ({}): the stage has been re-assigned since; no error "
+               "result for it",
                opt.name, r.batch_id, r.epoch, sent.message());
 }
 
