@@ -62,24 +62,25 @@ void ClusterManager::say_goodbye() {
 
 template <class F>
 auto ClusterManager::changing(F&& change) {
-  SnapshotPtr s;
+  std::lock_guard lk(mu);
+  holding_posts = true;
   if constexpr (std::is_void_v<std::invoke_result_t<F>>) {
-    {
-      std::lock_guard lk(mu);
-      change();
-      s = snapshot_if_changed();
-    }
-    publish(std::move(s));
+    change();
+    settle();
   } else {
-    auto out = [&] {
-      std::lock_guard lk(mu);
-      auto r = change();
-      s = snapshot_if_changed();
-      return r;
-    }();
-    publish(std::move(s));
+    auto out = change();
+    settle();
     return out;
   }
+}
+
+// The engine's snapshot_mu_ (post_snapshot) is taken under ours: the engine never takes ours
+// while it holds its own (its asks and stats are made without it).
+void ClusterManager::settle() {
+  holding_posts = false;
+  publish(snapshot_if_changed());
+  for (auto& [peer, message] : held_posts) control->post(peer, std::move(message));
+  held_posts.clear();
 }
 
 SnapshotPtr ClusterManager::snapshot_if_changed() {

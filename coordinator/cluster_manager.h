@@ -10,8 +10,10 @@
 // recv() (and say_goodbye(), once that thread is joined, sends what is left). Every other
 // thread (the engine through on_engine_ask, REST handlers through drain/plan) sends through
 // send_control, which posts the message to the control thread (transport/control_plane.h,
-// "the ownership rule"). One mutex (its own) guards the state; snapshots are posted to the
-// engine after it is released.
+// "the ownership rule"). One mutex (its own) guards the state. A change's snapshot is posted
+// to the engine before the control messages the change made (held until then): a worker
+// acts on an assign only once the engine knows the epoch it starts, so the engine never takes
+// what the old epoch's stages did in answer (an error from their re-wiring) for its own.
 #pragma once
 
 #include <atomic>
@@ -69,11 +71,13 @@ class ClusterManager {
   nlohmann::json cluster_json(const EngineStats& engine) const;
 
  private:
-  // Runs `change` under mu, then publishes the snapshot if the state changed (after unlocking).
+  // Runs `change` under mu, then publishes the snapshot if the state changed and posts the
+  // control messages `change` sent (held until then), still under mu, in order.
   template <class F>
   auto changing(F&& change);
+  void settle();                      // under mu: the end of a change
   SnapshotPtr snapshot_if_changed();  // under mu: a new snapshot, or null when nothing changed
-  void publish(SnapshotPtr s);        // without mu
+  void publish(SnapshotPtr s);
 
   // ---- the state's questions (cluster_manager.cc)
   bool pipeline_ready(const Pipeline& p) const;
@@ -171,18 +175,23 @@ class ClusterManager {
   uint32_t held_epoch = 0;
   uint64_t plan_generation = 0;  // apply_placement's count (the engine redistributes on a new one)
   SnapshotPtr published;         // the latest snapshot (the first from connect_engine)
+  // Inside changing(): send_control holds its messages here until the snapshot is published.
+  bool holding_posts = false;
+  std::vector<std::pair<std::string, transport::ControlMessage>> held_posts;
 
   std::atomic<bool> stopping{false};
   std::thread control_thread;
 };
 
-// Any thread (the control loop, the engine's asks, REST handlers): the message is posted to
-// the control thread, which sends it from its recv() (woken at once) or, once it has stopped,
-// from say_goodbye(). Everything goes through the one queue, so messages to a worker keep
-// their order; a failure is logged by the control plane with the message's type and peer.
+// Any thread (the control loop, the engine's asks, REST handlers), under mu: the message is
+// posted to the control thread, which sends it from its recv() (woken at once) or, once it
+// has stopped, from say_goodbye(); inside changing(), once the change's snapshot is published.
+// Everything goes through the one queue, so messages to a worker keep their order; a failure
+// is logged by the control plane with the message's type and peer.
 template <class Msg>
 void ClusterManager::send_control(const std::string& peer, const Msg& m) {
-  control->post(peer, transport::encode(m));
+  if (holding_posts) held_posts.emplace_back(peer, transport::encode(m));
+  else control->post(peer, transport::encode(m));
 }
 
 }  // namespace conveyor

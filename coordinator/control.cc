@@ -259,9 +259,16 @@ void ClusterManager::mark_dead(WorkerInfo& w, const std::string& why) {
 void ClusterManager::check_liveness() {
   const auto liveness = std::chrono::milliseconds(cfg.liveness_ms);
   const auto now = Clock::now();
-  for (auto& [name, w] : workers)
-    if (w.alive() && w.state != MemberState::Failed && now - w.last_seen > liveness)
-      mark_dead(w, "missed heartbeats for " + std::to_string(cfg.liveness_ms) + " ms");
+  for (auto& [name, w] : workers) {
+    if (!w.alive() || w.state == MemberState::Failed || now - w.last_seen <= liveness) continue;
+    // Said here whatever the worker was doing: fail_stage logs only a worker that served (a
+    // drained or spare one taken for dead would otherwise leave no line at all).
+    const auto silent = std::chrono::duration_cast<std::chrono::milliseconds>(now - w.last_seen).count();
+    spdlog::warn("coordinator: worker {} ({}) silent for {} ms, past the liveness window of {} ms: taken for dead",
+                 name, member_state_name(w.state), silent, cfg.liveness_ms);
+    mark_dead(w, "missed heartbeats for " + std::to_string(cfg.liveness_ms) + " ms (silent for " +
+                     std::to_string(silent) + " ms)");
+  }
 }
 
 }  // namespace conveyor

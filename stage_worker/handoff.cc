@@ -24,8 +24,9 @@ Expected<int> Handoff::acquire(size_t bytes, const Allocate& allocate, bool devi
   changed_.wait(lock, [&] {
     for (size_t i = 0; i < slots_.size(); ++i)
       if (!slots_[i].busy) return index = int(i), true;
-    return false;
+    return interrupted_;
   });
+  if (index < 0) return Status::error("no free slot for outgoing activations: the stage is stopping");
   Slot& s = slots_[size_t(index)];
   s.busy = true;
   lock.unlock();
@@ -66,14 +67,28 @@ void Handoff::cancel(int index) {
   changed_.notify_all();
 }
 
-void Handoff::drain() {
+bool Handoff::drain() {
   std::unique_lock lock(mu_);
-  changed_.wait(lock, [&] { return queue_.empty() && !sending_; });
+  changed_.wait(lock, [&] { return (queue_.empty() && !sending_) || interrupted_; });
+  return queue_.empty() && !sending_;
 }
 
 bool Handoff::drain_for(std::chrono::milliseconds timeout) {
   std::unique_lock lock(mu_);
   return changed_.wait_for(lock, timeout, [&] { return queue_.empty() && !sending_; });
+}
+
+void Handoff::interrupt_waits() {
+  {
+    std::lock_guard lock(mu_);
+    interrupted_ = true;
+  }
+  changed_.notify_all();
+}
+
+void Handoff::resume_waits() {
+  std::lock_guard lock(mu_);
+  interrupted_ = false;
 }
 
 bool Handoff::idle() {

@@ -52,7 +52,8 @@ class Handoff {
   // A free slot of at least `bytes` (memory from `allocate` when the slot is smaller, or holds
   // the other kind of memory), as an index for slot()/submit()/cancel(). `device`: `allocate`
   // gives CUDA device memory, and the slot's send says so. Waits while every slot is being
-  // sent. Fails, holding no slot, when `allocate` has no memory.
+  // sent. Fails, holding no slot, when `allocate` has no memory, or when the waits are
+  // interrupted (interrupt_waits) while every slot is taken.
   Expected<int> acquire(size_t bytes, const Allocate& allocate, bool device = false);
   std::span<std::byte> slot(int index);
   // Queues `bytes` of slot `index` with `header` to `peer`; the slot is free again once the
@@ -60,12 +61,18 @@ class Handoff {
   void submit(int index, transport::PeerId peer, std::vector<std::byte> header, size_t bytes, OnFailure on_failure);
   // Gives an acquired slot back unsent.
   void cancel(int index);
-  // Returns once every queued send has returned.
-  void drain();
+  // Returns once every queued send has returned: true; false at once when the waits are
+  // interrupted.
+  bool drain();
   // The same within `timeout`: true when every queued send has returned.
   bool drain_for(std::chrono::milliseconds timeout);
   // Nothing queued or being sent: a send made now by the caller goes out in order.
   bool idle();
+  // The stage is stopping: acquire() and drain() no longer wait for sends in flight (each may
+  // take the whole send timeout), so the compute thread ends promptly; what is queued is still
+  // sent. Until resume_waits().
+  void interrupt_waits();
+  void resume_waits();
 
   int slots() const { return int(slots_.size()); }
   // Nanoseconds the sender thread has spent in the channel's send, over every send so far
@@ -98,6 +105,7 @@ class Handoff {
   std::deque<Send> queue_;    // guarded by mu_
   bool sending_ = false;      // the sender thread holds a send; guarded by mu_
   bool stop_ = false;         // guarded by mu_
+  bool interrupted_ = false;  // guarded by mu_
   std::atomic<int64_t> send_ns_total_{0};
   std::atomic<int64_t> device_sends_{0};
   std::thread sender_;

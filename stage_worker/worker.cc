@@ -55,9 +55,13 @@ transport::HeldStage held_stage(const AssignMsg& a) {
 
 void Worker::Impl::stop_threads() {
   // The loader first: it starts the compute thread when it is done (send_ready).
-  if (loader.joinable()) loader.join();
+  loader.join();
   compute_stop = true;
-  if (compute.joinable()) compute.join();
+  if (compute.joinable()) {
+    handoff->interrupt_waits();
+    channel->interrupt();
+    compute.join();
+  }
   handoff.reset();  // sends what is queued first
 }
 
@@ -89,13 +93,24 @@ void Worker::Impl::send_register() {
   last_register = Clock::now();
 }
 
-// Waits for the handoff's sends on the control thread, heartbeating meanwhile: one send may
-// take its whole timeout (a peer that stopped answering), longer than the coordinator's
-// liveness window, and a worker that only waited was taken for dead (a drained one, or the
-// healthy upstream of an unreachable stage re-wired by a replay).
 void Worker::Impl::drain_handoff() {
-  while (!handoff->drain_for(opt.heartbeat_interval))
-    if (welcomed) send_heartbeat();
+  wait_heartbeating([&](std::chrono::milliseconds slice) { return handoff->drain_for(slice); });
+}
+
+void Worker::Impl::join_loader() {
+  wait_heartbeating([&](std::chrono::milliseconds slice) { return loader.join_for(slice); });
+}
+
+void Worker::Impl::stop_compute() {
+  compute_stop = true;
+  handoff->interrupt_waits();
+  channel->interrupt();
+  wait_heartbeating([&](std::chrono::milliseconds slice) { return compute.join_for(slice); });
+}
+
+bool Worker::Impl::superseded(uint32_t epoch) {
+  std::lock_guard lk(stage_mu);
+  return epoch < assigned_epoch;
 }
 
 void Worker::Impl::send_heartbeat() {
@@ -159,6 +174,7 @@ void Worker::Impl::on(const AssignMsg& a) {
   // them again: the old ones may be dead without an error (an interface that went away).
   {
     std::lock_guard lk(stage_mu);
+    assigned_epoch = a.epoch;  // before the drops: what they make fail is of the old epoch
     auto drop = [&](PeerId& peer, std::vector<std::byte>& address) {
       if (peer != transport::kNoPeer) (void)channel->disconnect(peer);
       peer = transport::kNoPeer;
@@ -180,9 +196,10 @@ void Worker::Impl::on(const AssignMsg& a) {
             assignment->layer_begin == a.layer_begin && assignment->layer_end == a.layer_end &&
             state != WorkerState::Loading;
   }
-  if (loader.joinable()) loader.join();
+  join_loader();
   if (reuse) {
-    std::unique_lock run(run_mu);  // no micro-batch is running while the cache goes
+    std::unique_lock run(run_mu, std::defer_lock);  // no micro-batch is running while the cache goes
+    wait_heartbeating([&](std::chrono::milliseconds slice) { return run.try_lock_for(slice); });
     drain_handoff();  // nor being sent (a failed send takes stage_mu)
     std::lock_guard lk(stage_mu);
     executor->drop_all();
@@ -197,8 +214,7 @@ void Worker::Impl::on(const AssignMsg& a) {
     send_ready(0, 0);
     return;
   }
-  compute_stop = true;
-  if (compute.joinable()) compute.join();
+  stop_compute();
   drain_handoff();
   {
     std::lock_guard lk(stage_mu);
@@ -208,7 +224,7 @@ void Worker::Impl::on(const AssignMsg& a) {
     state = WorkerState::Loading;
     load_fraction = 0;
   }
-  loader = std::thread([this, a] { load(a); });
+  loader.start([this, a] { load(a); });
 }
 
 StageOptions Worker::Impl::stage_options(const AssignMsg& a) const {
@@ -223,9 +239,11 @@ void Worker::Impl::report_wiring_failure(const AssignMsg& a, const Status& s) {
   send(transport::DataErrorMsg{.error = "wiring: " + s.message(), .epoch = a.epoch});
 }
 
-void Worker::Impl::report_data_error(const std::string& error, const std::string& peer) {
+void Worker::Impl::report_data_error(const std::string& error, const std::string& peer, uint32_t epoch) {
   transport::DataErrorMsg m{.error = error, .peer = peer};
-  {
+  if (epoch != 0) {
+    m.epoch = epoch;
+  } else {
     std::lock_guard lk(stage_mu);
     if (assignment) m.epoch = assignment->epoch;
   }
@@ -249,7 +267,8 @@ void Worker::Impl::send_ready(double seconds, int64_t bytes) {
                            .backend = executor->backend().describe(),
                            .load_seconds = seconds, .load_bytes = bytes});
   compute_stop = false;
-  if (!compute.joinable()) compute = std::thread([this] { compute_loop(); });
+  handoff->resume_waits();
+  if (!compute.joinable()) compute.start([this] { compute_loop(); });
 }
 
 void Worker::Impl::load(AssignMsg a) {
@@ -299,9 +318,8 @@ void Worker::Impl::load(AssignMsg a) {
 }
 
 void Worker::Impl::unassign() {
-  if (loader.joinable()) loader.join();
-  compute_stop = true;
-  if (compute.joinable()) compute.join();
+  join_loader();
+  stop_compute();
   drain_handoff();
   std::lock_guard lk(stage_mu);
   executor.reset();

@@ -22,6 +22,7 @@
 #include "stage/stage_executor.h"
 #include "stage_worker/handoff.h"
 #include "stage_worker/step_trace.h"
+#include "stage_worker/waitable_thread.h"
 #include "stage_worker/worker.h"
 #include "transport/control_messages.h"
 #include "transport/control_plane.h"
@@ -56,18 +57,24 @@ struct Worker::Impl {
   int exit_code = -1;
 
   // The stage: written by the loader, read by compute; guarded by stage_mu.
-  std::mutex run_mu;    // the executor is used by one thread at a time: taken before stage_mu
+  // The executor is used by one thread at a time: taken before stage_mu. Timed: the control
+  // thread takes it in slices, heartbeating between them (a step may wait on a send).
+  std::timed_mutex run_mu;
   std::mutex stage_mu;
   std::atomic<int64_t> kv_used_stat{0}, kv_capacity_stat{0}, sequences_stat{0};
   std::optional<AssignMsg> assignment;       // what is loaded (or loading)
-  uint32_t last_epoch = 0;                   // the highest epoch ever assigned (register tells it)
+  uint32_t last_epoch = 0;  // the highest epoch ever assigned (register tells it)
+  // The epoch of the newest assign, set as soon as it arrives, before it is applied: a step of
+  // an older epoch is of a plan the coordinator has left, and what fails in it (most often a
+  // send to a neighbour the re-wiring has just dropped) is not reported.
+  uint32_t assigned_epoch = 0;
   std::shared_ptr<StageExecutor> executor;   // null until loaded
   PeerId next_peer = transport::kNoPeer, prev_peer = transport::kNoPeer, coord_peer = transport::kNoPeer;
   std::vector<std::byte> next_address, prev_address, coord_address;  // whom those peers reach
   WorkerState state = WorkerState::Idle;
   double load_fraction = 0;
 
-  std::thread loader, compute;
+  WaitableThread loader, compute;
   // The compute thread's outgoing activations, sent on by the handoff's own thread; two slots.
   std::unique_ptr<Handoff> handoff;
   std::atomic<bool> compute_stop{false};
@@ -107,7 +114,28 @@ struct Worker::Impl {
   void send_register();
 
   void send_heartbeat();
+
+  // The control thread's waits for the other threads: `done(slice)` waits up to one slice (the
+  // heartbeat interval) and says whether the wait is over; between slices the worker
+  // heartbeats. One wait may last a send's whole timeout (a neighbour that stopped taking
+  // micro-batches), longer than the coordinator's liveness window: a worker that only waited
+  // was taken for dead (a drained one, or the healthy upstream of an unreachable stage).
+  // This thread owns the control socket: what it posts leaves only when it flushes.
+  template <class Done>
+  void wait_heartbeating(Done&& done) {
+    while (!done(opt.heartbeat_interval)) {
+      if (welcomed) send_heartbeat();
+      (void)control->flush_posted();  // it says itself when it cannot send
+    }
+  }
   void drain_handoff();
+  void join_loader();
+  // Ends the compute thread: its waits for a send slot end at once and its receive within
+  // its poll; a send it makes itself ends by its timeout. Waited for heartbeating.
+  void stop_compute();
+
+  // Whether a step of `epoch` belongs to a plan the coordinator has since left.
+  bool superseded(uint32_t epoch);
 
   // Not welcomed for a few seconds: says why every few seconds, naming the coordinator's
   // address ("connection refused", "no answer within 500 ms", or that it accepts connections
@@ -128,9 +156,10 @@ struct Worker::Impl {
   // stays down until the coordinator, having found the dead neighbour, assigns again.
   void report_wiring_failure(const AssignMsg& a, const Status& s);
 
-  // Tells the coordinator that the data plane failed under the current assignment; it
-  // replays the pipeline on fresh connections (once per epoch).
-  void report_data_error(const std::string& error, const std::string& peer);
+  // Tells the coordinator that the data plane failed in `epoch` (0: the current assignment's);
+  // it replays the pipeline on fresh connections (once per epoch) when that is its epoch, and
+  // weighs a report of the epoch it replayed from as evidence of an unreachable peer.
+  void report_data_error(const std::string& error, const std::string& peer, uint32_t epoch = 0);
 
   // Under run_mu, or while no compute thread runs.
   void publish_stats();
@@ -155,6 +184,7 @@ struct Worker::Impl {
     std::shared_ptr<StageExecutor> ex;
     AssignMsg a;
     PeerId next, coord;
+    uint32_t assigned_epoch = 0;  // above a.epoch while a new assignment is being applied
   };
 
   // Where a step's outgoing activations went: the handoff slot (-1: none asked for), its
@@ -222,6 +252,12 @@ struct Worker::Impl {
   void queue_result(PeerId coord, const BatchResult& r, const std::shared_ptr<StageExecutor>& ex);
 
   void send_result(PeerId coord, const BatchResult& r);
+
+  // A step's hand-on that failed after the stage was re-assigned (often to the neighbour the
+  // re-wiring dropped): reported with its own epoch, but no error result goes for it, since
+  // the coordinator has left that epoch (an engine that had not yet heard of the new one took
+  // such a result for a failure of its own and replayed the new plan).
+  void log_superseded(const BatchResult& r, const Status& sent);
 
   // Decodes once and dispatches to the on(...) overload of the message's kind.
   void handle(const ControlMessage& m);

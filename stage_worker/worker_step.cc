@@ -59,9 +59,12 @@ void Worker::Impl::run_step(transport::Message& msg, bool was_ready, Clock::time
     send_result(st->coord, result);
     return;
   }
-  if (batch->epoch != st->a.epoch) {  // a batch from before a re-plan or failover: fenced off
-    spdlog::info("{}: dropped a stale micro-batch (batch {}, epoch {}; this stage runs epoch {})", opt.name,
-                 batch->batch_id, batch->epoch, st->a.epoch);
+  // A batch from before a re-plan or failover is fenced off; so is one of the epoch this stage
+  // still runs while an assignment to a newer one is being applied (its neighbours may be gone).
+  if (batch->epoch != st->a.epoch || st->a.epoch < st->assigned_epoch) {
+    spdlog::info("{}: dropped a stale micro-batch (batch {}, epoch {}; this stage runs epoch {}{})", opt.name,
+                 batch->batch_id, batch->epoch, st->a.epoch,
+                 st->a.epoch < st->assigned_epoch ? ", re-assigned to " + std::to_string(st->assigned_epoch) : "");
     return;
   }
   result.batch_id = batch->batch_id, result.pipeline = batch->pipeline, result.epoch = batch->epoch;
@@ -76,6 +79,11 @@ void Worker::Impl::run_step(transport::Message& msg, bool was_ready, Clock::time
   ready_at_end = peek_next_input();
   if (s && !st->a.next_address.empty() && out.slot < 0) s = Status::error("the stage handed on no activations");
   if (!s && out.slot >= 0) handoff->cancel(out.slot);
+  if (!s && compute_stop) {  // its slot wait was cut short: the stage is stopping, its epoch over
+    spdlog::info("{}: dropped micro-batch {} (epoch {}): the stage is stopping", opt.name, batch->batch_id,
+                 batch->epoch);
+    return;
+  }
   busy_ns += nanoseconds(timing.busy);
   ++batches;
   publish_stats();
@@ -99,7 +107,7 @@ std::optional<Worker::Impl::StepStage> Worker::Impl::ready_stage() {
     spdlog::warn("{}: dropped a micro-batch: the stage is {}", opt.name, executor ? "not ready" : "not loaded");
     return std::nullopt;
   }
-  return StepStage{.ex = executor, .a = *assignment, .next = next_peer, .coord = coord_peer};
+  return StepStage{.ex = executor, .a = *assignment, .next = next_peer, .coord = coord_peer, .assigned_epoch = assigned_epoch};
 }
 
 Worker::Impl::StepTiming Worker::Impl::start_step(bool was_ready, Clock::time_point arrived, Clock::time_point prev_end) {
@@ -177,7 +185,7 @@ void Worker::Impl::finish_last_stage(const StepStage& st, BatchResult& result, S
     if (trace) rec.slot_wait_ms += milliseconds(Clock::now() - s0);
     write_trace(rec, t, {});
   } else {
-    if (!handoff->idle()) handoff->drain();  // results leave in order
+    if (!handoff->idle() && !handoff->drain()) return;  // results leave in order; cut short: stopping
     send_result(st.coord, result);
     write_trace(rec, t, Clock::now() - s0);
   }
@@ -193,7 +201,8 @@ void Worker::Impl::hand_on(const StepStage& st, std::vector<std::byte> header, c
                       std::lock_guard lk(stage_mu);
                       if (next_peer == next) next_address.clear();  // the next wiring connects afresh
                     }
-                    report_data_error(sent.message(), "next");
+                    report_data_error(sent.message(), "next", result.epoch);
+                    if (superseded(result.epoch)) return log_superseded(result, sent);
                     result.error = opt.name + ": could not hand batch to the next stage: " + sent.message();
                     send_result(coord, result);
                   });
@@ -214,14 +223,21 @@ void Worker::Impl::queue_result(PeerId coord, const BatchResult& r, const std::s
   const std::vector<uint8_t> bytes = encode(r);
   std::vector<std::byte> header(reinterpret_cast<const std::byte*>(bytes.data()),
                                 reinterpret_cast<const std::byte*>(bytes.data()) + bytes.size());
-  handoff->submit(*slot, coord, std::move(header), 0,
-                  [this](const Status& sent) { report_data_error(sent.message(), "coordinator"); });
+  handoff->submit(*slot, coord, std::move(header), 0, [this, epoch = r.epoch](const Status& sent) {
+    report_data_error(sent.message(), "coordinator", epoch);
+  });
 }
 
 void Worker::Impl::send_result(PeerId coord, const BatchResult& r) {
   const std::vector<uint8_t> bytes = encode(r);
   Status s = channel->send(coord, std::as_bytes(std::span(bytes)), {}, std::chrono::milliseconds(10000));
-  if (!s) report_data_error(s.message(), "coordinator");
+  if (!s) report_data_error(s.message(), "coordinator", r.epoch);
+}
+
+void Worker::Impl::log_superseded(const BatchResult& r, const Status& sent) {
+  spdlog::info("{}: micro-batch {} of epoch {} not handed on ({}): the stage has been re-assigned since; no error "
+               "result for it",
+               opt.name, r.batch_id, r.epoch, sent.message());
 }
 
 }  // namespace conveyor

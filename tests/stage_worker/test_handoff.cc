@@ -2,7 +2,7 @@
 // were queued, from slots that are reused only once their send has returned; with every slot
 // in flight the compute thread waits (a stalled next stage stalls this one, over real UCX on
 // loopback); a failed send reaches the closure queued with it; drain() returns once all is
-// sent. Device slots (the direct path): a slot changes kind when asked for the other kind, a
+// sent; interrupted waits (a stopping stage) end at once. Device slots (the direct path): a slot changes kind when asked for the other kind, a
 // channel that cannot move device memory refuses its send, and on a GPU with a UCX built with
 // CUDA two device slots carry micro-batches GPU to GPU in order.
 #include <gtest/gtest.h>
@@ -100,6 +100,32 @@ TEST(Handoff, AFailedSendReachesItsClosure) {
   const int x = *h.acquire(64, heap), y = *h.acquire(64, heap);
   EXPECT_NE(x, y);
   h.cancel(x), h.cancel(y);
+}
+
+// A stopping stage: with every slot taken, an acquire that waits fails once the waits are
+// interrupted (and one made while they are fails at once); after resume_waits it waits again.
+TEST(Handoff, InterruptedWaitsEndAtOnceUntilResumed) {
+  auto fabric = transport::InProcFabric::create();
+  transport::InProcChannel a(fabric, "a");
+  Handoff h(a, 2, 1s);
+  const int x = *h.acquire(64, heap), y = *h.acquire(64, heap);
+  std::promise<Expected<int>> waited;
+  std::thread waiter([&] { waited.set_value(h.acquire(64, heap)); });
+  auto got = waited.get_future();
+  EXPECT_EQ(got.wait_for(200ms), std::future_status::timeout) << "a slot was handed out while both were taken";
+  h.interrupt_waits();
+  ASSERT_EQ(got.wait_for(5s), std::future_status::ready);
+  waiter.join();
+  const Expected<int> refused = got.get();
+  ASSERT_FALSE(refused.ok());
+  EXPECT_NE(refused.error().find("the stage is stopping"), std::string::npos) << refused.error();
+  EXPECT_FALSE(h.acquire(64, heap).ok());
+  EXPECT_TRUE(h.drain());  // nothing queued: drained, interrupted or not
+  h.resume_waits();
+  h.cancel(x);
+  const auto again = h.acquire(64, heap);  // a free slot, taken as before
+  ASSERT_TRUE(again.ok()) << again.error();
+  h.cancel(*again), h.cancel(y);
 }
 
 // Over UCX, a receiver holding one message it has not read takes no more (its back-pressure

@@ -48,17 +48,8 @@ struct StrangerTest : ::testing::Test {
   void SetUp() override {
     fs::remove_all(dir);
     fs::create_directories(dir);
-    auto server = ControlServer::bind("tcp://127.0.0.1:0");
-    ASSERT_TRUE(server.ok()) << server.error();
-    c.control = std::move(server).value();
-    auto channel = UcxChannel::create({.name = "coordinator", .net_devices = "lo", .auth_secret = kSecret});
-    ASSERT_TRUE(channel.ok()) << channel.error();
-    c.channel = std::move(channel).value();
-    worker = std::make_unique<ChildProcess>(
-        std::vector<std::string>{testing::bin_dir() + "/conveyor-worker", "--coordinator",
-                                 "127.0.0.1:" + std::to_string(c.control->port()), "--host", "127.0.0.1", "--name", "w",
-                                 "--join-token", kSecret, "--backend", "cpu", "--kv-cache-mb", "64"},
-        (dir / "w.log").string());
+    ASSERT_TRUE(c.bind_loopback(kSecret));
+    worker = std::make_unique<ChildProcess>(c.worker_argv("w", kSecret), (dir / "w.log").string());
     ASSERT_TRUE(c.pump([&] { return !c.worker.empty(); }, milliseconds(30000))) << read(dir / "w.log");
     ASSERT_TRUE(c.assign(1, testing::source_dir() + "/models/brown-gpt2")) << read(dir / "w.log");
     auto p = c.channel->connect(c.worker_address, "w");
