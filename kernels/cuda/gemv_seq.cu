@@ -35,6 +35,23 @@ __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* p) {
                : "r"(a));
 }
 
+// 16 weight rows (from n0; rows past N re-read the last) of chunk `chunk` (kChunk elements a
+// row) into dst, in 16-byte pieces; pieces past K are zeros (adding +0 leaves a sum's bits).
+// K a multiple of a piece's elements: a piece is wholly in or out.
+template <int kChunk, class Elem, int kPitch>
+__device__ __forceinline__ void load_weight_rows(Elem (*dst)[kPitch], const Elem* w, int chunk, int lane, int n0, int K,
+                                                 int N) {
+  constexpr int kPerPiece = 16 / int(sizeof(Elem)), kRowPieces = kChunk / kPerPiece;
+  const int k0 = chunk * kChunk;
+#pragma unroll
+  for (int i = 0; i < 16 * kRowPieces / 32; ++i) {
+    const int piece = lane + 32 * i, r = piece / kRowPieces, c = (piece % kRowPieces) * kPerPiece;
+    const int row = min(n0 + r, N - 1);
+    const bool in_k = k0 + c < K;
+    cp_async16(&dst[r][c], w + int64_t(row) * K + (in_k ? k0 + c : 0), in_k ? 16 : 0);
+  }
+}
+
 // The weights of a GEMV, as a policy of the kernel below: what a stage holds, how it is
 // loaded, and how a step's A fragment (16 rows x 16 k) is made from it.
 //
@@ -47,20 +64,11 @@ template <class T>
 struct HalfWeights {
   using Elem = T;
   static constexpr int kChunk = 128, kStages = 5, kPitch = kChunk + 8;  // 16 bytes of padding: no bank conflicts
-  static constexpr int kRowPieces = kChunk / 8;                         // 16-byte pieces of a row in a stage
   const T* w;
   __device__ HalfWeights(const T* w_, const float*, int, int, int) : w(w_) {}
-  // 16 weight rows (from n0; rows past N re-read the last) of chunk `chunk`; pieces past K
-  // are zeros (adding +0 leaves a sum's bits). K % 8 == 0: a piece is wholly in or out.
+  // K % 8 == 0.
   __device__ __forceinline__ void load(Elem (*dst)[kPitch], int chunk, int lane, int n0, int K, int N) const {
-    const int k0 = chunk * kChunk;
-#pragma unroll
-    for (int i = 0; i < 16 * kRowPieces / 32; ++i) {
-      const int piece = lane + 32 * i, r = piece / kRowPieces, c = (piece % kRowPieces) * 8;
-      const int row = min(n0 + r, N - 1);
-      const bool in_k = k0 + c < K;
-      cp_async16(&dst[r][c], w + int64_t(row) * K + (in_k ? k0 + c : 0), in_k ? 16 : 0);
-    }
+    load_weight_rows<kChunk>(dst, w, chunk, lane, n0, K, N);
   }
   // ldmatrix: lane i gives row (i & 15), column 8 (i >> 4) of a 16 x 16 piece: matrices
   // (rows 0-7, k 0-7), (rows 8-15, k 0-7), (rows 0-7, k 8-15), (rows 8-15, k 8-15), mma's
@@ -82,21 +90,13 @@ template <class T>
 struct Int8Weights {
   using Elem = int8_t;
   static constexpr int kChunk = 256, kStages = 4, kPitch = kChunk + 16;
-  static constexpr int kRowPieces = kChunk / 16;
   const int8_t* w;
   float s_lo, s_hi;  // rows g and g + 8
   __device__ Int8Weights(const int8_t* w_, const float* scales, int n0, int g, int N)
       : w(w_), s_lo(scales[min(n0 + g, N - 1)]), s_hi(scales[min(n0 + g + 8, N - 1)]) {}
-  // K % 16 == 0: a piece is wholly in or out.
+  // K % 16 == 0.
   __device__ __forceinline__ void load(Elem (*dst)[kPitch], int chunk, int lane, int n0, int K, int N) const {
-    const int k0 = chunk * kChunk;
-#pragma unroll
-    for (int i = 0; i < 16 * kRowPieces / 32; ++i) {
-      const int piece = lane + 32 * i, r = piece / kRowPieces, c = (piece % kRowPieces) * 16;
-      const int row = min(n0 + r, N - 1);
-      const bool in_k = k0 + c < K;
-      cp_async16(&dst[r][c], w + int64_t(row) * K + (in_k ? k0 + c : 0), in_k ? 16 : 0);
-    }
+    load_weight_rows<kChunk>(dst, w, chunk, lane, n0, K, N);
   }
   static __device__ __forceinline__ float byte_value(uint32_t biased, uint32_t selector) {
     return __fsub_rn(__int_as_float(int(__byte_perm(biased, 0x4B000000u, selector))), 8388736.f);
