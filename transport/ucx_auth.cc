@@ -106,8 +106,17 @@ void UcxChannel::Impl::take_hello(Incoming& in, std::uint32_t sender) {
   keys.push_front(auth::session_key(*key, h));
   if (keys.size() > kSessionsKept) keys.pop_back();
   spdlog::debug("ucx channel '{}': {} proved it belongs to the cluster", opt.name, sender_name(sender));
-  if (in.prefix.flags & wire::kFlagRedial)
+  if (in.prefix.flags & wire::kFlagRedial) {
+    redial_seq[sender] = in.prefix.seq;
     cut_off_payloads(sender, "its sender dialled this channel again, having closed the connection it came on");
+  } else if (auto it = redial_seq.find(sender); it != redial_seq.end() && in.prefix.seq < it->second) {
+    redial_seq.erase(it);  // a new channel with the same id (its seqs start again)
+  }
+}
+
+bool UcxChannel::Impl::before_redial(std::uint32_t sender, std::uint64_t seq) const {
+  auto it = redial_seq.find(sender);
+  return it != redial_seq.end() && seq < it->second;
 }
 
 bool UcxChannel::Impl::replaces_closed(const Peer& peer) {

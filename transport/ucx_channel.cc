@@ -389,6 +389,8 @@ Status UcxChannel::peer_status(PeerId peer) const {
 
 std::uint64_t UcxChannel::refused_messages() const { return impl_->refused.load(); }
 
+std::size_t UcxChannel::receives_under_way() const { return impl_->payloads_arriving.load(); }
+
 bool UcxChannel::supports_cuda_memory() const { return impl_->cuda_memory; }
 bool UcxChannel::takes_device_memory() const { return impl_->takes_device; }
 

@@ -108,6 +108,9 @@ class UcxChannel final : public Channel {
   // Messages dropped because their sender had not proved it belongs (no handshake, a wrong
   // key, a replayed handshake) or their MAC was wrong; 0 on a channel without auth_secret.
   std::uint64_t refused_messages() const;
+  // Separate payloads whose envelope is in and whose bytes are still arriving, as of the
+  // progress thread's last round (a transfer a sender's death would cut off).
+  std::size_t receives_under_way() const;
 
   // The transports and thresholds UCX chose for the endpoint to `peer` (ucp_ep_print_info).
   Expected<std::string> transport_info(PeerId peer);

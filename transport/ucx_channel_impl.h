@@ -179,6 +179,8 @@ struct UcxChannel::Impl {
   bool replaces_closed(const Peer& peer);
   // Gives up the payloads from `sender` still arriving (their connection is closed).
   void cut_off_payloads(std::uint32_t sender, const std::string& why);
+  // Whether message `seq` from `sender` was sent before the sender's newest redial handshake.
+  bool before_redial(std::uint32_t sender, std::uint64_t seq) const;
   bool earlier_envelope_pending(std::uint32_t sender, const Incoming& in);
   void refuse(std::uint32_t sender, const std::string& why);
   void sign(SendOp& op, const Peer& peer, bool inline_payload);
@@ -236,6 +238,7 @@ struct UcxChannel::Impl {
   bool stopping = false;
   std::atomic<std::size_t> queued_bytes{0};
   std::atomic<bool> probe_paused{false};
+  std::atomic<std::size_t> payloads_arriving{0};  // receives_under_way()
 
   // Progress thread only.
   std::list<std::shared_ptr<SendOp>> sends;
@@ -253,6 +256,11 @@ struct UcxChannel::Impl {
   // kept, see ucx_auth.cc), every handshake
   // nonce ever taken (a replayed handshake is refused), and what was logged of refusals.
   std::map<std::uint32_t, std::deque<auth::Key>> sessions;
+  // By sender: the seq of its newest redial handshake (kFlagRedial). Every message it sent
+  // before has a lower seq and went on a connection it closed; a payload of such a message that
+  // is not already here never will be, though its envelope may arrive after the handshake (two
+  // connections are not ordered with each other).
+  std::map<std::uint32_t, std::uint64_t> redial_seq;
   std::set<auth::Nonce> seen_hellos;
   std::set<std::pair<std::uint32_t, std::string>> refusals_logged;
   bool shutdown_started = false;

@@ -385,6 +385,15 @@ void UcxChannel::Impl::advance(Incoming& in) {
   } else if (r != nullptr) {
     in.request = ucx::Request(worker.get(), r);
     in.in_flight = true;
+    // Its envelope came on a connection the sender has since closed and dialled again
+    // (ucx_auth.cc): a payload not already here will not come, and would hold every later
+    // message of that sender until stalled_receive_timeout.
+    if (before_redial(sender, p.seq)) {
+      const std::string why = "its sender dialled this channel again, having closed the connection it came on";
+      spdlog::info("ucx channel '{}': gave up the payload of message {} from {}, whose envelope came late: {}",
+                   opt.name, p.seq, sender_name(sender), why);
+      abandon(in, "cut off (" + why + ")");
+    }
   } else {
     in.stage = Incoming::kDone;
   }
@@ -423,6 +432,10 @@ bool UcxChannel::Impl::advance_incoming() {
     }
   }
   abandoned.remove_if([](const std::unique_ptr<Incoming>& in) { return !in->in_flight; });
+  std::size_t arriving = 0;
+  for (const auto& [sender, queue] : incoming)
+    for (const auto& in : queue) arriving += in->stage == Incoming::kPayload && in->in_flight;
+  payloads_arriving = arriving;
   std::erase_if(incoming, [](const auto& kv) { return kv.second.empty(); });
   std::erase_if(pending_failures, [&](auto& failure) {
     if (incoming.count(failure.first)) return false;

@@ -202,10 +202,23 @@ TEST_P(UcxChannelTest, UnconnectedSenderKilledMidTransferDoesNotWedgeTheReceiver
   ASSERT_TRUE(doomed);
   Message first = recv_one(*ch, 20s);
   EXPECT_EQ(first.from, kNoPeer);
-  // Into the stream before the kill: right after a message has arrived the sender may not
-  // yet have started the next one (on busy cores it often had not), and a kill between two
-  // transfers cuts nothing off.
-  std::this_thread::sleep_for(100ms);
+  // The kill must land inside a transfer (one between two transfers cuts nothing off, and on
+  // busy cores the sender is often between two): stop the sender, let what it had written
+  // arrive, and kill it only if the channel is then still receiving a payload; else resume
+  // it and try again. A stopped sender cannot finish a 32 MiB payload, so the state holds.
+  bool mid_transfer = false;
+  for (int attempt = 0; attempt < 200 && !mid_transfer; ++attempt) {
+    ::kill(doomed->process.pid(), SIGSTOP);
+    std::this_thread::sleep_for(50ms);
+    mid_transfer = ch->receives_under_way() > 0;
+    if (!mid_transfer) {
+      ::kill(doomed->process.pid(), SIGCONT);
+      // Take what arrived, so that the channel's back-pressure never stops the stream.
+      for (auto r = ch->recv(std::chrono::milliseconds(5 + attempt % 20)); r.ok() && r->has_value(); r = ch->recv(0ms)) {
+      }
+    }
+  }
+  ASSERT_TRUE(mid_transfer) << "the sender was never stopped inside a transfer in 200 tries";
   ::kill(doomed->process.pid(), SIGKILL);
   const auto kill_time = Clock::now();
   // Drain: messages that made it, then errors for what was cut off, then quiet.
