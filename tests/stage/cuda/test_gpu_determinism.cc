@@ -380,7 +380,8 @@ INSTANTIATE_TEST_SUITE_P(Modes, GpuDeterminism,
                                            Mode{DType::F16, false, 1, "fp16_kvfp8", false, true},
                                            Mode{DType::BF16, false, 1, "bf16_kvfp8", false, true},
                                            Mode{DType::F16, false, 2, "fp16_kvfp8_tp2", false, true},
-                                           Mode{DType::F16, false, 1, "fp16_fp8_kvfp8", true, true}),
+                                           Mode{DType::F16, false, 1, "fp16_fp8_kvfp8", true, true},
+                                           Mode{DType::F16, false, 4, "fp16_tp4"}, Mode{DType::BF16, false, 4, "bf16_tp4"}),
                          [](const ::testing::TestParamInfo<Mode>& i) { return std::string(i.param.name); });
 
 }  // namespace
