@@ -153,7 +153,7 @@ int main(int argc, char** argv) {
   }
   std::vector<int> devices;
   for (int d = 0; d < n_gpus; ++d) devices.push_back(d);
-  // The push call up to 4 MiB, past its default crossover (kPushMaxBytes), to show where it is.
+  // The push call up to 4 MiB, past its default crossover (measured_push_max), to show where it is.
   const size_t push_max = std::min(max_bytes, size_t(4) << 20);
   auto ar = CustomAllReduce::create(devices, max_bytes, push_max);
   if (!ar) {
@@ -208,7 +208,9 @@ int main(int argc, char** argv) {
       NCCL_CHECK(ncclGroupEnd());
     };
     const double nccl = time_graphs(gpus, iters, repeats, nccl_call);
-    const double automatic = bytes <= CustomAllReduce::kPushMaxBytes ? push : n_gpus == 2 || bytes <= CustomAllReduce::kOneShotMaxBytes ? one : two;
+    using Algo = CustomAllReduce::Algo;
+    const Algo chosen = CustomAllReduce::auto_algo(n_gpus, bytes, CustomAllReduce::measured_push_max(n_gpus));
+    const double automatic = chosen == Algo::Push ? push : chosen == Algo::OneShot ? one : two;
     const double best = std::min(pushes ? push : one, std::min(one, two));
     const double eager_custom = time_eager(gpus, iters, repeats, [&] {
       for (int r = 0; r < n_gpus; ++r)

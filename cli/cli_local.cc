@@ -110,14 +110,18 @@ void stop_child(Child& c, std::chrono::steady_clock::time_point deadline) {
 void stop_children(std::vector<Child>& children) {
   // The coordinator first (children[0]): it finishes what it accepted and says goodbye, so
   // the workers then leave at once instead of handing their stages to each other. After
-  // Ctrl-C a person waits: 0.5 s for each (what is still sent is cut), then SIGKILL; a hung
-  // cluster once took 9.6 s to go (issue 28). SIGTERM gives 5 s, and 3 s more to the workers.
+  // Ctrl-C a person waits: 0.5 s for the whole cluster (what is still sent is cut; workers the
+  // coordinator's goodbye did not end by then get 0.1 s more), then SIGKILL; a hung cluster once
+  // took 9.6 s to go (issue 28), and 0.5 s for each in turn came to 1.5 s on busy cores.
+  // SIGTERM gives 5 s, and 3 s more to the workers.
+  using std::chrono::milliseconds;
   const bool now = g_signal == SIGINT;
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(now ? 500 : 5000);
+  const auto deadline = std::chrono::steady_clock::now() + milliseconds(now ? 500 : 5000);
   if (!children.empty()) stop_child(children[0], deadline);
   for (size_t i = 1; i < children.size(); ++i)
     if (children[i].pid > 0) ::kill(children[i].pid, SIGTERM);
-  const auto workers_by = std::chrono::steady_clock::now() + std::chrono::milliseconds(now ? 500 : 3000);
+  const auto after = std::chrono::steady_clock::now();
+  const auto workers_by = now ? std::max(deadline, after + milliseconds(100)) : after + milliseconds(3000);
   for (size_t i = 1; i < children.size(); ++i) stop_child(children[i], workers_by);
 }
 

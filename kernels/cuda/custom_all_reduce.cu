@@ -221,7 +221,7 @@ Expected<std::unique_ptr<CustomAllReduce>> CustomAllReduce::create(const std::ve
   std::unique_ptr<CustomAllReduce> ar(new CustomAllReduce());
   ar->devices_ = devices;
   ar->max_bytes_ = max_bytes;
-  ar->push_max_bytes_ = std::min(max_bytes, push_max_bytes);
+  ar->push_max_bytes_ = std::min(max_bytes, push_max_bytes == kPushMaxMeasured ? measured_push_max(R) : push_max_bytes);
   ar->push_lines_ = int64_t((ar->push_max_bytes_ + 7) / 8);
   ar->distinct_ = std::set<int>(devices.begin(), devices.end()).size() == devices.size();
   const size_t buf_bytes = 2 * ((max_bytes + 15) / 16 * 16);  // two halves, alternate calls
@@ -286,13 +286,12 @@ Status CustomAllReduce::all_reduce(int rank, T* data, size_t count, cudaStream_t
   if (algo == Algo::Push && count * sizeof(T) > push_max_bytes_)
     return Status::error("custom all-reduce: a push call takes at most " + std::to_string(push_max_bytes_) +
                          " bytes, not " + std::to_string(count * sizeof(T)));
-  if (algo == Algo::Push || (algo == Algo::Auto && distinct_ && count * sizeof(T) <= push_max_bytes_))
-    return push(rank, data, count, reinterpret_cast<uintptr_t>(data) % 8 == 0, stream);
+  if (algo == Algo::Auto) algo = auto_algo(R, count * sizeof(T), distinct_ ? push_max_bytes_ : 0);
+  if (algo == Algo::Push) return push(rank, data, count, reinterpret_cast<uintptr_t>(data) % 8 == 0, stream);
   const bool aligned = reinterpret_cast<uintptr_t>(data) % 16 == 0;
   Peers peers{};
   for (int p = 0; p < R; ++p) peers.buf[p] = buffers_[size_t(p)], peers.flags[p] = flags_[size_t(p)];
-  const bool two_shot =
-      algo == Algo::TwoShot || (algo == Algo::Auto && R > 2 && count * sizeof(T) > kOneShotMaxBytes);
+  const bool two_shot = algo == Algo::TwoShot;
   const int64_t units = int64_t((count + kUnit - 1) / kUnit);
   // Enough blocks to keep the GPU's memory system busy, few enough to be co-resident (a
   // block waits for the same block on the peers; ranks sharing a GPU need room for all of

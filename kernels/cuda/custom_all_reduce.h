@@ -6,7 +6,7 @@
 // memory; peer access is enabled between all pairs, so a kernel on one GPU reads the other
 // GPUs' buffers directly and signals them by storing into their flags. One kernel per call
 // and rank, no host round trip:
-//   push (small messages, the default up to kPushMaxBytes): each rank stores its input into
+//   push (small messages, by default up to measured_push_max): each rank stores its input into
 //     every peer's receive area as 16-byte lines of 8 data bytes and two copies of the call's
 //     flag (NCCL's LL protocol), then sums, in rank order, its own input and the lines the
 //     peers pushed to it as they arrive: no barrier, no fence, no read across NVLink, one
@@ -61,21 +61,34 @@ class CustomAllReduce {
   // and allocates on each a staging buffer of `max_bytes` and the flags. Errors name the
   // pair without peer access or the failed call.
   // push_max_bytes sizes the push call's receive areas (2 halves x ranks x push_max_bytes x 2
-  // on each GPU); Auto pushes up to it (0: never; the default is the measured crossover).
+  // on each GPU); Auto pushes up to it (0: never; kPushMaxMeasured, the default: the measured
+  // crossover for this many ranks, measured_push_max).
   static Expected<std::unique_ptr<CustomAllReduce>> create(const std::vector<int>& devices, size_t max_bytes,
-                                                           size_t push_max_bytes = kPushMaxBytes);
+                                                           size_t push_max_bytes = kPushMaxMeasured);
   ~CustomAllReduce();
   CustomAllReduce(const CustomAllReduce&) = delete;
   CustomAllReduce& operator=(const CustomAllReduce&) = delete;
 
   int ranks() const { return int(devices_.size()); }
   size_t max_bytes() const { return max_bytes_; }
+  size_t push_max_bytes() const { return push_max_bytes_; }
   // Auto: push up to create's push_max_bytes (ranks on distinct GPUs); above, one-shot on 2 GPUs (two-shot reads as much there
-  // and adds a barrier), else one-shot up to kOneShotMaxBytes and two-shot above.
-  // Push up to 512 KiB: past it the doubled bytes cost more than the saved round trip (2
-  // H200s: 6.98 vs 8.76 us one-shot at 512 KiB, a tie at 1 MiB, 18.8 vs 14.3 us at 2 MiB).
+  // and adds a barrier), else one-shot up to kOneShotMaxBytes and two-shot above (auto_algo).
+  // Push on 2 GPUs up to 512 KiB: past it the doubled bytes cost more than the saved round trip
+  // (2 H200s: 6.98 vs 8.76 us one-shot at 512 KiB, a tie at 1 MiB, 18.8 vs 14.3 us at 2 MiB).
+  // With more ranks each one's lines go to every peer: up to 256 KiB (4 H200s: 9.71 vs 10.83 us
+  // one-shot at 256 KiB, 15.54 vs 13.89 at 512 KiB), and one-shot up to 512 KiB (13.89 vs
+  // 16.72 us two-shot there; 19.06 vs 18.61 at 1 MiB). docs/PERFORMANCE.md, "Four GPUs".
   static constexpr size_t kPushMaxBytes = 512 << 10;
-  static constexpr size_t kOneShotMaxBytes = 256 << 10;
+  static constexpr size_t kPushMaxBytesWide = 256 << 10;
+  static constexpr size_t kOneShotMaxBytes = 512 << 10;
+  static constexpr size_t kPushMaxMeasured = ~size_t(0);  // create's default: measured_push_max
+  static size_t measured_push_max(int ranks) { return ranks > 2 ? kPushMaxBytesWide : kPushMaxBytes; }
+  // What Auto runs for a message of `bytes` over `ranks` ranks that may push up to `push_max`.
+  static Algo auto_algo(int ranks, size_t bytes, size_t push_max) {
+    if (bytes <= push_max) return Algo::Push;
+    return ranks > 2 && bytes > kOneShotMaxBytes ? Algo::TwoShot : Algo::OneShot;
+  }
   // Above this, NCCL is faster (2 H200s over NVLink, conveyor-bench-all-reduce,
   // docs/PERFORMANCE.md): a caller hands larger messages to NCCL.
   static constexpr size_t kNcclCrossoverBytes = size_t(16) << 20;

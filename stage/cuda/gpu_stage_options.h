@@ -45,7 +45,7 @@ struct GpuStageOptions {
   // Tensor parallel: messages up to this many bytes take the custom all-reduce's push call
   // (CustomAllReduce::Algo::Push; 0: never): by default its measured crossover; the benches
   // set it to compare the calls in one run.
-  size_t all_reduce_push_max_bytes = CustomAllReduce::kPushMaxBytes;
+  size_t all_reduce_push_max_bytes = CustomAllReduce::kPushMaxMeasured;
   // Deterministic (the default): every product takes the fixed-order tiles (fixed_gemm.h) and
   // prompts the fixed-order attention (attention.h), so a sequence's logits and K/V are the
   // same bits alone or in any batch, chunked any way, and rebuilt after a failover. Off

@@ -39,7 +39,7 @@ class TpAllReduce {
   // push_max_bytes: the custom kernel's push call up to this size (CustomAllReduce::create).
   static Expected<std::unique_ptr<TpAllReduce>> create(const std::vector<int>& devices,
                                                        size_t max_bytes = size_t(1) << 30,
-                                                       size_t push_max_bytes = CustomAllReduce::kPushMaxBytes);
+                                                       size_t push_max_bytes = CustomAllReduce::kPushMaxMeasured);
   ~TpAllReduce();
   TpAllReduce(const TpAllReduce&) = delete;
   TpAllReduce& operator=(const TpAllReduce&) = delete;

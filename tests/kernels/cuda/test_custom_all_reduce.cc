@@ -143,7 +143,7 @@ TEST_F(CustomAllReduceTest, ExactForIntegersWithinRoundingForRandomEverySize) {
       for (bool integers : {true, false})
         for (size_t offset : {size_t(0), size_t(3)}) {
           if (offset && n * 2 + offset * 2 > kMaxBytes + 64) continue;
-          if (algo == Algo::Push && n * 2 > CustomAllReduce::kPushMaxBytes) continue;
+          if (algo == Algo::Push && n * 2 > ar_->push_max_bytes()) continue;
           const std::string what = "n " + std::to_string(n) + " algo " + std::to_string(int(algo)) +
                                    (integers ? " integers" : " random") + " offset " + std::to_string(offset);
           upload(n, offset, ++seed, integers);
@@ -253,7 +253,7 @@ TEST_F(CustomAllReduceTest, CudaGraphReplay) {
 TEST_F(CustomAllReduceTest, RefusesWhatItCannotDo) {
   EXPECT_FALSE(ar_->all_reduce(0, ranks_[0].mem.as<__half>(), kMaxBytes / 2 + 1, ranks_[0].stream).ok());
   EXPECT_FALSE(ar_->all_reduce(int(ranks_.size()), ranks_[0].mem.as<__half>(), 8, ranks_[0].stream).ok());
-  const size_t over = CustomAllReduce::kPushMaxBytes / 2 + 1;
+  const size_t over = ar_->push_max_bytes() / 2 + 1;
   const Status push = ar_->all_reduce(0, ranks_[0].mem.as<__half>(), over, ranks_[0].stream, Algo::Push);
   ASSERT_FALSE(push.ok());
   EXPECT_NE(push.message().find("push call takes at most"), std::string::npos) << push.message();
