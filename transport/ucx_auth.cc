@@ -3,6 +3,7 @@
 // each envelope before its payload is fetched.
 #include <spdlog/spdlog.h>
 
+#include <algorithm>
 #include <cstring>
 
 #include "transport/ucx_channel_impl.h"
@@ -106,11 +107,13 @@ void UcxChannel::Impl::take_hello(Incoming& in, std::uint32_t sender) {
   keys.push_front(auth::session_key(*key, h));
   if (keys.size() > kSessionsKept) keys.pop_back();
   spdlog::debug("ucx channel '{}': {} proved it belongs to the cluster", opt.name, sender_name(sender));
+  // Connections are not ordered with each other: after two quick redials the older handshake
+  // may come second. The floor only rises, and a handshake cuts off only what was sent before it.
   if (in.prefix.flags & wire::kFlagRedial) {
-    redial_seq[sender] = in.prefix.seq;
-    cut_off_payloads(sender, "its sender dialled this channel again, having closed the connection it came on");
-  } else if (auto it = redial_seq.find(sender); it != redial_seq.end() && in.prefix.seq < it->second) {
-    redial_seq.erase(it);  // a new channel with the same id (its seqs start again)
+    std::uint64_t& newest = redial_seq[sender];
+    newest = std::max(newest, in.prefix.seq);
+    cut_off_payloads(sender, in.prefix.seq,
+                     "its sender dialled this channel again, having closed the connection it came on");
   }
 }
 
@@ -133,12 +136,13 @@ bool UcxChannel::Impl::replaces_closed(const Peer& peer) {
 
 // A payload UCX is still receiving from `sender` would otherwise hold every later message of
 // that sender (they are handed out in order) until stalled_receive_timeout.
-void UcxChannel::Impl::cut_off_payloads(std::uint32_t sender, const std::string& why) {
+void UcxChannel::Impl::cut_off_payloads(std::uint32_t sender, std::uint64_t before_seq, const std::string& why) {
   auto it = incoming.find(sender);
   if (it == incoming.end()) return;
   int n = 0;
   for (auto& other : it->second)
-    if (other->stage == Incoming::kPayload && other->in_flight) abandon(*other, "cut off (" + why + ")"), ++n;
+    if (other->stage == Incoming::kPayload && other->in_flight && other->prefix.seq < before_seq)
+      abandon(*other, "cut off (" + why + ")"), ++n;
   if (n > 0)
     spdlog::info("ucx channel '{}': gave up {} payload(s) from {} still arriving: {}", opt.name, n, sender_name(sender),
                  why);

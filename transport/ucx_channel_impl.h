@@ -177,8 +177,9 @@ struct UcxChannel::Impl {
   // Whether `peer` replaces connections to its channel this channel closed, none of them
   // working any more (the handshake's kFlagRedial). Progress thread.
   bool replaces_closed(const Peer& peer);
-  // Gives up the payloads from `sender` still arriving (their connection is closed).
-  void cut_off_payloads(std::uint32_t sender, const std::string& why);
+  // Gives up the payloads from `sender` still arriving of messages sent before `before_seq`
+  // (their connection is closed).
+  void cut_off_payloads(std::uint32_t sender, std::uint64_t before_seq, const std::string& why);
   // Whether message `seq` from `sender` was sent before the sender's newest redial handshake.
   bool before_redial(std::uint32_t sender, std::uint64_t seq) const;
   bool earlier_envelope_pending(std::uint32_t sender, const Incoming& in);
