@@ -56,10 +56,8 @@ transport::HeldStage held_stage(const AssignMsg& a) {
 void Worker::Impl::stop_threads() {
   // The loader first: it starts the compute thread when it is done (send_ready).
   loader.join();
-  compute_stop = true;
   if (compute.joinable()) {
-    handoff->interrupt_waits();
-    channel->interrupt();
+    ask_compute_to_stop();
     compute.join();
   }
   handoff.reset();  // sends what is queued first
@@ -101,10 +99,14 @@ void Worker::Impl::join_loader() {
   wait_heartbeating([&](std::chrono::milliseconds slice) { return loader.join_for(slice); });
 }
 
-void Worker::Impl::stop_compute() {
+void Worker::Impl::ask_compute_to_stop() {
   compute_stop = true;
   handoff->interrupt_waits();
   channel->interrupt();
+}
+
+void Worker::Impl::stop_compute() {
+  ask_compute_to_stop();
   wait_heartbeating([&](std::chrono::milliseconds slice) { return compute.join_for(slice); });
 }
 

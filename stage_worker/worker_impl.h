@@ -130,8 +130,10 @@ struct Worker::Impl {
   }
   void drain_handoff();
   void join_loader();
-  // Ends the compute thread: its waits for a send slot end at once and its receive within
-  // its poll; a send it makes itself ends by its timeout. Waited for heartbeating.
+  // Tells the compute thread to end: its waits for a send slot end at once and its receive
+  // within its poll; a send it makes itself ends by its timeout.
+  void ask_compute_to_stop();
+  // ask_compute_to_stop(), then waits for the thread's end heartbeating.
   void stop_compute();
 
   // Whether a step of `epoch` belongs to a plan the coordinator has since left.
