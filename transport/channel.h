@@ -100,7 +100,9 @@ class Channel {
   // `name` is used in errors and logs ("stage1"). Does not wait for the peer to answer: an
   // unreachable peer shows up as a send error or a peer failure.
   virtual Expected<PeerId> connect(std::span<const std::byte> peer_address, std::string name) = 0;
-  // Forgets a peer; later sends to it fail. Unknown ids are an error.
+  // Forgets a peer; later sends to it fail, and so does one still under way. Unknown ids are
+  // an error. (A UCX channel keeps a working, idle connection open for the next connect() to
+  // that channel: ucx_channel_impl.h, `parked`.)
   virtual Status disconnect(PeerId peer) = 0;
 
   // Sends one message and returns when `header` and `payload` may be reused. Fails when the

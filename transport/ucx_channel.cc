@@ -142,14 +142,16 @@ UcxChannel::Impl::~Impl() {
   for (auto& in : abandoned) in->request.reset();
   for (auto& op : sends) op->requests.clear();
   closing.clear();
-  for (auto& [id, peer] : peers) {
-    if (!peer->ep) continue;
+  auto force_close = [](Peer& peer) {
+    if (!peer.ep) return;
     ucp_request_param_t param{};
     param.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
     param.flags = UCP_EP_CLOSE_FLAG_FORCE;
-    ucs_status_ptr_t r = ucp_ep_close_nbx(std::exchange(peer->ep, nullptr), &param);
+    ucs_status_ptr_t r = ucp_ep_close_nbx(std::exchange(peer.ep, nullptr), &param);
     if (UCS_PTR_IS_PTR(r)) ucp_request_free(r);
-  }
+  };
+  for (auto& [id, peer] : peers) force_close(*peer);
+  for (auto& [channel, peer] : parked) force_close(*peer);
   if (stranded) {
     // UCX 1.13's ucp_worker_destroy aborts (an assertion) on an endpoint that still holds a
     // receive: a rendezvous whose sender gave it up (closed its endpoint) without this side
@@ -239,18 +241,17 @@ Expected<PeerId> UcxChannel::connect(std::span<const std::byte> peer_address, st
   if (!parsed.ok()) return Status::error("connect to '" + name + "': " + parsed.error());
   if (parsed->kind != ChannelKind::kUcx)
     return Status::error("connect to '" + name + "': not a UCX channel address (in-process?)");
-  std::vector<std::byte> ucx_address(parsed->body.begin(), parsed->body.end());
   auto peer = std::make_unique<Impl::Peer>();
   peer->impl = impl_.get();
   peer->name = std::move(name);
   peer->channel_id = parsed->channel_id;
   peer->takes_device = (parsed->flags & kAddressTakesDeviceMemory) != 0;
+  peer->address.assign(parsed->body.begin(), parsed->body.end());
   if (Status s = impl_->open_session(*peer, *parsed); !s.ok()) return Status::error("connect to '" + peer->name + "': " + s.message());
 
   auto result = std::make_shared<std::promise<Status>>();
   auto future = result->get_future();
   Impl* impl = impl_.get();
-  Impl::Peer* raw = peer.get();
   {
     std::lock_guard lock(impl->mu);
     peer->id = impl->next_peer_id++;
@@ -258,11 +259,29 @@ Expected<PeerId> UcxChannel::connect(std::span<const std::byte> peer_address, st
   const PeerId id = peer->id;
   const std::string peer_name = peer->name;
   auto shared_peer = std::make_shared<std::unique_ptr<Impl::Peer>>(std::move(peer));
-  Status posted = impl->post([impl, raw, shared_peer, ucx_address, result] {
+  Status posted = impl->post([impl, shared_peer, result] {
+    std::unique_ptr<Impl::Peer>& fresh = *shared_peer;
+    // An endpoint this channel parked for that channel works: take it again, with this
+    // connect's id, name and handshake (ucx_channel_impl.h, `parked`).
+    if (std::unique_ptr<Impl::Peer> kept = impl->take_parked(fresh->channel_id, fresh->address)) {
+      kept->id = fresh->id;
+      kept->name = std::move(fresh->name);
+      kept->session = std::move(fresh->session);
+      kept->hello = std::move(fresh->hello);
+      Impl::Peer* raw = kept.get();
+      {
+        std::lock_guard lock(impl->mu);
+        impl->peers[raw->id] = std::move(kept);
+      }
+      if (raw->session) impl->send_hello(*raw);
+      result->set_value(ok_status());
+      return;
+    }
+    Impl::Peer* raw = fresh.get();
     ucp_ep_params_t params{};
     params.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
                         UCP_EP_PARAM_FIELD_ERR_HANDLER | UCP_EP_PARAM_FIELD_NAME;
-    params.address = reinterpret_cast<const ucp_address_t*>(ucx_address.data());
+    params.address = reinterpret_cast<const ucp_address_t*>(raw->address.data());
     params.err_mode = UCP_ERR_HANDLING_MODE_PEER;
     params.err_handler.cb = &Impl::on_ep_error;
     params.err_handler.arg = raw;
@@ -279,7 +298,7 @@ Expected<PeerId> UcxChannel::connect(std::span<const std::byte> peer_address, st
     }
     {
       std::lock_guard lock(impl->mu);
-      impl->peers[raw->id] = std::move(*shared_peer);
+      impl->peers[raw->id] = std::move(fresh);
     }
     if (raw->session) impl->send_hello(*raw);  // before anything else on this endpoint
     result->set_value(ok_status());
@@ -304,20 +323,11 @@ Status UcxChannel::disconnect(PeerId peer) {
         result->set_value(Status::error("disconnect: unknown peer id " + std::to_string(peer)));
         return;
       }
-      // Sends already queued for it fail: mark it, then close its endpoint below.
-      if (it->second->failure.ok())
-        it->second->failure = Status::error("peer '" + it->second->name + "' was disconnected");
-    }
-    impl->close_endpoint(*impl->peers.at(peer), /*force=*/true);
-    // The Peer object stays (the error handler's argument) until the channel goes; it is
-    // only removed from the id map.
-    {
-      std::lock_guard lock(impl->mu);
-      auto it = impl->peers.find(peer);
       owned = std::move(it->second);
       impl->peers.erase(it);
+      impl->disconnected.insert(peer);  // sends still queued for it fail, naming why
     }
-    impl->retired.push_back(std::move(owned));
+    impl->park_or_close(std::move(owned));
     result->set_value(ok_status());
   });
   if (!posted.ok()) return posted;

@@ -94,9 +94,11 @@ struct UcxChannel::Impl {
     // handshake's header (the nonce and proof), kept until the channel goes.
     std::optional<auth::Key> session;
     std::vector<std::byte> hello;
+    std::vector<std::byte> address;  // the peer's UCX worker address (what connect() dialled)
     ucp_ep_h ep = nullptr;       // progress thread only
     Status failure;              // guarded by mu
     bool close_pending = false;  // progress thread only: failed, endpoint still to close
+    bool parked = false;         // progress thread only: disconnected, endpoint kept (`parked`)
   };
 
   // ---- one send() in flight ----
@@ -190,6 +192,11 @@ struct UcxChannel::Impl {
   // session key it opens; an error when only one of the two channels is authenticated.
   Status open_session(Peer& peer, const ChannelAddress& to);
   bool close_failed_peers();
+  // disconnect(): the peer leaves the id map; a working endpoint is parked for the next
+  // connect() to the same channel (see `parked`), any other is closed.
+  void park_or_close(std::unique_ptr<Peer> peer);
+  // connect(): the endpoint parked for the channel at `address`, if any (taken out of `parked`).
+  std::unique_ptr<Peer> take_parked(std::uint32_t channel, const std::vector<std::byte>& address);
   std::string sender_name(std::uint32_t channel_id);
   void close_endpoint(Peer& peer, bool force);
   void fail_peer(Peer& peer, const Status& why);
@@ -236,6 +243,7 @@ struct UcxChannel::Impl {
   std::deque<InboxItem> inbox;
   std::map<PeerId, std::unique_ptr<Peer>> peers;  // map structure and Peer::failure: mu
   PeerId next_peer_id = 1;
+  std::set<PeerId> disconnected;  // ids disconnect() took back (a send to one says so)
   bool stopping = false;
   std::atomic<std::size_t> queued_bytes{0};
   std::atomic<bool> probe_paused{false};
@@ -249,6 +257,15 @@ struct UcxChannel::Impl {
   // the request completes or the worker is destroyed.
   std::list<std::unique_ptr<Incoming>> abandoned;
   std::vector<std::unique_ptr<Peer>> retired;  // disconnected peers (endpoints closed)
+  // Working endpoints that disconnect() left open, one per remote channel, for connect() to
+  // take again. UCX 1.13 pairs connections: a channel's first ucp_ep_create to another is
+  // handed the endpoint UCX made inside it when that other channel's connection came in
+  // (ucp_ep_create's reuse of an "unexpected" endpoint), so the two directions can share one
+  // pair. Closing one side then breaks the other's: after a re-plan that swaps two workers'
+  // roles, the first rendezvous on the new direction never completed. So a disconnect closes
+  // nothing that works; a parked endpoint is closed when it fails (quietly: nobody is
+  // connected through it) or when the channel goes.
+  std::map<std::uint32_t, std::unique_ptr<Peer>> parked;  // by channel id
   // Peer failures not yet reported: each goes to the inbox once every message already
   // received from that peer's channel has been delivered ahead of it.
   std::vector<std::pair<std::uint32_t, Status>> pending_failures;

@@ -7,6 +7,7 @@
 #include <sys/eventfd.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <future>
@@ -107,7 +108,9 @@ void UcxChannel::Impl::start_send(const std::shared_ptr<SendOp>& op) {
     std::lock_guard lock(mu);
     peer = find_peer_locked(op->peer);
     if (!peer) {
-      op->status = Status::error("send: unknown peer id " + std::to_string(op->peer));
+      op->status = Status::error(disconnected.count(op->peer)
+                                     ? "send: peer id " + std::to_string(op->peer) + " was disconnected"
+                                     : "send: unknown peer id " + std::to_string(op->peer));
     } else if (!peer->failure.ok()) {
       op->status = Status::error("send to '" + peer->name + "': " + peer->failure.message());
     } else if (stopping) {
@@ -458,14 +461,19 @@ void UcxChannel::Impl::on_ep_error(void* arg, ucp_ep_h /*ep*/, ucs_status_t stat
   peer->impl->fail_peer(*peer, Status::error(ucs_error_text(status)));
 }
 
-// Marks a peer failed (once), tells recv(), and schedules its endpoint to be closed.
+// Marks a peer failed (once), tells recv(), and schedules its endpoint to be closed. A parked
+// endpoint's failure is nobody's: it is only closed.
 void UcxChannel::Impl::fail_peer(Peer& peer, const Status& why) {
   {
     std::lock_guard lock(mu);
     if (!peer.failure.ok()) return;
     peer.failure = Status::error("peer '" + peer.name + "' failed: " + why.message());
-    spdlog::warn("ucx channel '{}': {}", opt.name, peer.failure.message());
-    pending_failures.emplace_back(peer.channel_id, peer.failure);
+    if (peer.parked) {
+      spdlog::info("ucx channel '{}': the idle connection to {} ended: {}", opt.name, peer.name, why.message());
+    } else {
+      spdlog::warn("ucx channel '{}': {}", opt.name, peer.failure.message());
+      pending_failures.emplace_back(peer.channel_id, peer.failure);
+    }
   }
   peer.close_pending = true;  // and advance_incoming() gives up its unfinished messages
 }
@@ -481,8 +489,51 @@ bool UcxChannel::Impl::close_failed_peers() {
     peer->close_pending = false;
     close_endpoint(*peer, /*force=*/true);
   }
+  bool closed_parked = false;
+  for (auto it = parked.begin(); it != parked.end();) {
+    if (!it->second->close_pending) {
+      ++it;
+      continue;
+    }
+    close_endpoint(*it->second, /*force=*/true);
+    retired.push_back(std::move(it->second));
+    it = parked.erase(it);
+    closed_parked = true;
+  }
   closing.remove_if([](const ucx::Request& r) { return r.done(); });
-  return !to_close.empty();
+  return !to_close.empty() || closed_parked;
+}
+
+void UcxChannel::Impl::park_or_close(std::unique_ptr<Peer> peer) {
+  // Sends queued for its id fail (it has left the id map). One under way would finish on a
+  // parked endpoint, and disconnect() promises it fails at once: then the endpoint is closed.
+  const bool sending = std::any_of(sends.begin(), sends.end(), [&](const auto& op) { return op->peer == peer->id; });
+  bool works;
+  {
+    std::lock_guard lock(mu);
+    works = !sending && peer->failure.ok() && peer->ep && !peer->close_pending && !parked.count(peer->channel_id);
+    if (works) {
+      peer->parked = true;
+      parked[peer->channel_id] = std::move(peer);
+      return;
+    }
+    if (peer->failure.ok()) peer->failure = Status::error("peer '" + peer->name + "' was disconnected");
+  }
+  // Failed already, or a second connection to a channel that has one parked: closed. The Peer
+  // object stays (the error handler's argument) until the channel goes.
+  close_endpoint(*peer, /*force=*/true);
+  retired.push_back(std::move(peer));
+}
+
+std::unique_ptr<UcxChannel::Impl::Peer> UcxChannel::Impl::take_parked(std::uint32_t channel,
+                                                                      const std::vector<std::byte>& address) {
+  auto it = parked.find(channel);
+  if (it == parked.end() || it->second->close_pending || !it->second->ep) return nullptr;
+  if (it->second->address != address) return nullptr;  // another channel with that id: leave it
+  std::unique_ptr<Peer> peer = std::move(it->second);
+  parked.erase(it);
+  peer->parked = false;
+  return peer;
 }
 
 // Forced: every request on the endpoint completes with an error at once. Otherwise UCX
@@ -538,6 +589,8 @@ void UcxChannel::Impl::begin_shutdown() {
   {
     std::lock_guard lock(mu);
     for (auto& [id, peer] : peers)
+      if (peer->ep) all.emplace_back(peer.get(), !peer->failure.ok());
+    for (auto& [channel, peer] : parked)
       if (peer->ep) all.emplace_back(peer.get(), !peer->failure.ok());
   }
   for (auto [peer, failed] : all) close_endpoint(*peer, failed);

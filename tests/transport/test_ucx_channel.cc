@@ -332,6 +332,45 @@ TEST_P(UcxChannelTest, DisconnectedPeerRefusesSends) {
   EXPECT_EQ(as_string_view(recv_one(*b).header), "back");
 }
 
+// Two workers swap roles in a re-plan: a sent to b, now b sends to a and a no longer sends to
+// b. UCX 1.13 hands b's new endpoint the one it made inside b when a's connection came in (the
+// same connection pair, ucp_ep_create's "unexpected endpoint" reuse), so closing a's endpoint
+// must not take b's with it: large payloads (a rendezvous, which needs a's side of the pair to
+// answer) and small ones still arrive, in every order of b's connect and a's disconnect.
+TEST_P(UcxChannelTest, RolesSwapBetweenTwoChannelsKeepsTheNewDirectionWorking) {
+  for (bool disconnect_first : {false, true}) {
+    SCOPED_TRACE(disconnect_first ? "a disconnects, then b connects" : "b connects, then a disconnects");
+    auto a = make_channel(transports(), "a");
+    auto b = make_channel(transports(), "b");
+    ASSERT_TRUE(a && b);
+    std::vector<unsigned char> buf(4 * MiB);
+    fill_pattern(buf.data(), buf.size(), seed_of(1, 0));
+    auto to_b = a->connect(b->address(), "b");
+    ASSERT_TRUE(to_b.ok()) << to_b.error();
+    ASSERT_TRUE(a->send(*to_b, as_bytes("before"), {buf.data(), buf.size()}, 10s).ok());
+    EXPECT_EQ(as_string_view(recv_one(*b).header), "before");
+
+    Expected<PeerId> to_a = Status::error("not connected");
+    if (disconnect_first) {
+      ASSERT_TRUE(a->disconnect(*to_b).ok());
+      to_a = b->connect(a->address(), "a");
+    } else {
+      to_a = b->connect(a->address(), "a");
+      ASSERT_TRUE(a->disconnect(*to_b).ok());
+    }
+    ASSERT_TRUE(to_a.ok()) << to_a.error();
+    for (int i = 0; i < 4; ++i) {
+      const std::size_t n = i % 2 ? 1 * KiB : buf.size();
+      Status sent = b->send(*to_a, as_bytes("after"), {buf.data(), n}, 5s);
+      ASSERT_TRUE(sent.ok()) << "message " << i << " of " << n << " bytes: " << sent.message();
+      Message m = recv_one(*a, 5s);
+      ASSERT_EQ(m.payload.size(), n) << "message " << i;
+      EXPECT_EQ(check_pattern(m.payload.data(), n, seed_of(1, 0)), -1) << "message " << i;
+    }
+    EXPECT_TRUE(b->peer_status(*to_a).ok());
+  }
+}
+
 // The data plane pinned to loopback, as every daemon of `conveyor local` is (net_devices
 // "lo", from its address 127.0.0.1): UCX still connects (TCP over lo; its shared-memory
 // transports are not used with peer-failure detection anyway) and moves every size, and
