@@ -272,6 +272,23 @@ Status GpuStage::decode(std::span<const SeqSlice> slices, const int32_t* token_i
   });
 }
 
+Status GpuStage::capture_decode_graph(int64_t seqs) {
+  return guard(options_.name, [&]() -> Status {
+    DeviceGuard on(shape_.device);
+    if (!options_.cuda_graphs || seqs < 1 || seqs > kMaxGraphRows) return ok_status();
+    const int64_t rows = decode_rows(seqs);
+    if (runner_->has_graph(rows)) return ok_status();
+    int32_t* host = meta().begin();
+    const StepMeta h = step_meta_layout(host, rows, rows, shape_.max_pages);
+    fill_seq_meta(h, {}, rows, kv_.get(), shape_.max_pages);  // every sequence slot padding
+    meta().send(h, stream_);
+    if (Status s = runner_->run_decode_step(meta().device(rows, rows), kv_.get(), rows, /*graph=*/true); !s) return s;
+    last_logit_rows_ = -1;
+    CUDA_CHECK(cudaStreamSynchronize(stream_));
+    return ok_status();
+  });
+}
+
 Status GpuStage::plan_products(int64_t rows, bool with_head) {
   return guard(options_.name, [&]() -> Status {
     with_head = with_head && holds_head();

@@ -25,8 +25,8 @@
 //
 // decode(): every slice is one new token. The step (embedding on the first stage, every
 // layer, ln_f + LM head + greedy argmax on the last) is captured once per batch-size bucket
-// (1, 2, 4, ..., 128, 192, 256, ... 512; rows past the batch are padding that no kernel attends for) and
-// replayed; the host copies one block of step metadata in and, on the last stage, reads
+// (1, 2, 4, ..., 128, 192, 256, ... 512; rows past the batch are padding that no kernel attends for),
+// on its first use or ahead of it (capture_decode_graph), and replayed; the host copies one block of step metadata in and, on the last stage, reads
 // the sampled ids back: the only synchronisation of a step. Rows that need more than argmax
 // (temperature, penalties) go through GpuSampler after the replay.
 //
@@ -109,6 +109,7 @@ class GpuStage {
   int64_t hidden_size() const { return config_.n_embd; }
   int64_t max_tokens() const { return options_.max_tokens; }
   int64_t max_seqs() const { return options_.max_seqs; }
+  bool cuda_graphs() const { return options_.cuda_graphs; }
   int device() const { return shape_.device; }
   cudaStream_t stream() const { return stream_; }
 
@@ -186,6 +187,11 @@ class GpuStage {
     return runner_->products_planned(rows, with_head && holds_head());
   }
   size_t captured_graphs() const { return runner_->captured_graphs(); }
+  // Captures the decode graph a step of `seqs` sequences replays (bucket decode_rows(seqs)),
+  // unless it is captured already or graphs are off: a step of padding rows only, which reads
+  // and writes no sequence's K/V, run eagerly (planning its products) and then captured. Its
+  // tokens go nowhere. Like decode(), every rank of a tensor-parallel stage runs it at once.
+  Status capture_decode_graph(int64_t seqs);
 
   Status synchronize();
 

@@ -2,6 +2,8 @@
 
 #include <cuda_runtime.h>
 
+#include <spdlog/spdlog.h>
+
 #include <algorithm>
 
 #include "kernels/cuda/paged_kv.h"
@@ -29,15 +31,26 @@ Status check_devices(const std::vector<int>& devices, const GpuStageOptions& opt
   return ok_status();
 }
 
+// The sequences a step takes (capabilities(): why).
+int64_t step_sequences(bool kv_fp8, int64_t max_seqs) { return std::min<int64_t>(kv_fp8 ? 512 : 256, max_seqs); }
+
 }  // namespace
+
+Expected<std::unique_ptr<GpuStageBackend>> GpuStageBackend::made(Expected<std::unique_ptr<TpStage>> stage) {
+  if (!stage) return stage.status();
+  std::unique_ptr<GpuStageBackend> backend(new GpuStageBackend(std::move(stage).value()));
+  TpStage& s = *backend->stage_;
+  auto warm = s.warm_up(step_sequences(s.lead().kv_fp8(), s.max_seqs()), s.max_tokens());
+  if (!warm) return warm.status();
+  spdlog::info("{}: {}", s.name(), *warm);
+  return backend;
+}
 
 Expected<std::unique_ptr<GpuStageBackend>> GpuStageBackend::create(const StageWeights& weights,
                                                                    const std::vector<int>& devices,
                                                                    const GpuStageOptions& options) {
   if (Status s = check_devices(devices, options); !s) return s;
-  auto stage = TpStage::create(weights, devices, options);
-  if (!stage) return stage.status();
-  return std::unique_ptr<GpuStageBackend>(new GpuStageBackend(std::move(stage).value()));
+  return made(TpStage::create(weights, devices, options));
 }
 
 Expected<std::unique_ptr<GpuStageBackend>> GpuStageBackend::create(const StageCheckpoint& checkpoint,
@@ -45,9 +58,7 @@ Expected<std::unique_ptr<GpuStageBackend>> GpuStageBackend::create(const StageCh
                                                                    const GpuStageOptions& options,
                                                                    const LoadProgress& progress) {
   if (Status s = check_devices(devices, options); !s) return s;
-  auto stage = TpStage::create(checkpoint, devices, options, DirectLoadOptions{}, progress);
-  if (!stage) return stage.status();
-  return std::unique_ptr<GpuStageBackend>(new GpuStageBackend(std::move(stage).value()));
+  return made(TpStage::create(checkpoint, devices, options, DirectLoadOptions{}, progress));
 }
 
 StageCapabilities GpuStageBackend::capabilities(const GpuStageOptions& o, int64_t memory_bytes) {
@@ -64,7 +75,7 @@ StageCapabilities GpuStageBackend::capabilities(const GpuStageOptions& o, int64_
   // step, so a step takes twice the sequences' rows of prompts (docs/OPERATIONS.md). An FP8
   // K/V cache holds twice the positions: 512 sequences a step (1.09x the decode tokens/s of
   // 256 for gpt3-6.7b on an H100, docs/PERFORMANCE.md).
-  c.max_sequences_per_step = std::min<int64_t>(o.kv_fp8 ? 512 : 256, o.max_seqs);
+  c.max_sequences_per_step = step_sequences(o.kv_fp8, o.max_seqs);
   c.max_prompt_rows_per_step = std::min<int64_t>(512, c.max_rows_per_step);
   // A GPU step costs nearly as much at half the rows: one micro-batch per stage.
   c.extra_in_flight = 0;

@@ -24,7 +24,9 @@ namespace conveyor::cuda {
 
 class GpuStageBackend final : public StageBackend {
  public:
-  // Builds the stage over `devices` (one GPU, or the tensor-parallel group in rank order).
+  // Builds the stage over `devices` (one GPU, or the tensor-parallel group in rank order) and
+  // warms it up: the products of every plan bucket a step can reach are planned and the decode
+  // graphs captured before the first request (TpStage::warm_up).
   static Expected<std::unique_ptr<GpuStageBackend>> create(const StageWeights& weights, const std::vector<int>& devices,
                                                            const GpuStageOptions& options);
   // The same, each rank loading its part straight from the checkpoint's bytes (TpStage's
@@ -65,6 +67,9 @@ class GpuStageBackend final : public StageBackend {
 
  private:
   explicit GpuStageBackend(std::unique_ptr<TpStage> stage) : stage_(std::move(stage)) {}
+  // The backend over a stage create() built, warmed up (TpStage::warm_up) for the sequences and
+  // rows its steps take, which it logs.
+  static Expected<std::unique_ptr<GpuStageBackend>> made(Expected<std::unique_ptr<TpStage>> stage);
   Status run_step(const StepInput& in, StepOutput& out);
   // The stage's outgoing rows into the memory `out.activations` gives.
   Status hand_on(int64_t tokens, StepOutput& out);

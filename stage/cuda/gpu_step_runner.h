@@ -80,6 +80,7 @@ class StepRunner {
   // The step of `rows` rows from bucket `rows`'s graph (captured on first use), or eagerly.
   Status run_decode_step(const StepMeta& m, const KvCache* kv, int64_t rows, bool graph);
   size_t captured_graphs() const { return graphs_.size(); }
+  bool has_graph(int64_t rows) const { return graphs_.count(rows) > 0; }
 
   // ---- planning (GpuStage::plan_products) ----
   // The four layer products (and, with_head, the LM head) for `rows` rows, run once on the

@@ -1,6 +1,8 @@
 #include "stage/cuda/tp_stage.h"
 
 #include <algorithm>
+#include <chrono>
+#include <cstdio>
 #include <mutex>
 #include <sstream>
 #include <utility>
@@ -145,6 +147,29 @@ Status TpStage::plan_products(int64_t rows, bool with_head) {
   for (size_t r = 0; r < ranks_.size(); ++r) planned = planned && ranks_[r]->products_planned(rows, with_head);
   if (planned) return ok_status();
   return on_ranks([&](int r) { return rank(r).plan_products(rows, with_head); });
+}
+
+Expected<std::string> TpStage::warm_up(int64_t max_seqs, int64_t max_rows) {
+  const auto t0 = std::chrono::steady_clock::now();
+  max_rows = std::min(max_rows, max_tokens());
+  // Gemm's plan buckets: each T up to 8, then (8, 16], (16, 32], ...: the first call of a bucket
+  // times, the others take its choice.
+  std::vector<int64_t> rows;
+  for (int64_t t = 1; t <= std::min<int64_t>(8, max_rows); ++t) rows.push_back(t);
+  for (int64_t t = 16; t < max_rows * 2 && max_rows > 8; t *= 2) rows.push_back(std::min(t, max_rows));
+  for (int64_t t : rows)
+    if (Status s = on_ranks([&](int r) { return rank(r).plan_products(t, true); }); !s) return s;
+  size_t graphs = 0;
+  for (int64_t seqs = 1; lead().cuda_graphs() && seqs <= std::min(max_seqs, kMaxGraphRows);) {
+    if (Status s = on_ranks([&](int r) { return rank(r).capture_decode_graph(seqs); }); !s) return s;
+    ++graphs;
+    seqs = lead().decode_rows(seqs) + 1;  // the next bucket's first size
+  }
+  const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  char took[32];
+  std::snprintf(took, sizeof took, "%.2f s", secs);
+  return "products planned for " + std::to_string(rows.size()) + " row counts up to " + std::to_string(max_rows) +
+         ", decode graphs of " + std::to_string(graphs) + " batch sizes captured, in " + took;
 }
 
 Status TpStage::forward(std::span<const SeqSlice> slices) {

@@ -175,6 +175,52 @@ void GpuStageBackendTest::check_against_cpu(std::array<bool, 2> arrangement) {
   EXPECT_EQ(gpu.stages[1]->backend().kv_used_tokens(), 0);
 }
 
+// create() warms the stage up: every decode bucket's graph is captured before the first
+// request (1, 2, 4, ..., 128 for 128 sequences), a step captures nothing more, and the
+// graphs the warm-up captured from padding rows give the bits of the same steps run eagerly.
+TEST_P(GpuStageBackendTest, WarmUpCapturesTheDecodeGraphsBeforeTheFirstStep) {
+  auto tok = Tokenizer::load(model_dir());
+  ASSERT_TRUE(tok) << tok.error();
+  auto make = [&](bool graphs) -> std::unique_ptr<StageExecutor> {
+    auto w = load_stage_weights(model_dir(), 0, 6);
+    EXPECT_TRUE(w) << w.error();
+    cuda::GpuStageOptions o;
+    o.dtype = GetParam();
+    o.max_tokens = 256;
+    o.kv_cache_max_bytes = int64_t(64) << 20;
+    o.cuda_graphs = graphs;
+    auto backend = cuda::GpuStageBackend::create(*w, {0}, o);
+    EXPECT_TRUE(backend) << backend.error();
+    return backend ? std::make_unique<StageExecutor>(std::move(backend).value()) : nullptr;
+  };
+  Pipeline replayed, eager;
+  replayed.stages.push_back(make(true));
+  eager.stages.push_back(make(false));
+  ASSERT_TRUE(replayed.stages[0] && eager.stages[0]);
+  auto captured = [](Pipeline& p) {
+    return static_cast<cuda::GpuStageBackend&>(p.stages[0]->backend()).stage().lead().captured_graphs();
+  };
+  EXPECT_EQ(captured(replayed), 8u);
+  EXPECT_EQ(captured(eager), 0u);
+
+  std::vector<std::vector<int32_t>> seqs;
+  std::vector<int32_t> prompt_lens;
+  for (const char* t : {"The jury said", "In the morning", "Mr. Brown"})
+    seqs.push_back(tok->encode(t)), prompt_lens.push_back(int32_t(seqs.back().size()));
+  for (int step = 0; step < 6; ++step) {
+    const MicroBatch b = step_batch(step, seqs, prompt_lens, [](size_t, SeqState& st) { st.sampling.temperature = 0; });
+    const BatchResult r = replayed.run(b), e = eager.run(b);
+    ASSERT_EQ(r.seqs.size(), seqs.size());
+    ASSERT_EQ(e.seqs.size(), seqs.size());
+    for (size_t i = 0; i < seqs.size(); ++i) {
+      EXPECT_EQ(r.seqs[i].token, e.seqs[i].token) << "sequence " << i << " step " << step;
+      EXPECT_EQ(r.seqs[i].logprob, e.seqs[i].logprob) << "sequence " << i << " step " << step;
+      seqs[i].push_back(e.seqs[i].token);
+    }
+  }
+  EXPECT_EQ(captured(replayed), 8u) << "a step captured a graph the warm-up had not";
+}
+
 // The last stage samples on the GPU (HeadOutput::Tokens; decode steps replayed from
 // CUDA graphs, GpuStage::decode) unless a slice asks for top log-probs (then the ordinary
 // forward and logits run, and the host samples): both ways must choose the same tokens
