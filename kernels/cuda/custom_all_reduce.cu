@@ -224,6 +224,15 @@ Expected<std::unique_ptr<CustomAllReduce>> CustomAllReduce::create(const std::ve
   ar->push_max_bytes_ = std::min(max_bytes, push_max_bytes == kPushMaxMeasured ? measured_push_max(R) : push_max_bytes);
   ar->push_lines_ = int64_t((ar->push_max_bytes_ + 7) / 8);
   ar->distinct_ = std::set<int>(devices.begin(), devices.end()).size() == devices.size();
+  ar->max_blocks_ = kMaxBlocks;
+  if (!ar->distinct_) {
+    int sharing = 0, sms = 0;
+    for (int d : devices) sharing = std::max(sharing, int(std::count(devices.begin(), devices.end(), d)));
+    if (cudaError_t e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, devices[0]); e != cudaSuccess)
+      return Status::error(std::string("custom all-reduce: cannot read GPU ") + std::to_string(devices[0]) +
+                           "'s SM count: " + cudaGetErrorString(e));
+    ar->max_blocks_ = std::clamp(sms / (2 * sharing), 1, kMaxBlocks);
+  }
   const size_t buf_bytes = 2 * ((max_bytes + 15) / 16 * 16);  // two halves, alternate calls
   const size_t flag_bytes = size_t(kMaxBlocks) * kMaxRanks * sizeof(uint32_t);
   const size_t counter_bytes = 16;  // two counters, padded: the push area after them stays 16-byte aligned
@@ -295,8 +304,9 @@ Status CustomAllReduce::all_reduce(int rank, T* data, size_t count, cudaStream_t
   const int64_t units = int64_t((count + kUnit - 1) / kUnit);
   // Enough blocks to keep the GPU's memory system busy, few enough to be co-resident (a
   // block waits for the same block on the peers; ranks sharing a GPU need room for all of
-  // theirs). The same on every rank for a count.
-  const int blocks = int(std::min<int64_t>(kMaxBlocks, std::max<int64_t>(1, units / (two_shot ? 1024 : 256))));
+  // theirs and for what their peers run before the call: max_blocks_). The same on every
+  // rank for a count.
+  const int blocks = int(std::min<int64_t>(max_blocks_, std::max<int64_t>(1, units / (two_shot ? 1024 : 256))));
   const int64_t half_units = int64_t((max_bytes_ + 15) / 16);
   DeviceGuard on(devices_[size_t(rank)]);
   if (two_shot)
@@ -316,7 +326,7 @@ Status CustomAllReduce::push(int rank, T* data, size_t count, bool aligned, cuda
   for (int p = 0; p < ranks(); ++p) peers.recv[p] = push_[size_t(p)];
   // A line a thread, as many blocks as that takes (co-resident: see all_reduce's blocks).
   const int64_t lines = int64_t((count + 3) / 4);
-  const int blocks = int(std::clamp<int64_t>((lines + kThreads - 1) / kThreads, 1, kMaxBlocks));
+  const int blocks = int(std::clamp<int64_t>((lines + kThreads - 1) / kThreads, 1, max_blocks_));
   DeviceGuard on(devices_[size_t(rank)]);
   push_all_reduce_kernel<T><<<blocks, kThreads, 0, stream>>>(peers, data, int64_t(count), rank, ranks(), aligned,
                                                               counters_[size_t(rank)], push_lines_);

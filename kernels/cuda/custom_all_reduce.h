@@ -118,6 +118,11 @@ class CustomAllReduce {
   int64_t push_lines_ = 0;
   size_t push_max_bytes_ = 0;  // Auto pushes up to this (create's push_max_bytes, within max_bytes)
   bool distinct_ = true;  // no two ranks on one GPU: Auto may push (see push())
+  // Blocks a call may take. Its blocks spin until the same blocks of every peer arrive, so
+  // ranks that share a GPU must leave room for the work their peers still have to run before
+  // they reach the call: k ranks on a GPU take at most a 2k-th of its SMs each (four ranks on
+  // one H100 at 64 blocks each covered every SM and hung).
+  int max_blocks_ = 0;
 };
 
 }  // namespace conveyor::cuda
