@@ -122,6 +122,8 @@ TEST(DataAuth, AStrangerGetsNothingThroughAndTheReceiverGoesOn) {
 
 // A member that connects again (a redial) opens a new session; what it sent on the old
 // connection still counts.
+// The second connect takes back the endpoint the disconnect parked (ucx_channel_impl.h) and
+// sends a new handshake on it: its messages carry the new session's MACs.
 TEST(DataAuth, AReconnectedMemberOpensANewSession) {
   auto a = keyed("a", "s"), b = keyed("b", "s");
   ASSERT_TRUE(a && b);
