@@ -80,8 +80,8 @@ void decode_table(const ModelConfig& c, double bw, int sms, cudaStream_t stream)
   std::printf("\n## decode: %ld heads x %ld, fp16 K/V\n", H, D);
   std::printf("%6s %8s %10s %10s %9s %8s %8s %8s %9s %9s %7s\n", "batch", "context", "tiles us", "cores us", "floor us",
               "tiles%", "cores%", "cores/t", "fp8 us", "fp8 flr%", "t/fp8");
-  for (int64_t batch : {1, 16, 64, 256, 512})
-    for (int64_t ctx : {128, 256, 1024, 4096}) {
+  for (int64_t batch : {1, 8, 16, 64, 256, 512})
+    for (int64_t ctx : {128, 256, 512, 1024, 4096}) {
       const int64_t kv_bytes = batch * ctx * C * 2 * int64_t(sizeof(T));
       if (kv_bytes > (int64_t(24) << 30)) continue;
       Setup st(batch, ctx, H, D, int64_t(40) << 30, stream);

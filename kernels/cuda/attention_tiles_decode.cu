@@ -116,6 +116,21 @@ __device__ __forceinline__ void append_new_token(PagedKv<T> kv, Fp8Kv f8, const 
   }
 }
 
+// How many of the Z warps launched for a row take its pieces: about one wave of the warps the
+// GPU holds at once (`resident`) over the launch's rows, more when the row is long (a warp's
+// pieces run one after another: one for every kLongPieces), never more than Z. A few rows of a
+// few hundred positions spread Z ways (Z follows the longest row the stage allows) ran at a
+// third of the bandwidth: most warps took one or two pieces and then the merge (48 heads, 8 x
+// 512 on an H200: 50 us at Z = 3, 37 us at Z = 2; docs/PERFORMANCE.md). Every warp of a row
+// computes the same number from the row's own length; the pieces' states are merged in piece
+// order however many warps took them, so the row's bits do not depend on it.
+constexpr int kLongPieces = 16;
+__device__ __forceinline__ int row_spread(int Z, int pieces, int64_t row_warps, int resident) {
+  const int wave = int(max(int64_t(1), int64_t(resident) / max(int64_t(1), row_warps)));
+  const int by_length = (pieces + kLongPieces - 1) / kLongPieces;
+  return max(1, min(Z, max(wave, by_length)));
+}
+
 // The pieces z, z + Z, ... of the row: each one's state, stored to parts (`spread`) or merged
 // into run. One group in flight per piece, the next piece's issued as soon as this one's is
 // in the tile: bf16/fp16 after its P V has read the tile, FP8 right after the dequantisation.
@@ -174,18 +189,22 @@ __device__ __forceinline__ void decode_pieces(TileState<D>& run, float* parts, b
 template <class T, int D, bool FP8>
 __global__ void __launch_bounds__(kDecodeWarps * 32)
     decode_tiles_kernel(T* __restrict__ out, const T* qkv, PagedKv<T> kv, Fp8Kv f8,
-                        const int32_t* __restrict__ kv_lens, int rows, int n_head, int Z, float scale_log2,
-                        int max_pieces, float* partial, int* counters) {
+                        const int32_t* __restrict__ kv_lens, int rows, int n_head, int Z, int resident,
+                        float scale_log2, int max_pieces, float* partial, int* counters) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   grid_dependents_launch();
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int64_t item = int64_t(blockIdx.x) * kDecodeWarps + warp;
   if (item >= int64_t(rows) * n_head * Z) return;  // no block-wide barrier below
-  const int z = int(item % Z), h = int(item / Z % n_head), s = int(item / Z / n_head);
+  // z-major: the warps of z = 0 of every (row, head) first, then z = 1, ...: a row that uses
+  // fewer than Z (row_spread) leaves whole blocks at the grid's end idle, not a warp in each.
+  const int64_t row_heads = int64_t(rows) * n_head;
+  const int z = int(item / row_heads), h = int(item % row_heads % n_head), s = int(item % row_heads / n_head);
   const int kv_len = kv_lens[s];
   if (kv_len <= 0) return;  // padding row
   const int pieces = (kv_len + kPiece - 1) / kPiece;
-  if (z >= pieces) return;
+  const int Zr = row_spread(Z, pieces, int64_t(rows) * n_head, resident);  // the warps this row uses
+  if (z >= min(Zr, pieces)) return;
   unsigned char* mine = smem_raw + size_t(warp) * decode_warp_smem<T, D, FP8>();
   T* sK = reinterpret_cast<T*>(mine);
   T* sV = FP8 ? sK : sK + kPiece * pitch<D>();           // FP8: V after K in the same rows
@@ -230,11 +249,11 @@ __global__ void __launch_bounds__(kDecodeWarps * 32)
   uint32_t q[D / 16][4];
   load_q<D>(q, (lane >> 2) == 0 ? q_row : nullptr, nullptr);
   const int pos[2] = {(lane >> 2) == 0 ? t_new : -1, -1};
-  const bool spread = Z > 1 && pieces > 1;
+  const bool spread = Zr > 1 && pieces > 1;
   constexpr int kStride = D + 4;  // floats per piece state {m, l, O[D], pad}: 16-byte aligned
   float* parts = partial + (int64_t(s) * n_head + h) * max_pieces * kStride;
   TileState<D> run;
-  decode_pieces<T, D, FP8>(run, parts, spread, sK, sV, st, f8, row, q, pos, s_new, z, Z, pieces, lane, scale_log2, any,
+  decode_pieces<T, D, FP8>(run, parts, spread, sK, sV, st, f8, row, q, pos, s_new, z, Zr, pieces, lane, scale_log2, any,
                            is_new);
   cp_async_wait<0>();
   T* o = out + int64_t(s) * C + int64_t(h) * D;
@@ -242,7 +261,7 @@ __global__ void __launch_bounds__(kDecodeWarps * 32)
     if (lane < 4) store_row<T, D>(o, run, 0);
     return;
   }
-  merge_spread<T, D>(o, parts, pieces, min(Z, pieces), counters + int64_t(s) * n_head + h,
+  merge_spread<T, D>(o, parts, pieces, min(Zr, pieces), counters + int64_t(s) * n_head + h,
                      reinterpret_cast<float*>(mine), decode_warp_smem<T, D, FP8>());
 }
 
@@ -291,9 +310,15 @@ void attention_decode_tiles(T* out, const T* qkv, const KvLayerView& view, const
     auto launch = [&]<bool FP8>() {
       const size_t smem = kDecodeWarps * decode_warp_smem<T, D, FP8>();
       allow_smem(decode_tiles_kernel<T, D, FP8>, smem);
+      static const int resident = [&] {  // warps of this kernel the GPU holds at once (first GPU's)
+        int per_sm = 0;
+        CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, decode_tiles_kernel<T, D, FP8>,
+                                                                 kDecodeWarps * 32, smem));
+        return std::max(1, per_sm) * kDecodeWarps * sm_count();
+      }();
       LAUNCH_PDL("decode_tiles_kernel", decode_tiles_kernel<T, D, FP8>, dim3(unsigned(blocks)),
                  dim3(kDecodeWarps * 32), smem, stream, out, qkv, kv, f8, kv_lens, int(num_rows), int(n_head), Z,
-                 scale_log2, int(tile_pieces(ws.max_kv_len)), ws.partial, ws.counters);
+                 resident, scale_log2, int(tile_pieces(ws.max_kv_len)), ws.partial, ws.counters);
     };
     if (view.fp8()) launch.template operator()<true>();
     else launch.template operator()<false>();
