@@ -129,10 +129,7 @@ std::string Gemm::describe_plans() const {
   return os.str();
 }
 
-namespace {
-// Token counts sharing a timed plan: exact up to 8 (the GEMV's range), then powers of two.
-int64_t plan_bucket(int64_t T) { return T <= 8 ? T : int64_t(std::bit_ceil(uint64_t(T))); }
-}  // namespace
+int64_t Gemm::plan_bucket(int64_t T) { return T <= 8 ? T : int64_t(std::bit_ceil(uint64_t(T))); }
 
 Gemm::Key Gemm::bucket_of(Key key) {
   key.T = plan_bucket(key.T);

@@ -59,6 +59,10 @@ class Gemm {
  public:
   static constexpr int kMaxCandidates = 8;
   static constexpr size_t kWorkspaceBytes = size_t(32) << 20;
+  // The bucket of token counts that share a timed plan, named by its largest count: exact up
+  // to 8 (the GEMV's range), then powers of two. The first call of a bucket times; the others
+  // take its choice where cuBLASLt accepts it for their own T.
+  static int64_t plan_bucket(int64_t T);
 
   // On the current device. `options` (common/kernel_options.h) are what a daemon read at
   // start-up; the defaults are the stage's usual mode. Throws conveyor::Error naming a forced

@@ -152,11 +152,10 @@ Status TpStage::plan_products(int64_t rows, bool with_head) {
 Expected<std::string> TpStage::warm_up(int64_t max_seqs, int64_t max_rows) {
   const auto t0 = std::chrono::steady_clock::now();
   max_rows = std::min(max_rows, max_tokens());
-  // Gemm's plan buckets: each T up to 8, then (8, 16], (16, 32], ...: the first call of a bucket
-  // times, the others take its choice.
+  // Every plan bucket (Gemm::plan_bucket) a step can reach, timed at its largest row count.
   std::vector<int64_t> rows;
-  for (int64_t t = 1; t <= std::min<int64_t>(8, max_rows); ++t) rows.push_back(t);
-  for (int64_t t = 16; t < max_rows * 2 && max_rows > 8; t *= 2) rows.push_back(std::min(t, max_rows));
+  for (int64_t t = 1; t <= max_rows; t = Gemm::plan_bucket(t) + 1)
+    rows.push_back(std::min(Gemm::plan_bucket(t), max_rows));
   for (int64_t t : rows)
     if (Status s = on_ranks([&](int r) { return rank(r).plan_products(t, true); }); !s) return s;
   size_t graphs = 0;
