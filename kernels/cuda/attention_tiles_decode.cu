@@ -203,7 +203,7 @@ __global__ void __launch_bounds__(kDecodeWarps * 32)
   const int kv_len = kv_lens[s];
   if (kv_len <= 0) return;  // padding row
   const int pieces = (kv_len + kPiece - 1) / kPiece;
-  const int Zr = row_spread(Z, pieces, int64_t(rows) * n_head, resident);  // the warps this row uses
+  const int Zr = row_spread(Z, pieces, row_heads, resident);  // the warps this row uses
   if (z >= min(Zr, pieces)) return;
   unsigned char* mine = smem_raw + size_t(warp) * decode_warp_smem<T, D, FP8>();
   T* sK = reinterpret_cast<T*>(mine);

@@ -25,9 +25,10 @@
 //
 // decode(): every slice is one new token. The step (embedding on the first stage, every
 // layer, ln_f + LM head + greedy argmax on the last) is captured once per batch-size bucket
-// (1, 2, 4, ..., 128, 192, 256, ... 512; rows past the batch are padding that no kernel attends for),
-// on its first use or ahead of it (capture_decode_graph), and replayed; the host copies one block of step metadata in and, on the last stage, reads
-// the sampled ids back: the only synchronisation of a step. Rows that need more than argmax
+// (1, 2, 4, ..., 128, 192, 256, ... 512; rows past the batch are padding that no kernel
+// attends for), on its first use or ahead of it (capture_decode_graph), and replayed; the host
+// copies one block of step metadata in and, on the last stage, reads the sampled ids back: the
+// only synchronisation of a step. Rows that need more than argmax
 // (temperature, penalties) go through GpuSampler after the replay.
 //
 // Tensor parallel: a GpuStage may be rank r of a stage split over several GPUs (tp_stage.h
