@@ -284,6 +284,14 @@ void add_ucx_options(std::vector<OptionSpec>& s) {
                     .scope = kBoth,
                     .ucx = true},
                    [](auto& o) -> auto& { return o.ucx_tcp_conn_nb; }));
+  s.push_back(text({.name = "ucx.tcp_max_poll",
+                    .variable = "UCX_TCP_MAX_POLL",
+                    .meaning = "UCX's TCP events handled per wait; when unset, Conveyor sets 1 (with more, UCX 1.13 can "
+                               "handle an event of an endpoint an earlier event closed and abort, transport/README.md)",
+                    .values = "UCX's syntax",
+                    .scope = kBoth,
+                    .ucx = true},
+                   [](auto& o) -> auto& { return o.ucx_tcp_max_poll; }));
 }
 
 // In the order --check prints them: the daemons', the kernels', UCX's.
@@ -411,7 +419,7 @@ Status install_options(Options options) {
 std::optional<std::string> ucx_variable(UcxVariable variable) {
   // In UcxVariable's order; each is declared above as UCX's own (tests/common/test_options.cc).
   static constexpr std::string_view kNames[] = {"UCX_TLS", "UCX_NET_DEVICES", "UCX_KEEPALIVE_INTERVAL",
-                                                "UCX_TCP_CONN_NB"};
+                                                "UCX_TCP_CONN_NB", "UCX_TCP_MAX_POLL"};
   return process_environment()(kNames[int(variable)]);
 }
 

@@ -40,7 +40,7 @@ struct Options {
   // direct GPU path is open (stage_worker/worker.cc says why 1 MiB).
   int64_t direct_min_bytes = int64_t(1) << 20;
   // UCX's own variables as the environment had them at start-up ("": unset, UCX's default).
-  std::string ucx_tls, ucx_net_devices, ucx_keepalive_interval, ucx_tcp_conn_nb;
+  std::string ucx_tls, ucx_net_devices, ucx_keepalive_interval, ucx_tcp_conn_nb, ucx_tcp_max_poll;
 
   // The names (OptionSpec::name) of the options the environment set.
   std::vector<std::string> from_environment;
@@ -99,7 +99,7 @@ Status install_options(Options options);
 // UCX's own variables as the environment has them now (nullopt: unset). Read live, not from
 // the snapshot: UCX reads the environment itself when a channel starts, and a choice made
 // beside it (leave the operator's UCX_TLS alone, say what chose the interface) must agree.
-enum class UcxVariable { Tls, NetDevices, KeepaliveInterval, TcpConnNb };
+enum class UcxVariable { Tls, NetDevices, KeepaliveInterval, TcpConnNb, TcpMaxPoll };
 std::optional<std::string> ucx_variable(UcxVariable variable);
 
 }  // namespace conveyor

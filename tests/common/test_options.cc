@@ -67,9 +67,9 @@ TEST(Options, EveryDeclarationIsWholeAndUnique) {
                         "CONVEYOR_DETERMINISTIC", "CONVEYOR_FP8_FAST_ACCUM", "CONVEYOR_PDL", "CONVEYOR_INT8_GEMV_KSPLIT",
                         "CONVEYOR_CPU_THREADS", "CONVEYOR_TRACE_DIR", "UCX_TLS", "UCX_NET_DEVICES",
                         "UCX_KEEPALIVE_INTERVAL", "CONVEYOR_LOG_LEVEL", "CONVEYOR_JOIN_TOKEN", "CONVEYOR_API_KEY",
-                        "CONVEYOR_DIRECT_MIN_BYTES", "UCX_TCP_CONN_NB"})
+                        "CONVEYOR_DIRECT_MIN_BYTES", "UCX_TCP_CONN_NB", "UCX_TCP_MAX_POLL"})
     EXPECT_NE(find_option(v), nullptr) << v << " is not declared";
-  for (const char* v : {"UCX_TLS", "UCX_NET_DEVICES", "UCX_KEEPALIVE_INTERVAL", "UCX_TCP_CONN_NB"})
+  for (const char* v : {"UCX_TLS", "UCX_NET_DEVICES", "UCX_KEEPALIVE_INTERVAL", "UCX_TCP_CONN_NB", "UCX_TCP_MAX_POLL"})
     EXPECT_TRUE(find_option(v)->ucx) << v;
 }
 
@@ -118,7 +118,8 @@ TEST(Options, EachKindParses) {
                              {"UCX_TLS", "tcp,self"},
                              {"UCX_NET_DEVICES", "lo"},
                              {"UCX_KEEPALIVE_INTERVAL", "2s"},
-                             {"UCX_TCP_CONN_NB", "n"}});
+                             {"UCX_TCP_CONN_NB", "n"},
+                             {"UCX_TCP_MAX_POLL", "4"}});
   const GemmOptions& g = o.kernels.gemm;
   EXPECT_FALSE(g.tuning);
   EXPECT_FALSE(g.deterministic);
@@ -139,6 +140,7 @@ TEST(Options, EachKindParses) {
   EXPECT_EQ(o.ucx_net_devices, "lo");
   EXPECT_EQ(o.ucx_keepalive_interval, "2s");
   EXPECT_EQ(o.ucx_tcp_conn_nb, "n");
+  EXPECT_EQ(o.ucx_tcp_max_poll, "4");
   EXPECT_EQ(o.from_environment.size(), option_specs().size());
   EXPECT_TRUE(o.set_by_environment("gemm.tune"));
   EXPECT_EQ(read_ok({{"CONVEYOR_GEMM_ORDER", "sequential"}}).kernels.gemm.sequential_order, true);
@@ -248,6 +250,8 @@ TEST(Options, UcxVariablesAreReadLive) {
   EXPECT_EQ(ucx_variable(UcxVariable::NetDevices), "lo");
   testing::ScopedEnv connect_mode("UCX_TCP_CONN_NB", "n");
   EXPECT_EQ(ucx_variable(UcxVariable::TcpConnNb), "n");
+  testing::ScopedEnv max_poll("UCX_TCP_MAX_POLL", "4");
+  EXPECT_EQ(ucx_variable(UcxVariable::TcpMaxPoll), "4");
 }
 
 // A daemon installs its snapshot once, before anything reads it; it never changes after.
