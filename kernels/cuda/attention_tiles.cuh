@@ -457,39 +457,6 @@ void with_head_dim(int64_t D, F&& f) {
   }
 }
 
-// Raises a kernel's dynamic shared memory limit, once per kernel and device (the attribute
-// belongs to the device's context; several ranks of one process drive several devices). No
-// lock is held across the CUDA call: ranks are threads whose kernels wait for each other
-// (the custom all-reduce), and a rank blocked on a lock here while another sat in a CUDA call
-// that waited on its device could never arrive. Two threads may both set it: harmless.
-template <class... A>
-void allow_smem(void (*kernel)(A...), size_t bytes) {
-  static std::mutex mu;
-  static std::set<std::pair<const void*, int>> done;
-  int dev = 0;
-  CUDA_CHECK(cudaGetDevice(&dev));
-  const std::pair<const void*, int> key{reinterpret_cast<const void*>(kernel), dev};
-  {
-    std::lock_guard lk(mu);
-    if (done.count(key)) return;
-  }
-  CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)));
-  std::lock_guard lk(mu);
-  done.insert(key);
-}
-
-// The device's SM count, asked once (no lock held across the CUDA call, as above).
-int sm_count() {
-  static std::atomic<int> cached{0};
-  if (const int n = cached.load(std::memory_order_relaxed); n > 0) return n;
-  int dev = 0, n = 0;
-  CUDA_CHECK(cudaGetDevice(&dev));
-  CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev));
-  cached.store(n, std::memory_order_relaxed);
-  return n;
-}
-
-
 // The FP8 side of a K/V layer view (empty when the cache holds the dtype).
 inline Fp8Kv fp8_view(const KvLayerView& view, int64_t head_dim) {
   Fp8Kv f;

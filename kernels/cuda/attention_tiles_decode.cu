@@ -310,12 +310,13 @@ void attention_decode_tiles(T* out, const T* qkv, const KvLayerView& view, const
     auto launch = [&]<bool FP8>() {
       const size_t smem = kDecodeWarps * decode_warp_smem<T, D, FP8>();
       allow_smem(decode_tiles_kernel<T, D, FP8>, smem);
-      static const int resident = [&] {  // warps of this kernel the GPU holds at once (first GPU's)
-        int per_sm = 0;
-        CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, decode_tiles_kernel<T, D, FP8>,
+      static const int per_sm = [&] {  // blocks of this kernel an SM holds at once
+        int n = 0;
+        CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, decode_tiles_kernel<T, D, FP8>,
                                                                  kDecodeWarps * 32, smem));
-        return std::max(1, per_sm) * kDecodeWarps * sm_count();
+        return std::max(1, n);
       }();
+      const int resident = per_sm * kDecodeWarps * sm_count();  // warps the current GPU holds at once
       LAUNCH_PDL("decode_tiles_kernel", decode_tiles_kernel<T, D, FP8>, dim3(unsigned(blocks)),
                  dim3(kDecodeWarps * 32), smem, stream, out, qkv, kv, f8, kv_lens, int(num_rows), int(n_head), Z,
                  resident, scale_log2, int(tile_pieces(ws.max_kv_len)), ws.partial, ws.counters);

@@ -38,6 +38,30 @@ void set_pdl(bool on) { g_pdl.store(on, std::memory_order_relaxed); }
 
 bool pdl_enabled() { return g_pdl.load(std::memory_order_relaxed); }
 
+namespace {
+// A device attribute of the current device, asked once per device (`cache` per attribute).
+constexpr int kCachedDevices = 64;
+int device_attribute(cudaDeviceAttr attr, std::atomic<int> (&cache)[kCachedDevices]) {
+  int dev = 0, n = 0;
+  CUDA_CHECK(cudaGetDevice(&dev));
+  const bool cached = dev >= 0 && dev < kCachedDevices;
+  if (cached && (n = cache[dev].load(std::memory_order_relaxed)) > 0) return n;
+  CUDA_CHECK(cudaDeviceGetAttribute(&n, attr, dev));
+  if (cached) cache[dev].store(n, std::memory_order_relaxed);
+  return n;
+}
+}  // namespace
+
+int sm_count() {
+  static std::atomic<int> cache[kCachedDevices] = {};
+  return device_attribute(cudaDevAttrMultiProcessorCount, cache);
+}
+
+int smem_per_sm() {
+  static std::atomic<int> cache[kCachedDevices] = {};
+  return device_attribute(cudaDevAttrMaxSharedMemoryPerMultiprocessor, cache);
+}
+
 std::pair<size_t, size_t> device_memory_info() {
   size_t free_bytes = 0, total_bytes = 0;
   CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));

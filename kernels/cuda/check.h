@@ -129,6 +129,12 @@ bool pdl_enabled();
 // Bytes free and total on the current device.
 std::pair<size_t, size_t> device_memory_info();
 
+// The current device's SM count and shared memory an SM holds (bytes), asked once per
+// device (the launch rules that size a grid to a wave of resident blocks read them at every
+// call).
+int sm_count();
+int smem_per_sm();
+
 }  // namespace conveyor::cuda
 
 // CUDA_CHECK(call): call returns cudaError_t or cublasStatus_t. Variadic so that template

@@ -17,6 +17,8 @@
 
 #include <cuda_runtime.h>
 
+#include <mutex>
+#include <set>
 #include <utility>
 
 #include "kernels/cuda/check.h"
@@ -50,6 +52,27 @@ void launch_pdl(const char* what, const char* file, int line, void (*kernel)(KAr
   cfg.attrs = attr;
   cfg.numAttrs = pdl_enabled() ? 1 : 0;
   check_result(cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...), what, file, line);
+}
+
+// Raises a kernel's dynamic shared memory limit, once per kernel and device (the attribute
+// belongs to the device's context; several ranks of one process drive several devices). No
+// lock is held across the CUDA call: ranks are threads whose kernels wait for each other
+// (the custom all-reduce), and a rank blocked on a lock here while another sat in a CUDA call
+// that waited on its device could never arrive. Two threads may both set it: harmless.
+template <class... A>
+void allow_smem(void (*kernel)(A...), size_t bytes) {
+  static std::mutex mu;
+  static std::set<std::pair<const void*, int>> done;
+  int dev = 0;
+  CUDA_CHECK(cudaGetDevice(&dev));
+  const std::pair<const void*, int> key{reinterpret_cast<const void*>(kernel), dev};
+  {
+    std::lock_guard lk(mu);
+    if (done.count(key)) return;
+  }
+  CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)));
+  std::lock_guard lk(mu);
+  done.insert(key);
 }
 
 }  // namespace conveyor::cuda::detail

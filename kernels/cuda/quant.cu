@@ -186,9 +186,9 @@ __global__ void __launch_bounds__(kGemvWarps * 32)
 // 256 threads per SM at ~120 registers) while each warp still has two runs or more; more
 // warps per row give small N the bytes in flight it needs. `forced` (1, 2, 4 or 8;
 // GemmOptions::int8_gemv_k_split) overrides it, for measurements.
-int gemv_k_slices(int64_t K, int64_t N, int sm_count, int forced) {
+int gemv_k_slices(int64_t K, int64_t N, int sms, int forced) {
   if (forced == 1 || forced == 2 || forced == 4 || forced == 8) return forced;
-  const int64_t groups = (N + 15) / 16, chunks = (K / 16 + 3) / 4, slots = int64_t(sm_count) * 2;
+  const int64_t groups = (N + 15) / 16, chunks = (K / 16 + 3) / 4, slots = int64_t(sms) * 2;
   auto blocks = [&](int ks) { return (groups * ks + kGemvWarps - 1) / kGemvWarps; };
   int ks = 1;
   while (ks < 8 && blocks(2 * ks) <= slots && chunks >= int64_t(2) * (2 * ks) * kGemvRun) ks *= 2;
@@ -208,10 +208,7 @@ void launch_gemv_ks(OutT* out, const T* in, const int8_t* w, const float* scales
 template <class T, class OutT>
 void launch_gemv(OutT* out, const T* in, const int8_t* w, const float* scales, const T* bias, int T_, int K, int N,
                  int act, int k_split, cudaStream_t stream) {
-  int device = 0, sm_count = 0;
-  CUDA_CHECK(cudaGetDevice(&device));
-  CUDA_CHECK(cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, device));
-  switch (gemv_k_slices(K, N, sm_count, k_split)) {
+  switch (gemv_k_slices(K, N, sm_count(), k_split)) {
     case 8: launch_gemv_ks<T, OutT, 8>(out, in, w, scales, bias, T_, K, N, act, stream); break;
     case 4: launch_gemv_ks<T, OutT, 4>(out, in, w, scales, bias, T_, K, N, act, stream); break;
     case 2: launch_gemv_ks<T, OutT, 2>(out, in, w, scales, bias, T_, K, N, act, stream); break;
