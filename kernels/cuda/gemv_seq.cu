@@ -296,9 +296,12 @@ void gemv_seq_int8(OutT* out, const T* in, const int8_t* w, const float* scales,
     throw Error("gemv_seq_int8: cannot run T=" + std::to_string(T_) + " K=" + std::to_string(K) + " N=" +
                 std::to_string(N) + " (needs T <= " + std::to_string(kGemvSeqInt8MaxTokens) +
                 ", K % 16 == 0, 16-byte aligned in and w)");
-  LAUNCH_PDL("gemv_seq_int8_kernel", gemv_seq_kernel<T, OutT, Int8Weights<T>>,
-             dim3(unsigned((T_ + 7) / 8), unsigned((N + 15) / 16)), dim3(32), 0, stream, out, in, w, scales, bias,
-             int(T_), int(K), int(N), int(act));
+  auto kernel = gemv_seq_kernel<T, OutT, Int8Weights<T>>;
+  const dim3 grid(unsigned((T_ + 7) / 8), unsigned((N + 15) / 16));
+  const size_t stages = sizeof(Stages<T, Int8Weights<T>>), pad = spread_smem(int64_t(grid.x) * grid.y, stages);
+  allow_smem(kernel, spread_smem(1, stages));
+  LAUNCH_PDL("gemv_seq_int8_kernel", kernel, grid, dim3(32), pad, stream, out, in, w, scales, bias, int(T_), int(K),
+             int(N), int(act));
 }
 
 #define CONVEYOR_GEMV_SEQ(T, OutT)                                                                                 \
