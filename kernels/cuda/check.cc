@@ -1,5 +1,6 @@
 #include "kernels/cuda/check.h"
 
+#include <algorithm>
 #include <atomic>
 #include <cstdio>
 
@@ -60,6 +61,14 @@ int sm_count() {
 int smem_per_sm() {
   static std::atomic<int> cache[kCachedDevices] = {};
   return device_attribute(cudaDevAttrMaxSharedMemoryPerMultiprocessor, cache);
+}
+
+size_t spread_pad(int64_t blocks, size_t block_bytes) {
+  constexpr size_t kReservedPerBlock = 1024;  // the shared memory the GPU keeps for each block
+  const size_t sm_bytes = size_t(smem_per_sm()), used = block_bytes + kReservedPerBlock;
+  const int64_t per_sm = (std::max<int64_t>(blocks, 1) + sm_count() - 1) / sm_count();
+  if (per_sm >= int64_t(sm_bytes / used)) return 0;
+  return (sm_bytes / size_t(per_sm) - used) / 128 * 128;
 }
 
 std::pair<size_t, size_t> device_memory_info() {

@@ -17,6 +17,7 @@
 #include <cuda_runtime.h>
 
 #include <cstddef>
+#include <cstdint>
 #include <string>
 #include <utility>
 
@@ -134,6 +135,15 @@ std::pair<size_t, size_t> device_memory_info();
 // call).
 int sm_count();
 int smem_per_sm();
+
+// Shared memory to ask beside a block's own `block_bytes` (static and dynamic), unused, so
+// that a grid of `blocks` spreads evenly over the current device's SMs: with programmatic
+// dependent launch a grid's blocks are placed while the kernel before it still runs, and fill
+// the room it leaves on a few SMs up to their occupancy while the other SMs stay idle for
+// this grid (kernels/cuda/gemv_seq.cu has the figures). Asking ceil(blocks / SMs) blocks'
+// share of an SM each leaves room for no more than that; 0 where the grid fills every SM to
+// its occupancy anyway. spread_pad(1, b) is the most any grid asks (one block an SM).
+size_t spread_pad(int64_t blocks, size_t block_bytes);
 
 }  // namespace conveyor::cuda
 

@@ -232,23 +232,6 @@ __global__ void __launch_bounds__(32) gemv_seq_kernel(OutT* __restrict__ out, co
   write_outputs<T, OutT>(out, acc, bias, n0, g, lane & 3, tokens, N, act);
 }
 
-// Dynamic shared memory, unused, that spreads a grid of `blocks` one-warp blocks (each with
-// `static_bytes` of stages) evenly over the SMs. Six such blocks fit on an SM, and with PDL a
-// grid's blocks are placed while the kernel before it still runs: they fill the room that
-// kernel leaves on a few SMs, six each, and the other SMs stay idle for this kernel (a grid of
-// 256 blocks, gpt3-6.7b's projection, needs only 43 of 132 SMs at six). Asking ceil(blocks /
-// SMs) blocks' share of an SM each leaves room for no more than that. Measured on an H100,
-// 2026-11-27, us per call: 4096 x 4096 15.5 -> 14.4, 1600 x 4800 9.1 -> 7.9, 1600 x 6400 10.6
-// -> 9.1, 16384 x 4096 52.9 -> 51.6, and at T = 8 88.8 -> 70.3; unchanged from 768 blocks up.
-// 0 where the grid fills every SM to its six anyway.
-size_t spread_smem(int64_t blocks, size_t static_bytes) {
-  constexpr size_t kReservedPerBlock = 1024;  // the shared memory the GPU keeps for each block
-  const size_t sm_bytes = size_t(smem_per_sm()), block_bytes = static_bytes + kReservedPerBlock;
-  const int64_t per_sm = (blocks + sm_count() - 1) / sm_count();
-  if (per_sm >= int64_t(sm_bytes / block_bytes)) return 0;
-  return (sm_bytes / size_t(per_sm) - block_bytes) / 128 * 128;
-}
-
 bool shape_fits(int64_t K, int64_t N, const void* in, const void* w) {
   return K > 0 && N > 0 && K < (int64_t(1) << 30) && N < (int64_t(1) << 30) && (N + 15) / 16 <= 65535 &&
          reinterpret_cast<uintptr_t>(in) % 16 == 0 && reinterpret_cast<uintptr_t>(w) % 16 == 0;
@@ -281,8 +264,12 @@ void gemv_seq(OutT* out, const T* in, const T* w, const T* bias, int64_t T_, int
     throw Error("gemv_seq: cannot run T=" + std::to_string(T_) + " K=" + std::to_string(K) + " N=" +
                 std::to_string(N) + " (needs T <= 8, K % 8 == 0, 16-byte aligned in and w)");
   auto kernel = gemv_seq_kernel<T, OutT, HalfWeights<T>>;
-  const size_t stages = sizeof(Stages<T, HalfWeights<T>>), pad = spread_smem((N + 15) / 16, stages);
-  allow_smem(kernel, spread_smem(1, stages));  // the most any grid asks (one block an SM)
+  // Six blocks fit on an SM; a narrow product's grid (256 blocks for N = 4,096) spreads over
+  // all of them (spread_pad). H100, 2026-11-27, us per call: 4096 x 4096 15.5 -> 14.4, 1600 x
+  // 4800 9.1 -> 7.9, 1600 x 6400 10.6 -> 9.1, 16384 x 4096 52.9 -> 51.6, at T = 8 88.8 -> 70.3;
+  // unchanged from 768 blocks up.
+  const size_t stages = sizeof(Stages<T, HalfWeights<T>>), pad = spread_pad((N + 15) / 16, stages);
+  allow_smem(kernel, spread_pad(1, stages));
   LAUNCH_PDL("gemv_seq_kernel", kernel, dim3(1, unsigned((N + 15) / 16)), dim3(32), pad, stream, out, in, w,
              static_cast<const float*>(nullptr), bias, int(T_), int(K), int(N), int(act));
 }
@@ -298,8 +285,8 @@ void gemv_seq_int8(OutT* out, const T* in, const int8_t* w, const float* scales,
                 ", K % 16 == 0, 16-byte aligned in and w)");
   auto kernel = gemv_seq_kernel<T, OutT, Int8Weights<T>>;
   const dim3 grid(unsigned((T_ + 7) / 8), unsigned((N + 15) / 16));
-  const size_t stages = sizeof(Stages<T, Int8Weights<T>>), pad = spread_smem(int64_t(grid.x) * grid.y, stages);
-  allow_smem(kernel, spread_smem(1, stages));
+  const size_t stages = sizeof(Stages<T, Int8Weights<T>>), pad = spread_pad(int64_t(grid.x) * grid.y, stages);
+  allow_smem(kernel, spread_pad(1, stages));
   LAUNCH_PDL("gemv_seq_int8_kernel", kernel, grid, dim3(32), pad, stream, out, in, w, scales, bias, int(T_), int(K),
              int(N), int(act));
 }
