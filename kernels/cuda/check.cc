@@ -66,7 +66,7 @@ int smem_per_sm() {
 size_t spread_pad(int64_t blocks, size_t block_bytes) {
   constexpr size_t kReservedPerBlock = 1024;  // the shared memory the GPU keeps for each block
   const size_t sm_bytes = size_t(smem_per_sm()), used = block_bytes + kReservedPerBlock;
-  const int64_t per_sm = (std::max<int64_t>(blocks, 1) + sm_count() - 1) / sm_count();
+  const int64_t sms = sm_count(), per_sm = (std::max<int64_t>(blocks, 1) + sms - 1) / sms;
   if (per_sm >= int64_t(sm_bytes / used)) return 0;
   return (sm_bytes / size_t(per_sm) - used) / 128 * 128;
 }

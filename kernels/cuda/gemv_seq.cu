@@ -232,6 +232,19 @@ __global__ void __launch_bounds__(32) gemv_seq_kernel(OutT* __restrict__ out, co
   write_outputs<T, OutT>(out, acc, bias, n0, g, lane & 3, tokens, N, act);
 }
 
+// The unused shared memory that spreads `blocks` of `kernel` (stages of policy P) over every
+// SM (spread_pad), with the kernel's limit raised first to the most any grid asks. Six
+// blocks fit on an SM; a narrow product's grid (256 blocks for N = 4,096) spreads over all
+// of them. H100, 2026-11-27, us per call: 4096 x 4096 15.5 -> 14.4, 1600 x 4800 9.1 -> 7.9,
+// 1600 x 6400 10.6 -> 9.1, 16384 x 4096 52.9 -> 51.6, at T = 8 88.8 -> 70.3; unchanged from
+// 768 blocks up.
+template <class T, class P, class... A>
+size_t spread_smem(void (*kernel)(A...), int64_t blocks) {
+  const size_t stages = sizeof(Stages<T, P>);
+  allow_smem(kernel, spread_pad(1, stages));
+  return spread_pad(blocks, stages);
+}
+
 bool shape_fits(int64_t K, int64_t N, const void* in, const void* w) {
   return K > 0 && N > 0 && K < (int64_t(1) << 30) && N < (int64_t(1) << 30) && (N + 15) / 16 <= 65535 &&
          reinterpret_cast<uintptr_t>(in) % 16 == 0 && reinterpret_cast<uintptr_t>(w) % 16 == 0;
@@ -264,12 +277,7 @@ void gemv_seq(OutT* out, const T* in, const T* w, const T* bias, int64_t T_, int
     throw Error("gemv_seq: cannot run T=" + std::to_string(T_) + " K=" + std::to_string(K) + " N=" +
                 std::to_string(N) + " (needs T <= 8, K % 8 == 0, 16-byte aligned in and w)");
   auto kernel = gemv_seq_kernel<T, OutT, HalfWeights<T>>;
-  // Six blocks fit on an SM; a narrow product's grid (256 blocks for N = 4,096) spreads over
-  // all of them (spread_pad). H100, 2026-11-27, us per call: 4096 x 4096 15.5 -> 14.4, 1600 x
-  // 4800 9.1 -> 7.9, 1600 x 6400 10.6 -> 9.1, 16384 x 4096 52.9 -> 51.6, at T = 8 88.8 -> 70.3;
-  // unchanged from 768 blocks up.
-  const size_t stages = sizeof(Stages<T, HalfWeights<T>>), pad = spread_pad((N + 15) / 16, stages);
-  allow_smem(kernel, spread_pad(1, stages));
+  const size_t pad = spread_smem<T, HalfWeights<T>>(kernel, (N + 15) / 16);
   LAUNCH_PDL("gemv_seq_kernel", kernel, dim3(1, unsigned((N + 15) / 16)), dim3(32), pad, stream, out, in, w,
              static_cast<const float*>(nullptr), bias, int(T_), int(K), int(N), int(act));
 }
@@ -285,8 +293,7 @@ void gemv_seq_int8(OutT* out, const T* in, const int8_t* w, const float* scales,
                 ", K % 16 == 0, 16-byte aligned in and w)");
   auto kernel = gemv_seq_kernel<T, OutT, Int8Weights<T>>;
   const dim3 grid(unsigned((T_ + 7) / 8), unsigned((N + 15) / 16));
-  const size_t stages = sizeof(Stages<T, Int8Weights<T>>), pad = spread_pad(int64_t(grid.x) * grid.y, stages);
-  allow_smem(kernel, spread_pad(1, stages));
+  const size_t pad = spread_smem<T, Int8Weights<T>>(kernel, int64_t(grid.x) * grid.y);
   LAUNCH_PDL("gemv_seq_int8_kernel", kernel, grid, dim3(32), pad, stream, out, in, w, scales, bias, int(T_), int(K),
              int(N), int(act));
 }
