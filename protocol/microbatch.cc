@@ -17,12 +17,13 @@ constexpr size_t kForkBytes = 8 + 8 + 4;
 constexpr uint8_t kStepSample = 1;
 constexpr uint8_t kStepPromptLogprobs = 2;
 constexpr uint8_t kStepPrefill = 4;
-constexpr uint8_t kStepKnownFlags = kStepSample | kStepPromptLogprobs | kStepPrefill;
+constexpr uint8_t kStepOwnToken = 8;
+constexpr uint8_t kStepKnownFlags = kStepSample | kStepPromptLogprobs | kStepPrefill | kStepOwnToken;
 
 void put_step(wire::Writer& w, const SeqStep& s) {
   w.put(s.slice.seq_id), w.put(s.slice.start_pos), w.put(s.slice.num_tokens);
   w.put<uint8_t>(uint8_t((s.sample ? kStepSample : 0) | (s.prompt_logprobs ? kStepPromptLogprobs : 0) |
-                         (s.prefill ? kStepPrefill : 0)));
+                         (s.prefill ? kStepPrefill : 0) | (s.own_token ? kStepOwnToken : 0)));
   if (s.prompt_logprobs) w.put(s.lookahead_token);
 }
 
@@ -36,6 +37,7 @@ Status get_step(wire::Reader& r, SeqStep& s) {
   s.sample = flags & kStepSample;
   s.prompt_logprobs = flags & kStepPromptLogprobs;
   s.prefill = flags & kStepPrefill;
+  s.own_token = flags & kStepOwnToken;
   s.lookahead_token = -1;
   if (s.prompt_logprobs && !r.get(s.lookahead_token, "lookahead_token")) return r.status();
   return ok_status();
@@ -140,6 +142,8 @@ Status patch_activation_dtype(std::span<std::byte> header, DType dtype) {
 }
 
 Status validate(const MicroBatch& b, const ModelConfig& config) {
+  if (Status s = check_slices(b); !s) return s;
+  size_t offset = 0;  // the slice's first token in token_ids
   for (const SeqStep& s : b.seqs) {
     const std::string who = "sequence " + std::to_string(s.slice.seq_id);
     if (int64_t(s.slice.start_pos) + s.slice.num_tokens > config.n_positions)
@@ -147,6 +151,18 @@ Status validate(const MicroBatch& b, const ModelConfig& config) {
                            ", beyond n_positions " + std::to_string(config.n_positions));
     if (s.lookahead_token >= config.vocab_size || s.lookahead_token < -1)
       return Status::error(who + ": lookahead token " + std::to_string(s.lookahead_token) + " is out of range");
+    const auto tokens = std::span(b.token_ids).subspan(offset, size_t(s.slice.num_tokens));
+    offset += tokens.size();
+    if (s.own_token) {
+      if (s.slice.num_tokens != 1 || s.prefill || s.prompt_logprobs || tokens[0] != kOwnTokenPlaceholder)
+        return Status::error(who + ": a step on the stage's own token must be one decode token, without prompt "
+                                   "log-probs, its token id the placeholder " + std::to_string(kOwnTokenPlaceholder));
+      continue;
+    }
+    for (int32_t id : tokens)
+      if (id < 0 || id >= config.vocab_size)
+        return Status::error("token id " + std::to_string(id) + " is outside the vocabulary [0, " +
+                             std::to_string(config.vocab_size) + ")");
   }
   for (const SeqFork& f : b.forks) {
     if (f.parent == f.child)
@@ -156,10 +172,6 @@ Status validate(const MicroBatch& b, const ModelConfig& config) {
                            ": num_tokens " + std::to_string(f.num_tokens) + " is outside 1.." +
                            std::to_string(config.n_positions));
   }
-  for (int32_t id : b.token_ids)
-    if (id < 0 || id >= config.vocab_size)
-      return Status::error("token id " + std::to_string(id) + " is outside the vocabulary [0, " +
-                           std::to_string(config.vocab_size) + ")");
   return ok_status();
 }
 

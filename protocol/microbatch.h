@@ -18,7 +18,8 @@
 //
 // Wire format (little-endian; tests/protocol/test_microbatch_wire.cc pins its bytes):
 //   u32 magic "CMB4" | u64 batch_id | u32 pipeline | u32 epoch | u8 activation_dtype
-//   u32 n, then n x: u64 seq_id | i32 start_pos | i32 num_tokens | u8 flags
+//   u32 n, then n x: u64 seq_id | i32 start_pos | i32 num_tokens | u8 flags (1 sample,
+//                    2 prompt log-probs, 4 prefill, 8 own token)
 //                    [| i32 lookahead_token, only when flags has kStepPromptLogprobs]
 //   u32 t, i32 token_ids[t]
 //   u32 f, f x (u64 parent | u64 child | i32 num_tokens)
@@ -47,8 +48,13 @@ struct SeqStep {
   bool prompt_logprobs = false;   // report the log-prob of each prompt token this slice predicts
   bool prefill = false;           // the slice starts inside the prompt (step traces count its rows so)
   int32_t lookahead_token = -1;   // with prompt_logprobs: the prompt token after the slice, or -1
+  // A step ahead (a pipeline of one stage): the slice's one token is the one this stage sampled
+  // for the sequence at its previous step, which the coordinator had not received when it sent
+  // the batch. Its entry in token_ids is kOwnTokenPlaceholder; the stage puts its token there.
+  bool own_token = false;
   bool operator==(const SeqStep&) const = default;
 };
+constexpr int32_t kOwnTokenPlaceholder = -1;
 
 // Before a batch runs, every stage gives `child` a copy of the first num_tokens positions of
 // `parent`'s K/V (beam search: a beam continues its parent's cache), and the last stage the
@@ -88,7 +94,8 @@ Expected<MicroBatch> decode_microbatch(std::span<const uint8_t> bytes);
 Status patch_activation_dtype(std::span<std::byte> header, DType dtype);
 
 // Checks a decoded micro-batch against a model: positions within n_positions, lookahead
-// tokens and token ids in [0, vocab); forks with a child other than the parent and
+// tokens and token ids in [0, vocab) (an own-token slice: one token, the placeholder, and
+// neither a prompt chunk nor asking for prompt log-probs); forks with a child other than the parent and
 // 1 <= num_tokens <= n_positions. (The admissions are checked where they are read.)
 Status validate(const MicroBatch& batch, const ModelConfig& config);
 

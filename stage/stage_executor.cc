@@ -31,10 +31,12 @@ Status StageExecutor::run(const MicroBatch& batch, std::span<const std::byte> in
   if (!forked.ok())
     return is_first() ? forked : Status::error("micro-batch " + std::to_string(batch.batch_id) + ": " + forked.message());
   if (Status s = validate(batch, config()); !s.ok()) return s;
+  auto tokens = tokens_of(batch);
+  if (!tokens) return tokens.status();
   const std::vector<SeqSlice> slices = batch.slices();
   StepInput step;
   step.slices = slices;
-  if (is_first()) step.token_ids = batch.token_ids;
+  if (is_first()) step.token_ids = *tokens;
   else step.activations = {batch.activation_dtype, in};
   Status s;
   if (is_last()) {
@@ -44,7 +46,7 @@ Status StageExecutor::run(const MicroBatch& batch, std::span<const std::byte> in
     result->epoch = batch.epoch;
     result->seqs.clear();
     s = admit(batch);
-    if (s.ok() && !slices.empty()) s = run_last(batch, step, *result);
+    if (s.ok() && !slices.empty()) s = run_last(batch, *tokens, step, *result);
   } else if (slices.empty()) {  // only frees: an empty payload carries them on
     auto to = out(0);
     s = to ? ok_status() : to.status();
@@ -74,6 +76,36 @@ void StageExecutor::apply_forks(const MicroBatch& batch, Status& forked) {
   }
 }
 
+Expected<std::span<const int32_t>> StageExecutor::tokens_of(const MicroBatch& batch) {
+  const bool any = std::any_of(batch.seqs.begin(), batch.seqs.end(), [](const SeqStep& w) { return w.own_token; });
+  if (!any) return std::span<const int32_t>(batch.token_ids);
+  if (!is_first() || !is_last())
+    return Status::error("micro-batch " + std::to_string(batch.batch_id) +
+                         " steps ahead on this stage's own tokens, but only the stage of a one-stage pipeline samples "
+                         "and embeds");
+  own_tokens_ = batch.token_ids;
+  size_t offset = 0;
+  for (const SeqStep& w : batch.seqs) {
+    if (w.own_token) {
+      auto it = seqs_.find(w.slice.seq_id);
+      if (it == seqs_.end() || it->second.sampled < 0 || it->second.sampled_at != w.slice.start_pos)
+        return Status::error("sequence " + std::to_string(w.slice.seq_id) + " steps ahead at position " +
+                             std::to_string(w.slice.start_pos) + " on the token this stage sampled there, and it " +
+                             (it == seqs_.end() || it->second.sampled < 0
+                                  ? std::string("sampled none")
+                                  : "sampled one for position " + std::to_string(it->second.sampled_at)));
+      own_tokens_[offset] = it->second.sampled;
+    }
+    offset += size_t(w.slice.num_tokens);
+  }
+  return std::span<const int32_t>(own_tokens_);
+}
+
+void StageExecutor::note_sampled(LastStageSeq& rec, int32_t token) {
+  rec.sampled = token;
+  rec.sampled_at = int64_t(rec.history.size());
+}
+
 // The last stage takes the states of the batch's admissions, all checked before any is kept.
 // A sequence that already has a record (a fork brought it: a prefix-cache hit) keeps its
 // history and takes its own state.
@@ -101,7 +133,8 @@ Expected<std::vector<StageExecutor::LastStageSeq*>> StageExecutor::records_of(co
   return out;
 }
 
-Status StageExecutor::run_last(const MicroBatch& batch, StepInput& step, BatchResult& result) {
+Status StageExecutor::run_last(const MicroBatch& batch, std::span<const int32_t> tokens, StepInput& step,
+                               BatchResult& result) {
   auto records = records_of(batch);
   if (!records) return records.status();
   const std::vector<LastStageSeq*>& seqs = *records;
@@ -113,8 +146,7 @@ Status StageExecutor::run_last(const MicroBatch& batch, StepInput& step, BatchRe
     const SeqSlice& slice = batch.seqs[i].slice;
     std::vector<int32_t>& h = seqs[i]->history;
     if (int64_t(h.size()) != slice.start_pos) h.resize(size_t(slice.start_pos));
-    h.insert(h.end(), batch.token_ids.begin() + int64_t(offset),
-             batch.token_ids.begin() + int64_t(offset) + slice.num_tokens);
+    h.insert(h.end(), tokens.begin() + int64_t(offset), tokens.begin() + int64_t(offset) + slice.num_tokens);
     offset += size_t(slice.num_tokens);
   }
   bool all_rows = false, host_only = false;  // host_only: a slice asks for log-probs beyond the chosen token's
@@ -126,7 +158,7 @@ Status StageExecutor::run_last(const MicroBatch& batch, StepInput& step, BatchRe
   step.head = all_rows ? HeadOutput::AllLogits : HeadOutput::LastLogits;
   if (Status s = backend_->step(step, step_out_); !s.ok()) return s;
   const auto t0 = std::chrono::steady_clock::now();
-  sample_on_host(batch, seqs, step_out_.logits, all_rows, result);
+  sample_on_host(batch, tokens, seqs, step_out_.logits, all_rows, result);
   sample_seconds_ = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   return ok_status();
 }
@@ -154,13 +186,17 @@ Status StageExecutor::sample_in_place(const MicroBatch& batch, const std::vector
   for (size_t i = 0; i < batch.seqs.size(); ++i) {
     SeqResult out;
     out.seq_id = batch.seqs[i].slice.seq_id;
-    if (batch.seqs[i].sample) out.token = step_out_.tokens[i], out.logprob = step_out_.logprobs[i];
+    if (batch.seqs[i].sample) {
+      out.token = step_out_.tokens[i], out.logprob = step_out_.logprobs[i];
+      note_sampled(*seqs[i], out.token);
+    }
     result.seqs.push_back(std::move(out));
   }
   return ok_status();
 }
 
-void StageExecutor::sample_on_host(const MicroBatch& batch, const std::vector<LastStageSeq*>& seqs,
+void StageExecutor::sample_on_host(const MicroBatch& batch, std::span<const int32_t> tokens,
+                                   const std::vector<LastStageSeq*>& seqs,
                                    const std::vector<float>& logits, bool all_rows, BatchResult& result) {
   const int64_t V = config().vocab_size;
   int64_t first_row = 0;  // this slice's first row in logits when all_rows
@@ -172,9 +208,9 @@ void StageExecutor::sample_on_host(const MicroBatch& batch, const std::vector<La
     SeqResult out;
     out.seq_id = w.slice.seq_id;
     if (w.prompt_logprobs) {
-      const int32_t* tokens = batch.token_ids.data() + first_row;
+      const int32_t* slice_tokens = tokens.data() + first_row;
       for (int64_t r = 0; r < k; ++r) {
-        const int32_t next = r + 1 < k ? tokens[r + 1] : w.lookahead_token;
+        const int32_t next = r + 1 < k ? slice_tokens[r + 1] : w.lookahead_token;
         if (next < 0) break;
         const TokenLogprobs lp = token_logprobs(std::span<const float>(logits.data() + (first_row + r) * V, size_t(V)),
                                                 next, st.top_logprobs);
@@ -193,6 +229,7 @@ void StageExecutor::sample_on_host(const MicroBatch& batch, const std::vector<La
       const TokenLogprobs lp = token_logprobs(std::span<const float>(row, size_t(V)), out.token, st.top_logprobs);
       out.logprob = lp.logprob;
       out.top = lp.top;
+      note_sampled(*seqs[i], out.token);
     }
     result.seqs.push_back(std::move(out));
     first_row += k;

@@ -52,7 +52,9 @@ class StageExecutor {
   // with the sampled tokens and log-probs. Applies batch.forks first (each child gets its
   // parent's first num_tokens K/V positions, and on the last stage its state and token
   // history), then frees batch.free_seq_ids, then (last stage) takes the admissions' states,
-  // then runs the slices. A batch refused
+  // then runs the slices. An own-token slice (SeqStep::own_token: a pipeline of one stage
+  // stepping ahead) runs on the token this stage sampled for its sequence at the position
+  // before; only a stage that is first and last takes one. A batch refused
   // by the checks changes no sequence's cache; one whose rows find no room in `out` has
   // already run (either way the coordinator replays the pipeline from a new epoch).
   Status run(const MicroBatch& batch, std::span<const std::byte> in, const ActivationSink& out, BatchResult* result);
@@ -70,23 +72,34 @@ class StageExecutor {
   struct LastStageSeq {
     SeqState state;
     std::vector<int32_t> history;  // prompt then generated tokens, as far as they were sent
+    // The token its last sampling step chose, at position history.size() then (for a step
+    // ahead); -1 when none or a fork made the record.
+    int32_t sampled = -1;
+    int64_t sampled_at = -1;
   };
 
   void apply_forks(const MicroBatch& batch, Status& forked);
   Status admit(const MicroBatch& batch);
   // The batch's sequences' records, in slice order; an error names a sequence without one.
   Expected<std::vector<LastStageSeq*>> records_of(const MicroBatch& batch);
-  Status run_last(const MicroBatch& batch, StepInput& in, BatchResult& result);
+  // The batch's token ids with every own-token slice's placeholder replaced by the token this
+  // stage sampled (`own_tokens_`), or batch.token_ids itself when it has none.
+  Expected<std::span<const int32_t>> tokens_of(const MicroBatch& batch);
+  // `tokens`: the batch's token ids, own tokens in place (tokens_of).
+  Status run_last(const MicroBatch& batch, std::span<const int32_t> tokens, StepInput& in, BatchResult& result);
   Status sample_in_place(const MicroBatch& batch, const std::vector<LastStageSeq*>& seqs, StepInput& step,
                          BatchResult& result);
   // Chooses tokens on the host from `logits` (one row per slice, or every row when all_rows).
-  void sample_on_host(const MicroBatch& batch, const std::vector<LastStageSeq*>& seqs,
+  void sample_on_host(const MicroBatch& batch, std::span<const int32_t> tokens, const std::vector<LastStageSeq*>& seqs,
                       const std::vector<float>& logits, bool all_rows, BatchResult& result);
+  // Notes each sampled token in its record, for a step ahead.
+  static void note_sampled(LastStageSeq& rec, int32_t token);
 
   std::unique_ptr<StageBackend> backend_;
   std::unordered_map<uint64_t, LastStageSeq> seqs_;  // last stage only
   StepOutput step_out_;  // reused: its buffers keep their capacity
   std::vector<float> scratch_;
+  std::vector<int32_t> own_tokens_;  // tokens_of's copy when the batch has own-token slices
   double sample_seconds_ = 0;
 };
 

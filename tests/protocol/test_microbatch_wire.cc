@@ -138,7 +138,7 @@ TEST(MicroBatchWire, BadFieldsAreNamed) {
   };
   refused(0, 0x42, "bad magic word");
   refused(20, uint8_t(DType::I32), "activation dtype");
-  refused(25 + 16, 0x09, "sequence 5 has unknown step flags 9");
+  refused(25 + 16, 0x11, "sequence 5 has unknown step flags 17");
   refused(25 + 12, 0x03, "slices cover 4 tokens but 3 token ids were sent");  // 5's num_tokens: 3
   refused(25 + 12, 0x00, "sequence 5 has start_pos 0 and num_tokens 0");
 }
@@ -176,6 +176,39 @@ TEST(MicroBatchWire, ValidateNamesWhatDoesNotFitTheModel) {
   EXPECT_NE(message([](MicroBatch& m) { m.token_ids[2] = -1; }).find("token id -1"), std::string::npos);
   EXPECT_NE(message([](MicroBatch& m) { m.forks[0].child = 5; }).find("into itself"), std::string::npos);
   EXPECT_NE(message([](MicroBatch& m) { m.forks[0].num_tokens = 0; }).find("num_tokens 0"), std::string::npos);
+}
+
+// A step ahead's slice (SeqStep::own_token) travels as flag 8; its token is the placeholder,
+// which validate takes only there, and only for one decode token.
+TEST(MicroBatchWire, AnOwnTokenSliceTravelsAndIsChecked) {
+  ModelConfig config;
+  config.n_positions = 16, config.vocab_size = 100;
+  MicroBatch b;
+  b.batch_id = 3;
+  b.seqs.push_back({.slice = {7, 4, 1}, .sample = true});
+  b.seqs.push_back({.slice = {8, 9, 1}, .sample = true, .own_token = true});
+  b.token_ids = {42, kOwnTokenPlaceholder};
+  const std::vector<uint8_t> bytes = encode(b);
+  EXPECT_EQ(bytes[25 + 17 + 16], 1 | 8);  // the second slice's flags (header 25 bytes, a slice 17)
+  auto back = decode_microbatch(bytes);
+  ASSERT_TRUE(back) << back.error();
+  EXPECT_EQ(*back, b);
+  EXPECT_TRUE(validate(b, config).ok()) << validate(b, config).message();
+  auto message = [&](auto change) {
+    MicroBatch bad = b;
+    change(bad);
+    return validate(bad, config).message();
+  };
+  EXPECT_NE(message([](MicroBatch& m) { m.token_ids[0] = kOwnTokenPlaceholder; }).find("token id -1"), std::string::npos);
+  EXPECT_NE(message([](MicroBatch& m) { m.token_ids[1] = 5; }).find("sequence 8: a step on the stage's own token"),
+            std::string::npos);
+  EXPECT_NE(message([](MicroBatch& m) { m.seqs[1].prefill = true; }).find("must be one decode token"),
+            std::string::npos);
+  EXPECT_NE(message([](MicroBatch& m) {
+              m.seqs[1].slice.num_tokens = 2;
+              m.token_ids.push_back(kOwnTokenPlaceholder);
+            }).find("must be one decode token"),
+            std::string::npos);
 }
 
 TEST(AdmissionsWire, RoundTripAndRefuseWhatIsWrong) {

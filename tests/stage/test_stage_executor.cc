@@ -157,6 +157,54 @@ TEST(StageExecutor, TheLastStageKeepsAStateUntilItsSequenceIsFreed) {
   EXPECT_NE(s.message().find("sequence 1 has no request state"), std::string::npos) << s.message();
 }
 
+// A step ahead (SeqStep::own_token): the stage of a one-stage pipeline runs the slice on the
+// token it sampled at that position, giving what the batch with that token would give, and a
+// penalty-using sampler sees it in the history; a step ahead at a position the stage has not
+// sampled, or on a stage that does not sample, is refused naming the sequence.
+TEST(StageExecutor, AStepAheadRunsOnTheTokenTheStageSampled) {
+  StageExecutor ahead = stage(0, 6), told = stage(0, 6);
+  MicroBatch b = prompt_batch();
+  BatchResult a1, t1;
+  ASSERT_TRUE(ahead.run(b, {}, kNoSink, &a1).ok());
+  ASSERT_TRUE(told.run(b, {}, kNoSink, &t1).ok());
+  ASSERT_EQ(a1, t1);
+  for (int step = 0; step < 3; ++step) {  // three steps ahead in a row
+    MicroBatch own, sent;
+    own.batch_id = sent.batch_id = uint64_t(8 + step);
+    for (size_t i = 0; i < 2; ++i) {
+      const int32_t pos = (i == 0 ? 3 : 5) + step;
+      own.seqs.push_back({.slice = {i + 1, pos, 1}, .sample = true, .own_token = true});
+      own.token_ids.push_back(kOwnTokenPlaceholder);
+      sent.seqs.push_back({.slice = {i + 1, pos, 1}, .sample = true});
+      sent.token_ids.push_back(t1.seqs[i].token);
+    }
+    BatchResult a2, t2;
+    ASSERT_TRUE(ahead.run(own, {}, kNoSink, &a2).ok());
+    ASSERT_TRUE(told.run(sent, {}, kNoSink, &t2).ok());
+    EXPECT_EQ(a2, t2) << "step " << step;
+    t1 = t2;
+  }
+  MicroBatch wrong;  // sequence 1 was last sampled for position 6, not 9
+  wrong.batch_id = 20;
+  wrong.seqs.push_back({.slice = {1, 9, 1}, .sample = true, .own_token = true});
+  wrong.token_ids = {kOwnTokenPlaceholder};
+  BatchResult r;
+  Status s = ahead.run(wrong, {}, kNoSink, &r);
+  ASSERT_FALSE(s.ok());
+  EXPECT_NE(s.message().find("sequence 1 steps ahead at position 9"), std::string::npos) << s.message();
+  EXPECT_NE(s.message().find("sampled one for position 6"), std::string::npos) << s.message();
+  StageExecutor first = stage(0, 3);  // embeds but does not sample
+  wrong.seqs[0].slice.start_pos = 0;
+  std::vector<std::byte> out;
+  const ActivationSink sink = [&](size_t bytes) -> Expected<std::span<std::byte>> {
+    out.resize(bytes);
+    return std::span<std::byte>(out);
+  };
+  s = first.run(wrong, {}, sink, nullptr);
+  ASSERT_FALSE(s.ok());
+  EXPECT_NE(s.message().find("only the stage of a one-stage pipeline"), std::string::npos) << s.message();
+}
+
 // One sequence's step: `tokens` from `start`, sampled.
 SeqStep seq_step(uint64_t id, int32_t start, int32_t n) {
   SeqStep w;

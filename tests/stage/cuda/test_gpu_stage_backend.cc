@@ -112,6 +112,21 @@ MicroBatch step_batch(int step, const std::vector<std::vector<int32_t>>& seqs, c
   return b;
 }
 
+// The whole demo model as one GPU stage (it embeds and samples), decode steps from CUDA graphs
+// or eager.
+std::unique_ptr<StageExecutor> one_stage(DType dtype, bool graphs) {
+  auto w = load_stage_weights(model_dir(), 0, 6);
+  EXPECT_TRUE(w) << w.error();
+  cuda::GpuStageOptions o;
+  o.dtype = dtype;
+  o.max_tokens = 256;
+  o.kv_cache_max_bytes = int64_t(64) << 20;
+  o.cuda_graphs = graphs;
+  auto backend = cuda::GpuStageBackend::create(*w, {0}, o);
+  EXPECT_TRUE(backend) << backend.error();
+  return backend ? std::make_unique<StageExecutor>(std::move(backend).value()) : nullptr;
+}
+
 class GpuStageBackendTest : public ::testing::TestWithParam<DType> {
  protected:
   void SetUp() override {
@@ -181,18 +196,7 @@ void GpuStageBackendTest::check_against_cpu(std::array<bool, 2> arrangement) {
 TEST_P(GpuStageBackendTest, WarmUpCapturesTheDecodeGraphsBeforeTheFirstStep) {
   auto tok = Tokenizer::load(model_dir());
   ASSERT_TRUE(tok) << tok.error();
-  auto make = [&](bool graphs) -> std::unique_ptr<StageExecutor> {
-    auto w = load_stage_weights(model_dir(), 0, 6);
-    EXPECT_TRUE(w) << w.error();
-    cuda::GpuStageOptions o;
-    o.dtype = GetParam();
-    o.max_tokens = 256;
-    o.kv_cache_max_bytes = int64_t(64) << 20;
-    o.cuda_graphs = graphs;
-    auto backend = cuda::GpuStageBackend::create(*w, {0}, o);
-    EXPECT_TRUE(backend) << backend.error();
-    return backend ? std::make_unique<StageExecutor>(std::move(backend).value()) : nullptr;
-  };
+  auto make = [&](bool graphs) { return one_stage(GetParam(), graphs); };
   Pipeline replayed, eager;
   replayed.stages.push_back(make(true));
   eager.stages.push_back(make(false));
@@ -219,6 +223,45 @@ TEST_P(GpuStageBackendTest, WarmUpCapturesTheDecodeGraphsBeforeTheFirstStep) {
     }
   }
   EXPECT_EQ(captured(replayed), 8u) << "a step captured a graph the warm-up had not";
+}
+
+// A step ahead (SeqStep::own_token) on a stage that samples in place: the step on the tokens
+// the stage chose itself gives the bits of the same step told those tokens, greedy, sampled
+// and with a repetition penalty (which reads the history the own token joins).
+TEST_P(GpuStageBackendTest, AStepAheadOnItsOwnTokensGivesTheToldStepsBits) {
+  auto tok = Tokenizer::load(model_dir());
+  ASSERT_TRUE(tok) << tok.error();
+  Pipeline ahead, told;
+  ahead.stages.push_back(one_stage(GetParam(), true));
+  told.stages.push_back(one_stage(GetParam(), true));
+  ASSERT_TRUE(ahead.stages[0] && told.stages[0]);
+  ASSERT_TRUE(ahead.stages[0]->backend().samples_in_place());
+  std::vector<std::vector<int32_t>> seqs;
+  std::vector<int32_t> prompt_lens;
+  for (const char* t : {"The jury said", "In the morning", "Mr. Brown"})
+    seqs.push_back(tok->encode(t)), prompt_lens.push_back(int32_t(seqs.back().size()));
+  auto sampling = [](size_t i, SeqState& st) {
+    st.sampling.temperature = i == 1 ? 0.8f : 0.f;
+    st.sampling.seed = 11;
+    if (i == 2) st.sampling.repetition_penalty = 1.3f;
+  };
+  for (int step = 0; step < 8; ++step) {
+    const MicroBatch b = step_batch(step, seqs, prompt_lens, sampling);
+    MicroBatch own = b;
+    if (step > 0)
+      for (size_t i = 0; i < seqs.size(); ++i) {
+        own.seqs[i].own_token = true;  // a decode slice: token i of the batch
+        own.token_ids[i] = kOwnTokenPlaceholder;
+      }
+    const BatchResult a = ahead.run(own), t = told.run(b);
+    ASSERT_EQ(a.seqs.size(), seqs.size());
+    ASSERT_EQ(t.seqs.size(), seqs.size());
+    for (size_t i = 0; i < seqs.size(); ++i) {
+      EXPECT_EQ(a.seqs[i].token, t.seqs[i].token) << "sequence " << i << " step " << step;
+      EXPECT_EQ(a.seqs[i].logprob, t.seqs[i].logprob) << "sequence " << i << " step " << step;
+      seqs[i].push_back(t.seqs[i].token);
+    }
+  }
 }
 
 // The last stage samples on the GPU (HeadOutput::Tokens; decode steps replayed from
