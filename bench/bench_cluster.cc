@@ -104,6 +104,7 @@ struct LocalCluster {
   bool fp8 = false;         // cuda: conveyor local --fp8
   std::string kv_dtype = "auto";  // cuda: conveyor local --kv-dtype
   bool no_prefix_cache = false;
+  bool no_step_ahead = false;  // conveyor local --no-step-ahead
   bool start(const std::string& bin_dir, const std::string& model, int stages, int in_flight) {
     const std::string logs = (std::filesystem::temp_directory_path() / ("conveyor-bench-" + std::to_string(::getpid()))).string();
     std::vector<std::string> argv = {bin_dir + "/conveyor", "local", "--model", model, "--stages", std::to_string(stages),
@@ -116,6 +117,7 @@ struct LocalCluster {
     if (backend == "cuda" && fp8) argv.push_back("--fp8");
     if (backend == "cuda" && kv_dtype != "auto") argv.insert(argv.end(), {"--kv-dtype", kv_dtype});
     if (no_prefix_cache) argv.push_back("--no-prefix-cache");
+    if (no_step_ahead) argv.push_back("--no-step-ahead");
     if (!kv_cache_mb.empty()) argv.insert(argv.end(), {"--kv-cache-mb", kv_cache_mb});
     proc = std::make_unique<testing::ChildProcess>(argv);
     const std::string line = proc->read_line_matching("ready at", std::chrono::seconds(120));
@@ -411,8 +413,9 @@ int main(int argc, char** argv) {
   app.add_option("--shared-prefix", shared_prefix,
                  "with --prompt-tokens: every prompt begins with the same this many token ids (prefix reuse)")
       ->check(CLI::PositiveNumber);
-  bool no_prefix_cache = false;
+  bool no_prefix_cache = false, no_step_ahead = false;
   app.add_flag("--no-prefix-cache", no_prefix_cache, "conveyor local --no-prefix-cache: compute every prompt whole");
+  app.add_flag("--no-step-ahead", no_step_ahead, "conveyor local --no-step-ahead: a one-stage pipeline waits for each result");
   app.add_option("--prompt-mix", prompt_mix,
                  "prompt lengths in tokens that requests take in turn, e.g. 128,1024 (streamed); with --prompt-tokens, "
                  "one more load after the others, of --mix-clients clients");
@@ -572,6 +575,7 @@ int main(int argc, char** argv) {
   cluster.fp8 = fp8;
   cluster.kv_dtype = kv_dtype;
   cluster.no_prefix_cache = no_prefix_cache;
+  cluster.no_step_ahead = no_step_ahead;
   cluster.tp = tp;
   cluster.replicas = replicas;
   if (!cluster.start(bin_dir, model, stages, in_flight)) {

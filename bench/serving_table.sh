@@ -14,6 +14,7 @@
 #   bench/serving_table.sh [--backend cpu|cuda] [--shape gpt2-xl|gpt3-6.7b|L,C,H] [--clients 1,64,256]
 #       [--prompt 128] [--new-tokens 128] [--requests-per-client 2] [--stages 1] [--mix 128,1024]
 #       [--mix-clients 64] [--bin DIR] [--model DIR] [--out DIR] [--no-torch] [--no-trace]
+#       [--no-step-ahead]
 #
 # --bin: where the programs are (default: build/bin, or $CONVEYOR_BIN_DIR for an unpacked
 # bundle); --model: the tokenizer's checkpoint (default models/brown-gpt2; the random weights
@@ -25,7 +26,7 @@ set -o pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 repo="$(cd "$here/.." && pwd)"
 backend=cpu shape=gpt2-xl clients=1,64,256 prompt=128 new_tokens=128 rpc=2 stages=1
-mix="" mix_clients=64 bin="${CONVEYOR_BIN_DIR:-$repo/build/bin}" model="$repo/models/brown-gpt2" out="" torch=1 trace=1
+step_ahead=1 mix="" mix_clients=64 bin="${CONVEYOR_BIN_DIR:-$repo/build/bin}" model="$repo/models/brown-gpt2" out="" torch=1 trace=1
 
 usage() { sed -n '2,22p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
 need() { [[ $# -ge 2 && -n "$2" ]] || { echo "serving_table.sh: $1 needs a value" >&2; exit 2; }; }
@@ -45,6 +46,7 @@ while [[ $# -gt 0 ]]; do
     --out) need "$@"; out="$2"; shift 2 ;;
     --no-torch) torch=0; shift ;;
     --no-trace) trace=0; shift ;;
+    --no-step-ahead) step_ahead=0; shift ;;
     -h|--help) usage ;;
     *) echo "serving_table.sh: unknown argument '$1' (--help lists them)" >&2; exit 2 ;;
   esac
@@ -82,9 +84,10 @@ trace_flag=(); [[ $trace == 1 ]] && trace_flag=(--trace)
 # One cluster for every load (a large random checkpoint is written once): the client counts,
 # then (--mix) the mixed prompts, streamed.
 mix_flags=(); [[ -n "$mix" ]] && mix_flags=(--prompt-mix "$mix" --mix-clients "$mix_clients")
+ahead_flag=(); [[ $step_ahead == 0 ]] && ahead_flag=(--no-step-ahead)
 "$bin/conveyor-bench-cluster" --backend "$backend" --model "$model" --random "$shape" --stages "$stages" \
     --concurrency "$clients" --requests-per-client "$rpc" --prompt-tokens "$prompt" --max-tokens "$new_tokens" \
-    --stream-at 1 "${mix_flags[@]}" "${trace_flag[@]}" --json "$out/rest.jsonl" 2>&1 | tee "$out/rest.log"
+    --stream-at 1 "${mix_flags[@]}" "${trace_flag[@]}" "${ahead_flag[@]}" --json "$out/rest.jsonl" 2>&1 | tee "$out/rest.log"
 rest_rc=$?
 
 # (c) the compiled PyTorch static batch.

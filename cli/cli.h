@@ -47,6 +47,7 @@ struct LocalOptions {
   std::string kv_cache_mb = "auto";
   int in_flight = 0;
   bool no_prefix_cache = false;  // scheduler.prefix_cache: false
+  bool no_step_ahead = false;    // scheduler.step_ahead: false
   std::string log_dir;
   bool verbose = false;
   std::string backend = "auto";  // the workers' --backend; auto: cuda when conveyor-worker finds a GPU

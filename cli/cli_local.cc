@@ -230,6 +230,8 @@ void add_local_command(CLI::App& app, LocalOptions& o) {
   cmd->add_option("--in-flight", o.in_flight, "micro-batches in flight per pipeline (0: auto, from the stages)")
       ->check(CLI::Range(0, 64));
   cmd->add_flag("--no-prefix-cache", o.no_prefix_cache, "compute every prompt whole (no K/V reuse of shared prefixes)");
+  cmd->add_flag("--no-step-ahead", o.no_step_ahead,
+                "a one-stage pipeline waits for each step's result before sending the next (scheduler.step_ahead)");
   cmd->add_option("--log-dir", o.log_dir, "where the daemons' logs go (default: a new temporary folder)");
   cmd->add_option("--backend", o.backend, "where the stages run: cpu, cuda, or auto (cuda when there is a GPU)")
       ->check(CLI::IsMember({"auto", "cpu", "cuda"}));
@@ -390,6 +392,7 @@ void write_cluster_yaml(const fs::path& file, const fs::path& model, const Local
     << "pipeline: {stages: " << o.stages << ", replicas: " << o.replicas << "}\n"
     << "objective: " << o.objective << "\n";
   y << "scheduler: {prefix_cache: " << (o.no_prefix_cache ? "false" : "true");
+  if (o.no_step_ahead) y << ", step_ahead: false";
   if (o.in_flight > 0) y << ", in_flight: " << o.in_flight;
   y << "}\n";
 }

@@ -36,25 +36,35 @@ SeqState Scheduler::state_of(const Sequence& s) const {
   return st;
 }
 
-int64_t Scheduler::ready_sequences(const PipelineRun& p, std::vector<Sequence*>& decode, std::vector<Sequence*>& prefill) {
+int64_t Scheduler::ready_sequences(const PipelineRun& p, std::vector<Sequence*>& decode, std::vector<Sequence*>& prefill,
+                                   std::vector<Sequence*>* ahead) {
   int64_t active = 0;
   for (auto& [_, s] : seqs_) {
     if (s.pipeline != p.index || s.finished) continue;
     ++active;
+    if (s.in_flight && ahead && can_step_ahead(s)) ahead->push_back(&s);
     if (s.in_flight || s.fed >= s.all.size()) continue;
     (s.all.size() - s.fed == 1 ? decode : prefill).push_back(&s);
   }
   auto by_id = [](const Sequence* a, const Sequence* b) { return a->id < b->id; };
   std::sort(decode.begin(), decode.end(), by_id);
   std::sort(prefill.begin(), prefill.end(), by_id);
+  if (ahead) std::sort(ahead->begin(), ahead->end(), by_id);
   return active;
 }
 
+bool Scheduler::can_step_ahead(const Sequence& s) const {
+  return !s.ahead && s.group < 0 && s.fed == s.all.size() &&
+         int64_t(s.generated()) + 2 <= max_tokens_of(*s.request->req, s.prompt_len);
+}
+
 std::optional<StepPlan> Scheduler::next_step(PipelineRun& p, int depth) {
-  std::vector<Sequence*> decode, prefill;
-  const int64_t active = ready_sequences(p, decode, prefill);
+  std::vector<Sequence*> decode, prefill, ahead;
+  const int64_t active = ready_sequences(p, decode, prefill, p.view.step_ahead ? &ahead : nullptr);
   std::vector<SeqFork>& retains = retain_forks(p.index);
-  if (decode.empty() && prefill.empty() && p.pending_frees.empty() && retains.empty()) return std::nullopt;
+  if (p.view.step_ahead && p.in_flight >= depth && ahead.empty()) return std::nullopt;  // the extra slot: steps ahead
+  if (decode.empty() && prefill.empty() && ahead.empty() && p.pending_frees.empty() && retains.empty())
+    return std::nullopt;
   Draft d;
   // Spread the live sequences over the in-flight slots so every stage has work.
   d.cap_seqs = std::min<int64_t>(p.limits.max_sequences, std::max<int64_t>(1, (active + depth - 1) / depth));
@@ -68,6 +78,7 @@ std::optional<StepPlan> Scheduler::next_step(PipelineRun& p, int depth) {
   retains.clear();
   b.record = {p.epoch, {}, Clock::now()};
   add_decode_steps(p, d, decode);
+  add_ahead_steps(p, d, ahead);
   add_prefill_steps(p, d, prefill);
   return std::move(d.plan);
 }
@@ -95,6 +106,24 @@ void Scheduler::add_decode_steps(PipelineRun& p, Draft& d, std::vector<Sequence*
       add_step(p, d, *u, 1);
       *std::find(decode.begin() + int64_t(i), decode.end(), u) = nullptr;
     }
+  }
+}
+
+// Steps ahead, after the ready decode steps (a sequence waiting for its step goes first). The
+// stage holds each one's state: its step in flight is of this epoch.
+void Scheduler::add_ahead_steps(const PipelineRun& p, Draft& d, const std::vector<Sequence*>& ahead) {
+  StepPlan& b = d.plan;
+  for (Sequence* s : ahead) {
+    if (int64_t(b.steps.size()) >= d.cap_seqs || d.tokens + 1 > p.limits.max_rows) break;
+    SeqStep w;
+    w.slice = {s->id, int32_t(s->fed), 1};
+    w.sample = true;
+    w.own_token = true;
+    b.token_ids.push_back(kOwnTokenPlaceholder);
+    b.steps.push_back(w);
+    s->ahead = true;
+    b.record.seq_ids.push_back(s->id);
+    d.tokens += 1;
   }
 }
 

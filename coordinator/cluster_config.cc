@@ -332,7 +332,7 @@ void parse_scheduler_section(const Ctx& c, const YAML::Node& root, ClusterConfig
   if (sch && check_keys(c, sch, "scheduler", {"in_flight", "max_batch_tokens", "prefill_chunk",
                                               "prefill_tokens_per_batch", "max_queue", "max_running",
                                               "max_sequences_per_batch", "shutdown_timeout_ms", "pipeline_wait_ms",
-                                              "batch_timeout_ms", "request_timeout_ms", "prefix_cache"})) {
+                                              "batch_timeout_ms", "request_timeout_ms", "prefix_cache", "step_ahead"})) {
     const std::string s = "scheduler";
     // A micro-batch of fewer rows than one K/V granule (16 tokens) only slows every step.
     get_number(c, sch, s, "in_flight", cfg.in_flight, {1, 64, "auto"});
@@ -347,6 +347,7 @@ void parse_scheduler_section(const Ctx& c, const YAML::Node& root, ClusterConfig
     get_number(c, sch, s, "batch_timeout_ms", cfg.batch_timeout_ms, {100, kHourMs, "never"});
     get_number(c, sch, s, "request_timeout_ms", cfg.request_timeout_ms, {100, 24 * kHourMs, "no deadline"});
     get(c, sch, s, "prefix_cache", cfg.prefix_cache);
+    get(c, sch, s, "step_ahead", cfg.step_ahead);
   }
   if (cfg.in_flight == 0) {
     cfg.in_flight = cfg.stages;

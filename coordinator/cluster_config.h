@@ -12,7 +12,7 @@
 //   scheduler: {in_flight: D, max_batch_tokens: T, prefill_chunk: C, prefill_tokens_per_batch: P,
 //               max_queue: Q, max_running: S, max_sequences_per_batch: B,
 //               shutdown_timeout_ms: 30000, pipeline_wait_ms: 30000, batch_timeout_ms: 30000,
-//               request_timeout_ms: 600000, prefix_cache: true}
+//               request_timeout_ms: 600000, prefix_cache: true, step_ahead: true}
 //              (D, T, C, P, S, B: 0 or absent = auto, from what the pipeline's workers say of
 //               their steps: see scheduler.h, batch_limits)
 //   heartbeat: {interval_ms: 500, liveness_ms: 3000}
@@ -89,6 +89,10 @@ struct ClusterConfig {
   // Prefix K/V reuse across requests (scheduler.h): a prompt that starts like one computed
   // before forks the stages' K/V of that prefix instead of computing it again.
   bool prefix_cache = true;
+  // A pipeline of one stage sends each decode step before the step before it has come back,
+  // on the token the stage sampled there (Scheduler::next_step): the coordinator's round trip
+  // leaves the step's critical path.
+  bool step_ahead = true;
   int shutdown_timeout_ms = 30000;  // SIGTERM: how long accepted requests may take to finish
   // While no pipeline can serve (its only worker drained or died, no spare): how long an
   // accepted request waits in the queue for one before it is refused (503, Retry-After).

@@ -92,7 +92,7 @@ SnapshotPtr ClusterManager::snapshot_if_changed() {
                             .last_peer = p.last_peer, .ready = ready, .open = ready && !has_leaver(p),
                             .recoverable = pipeline_recoverable(p), .kv_capacity = pipeline_kv_capacity(p),
                             .figures = pipeline_figures(p), .depth = in_flight_depth(p),
-                            .down_reason = p.down_reason});
+                            .step_ahead = steps_ahead(p), .down_reason = p.down_reason});
   }
   s->serviceable = serviceable();
   s->health_reason = health_reason();
@@ -303,6 +303,7 @@ json ClusterManager::cluster_json(const EngineStats& e) const {
     const BatchLimits& l = run.limits;
     pj.push_back({{"pipeline", p.index}, {"epoch", p.epoch}, {"ready", pipeline_ready(p)},
                   {"in_flight", run.in_flight}, {"in_flight_depth", in_flight_depth(p)},
+                  {"step_ahead", steps_ahead(p)},
                   {"kv_reserved_tokens", run.kv_reserved},
                   {"kv_budget_tokens", pipeline_kv_capacity(p)}, {"admitted", run.admitted},
                   {"running_sequences", run.running},

@@ -93,6 +93,8 @@ class ClusterManager {
   // Micro-batches kept in flight on `p`: scheduler.in_flight, or auto (its stages, plus the
   // extra its workers ask for when it has several: their figures).
   int in_flight_depth(const Pipeline& p) const;
+  // Whether its steps go ahead (scheduler.step_ahead, on a pipeline of one stage).
+  bool steps_ahead(const Pipeline& p) const { return cfg.step_ahead && p.workers.size() == 1; }
   // What the pipeline's workers say of their steps, together (StageFigures).
   StageFigures pipeline_figures(const Pipeline& p) const;
   Shape current_shape() const { return {cfg.stages, cfg.replicas, cfg.layers}; }

@@ -50,6 +50,9 @@ struct PipelineView {
   int64_t kv_capacity = 0;   // K/V tokens it holds: its smallest stage's
   StageFigures figures;
   int depth = 1;             // micro-batches kept in flight (scheduler.in_flight, or auto)
+  // One stage and scheduler.step_ahead: one more micro-batch may go, of steps ahead
+  // (Scheduler::next_step).
+  bool step_ahead = false;
   std::string down_reason;   // why it is not serving, for /health
   bool operator==(const PipelineView&) const = default;
 };

@@ -103,7 +103,8 @@ nlohmann::json scheduler_json(const conveyor::ClusterConfig& cfg) {
           {"pipeline_wait_ms", cfg.pipeline_wait_ms},
           {"batch_timeout_ms", cfg.batch_timeout_ms},
           {"request_timeout_ms", cfg.request_timeout_ms},
-          {"prefix_cache", cfg.prefix_cache}};
+          {"prefix_cache", cfg.prefix_cache},
+          {"step_ahead", cfg.step_ahead}};
 }
 
 // --check: the settings the daemon would run with, as JSON (no secrets).

@@ -151,19 +151,25 @@ void Engine::take_result(const transport::Message& m, Clock::time_point arrived,
   PipelineRun* replay = scheduler_->on_result(*res);
   if (const int64_t discarded = scheduler_->take_discarded_tokens(); discarded > 0 && metrics_)
     metrics_->add_discarded_tokens(uint64_t(discarded));
-  // What the result made possible leaves before its tokens become text and updates.
-  if (!replay && sent_at) launch(*run, asks);
+  // What the result made possible leaves before its tokens become text and updates, unless
+  // the pipeline steps ahead: its stage has its next step already, and the text first lets a
+  // stop string end its sequence before one more step ahead of it goes.
+  const bool launch_now = !replay && sent_at;
+  if (launch_now && !run->view.step_ahead) launch(*run, asks);
   const auto taken = Clock::now();
   scheduler_->deliver();
+  if (launch_now && run->view.step_ahead) launch(*run, asks);
   if (trace_ && sent_at)
     trace_->result(*res, arrived, *sent_at, std::chrono::duration<double, std::milli>(Clock::now() - taken).count());
   if (replay) halt(*replay, ClusterAsk::Kind::Replay, "replaying after: " + res->error, asks);
 }
 
-// Sends `r`'s next step plans while it has room in flight.
+// Sends `r`'s next step plans while it has room in flight: its depth, and one more for steps
+// ahead (Scheduler::next_step).
 void Engine::launch(PipelineRun& r, std::vector<ClusterAsk>& asks) {
   const int depth = r.view.depth;
-  while (r.in_flight < depth && r.view.ready && !r.halted) {
+  const int room = depth + (r.view.step_ahead ? 1 : 0);
+  while (r.in_flight < room && r.view.ready && !r.halted) {
     const auto t0 = Clock::now();
     std::optional<StepPlan> plan = scheduler_->next_step(r, depth);
     if (!plan) return;
@@ -183,7 +189,7 @@ void Engine::launch(PipelineRun& r, std::vector<ClusterAsk>& asks) {
       if (metrics_) metrics_->observe_coordinator_gap(*gap_ms * 1e-3);
     }
     if (trace_)
-      trace_->sent(*plan, {.header_bytes = header.size(), .in_flight = r.in_flight + 1, .depth = depth,
+      trace_->sent(*plan, {.header_bytes = header.size(), .in_flight = r.in_flight + 1, .depth = room,
                            .form_ms = std::chrono::duration<double, std::milli>(t1 - t0).count(), .gap_ms = gap_ms,
                            .running = scheduler_->running_on(r.index), .queue = scheduler_->queue_size(),
                            .queue_wait = scheduler_->queue_wait(), .limits = r.limits, .kv_reserved = r.kv_reserved,

@@ -383,7 +383,8 @@ void Scheduler::deliver_group(Request& r, BeamGroup& g) {
 }
 
 void Scheduler::take_token(Sequence& s, SeqResult sr) {
-  s.in_flight = false;
+  const bool ahead = std::exchange(s.ahead, false);  // its step ahead is in flight still, on this token
+  s.in_flight = ahead;
   const CompletionRequest& r = *s.request->req;
   // Prompt log-probs: entry j predicts the token at position start + 1 + j.
   if (!s.prompt_lp.empty()) {
@@ -404,6 +405,7 @@ void Scheduler::take_token(Sequence& s, SeqResult sr) {
   if (!s.request->first_token_at) s.request->first_token_at = Clock::now();
   if (!s.prefix_offered) retain_prefix(s);  // it sampled: its prompt's K/V is complete on every stage
   s.all.push_back(sr.token);
+  if (ahead) ++s.fed;
   Delivery d{s.id, {sr.token, sr.logprob, std::move(sr.top)}, nullptr, false};
   const int32_t eos = int32_t(cfg_.model.eos_token_id);
   const auto& stops = r.sampling.stop_token_ids;
@@ -459,7 +461,7 @@ void Scheduler::deliver_one(Sequence& s, Delivery d) {
 // finishes the request (which destroys it and its sequences).
 void Scheduler::finish_sequence(Sequence& s, const char* reason, ChoiceUpdate update) {
   s.finished = true;
-  s.in_flight = false;
+  s.in_flight = s.ahead = false;
   update.text += s.text->flush();
   update.finish_reason = reason;
   Request& r = *s.request;
@@ -485,7 +487,7 @@ void Scheduler::restart(int index) {
     if (s.pipeline == index) {
       if (s.fed > 0) replayed.insert(s.request);
       s.fed = 0;
-      s.in_flight = false;
+      s.in_flight = s.ahead = false;
       s.prefix_done = s.prefix_offered = false;
     }
   for (auto& [rp, _] : running_)
@@ -510,7 +512,7 @@ void Scheduler::redistribute() {
       if (auto it = seqs_.find(id); it != seqs_.end()) {
         it->second.pipeline = p.index;
         it->second.fed = 0;
-        it->second.in_flight = false;
+        it->second.in_flight = it->second.ahead = false;
         it->second.prefix_done = it->second.prefix_offered = false;
       }
   }

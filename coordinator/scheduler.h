@@ -138,6 +138,17 @@ class Scheduler {
   // it has no work. The caller sends it and then records it with sent(). Its admissions
   // carry the state of each sequence the pipeline's last stage does not hold in this epoch
   // (coordinator/batch_forming.cc).
+  //
+  // Steps ahead (p.view.step_ahead: a pipeline of one stage): a sequence whose step in flight
+  // samples its next token gets its following step now, on that token, which the stage puts
+  // in itself (SeqStep::own_token); so the stage finds its next input waiting, and the
+  // round trip through the coordinator leaves the critical path. The caller allows one
+  // micro-batch beyond `depth` for them: with p.in_flight >= depth a plan goes only when some
+  // sequence can step ahead (ready sequences join it), and it forms the plan after deliver()
+  // so that stop strings are known. A sequence that its token in flight ends (a stop token or
+  // string) had one step too many: its result is dropped (discarded tokens) and its free
+  // follows it. The answers do not change: the stage's token is the one
+  // the coordinator would have sent.
   std::optional<StepPlan> next_step(PipelineRun& p, int depth);
   static void sent(PipelineRun& p, StepPlan plan);
 
@@ -244,6 +255,9 @@ class Scheduler {
     size_t prompt_len = 0;
     size_t fed = 0;            // tokens of `all` sent to the pipeline in its current epoch
     bool in_flight = false;
+    // A step ahead is in flight too: sent on the token its step in flight samples, which the
+    // stage puts in (SeqStep::own_token). That token, once it comes back, counts as fed.
+    bool ahead = false;
     bool finished = false;
     std::unique_ptr<TextStream> text;
     std::vector<TokenOut> prompt_lp;  // echo + logprobs: entry 0 is the first prompt token (NaN)
@@ -287,9 +301,16 @@ class Scheduler {
   // Starts `owned` on `p`: its reservation and its first sequences (a beam group per prompt).
   void start_request(std::unique_ptr<Request> owned, PipelineRun& p);
   void start_beam_groups(Request& r, PipelineRun& p);
-  // p's sequences with tokens to feed, decode steps and prompt chunks apart, by id; returns
-  // how many of p's sequences run (in flight or not).
-  int64_t ready_sequences(const PipelineRun& p, std::vector<Sequence*>& decode, std::vector<Sequence*>& prefill);
+  // p's sequences with tokens to feed, decode steps and prompt chunks apart, and (`ahead`
+  // given) those that may step ahead, by id; returns how many of p's sequences run (in flight
+  // or not).
+  int64_t ready_sequences(const PipelineRun& p, std::vector<Sequence*>& decode, std::vector<Sequence*>& prefill,
+                          std::vector<Sequence*>* ahead);
+  // Whether `s`, its step in flight, may step ahead: that step samples its next token, and a
+  // token after it is still within max_tokens (and the context); not a beam (its group
+  // chooses its next token).
+  bool can_step_ahead(const Sequence& s) const;
+  void add_ahead_steps(const PipelineRun& p, Draft& d, const std::vector<Sequence*>& ahead);
   void add_decode_steps(PipelineRun& p, Draft& d, std::vector<Sequence*>& decode);
   void add_prefill_steps(PipelineRun& p, Draft& d, const std::vector<Sequence*>& prefill);
   void add_step(PipelineRun& p, Draft& d, Sequence& s, int64_t n);

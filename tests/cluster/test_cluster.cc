@@ -49,6 +49,29 @@ TEST(Cluster, SixtyFourConcurrentRequestsMatchTheEngine) {
   const json c = json::parse(info->body);
   EXPECT_EQ(c.at("workers").size(), 3u);
   EXPECT_EQ(c.at("pipelines").at(0).at("stages").size(), 3u);
+  EXPECT_FALSE(c.at("pipelines").at(0).at("step_ahead").get<bool>());  // several stages: none
+}
+
+// A pipeline of one stage steps ahead (scheduler.step_ahead, the default): each decode step
+// leaves while the one before is in flight, on the token the stage samples there. The answers
+// are the engine's all the same, sampled with seeds, cut by stop strings and the eos token
+// (which leave a step ahead to discard), at max_tokens. Each choice that stops before its
+// max_tokens ran exactly one step too many, whose token the coordinator discarded.
+TEST(Cluster, AOneStagePipelineSteppingAheadMatchesTheEngine) {
+  Cluster cluster;
+  ASSERT_TRUE(cluster.start("ahead", 1, 1));
+  EXPECT_TRUE(cluster.info().at("pipelines").at(0).at("step_ahead").get<bool>());
+  Reference ref;
+  std::vector<Case> cases = make_cases(ref, 48, 20261127);
+  for (const auto& f : run_cases(cluster, cases, 12)) ADD_FAILURE() << f;
+  for (const auto& f : run_cases(cluster, cases, 1)) ADD_FAILURE() << "one at a time: " << f;
+  int early = 0;
+  for (const Case& c : cases)
+    early += c.expect.finish == "stop" && int(c.expect.tokens.size()) < c.body["max_tokens"].get<int>();
+  EXPECT_GT(early, 0) << "no case stops early: nothing checks the discarded steps";
+  auto m = cluster.get("/metrics");
+  ASSERT_TRUE(m.ok());
+  EXPECT_EQ(metric(m->body, "conveyor_discarded_tokens_total"), 2 * early) << "two passes of the cases";
 }
 
 // Stage workers running their layers tensor parallel (2 and 3 threads: brown-gpt2's 8 heads

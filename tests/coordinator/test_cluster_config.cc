@@ -165,6 +165,19 @@ TEST(ClusterConfig, Objective) {
   EXPECT_NE(error_of("objective: [latency]\n").find("'objective' must be latency or throughput"), std::string::npos);
 }
 
+// scheduler.step_ahead: on unless the file says false; anything but a boolean is named.
+TEST(ClusterConfig, StepAhead) {
+  auto parse = [](const std::string& yaml) {
+    return parse_cluster_config("model: {path: \"" + model_dir() + "\"}\ncontrol: {join_token: t}\n" + yaml, "c.yaml");
+  };
+  EXPECT_TRUE(parse("").value().step_ahead);
+  EXPECT_FALSE(parse("scheduler: {step_ahead: false}\n").value().step_ahead);
+  EXPECT_TRUE(parse("scheduler: {step_ahead: true}\n").value().step_ahead);
+  const std::string bad = error_of("scheduler: {step_ahead: sometimes}\n");
+  EXPECT_NE(bad.find("c.yaml:3"), std::string::npos) << bad;
+  EXPECT_NE(bad.find("step_ahead"), std::string::npos) << bad;
+}
+
 // The scheduler block is checked against ranges, and every mistake is listed with its line
 // in the file's order, not only the first (issue 29).
 TEST(ClusterConfig, EveryMistakeIsListedWithItsLine) {

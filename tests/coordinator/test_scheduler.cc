@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <memory>
+#include <optional>
 #include <vector>
 
 #include "coordinator/scheduler.h"
@@ -154,6 +155,83 @@ TEST(Scheduler, AMicroBatchHoldsAtMostMaxBatchTokensRows) {
   ASSERT_TRUE(b.has_value());
   EXPECT_EQ(b->token_ids.size(), 3u);  // max_tokens rows
   EXPECT_EQ(b->steps.size(), 3u);
+}
+
+// The result of `plan`: `token` for every sequence it steps.
+BatchResult result_of(const StepPlan& plan, int32_t token) {
+  BatchResult r;
+  r.batch_id = plan.batch_id, r.pipeline = uint32_t(plan.pipeline), r.epoch = plan.epoch;
+  for (const SeqStep& w : plan.steps) {
+    SeqResult sr;
+    sr.seq_id = w.slice.seq_id, sr.token = token;
+    r.seqs.push_back(sr);
+  }
+  return r;
+}
+
+// Steps ahead on a pipeline of one stage: while a sequence's step is in flight, its next goes
+// on the stage's own token (one beyond the depth), never past max_tokens; each result feeds
+// the token the step ahead ran on. A sequence that a stop token ends had one step too many:
+// its result is discarded and its free follows.
+TEST(Scheduler, StepsAheadGoOnTheStagesOwnTokenAndStopAtMaxTokens) {
+  Harness h({.max_sequences = 64, .max_rows = 128, .prefill_chunk = 64, .prefill_tokens = 64, .max_running = 64});
+  PipelineRun& p = h.pipelines[0];
+  p.view.step_ahead = true;
+  h.submit(10, 4);
+  h.admit(10000);
+  auto send = [&] {
+    auto plan = h.scheduler->next_step(p, 1);
+    if (!plan) return std::optional<StepPlan>();
+    StepPlan copy = *plan;
+    Scheduler::sent(p, std::move(*plan));
+    return std::optional<StepPlan>(copy);
+  };
+  const auto prefill = send();
+  ASSERT_TRUE(prefill && prefill->steps.size() == 1u);
+  EXPECT_FALSE(prefill->steps[0].own_token);
+  const auto a1 = send();  // the prompt's step in flight samples: the next goes now
+  ASSERT_TRUE(a1 && a1->steps.size() == 1u);
+  EXPECT_TRUE(a1->steps[0].own_token);
+  EXPECT_TRUE(a1->steps[0].sample);
+  EXPECT_EQ(a1->steps[0].slice.start_pos, 10);
+  EXPECT_EQ(a1->token_ids, std::vector<int32_t>{kOwnTokenPlaceholder});
+  EXPECT_TRUE(a1->admissions.empty());  // the stage holds its state
+  EXPECT_FALSE(send().has_value());     // one step ahead at most
+  std::vector<std::optional<StepPlan>> plans = {prefill, a1};
+  for (int k = 0; k < 4; ++k) {  // token k + 1 comes back
+    EXPECT_EQ(h.scheduler->on_result(result_of(*plans[size_t(k)], 100 + k)), nullptr);
+    h.scheduler->deliver();
+    plans.push_back(send());
+    if (k < 2) {  // tokens 3 and 4 go ahead; nothing past max_tokens
+      ASSERT_TRUE(plans.back().has_value()) << k;
+      EXPECT_EQ(plans.back()->steps[0].slice.start_pos, 11 + k);
+      EXPECT_TRUE(plans.back()->steps[0].own_token);
+    } else if (k == 2) {
+      EXPECT_FALSE(plans.back().has_value());
+    }
+  }
+  ASSERT_EQ(h.done.size(), 1u);  // the 4th token ended it
+  ASSERT_TRUE(plans.back().has_value());
+  EXPECT_EQ(plans.back()->frees, std::vector<uint64_t>{prefill->steps[0].slice.seq_id});
+  EXPECT_EQ(h.scheduler->take_discarded_tokens(), 0);
+  EXPECT_EQ(h.scheduler->on_result(result_of(*plans.back(), 0)), nullptr);  // the frees came back
+
+  // A stop token: the step ahead in flight gives one token too many, discarded.
+  h.submit(10, 50);
+  h.admit(10000);
+  const auto first = send();
+  const auto ahead = send();
+  ASSERT_TRUE(first && ahead && ahead->steps[0].own_token);
+  EXPECT_EQ(h.scheduler->on_result(result_of(*first, int32_t(h.cfg.model.eos_token_id))), nullptr);
+  h.scheduler->deliver();
+  ASSERT_EQ(h.done.size(), 2u);
+  const auto frees = send();  // the free waits for a slot: two are in flight
+  EXPECT_FALSE(frees.has_value());
+  EXPECT_EQ(h.scheduler->on_result(result_of(*ahead, 5)), nullptr);
+  EXPECT_EQ(h.scheduler->take_discarded_tokens(), 1);
+  const auto last = h.scheduler->next_step(p, 1);
+  ASSERT_TRUE(last.has_value());
+  EXPECT_EQ(last->frees, std::vector<uint64_t>{first->steps[0].slice.seq_id});
 }
 
 // Prefix reuse between replicas: a request goes to the pipeline that holds a prefix of its
