@@ -130,8 +130,7 @@ bool UcxChannel::Impl::replaces_closed(const Peer& peer) {
     if (other->failure.ok()) return false;  // another connection to that channel still works
     closed = true;
   }
-  for (const auto& other : retired) closed |= other->channel_id == peer.channel_id;
-  return closed;
+  return closed || closed_channels.count(peer.channel_id) > 0;
 }
 
 // A payload UCX is still receiving from `sender` would otherwise hold every later message of

@@ -332,6 +332,7 @@ Status UcxChannel::disconnect(PeerId peer) {
       owned = std::move(it->second);
       impl->peers.erase(it);
       impl->disconnected.insert(peer);  // sends still queued for it fail, naming why
+      if (impl->disconnected.size() > Impl::kRememberedDisconnects) impl->disconnected.erase(impl->disconnected.begin());
     }
     impl->park_or_close(std::move(owned));
     result->set_value(ok_status());
@@ -406,6 +407,8 @@ Status UcxChannel::peer_status(PeerId peer) const {
 std::uint64_t UcxChannel::refused_messages() const { return impl_->refused.load(); }
 
 std::size_t UcxChannel::receives_under_way() const { return impl_->payloads_arriving.load(); }
+
+std::size_t UcxChannel::closed_peers_held() const { return impl_->closed_peers_held.load(); }
 
 bool UcxChannel::supports_cuda_memory() const { return impl_->cuda_memory; }
 bool UcxChannel::takes_device_memory() const { return impl_->takes_device; }

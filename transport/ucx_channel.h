@@ -111,6 +111,9 @@ class UcxChannel final : public Channel {
   // Separate payloads whose envelope is in and whose bytes are still arriving, as of the
   // progress thread's last round (a transfer a sender's death would cut off).
   std::size_t receives_under_way() const;
+  // Peers that left the channel (a disconnect that closed their endpoint) and are still held
+  // while that close completes, as of the progress thread's last round; 0 once it has.
+  std::size_t closed_peers_held() const;
 
   // The transports and thresholds UCX chose for the endpoint to `peer` (ucp_ep_print_info).
   Expected<std::string> transport_info(PeerId peer);

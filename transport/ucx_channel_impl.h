@@ -195,6 +195,9 @@ struct UcxChannel::Impl {
   // disconnect(): the peer leaves the id map; a working endpoint is parked for the next
   // connect() to the same channel (see `parked`), any other is closed.
   void park_or_close(std::unique_ptr<Peer> peer);
+  // A peer whose endpoint is closed or closing leaves the channel: kept with its close
+  // request while that is in flight (`closing`), else destroyed; its channel is remembered.
+  void retire(std::unique_ptr<Peer> peer);
   // connect(): the endpoint parked for the channel at `address`, if any (taken out of `parked`).
   std::unique_ptr<Peer> take_parked(std::uint32_t channel, const std::vector<std::byte>& address);
   std::string sender_name(std::uint32_t channel_id);
@@ -243,20 +246,34 @@ struct UcxChannel::Impl {
   std::deque<InboxItem> inbox;
   std::map<PeerId, std::unique_ptr<Peer>> peers;  // map structure and Peer::failure: mu
   PeerId next_peer_id = 1;
-  std::set<PeerId> disconnected;  // ids disconnect() took back (a send to one says so)
+  // The latest ids disconnect() took back (a send to one says so; an older one reads as
+  // unknown), at most kRememberedDisconnects of them: ids only grow, so the least is the oldest.
+  std::set<PeerId> disconnected;
+  static constexpr std::size_t kRememberedDisconnects = 4096;
   bool stopping = false;
   std::atomic<std::size_t> queued_bytes{0};
   std::atomic<bool> probe_paused{false};
   std::atomic<std::size_t> payloads_arriving{0};  // receives_under_way()
+  std::atomic<std::size_t> closed_peers_held{0};  // closing's owned peers (closed_peers_held())
 
   // Progress thread only.
   std::list<std::shared_ptr<SendOp>> sends;
   std::map<std::uint32_t, std::deque<std::unique_ptr<Incoming>>> incoming;  // by sender
-  std::list<ucx::Request> closing;  // endpoint close requests in flight
+  // Endpoint close requests in flight, each with its peer; a peer that has left the channel
+  // (retire) is owned here until its close completes: it is the error handler's argument, and
+  // UCX calls nothing for the endpoint after that.
+  struct Closing {
+    ucx::Request request;
+    const Peer* peer = nullptr;
+    std::unique_ptr<Peer> owned;
+  };
+  std::list<Closing> closing;
   // Failed messages whose UCX request is still in flight: kept (buffers included) until
   // the request completes or the worker is destroyed.
   std::list<std::unique_ptr<Incoming>> abandoned;
-  std::vector<std::unique_ptr<Peer>> retired;  // disconnected peers (endpoints closed)
+  // Remote channels this channel closed a connection to (a later connect's handshake says it
+  // redials: replaces_closed).
+  std::set<std::uint32_t> closed_channels;
   // Working endpoints that disconnect() left open, one per remote channel, for connect() to
   // take again. UCX 1.13 pairs connections: a channel's first ucp_ep_create to another is
   // handed the endpoint UCX made inside it when that other channel's connection came in

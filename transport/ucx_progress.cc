@@ -496,11 +496,12 @@ bool UcxChannel::Impl::close_failed_peers() {
       continue;
     }
     close_endpoint(*it->second, /*force=*/true);
-    retired.push_back(std::move(it->second));
+    retire(std::move(it->second));
     it = parked.erase(it);
     closed_parked = true;
   }
-  closing.remove_if([](const ucx::Request& r) { return r.done(); });
+  closing.remove_if([](const Closing& c) { return c.request.done(); });
+  closed_peers_held = size_t(std::count_if(closing.begin(), closing.end(), [](const Closing& c) { return c.owned != nullptr; }));
   return !to_close.empty() || closed_parked;
 }
 
@@ -519,10 +520,18 @@ void UcxChannel::Impl::park_or_close(std::unique_ptr<Peer> peer) {
     }
     if (peer->failure.ok()) peer->failure = Status::error("peer '" + peer->name + "' was disconnected");
   }
-  // Failed already, or a second connection to a channel that has one parked: closed. The Peer
-  // object stays (the error handler's argument) until the channel goes.
+  // Failed already, or a second connection to a channel that has one parked: closed.
   close_endpoint(*peer, /*force=*/true);
-  retired.push_back(std::move(peer));
+  retire(std::move(peer));
+}
+
+void UcxChannel::Impl::retire(std::unique_ptr<Peer> peer) {
+  closed_channels.insert(peer->channel_id);
+  for (Closing& c : closing)
+    if (c.peer == peer.get()) {
+      c.owned = std::move(peer);
+      return;
+    }
 }
 
 std::unique_ptr<UcxChannel::Impl::Peer> UcxChannel::Impl::take_parked(std::uint32_t channel,
@@ -544,7 +553,7 @@ void UcxChannel::Impl::close_endpoint(Peer& peer, bool force) {
   param.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
   param.flags = force ? UCP_EP_CLOSE_FLAG_FORCE : 0;
   ucs_status_ptr_t r = ucp_ep_close_nbx(std::exchange(peer.ep, nullptr), &param);
-  if (UCS_PTR_IS_PTR(r)) closing.emplace_back(worker.get(), r);
+  if (UCS_PTR_IS_PTR(r)) closing.push_back({ucx::Request(worker.get(), r), &peer, nullptr});
 }
 
 void UcxChannel::Impl::check_deadlines(Clock::time_point now) {

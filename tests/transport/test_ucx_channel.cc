@@ -332,6 +332,31 @@ TEST_P(UcxChannelTest, DisconnectedPeerRefusesSends) {
   EXPECT_EQ(as_string_view(recv_one(*b).header), "back");
 }
 
+// A disconnect that closes its endpoint (here: a second connection to a channel that has one
+// parked) leaves the peer held only while the close completes; a channel whose links come and
+// go does not grow. The next connect still works.
+TEST_P(UcxChannelTest, ClosedPeersAreReleasedOnceTheirEndpointsClose) {
+  auto a = make_channel(transports(), "a");
+  auto b = make_channel(transports(), "b");
+  ASSERT_TRUE(a && b);
+  for (int round = 0; round < 20; ++round) {
+    auto first = a->connect(b->address(), "b");
+    auto second = a->connect(b->address(), "b");
+    ASSERT_TRUE(first.ok() && second.ok()) << round;
+    ASSERT_TRUE(a->send(*second, as_bytes("hi"), {}, 5s).ok()) << round;
+    EXPECT_EQ(as_string_view(recv_one(*b).header), "hi");
+    ASSERT_TRUE(a->disconnect(*first).ok());   // parked
+    ASSERT_TRUE(a->disconnect(*second).ok());  // closed: the channel has one parked
+  }
+  const auto deadline = Clock::now() + 10s;
+  while (a->closed_peers_held() > 0 && Clock::now() < deadline) std::this_thread::sleep_for(10ms);
+  EXPECT_EQ(a->closed_peers_held(), 0u);
+  auto again = a->connect(b->address(), "b");
+  ASSERT_TRUE(again.ok());
+  ASSERT_TRUE(a->send(*again, as_bytes("back"), {}, 5s).ok());
+  EXPECT_EQ(as_string_view(recv_one(*b).header), "back");
+}
+
 // Two workers swap roles in a re-plan: a sent to b, now b sends to a and a no longer sends to
 // b. UCX 1.13 hands b's new endpoint the one it made inside b when a's connection came in (the
 // same connection pair, ucp_ep_create's "unexpected endpoint" reuse), so closing a's endpoint
