@@ -223,7 +223,20 @@ TYPED_TEST(CudaOps, SequentialGemvMatchesTheCpu) {
     Dev<float> out32(int64_t(ref.size()));
     cuda::detail::gemv_seq<T, float>(out32.p(), din.p(), dw.p(), nullptr, Tn, K, N, cuda::GemmAct::None, s0);
     CUDA_CHECK(cudaDeviceSynchronize());
-    EXPECT_LT(rel_err(out32.get(), ref), 1e-5);
+    // Per output, against the sum of its products' magnitudes: the fp32 sums differ from the
+    // CPU's only in their order. (A relative error over the whole output failed once in 12
+    // seeds at N = 1, where the one sum cancelled: 1.19e-5.)
+    const std::vector<float> got32 = out32.get();
+    double worst = 0;
+    for (int t = 0; t < Tn; ++t)
+      for (int n = 0; n < N; ++n) {
+        double mag = 0;
+        for (int k = 0; k < K; ++k)
+          mag += std::fabs(double(in[size_t(t) * K + size_t(k)]) * double(w[size_t(n) * K + size_t(k)]));
+        const size_t i = size_t(t) * size_t(N) + size_t(n);
+        worst = std::max(worst, std::fabs(double(got32[i]) - double(ref[i])) / std::max(mag, 1e-30));
+      }
+    EXPECT_LT(worst, 1e-5) << "the largest error over its products' magnitude";
     std::vector<float> ref_b(ref);
     for (size_t i = 0; i < ref.size(); ++i) ref_b[i] += b[i % static_cast<size_t>(N)];
     // With an activation the product is rounded to T before the bias and GeLU (as Gemm's
