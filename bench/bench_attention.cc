@@ -5,6 +5,7 @@
 // layers that the set is far above L2), captured in a CUDA graph and replayed (median).
 //
 //   conveyor-bench-attention [--shape gpt3-6.7b|gpt2-xl|L,C,H] [--only decode|prefill]
+//                            [--batches 1,8,...] [--contexts 128,256,...]   (decode's rows)
 //
 // Decode: batch x context, every row at that context; the floor is the K/V bytes over the
 // device-to-device copy rate measured in the same run (as conveyor-bench-gpu-kernels).
@@ -12,6 +13,7 @@
 // position it sees, head).
 #include <algorithm>
 #include <cstdio>
+#include <cstdlib>
 #include <string>
 #include <vector>
 
@@ -74,14 +76,15 @@ DeviceBuffer random(int64_t elems, cudaStream_t stream) {
   return b;
 }
 
-void decode_table(const ModelConfig& c, double bw, int sms, cudaStream_t stream) {
+void decode_table(const ModelConfig& c, double bw, int sms, const std::vector<int64_t>& batches,
+                  const std::vector<int64_t>& contexts, cudaStream_t stream) {
   const int64_t H = c.n_head, D = c.head_dim(), C = H * D;
   GraphTimer timer{stream};
   std::printf("\n## decode: %ld heads x %ld, fp16 K/V\n", H, D);
   std::printf("%6s %8s %10s %10s %9s %8s %8s %8s %9s %9s %7s\n", "batch", "context", "tiles us", "cores us", "floor us",
               "tiles%", "cores%", "cores/t", "fp8 us", "fp8 flr%", "t/fp8");
-  for (int64_t batch : {1, 8, 16, 64, 256, 512})
-    for (int64_t ctx : {128, 256, 512, 1024, 4096}) {
+  for (int64_t batch : batches)
+    for (int64_t ctx : contexts) {
       const int64_t kv_bytes = batch * ctx * C * 2 * int64_t(sizeof(T));
       if (kv_bytes > (int64_t(24) << 30)) continue;
       Setup st(batch, ctx, H, D, int64_t(40) << 30, stream);
@@ -152,6 +155,26 @@ void prefill_table(const ModelConfig& c, cudaStream_t stream) {
 
 int run(int argc, char** argv) {
   std::string shape = "gpt3-6.7b", only;
+  std::vector<int64_t> batches = {1, 8, 16, 64, 256, 512}, contexts = {128, 256, 512, 1024, 4096};
+  // A comma-separated list of positive counts, or an error naming the flag.
+  auto counts = [](const std::string& flag, const std::string& text, std::vector<int64_t>& out) {
+    std::vector<int64_t> v;
+    size_t at = 0;
+    while (at <= text.size()) {
+      const size_t comma = std::min(text.find(',', at), text.size());
+      const std::string item = text.substr(at, comma - at);
+      char* end = nullptr;
+      const long long n = std::strtoll(item.c_str(), &end, 10);
+      if (item.empty() || *end != '\0' || n <= 0) {
+        std::fprintf(stderr, "%s takes positive counts separated by commas, not '%s'\n", flag.c_str(), text.c_str());
+        return false;
+      }
+      v.push_back(n);
+      at = comma + 1;
+    }
+    out = std::move(v);
+    return true;
+  };
   for (int i = 1; i < argc; ++i) {
     const std::string k = argv[i];
     if (i + 1 >= argc) {
@@ -160,6 +183,9 @@ int run(int argc, char** argv) {
     }
     if (k == "--shape") shape = argv[++i];
     else if (k == "--only") only = argv[++i];
+    else if (k == "--batches" || k == "--contexts") {
+      if (!counts(k, argv[++i], k == "--batches" ? batches : contexts)) return 2;
+    }
     else {
       std::fprintf(stderr, "unknown option %s\n", k.c_str());
       return 2;
@@ -184,7 +210,7 @@ int run(int argc, char** argv) {
   CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
   const double bw = measure_copy_bandwidth();
   std::printf("# %s, %s; copy bandwidth %.0f GB/s (read + write)\n", prop.name, shape.c_str(), bw * 1e-9);
-  if (only.empty() || only == "decode") decode_table(*named, bw, prop.multiProcessorCount, stream);
+  if (only.empty() || only == "decode") decode_table(*named, bw, prop.multiProcessorCount, batches, contexts, stream);
   if (only.empty() || only == "prefill") prefill_table(*named, stream);
   CUDA_CHECK(cudaStreamDestroy(stream));
   return 0;

@@ -267,21 +267,96 @@ __device__ __forceinline__ void store_row(T* out_row, const TileState<D>& run, i
         pack_pair<T>(__fdiv_rn(run.o[j][2 * r], run.l[r]), __fdiv_rn(run.o[j][2 * r + 1], run.l[r]));
 }
 
-// cp.async of positions [kb, kb + kPiece) into sK and/or sV (null: not loaded) by `threads`
-// threads (index i): a position at or past n gives zeros; src(t, &k, &v) names a position's
-// rows, and a position for which it returns false is skipped (loaded later).
-template <class T, int D, class Src>
-__device__ __forceinline__ void load_piece(T* sK, T* sV, int kb, int n, int i, int threads, Src src) {
+// ---- loading a piece -------------------------------------------------------------------------
+//
+// A piece loads by pages: the block table is read once per page, and a 16-byte chunk's
+// address is its page's base plus a constant. (Reading the table once per chunk, as this did
+// before, was about 1,300 of a decode warp's 3,400 instructions per piece, FP8 K/V at batch
+// 256 x 1,024 on the H100 (ncu), and the chunks waited on the table's loads one by one.)
+// Rows [0, limit) of the piece come from the cache, rows [limit, kPiece) are zeros, and row
+// `skip` (-1: none) is left alone: the decode's new token, loaded from qkv instead.
+constexpr int kPiecePages = kPiece / kPageTokens;
+static_assert(kPiecePages == 4, "page_of() picks among four pages");
+
+struct PiecePages {
+  int32_t id[kPiecePages];
+};
+
+// The pages that hold rows [0, limit) of the piece at kb (the others are never read: 0).
+template <class T>
+__device__ __forceinline__ PiecePages piece_pages(const PagedKv<T>& kv, int s, int kb, int limit) {
+  const int32_t* row = kv.tables + int64_t(s) * kv.max_pages + kb / kPageTokens;
+  PiecePages p;
+#pragma unroll
+  for (int i = 0; i < kPiecePages; ++i) p.id[i] = i * kPageTokens < limit ? __ldg(row + i) : 0;
+  return p;
+}
+
+// A select, not an index: a register array indexed by a value known only at run time would
+// go to local memory. With i known at compile time it folds away.
+__device__ __forceinline__ int32_t page_of(const PiecePages& p, int i) {
+  return i == 0 ? p.id[0] : i == 1 ? p.id[1] : i == 2 ? p.id[2] : p.id[3];
+}
+
+// cp.async of the kPiece rows of one head (ROW_BYTES each; in a page, a head's kPageTokens
+// rows are contiguous from head0 + page * page_bytes) into dst rows of PITCH bytes, by
+// THREADS threads (index i). WHOLE: limit is kPiece and nothing is skipped.
+template <int ROW_BYTES, int PITCH, int THREADS, bool WHOLE>
+__device__ __forceinline__ void copy_piece_rows(unsigned char* dst, const unsigned char* head0, int64_t page_bytes,
+                                                const PiecePages& pages, int i, int limit, int skip) {
+  constexpr int kChunks = ROW_BYTES / 16;
+  static_assert(ROW_BYTES % 16 == 0, "rows of whole chunks");
+  auto copy = [&](int row, int col) {
+    if (!WHOLE && row == skip) return;
+    const bool inside = WHOLE || row < limit;
+    cp_async16(dst + row * PITCH + col,
+               head0 + int64_t(page_of(pages, row / kPageTokens)) * page_bytes + (row % kPageTokens) * ROW_BYTES + col,
+               inside ? 16 : 0);
+  };
+  if constexpr (THREADS % kChunks == 0) {  // a thread keeps its column: the rows step by a constant
+    const int lrow = i / kChunks, col = (i % kChunks) * 16;
+#pragma unroll
+    for (int r0 = 0; r0 < kPiece; r0 += THREADS / kChunks)
+      if (r0 + lrow < kPiece) copy(r0 + lrow, col);
+  } else {  // head_dim 80 or 96
+#pragma unroll 4
+    for (int c = i; c < kPiece * kChunks; c += THREADS) copy(c / kChunks, (c % kChunks) * 16);
+  }
+}
+
+template <int ROW_BYTES, int PITCH, int THREADS>
+__device__ __forceinline__ void copy_piece_rows(unsigned char* dst, const unsigned char* head0, int64_t page_bytes,
+                                                const PiecePages& pages, int i, int limit, int skip) {
+  if (limit >= kPiece && skip < 0) copy_piece_rows<ROW_BYTES, PITCH, THREADS, true>(dst, head0, page_bytes, pages, i, limit, skip);
+  else copy_piece_rows<ROW_BYTES, PITCH, THREADS, false>(dst, head0, page_bytes, pages, i, limit, skip);
+}
+
+// The piece at kb of the dtype's cache into sK and sV (rows of pitch<D>() elements), rows
+// [0, n - kb) from the cache, the rest zeros, row skip - kb left alone.
+template <class T, int D, int THREADS>
+__device__ __forceinline__ void load_piece(T* sK, T* sV, const PagedKv<T>& kv, int s, int h, int kb, int n, int skip,
+                                           int i) {
+  const int limit = min(kPiece, n - kb);
+  const PiecePages pages = piece_pages(kv, s, kb, limit);
+  const int64_t head = int64_t(h) * kPageTokens * D, page_bytes = kv.page_stride * int64_t(sizeof(T));
+  constexpr int kRow = D * int(sizeof(T)), kPitch = pitch<D>() * int(sizeof(T));
+  const int r_skip = skip >= kb && skip < kb + kPiece ? skip - kb : -1;
+  copy_piece_rows<kRow, kPitch, THREADS>(reinterpret_cast<unsigned char*>(sK),
+                                         reinterpret_cast<const unsigned char*>(kv.k + head), page_bytes, pages, i,
+                                         limit, r_skip);
+  copy_piece_rows<kRow, kPitch, THREADS>(reinterpret_cast<unsigned char*>(sV),
+                                         reinterpret_cast<const unsigned char*>(kv.v + head), page_bytes, pages, i,
+                                         limit, r_skip);
+}
+
+// One row of sK and sV (row r) from k and v (head_dim elements each), by the warp's lanes.
+template <class T, int D>
+__device__ __forceinline__ void load_row(T* sK, T* sV, int r, const T* k, const T* v, int lane) {
   constexpr int kChunks = D / 8;
-  for (int c = i; c < kPiece * kChunks; c += threads) {
-    const int r = c / kChunks, d = (c % kChunks) * 8;
-    const int tpos = kb + r;
-    const T* k = nullptr;
-    const T* v = nullptr;
-    const bool inside = tpos < n;
-    if (inside && !src(tpos, k, v)) continue;
-    if (sK) cp_async16(sK + r * pitch<D>() + d, inside ? k + d : sK, inside ? 16 : 0);
-    if (sV) cp_async16(sV + r * pitch<D>() + d, inside ? v + d : sV, inside ? 16 : 0);
+  for (int c = lane; c < 2 * kChunks; c += 32) {
+    const bool is_v = c >= kChunks;
+    const int d = 8 * (is_v ? c - kChunks : c);
+    cp_async16((is_v ? sV : sK) + r * pitch<D>() + d, (is_v ? v : k) + d, 16);
   }
 }
 
@@ -323,35 +398,27 @@ __device__ __forceinline__ float* fp8_stage_scales(uint8_t* st) {  // K's, then 
   return reinterpret_cast<float*>(st + 2 * kPiece * fp8_pitch<D>());
 }
 
-__device__ __forceinline__ void cp_async4(void* smem, const void* src, int src_bytes) {
-  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
-}
-
-// cp.async of the FP8 piece at kb into st by `threads` threads (index i): positions at or past
-// n are zeros (bytes and scales); positions skip(t) names are left alone.
-template <int D, class Skip>
-__device__ __forceinline__ void load_piece_fp8(uint8_t* st, const Fp8Kv& f, int s, int h, int kb, int n, int i,
-                                               int threads, Skip skip) {
-  constexpr int kChunks = D / 16, KP = fp8_pitch<D>();
-  uint8_t* sk = st;
-  uint8_t* sv = st + kPiece * KP;
+// The FP8 piece at kb into st: rows [0, n - kb) from the cache (bytes and scales), the rest
+// zeros (a scale chunk of four rows loads if its first row is inside: the page is the
+// sequence's, and its scales are finite). A page's kPageTokens scales of a head are
+// contiguous (64 bytes, 16-byte aligned: a page's bytes are a multiple of 16). The decode's
+// new token is loaded with the rest and replaced in shared memory once the piece is in.
+template <int D, int THREADS>
+__device__ __forceinline__ void load_piece_fp8(uint8_t* st, const Fp8Kv& f, int s, int h, int kb, int n, int i) {
+  constexpr int KP = fp8_pitch<D>();
+  const int limit = min(kPiece, n - kb);
+  const PiecePages pages = piece_pages(f.kv, s, kb, limit);
+  const int64_t head = int64_t(h) * kPageTokens * D, page_bytes = f.kv.page_stride;
+  copy_piece_rows<D, KP, THREADS>(st, f.kv.k + head, page_bytes, pages, i, limit, -1);
+  copy_piece_rows<D, KP, THREADS>(st + kPiece * KP, f.kv.v + head, page_bytes, pages, i, limit, -1);
+  constexpr int kScaleChunks = kPiece / 4;  // 16 bytes: four positions' scales
   float* sks = fp8_stage_scales<D>(st);
-  float* svs = sks + kPiece;
-  for (int c = i; c < kPiece * kChunks; c += threads) {
-    const int r = c / kChunks, d = (c % kChunks) * 16, t = kb + r;
-    const bool inside = t < n;
-    if (inside && skip(t)) continue;
-    cp_async16(sk + r * KP + d, inside ? f.kv.key(s, h, t) + d : sk, inside ? 16 : 0);
-    cp_async16(sv + r * KP + d, inside ? f.kv.value(s, h, t) + d : sv, inside ? 16 : 0);
-  }
-  for (int r = i; r < kPiece; r += threads) {
-    const int t = kb + r;
-    const bool inside = t < n;
-    if (inside && skip(t)) continue;
-    const int64_t o = inside ? f.scale_offset(s, h, t) : 0;
-    cp_async4(sks + r, f.ks + o, inside ? 4 : 0);
-    cp_async4(svs + r, f.vs + o, inside ? 4 : 0);
+  for (int c = i; c < 2 * kScaleChunks; c += THREADS) {
+    const bool v = c >= kScaleChunks;
+    const int row = 4 * (v ? c - kScaleChunks : c);
+    const float* src = (v ? f.vs : f.ks) + int64_t(page_of(pages, row / kPageTokens)) * f.scale_page_stride +
+                       int64_t(h) * kPageTokens + row % kPageTokens;
+    cp_async16(sks + (v ? kPiece : 0) + row, src, row < limit ? 16 : 0);
   }
 }
 

@@ -39,17 +39,14 @@ __global__ void __launch_bounds__(kContextWarps * 32)
   // stage_k(0), the staged pieces after it.
   auto stage_k = [&](int b) { return reinterpret_cast<T*>(smem_raw) + b * 2 * kPiece * pitch<D>(); };
   auto staged = [&](int b) { return smem_raw + piece_smem_bytes<D>(sizeof(T)) / 2 + b * fp8_stage_bytes<D>(); };
-  auto cached = [&](int t, const T*& k, const T*& v) {
-    k = kv.key(s, h, t), v = kv.value(s, h, t);
-    return true;
-  };
-  auto none = [](int) { return false; };
   auto load = [&](int pc) {
-    if constexpr (FP8)
-      load_piece_fp8<D>(staged(pc & 1), f8, s, h, pc * kPiece, n_kv, threadIdx.x, blockDim.x, none);
-    else
-      load_piece<T, D>(stage_k(pc & 1), stage_k(pc & 1) + kPiece * pitch<D>(), pc * kPiece, n_kv, threadIdx.x,
-                       blockDim.x, cached);
+    constexpr int kThreads = kContextWarps * 32;
+    if constexpr (FP8) {
+      load_piece_fp8<D, kThreads>(staged(pc & 1), f8, s, h, pc * kPiece, n_kv, threadIdx.x);
+    } else {
+      T* sK = stage_k(pc & 1);
+      load_piece<T, D, kThreads>(sK, sK + kPiece * pitch<D>(), kv, s, h, pc * kPiece, n_kv, -1, threadIdx.x);
+    }
   };
 
   int pos[2];

@@ -135,12 +135,12 @@ __device__ __forceinline__ int row_spread(int Z, int pieces, int64_t row_warps, 
 // into run. One group in flight per piece, the next piece's issued as soon as this one's is
 // in the tile: bf16/fp16 after its P V has read the tile, FP8 right after the dequantisation.
 // (Loading the next K during this piece's P V measured slower on the H100: 89% of the
-// floor against 96% at batch 256.) `any` and `is_new` say where a position's K and V are.
-template <class T, int D, bool FP8, class Any, class IsNew>
+// floor against 96% at batch 256.) The new token's K and V come from qkv, not the cache.
+template <class T, int D, bool FP8>
 __device__ __forceinline__ void decode_pieces(TileState<D>& run, float* parts, bool spread, T* sK, T* sV, uint8_t* st,
-                                              Fp8Kv f8, const DecodeRow<T>& row, const uint32_t (&q)[D / 16][4],
+                                              const PagedKv<T>& kv, Fp8Kv f8, const DecodeRow<T>& row, const uint32_t (&q)[D / 16][4],
                                               const int (&pos)[2], const float (&s_new)[2], int z, int Z, int pieces,
-                                              int lane, float scale_log2, Any any, IsNew is_new) {
+                                              int lane, float scale_log2) {
   constexpr int kStride = D + 4;  // floats per piece state {m, l, O[D], pad}: 16-byte aligned
   const int s = row.s, h = row.h, kv_len = row.kv_len, t_new = row.t_new;
   TileState<D> piece;
@@ -168,7 +168,7 @@ __device__ __forceinline__ void decode_pieces(TileState<D>& run, float* parts, b
       __syncwarp();  // every lane is done with the first half
       dequant_values<T, D, kHalf, kHalf>(sV, st, pc * kPiece, lane, 32, t_new, row.new_v, s_new[1]);
       __syncwarp();  // the staging is free
-      if (next >= 0) load_piece_fp8<D>(st, f8, s, h, next * kPiece, kv_len, lane, 32, is_new);
+      if (next >= 0) load_piece_fp8<D, 32>(st, f8, s, h, next * kPiece, kv_len, lane);
       cp_async_commit();
       cp_async_commit();
       piece_values_steps<T, D, 2, 4>(piece, p, sV);
@@ -177,7 +177,10 @@ __device__ __forceinline__ void decode_pieces(TileState<D>& run, float* parts, b
     }
     __syncwarp();  // every lane is done with this piece's K and V
     if constexpr (!FP8) {
-      if (next >= 0) load_piece<T, D>(sK, sV, next * kPiece, kv_len, lane, 32, any);
+      if (next >= 0) {
+        load_piece<T, D, 32>(sK, sV, kv, s, h, next * kPiece, kv_len, t_new, lane);
+        if (t_new / kPiece == next) load_row<T, D>(sK, sV, t_new - next * kPiece, row.new_k, row.new_v, lane);
+      }
       cp_async_commit();
       cp_async_commit();
     }
@@ -215,32 +218,17 @@ __global__ void __launch_bounds__(kDecodeWarps * 32)
   const T* new_k = q_row + C;
   const T* new_v = q_row + 2 * C;
   const DecodeRow<T> row{s, h, kv_len, t_new, new_k, new_v};
-  auto cached = [&](int t, const T*& k, const T*& v) {
-    if (t == t_new) return false;
-    k = kv.key(s, h, t), v = kv.value(s, h, t);
-    return true;
-  };
-  auto any = [&](int t, const T*& k, const T*& v) {
-    if (t == t_new) k = new_k, v = new_v;
-    else k = kv.key(s, h, t), v = kv.value(s, h, t);
-    return true;
-  };
-  auto only_new = [&](int t, const T*& k, const T*& v) {
-    k = new_k, v = new_v;
-    return t == t_new;
-  };
-  auto is_new = [&](int t) { return t == t_new; };
 
   // The first piece's cached positions stream before the wait (written by earlier steps);
   // q and the new token are the QKV projection's output.
-  if constexpr (FP8) load_piece_fp8<D>(st, f8, s, h, z * kPiece, kv_len, lane, 32, is_new);
-  else load_piece<T, D>(sK, sV, z * kPiece, kv_len, lane, 32, cached);
+  if constexpr (FP8) load_piece_fp8<D, 32>(st, f8, s, h, z * kPiece, kv_len, lane);
+  else load_piece<T, D, 32>(sK, sV, kv, s, h, z * kPiece, kv_len, t_new, lane);
   grid_dependency_wait();
   float s_new[2] = {0.f, 0.f};
   if constexpr (FP8) {
     new_token_scales<T, D>(s_new, new_k, new_v);
-  } else {
-    load_piece<T, D>(sK, sV, z * kPiece, kv_len, lane, 32, only_new);
+  } else if (t_new / kPiece == z) {
+    load_row<T, D>(sK, sV, t_new - z * kPiece, new_k, new_v, lane);
   }
   cp_async_commit();
   cp_async_commit();  // an empty group: one group per piece, the newest always empty at a wait
@@ -253,8 +241,7 @@ __global__ void __launch_bounds__(kDecodeWarps * 32)
   constexpr int kStride = D + 4;  // floats per piece state {m, l, O[D], pad}: 16-byte aligned
   float* parts = partial + (int64_t(s) * n_head + h) * max_pieces * kStride;
   TileState<D> run;
-  decode_pieces<T, D, FP8>(run, parts, spread, sK, sV, st, f8, row, q, pos, s_new, z, Zr, pieces, lane, scale_log2, any,
-                           is_new);
+  decode_pieces<T, D, FP8>(run, parts, spread, sK, sV, st, kv, f8, row, q, pos, s_new, z, Zr, pieces, lane, scale_log2);
   cp_async_wait<0>();
   T* o = out + int64_t(s) * C + int64_t(h) * D;
   if (!spread) {
