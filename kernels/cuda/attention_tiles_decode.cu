@@ -9,14 +9,16 @@ using namespace detail;
 
 // ---- decode ---------------------------------------------------------------------------------
 
-// Row 0's piece state (lanes 0-3 hold it) into the workspace: {m, l, O[D], pad}.
-template <int D>
+// Row 0's piece state (lanes 0-3 hold it) into the workspace: {m, l, O[D], pad}, O in the
+// head's element order.
+template <int D, bool FP8>
 __device__ __forceinline__ void store_partial(float* part, const TileState<D>& piece) {
   const int lane = threadIdx.x & 31;
   if (lane >= 4) return;
   if (lane == 0) part[0] = piece.m[0], part[1] = piece.l[0];
 #pragma unroll
-  for (int j = 0; j < D / 8; ++j) part[2 + 8 * j + 2 * lane] = piece.o[j][0], part[3 + 8 * j + 2 * lane] = piece.o[j][1];
+  for (int j = 0; j < D / 8; ++j)
+    part[2 + o_element<D, FP8>(j, 2 * lane)] = piece.o[j][0], part[2 + o_element<D, FP8>(j, 2 * lane + 1)] = piece.o[j][1];
 }
 
 // A spread row's end: the last warp of the (row, head) to finish merges the pieces' states in
@@ -68,16 +70,11 @@ __device__ __forceinline__ void merge_spread(T* o, const float* parts, int piece
     if (lane + 32 * i < D) o[lane + 32 * i] = from_float<T>(__fdiv_rn(O[i], L));
 }
 
-// Shared memory of one decode warp: its piece tile (K and V; six warps a SM), or (FP8) a
-// quarter of one, which holds half a piece's dequantised V at a time, and the staged piece
-// (eight warps a SM at head_dim 128).
-template <class T, int D>
-constexpr size_t fp8_decode_tile_bytes() {
-  return piece_smem_bytes<D>(sizeof(T)) / 4;
-}
+// Shared memory of one decode warp: its piece tile (K and V; six warps a SM), or (FP8) its
+// staged piece (bytes and scales; eight warps a SM at head_dim 128, as its registers allow).
 template <class T, int D, bool FP8>
 constexpr size_t decode_warp_smem() {
-  return FP8 ? fp8_decode_tile_bytes<T, D>() + fp8_stage_bytes<D>() : piece_smem_bytes<D>(sizeof(T));
+  return FP8 ? fp8_stage_bytes<D>() : piece_smem_bytes<D>(sizeof(T));
 }
 
 // A decode warp's row: sequence s, head h, the K/V length, and the new token at t_new (new_k,
@@ -149,29 +146,20 @@ __device__ __forceinline__ void decode_pieces(TileState<D>& run, float* parts, b
     cp_async_wait<1>();  // all but the newest group: this piece's (the newest is empty)
     __syncwarp();
     if constexpr (FP8) {
-      // The scores from K's bytes (the new token's put among them first), V dequantised into
-      // the tile; the next piece loads from then on, during P V. (Loading the next K as soon as
-      // this K was read, V after, measured slower on the H100 with a dequantised K: 5,910
-      // against 5,548 us at batch 256 and 4,096.)
+      // The new token put among the staged positions, then the scores and P V from the bytes;
+      // the next piece loads once they are read.
       if (t_new / kPiece == pc) {
-        stage_new_key<T, D>(st, t_new - pc * kPiece, row.new_k, s_new[0]);
+        stage_new_token<T, D>(st, t_new - pc * kPiece, row.new_k, row.new_v, s_new);
         __syncwarp();
       }
-      // V in two halves of 32 positions through a quarter tile (eight warps a SM fit).
       uint32_t p[4][4];
-      piece_scores_fp8<T, D>(piece, p, q, st, pc * kPiece, pos, scale_log2);
-      constexpr int kHalf = kPiece / 2;
-      dequant_values<T, D, 0, kHalf>(sV, st, pc * kPiece, lane, 32, t_new, row.new_v, s_new[1]);
-      __syncwarp();
-      clear_values<D>(piece);
-      piece_values_steps<T, D, 0, 2>(piece, p, sV);
-      __syncwarp();  // every lane is done with the first half
-      dequant_values<T, D, kHalf, kHalf>(sV, st, pc * kPiece, lane, 32, t_new, row.new_v, s_new[1]);
+      const float v_max = v_scale_max<D>(st);
+      piece_scores_fp8<T, D>(piece, p, q, st, pc * kPiece, pos, scale_log2, v_max);
+      piece_values_fp8<T, D>(piece, p, st, v_max);
       __syncwarp();  // the staging is free
       if (next >= 0) load_piece_fp8<D, 32>(st, f8, s, h, next * kPiece, kv_len, lane);
       cp_async_commit();
       cp_async_commit();
-      piece_values_steps<T, D, 2, 4>(piece, p, sV);
     } else {
       piece_state<T, D>(piece, q, sK, sV, pc * kPiece, pos, scale_log2);
     }
@@ -184,7 +172,7 @@ __device__ __forceinline__ void decode_pieces(TileState<D>& run, float* parts, b
       cp_async_commit();
       cp_async_commit();
     }
-    if (spread) store_partial<D>(parts + int64_t(pc) * kStride, piece);
+    if (spread) store_partial<D, FP8>(parts + int64_t(pc) * kStride, piece);
     else merge<D>(run, piece, 0, pc == 0);
   }
 }
@@ -210,8 +198,8 @@ __global__ void __launch_bounds__(kDecodeWarps * 32)
   if (z >= min(Zr, pieces)) return;
   unsigned char* mine = smem_raw + size_t(warp) * decode_warp_smem<T, D, FP8>();
   T* sK = reinterpret_cast<T*>(mine);
-  T* sV = FP8 ? sK : sK + kPiece * pitch<D>();           // FP8: V after K in the same rows
-  uint8_t* st = mine + fp8_decode_tile_bytes<T, D>();  // FP8 only
+  T* sV = sK + kPiece * pitch<D>();                          // bf16/fp16
+  uint8_t* st = reinterpret_cast<uint8_t*>(mine);  // FP8
   const int t_new = kv_len - 1;
   const int64_t C = int64_t(n_head) * D;
   const T* q_row = qkv + int64_t(s) * 3 * C + int64_t(h) * D;
@@ -235,7 +223,7 @@ __global__ void __launch_bounds__(kDecodeWarps * 32)
   if (z == 0) append_new_token<T, D, FP8>(kv, f8, row, s_new, lane);
 
   uint32_t q[D / 16][4];
-  load_q<D>(q, (lane >> 2) == 0 ? q_row : nullptr, nullptr);
+  load_q<D, FP8>(q, (lane >> 2) == 0 ? q_row : nullptr, nullptr);
   const int pos[2] = {(lane >> 2) == 0 ? t_new : -1, -1};
   const bool spread = Zr > 1 && pieces > 1;
   constexpr int kStride = D + 4;  // floats per piece state {m, l, O[D], pad}: 16-byte aligned
@@ -245,7 +233,7 @@ __global__ void __launch_bounds__(kDecodeWarps * 32)
   cp_async_wait<0>();
   T* o = out + int64_t(s) * C + int64_t(h) * D;
   if (!spread) {
-    if (lane < 4) store_row<T, D>(o, run, 0);
+    if (lane < 4) store_row<T, D, FP8>(o, run, 0);
     return;
   }
   merge_spread<T, D>(o, parts, pieces, min(Zr, pieces), counters + int64_t(s) * n_head + h,
