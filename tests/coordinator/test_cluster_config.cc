@@ -47,8 +47,13 @@ TEST(ClusterConfig, RelativeModelPathIsRelativeToTheFile) {
   EXPECT_EQ(cfg->layers, (std::vector<std::pair<int64_t, int64_t>>{{0, 6}}));
 }
 
+// A cluster file of the test model and a join token, then `yaml` (its line 3 on).
+auto parse(const std::string& yaml) {
+  return parse_cluster_config("model: {path: \"" + model_dir() + "\"}\ncontrol: {join_token: t}\n" + yaml, "c.yaml");
+}
+
 std::string error_of(const std::string& yaml) {
-  auto cfg = parse_cluster_config("model: {path: \"" + model_dir() + "\"}\ncontrol: {join_token: t}\n" + yaml, "c.yaml");
+  auto cfg = parse(yaml);
   return cfg ? std::string() : cfg.error();
 }
 
@@ -64,9 +69,6 @@ TEST(ClusterConfig, MistakesNameTheLine) {
 }
 
 TEST(ClusterConfig, PipelineWait) {
-  auto parse = [](const std::string& yaml) {
-    return parse_cluster_config("model: {path: \"" + model_dir() + "\"}\ncontrol: {join_token: t}\n" + yaml, "c.yaml");
-  };
   auto dflt = parse("");
   ASSERT_TRUE(dflt) << dflt.error();
   EXPECT_EQ(dflt->pipeline_wait_ms, 30000);
@@ -139,9 +141,6 @@ TEST(ClusterConfig, ComplexKeysAreRefusedNotThrown) {
 
 // log.format: text (the default) or json; anything else names the line and the choices.
 TEST(ClusterConfig, LogFormat) {
-  auto parse = [](const std::string& yaml) {
-    return parse_cluster_config("model: {path: \"" + model_dir() + "\"}\ncontrol: {join_token: t}\n" + yaml, "c.yaml");
-  };
   EXPECT_FALSE(parse("").value().log_json);
   EXPECT_FALSE(parse("log: {format: text}\n").value().log_json);
   EXPECT_TRUE(parse("log: {format: json}\n").value().log_json);
@@ -153,9 +152,6 @@ TEST(ClusterConfig, LogFormat) {
 
 // objective: throughput (the default) or latency (layout_choice.h); anything else is named.
 TEST(ClusterConfig, Objective) {
-  auto parse = [](const std::string& yaml) {
-    return parse_cluster_config("model: {path: \"" + model_dir() + "\"}\ncontrol: {join_token: t}\n" + yaml, "c.yaml");
-  };
   EXPECT_EQ(parse("").value().objective, Objective::Throughput);
   EXPECT_EQ(parse("objective: latency\n").value().objective, Objective::Latency);
   EXPECT_EQ(parse("objective: throughput\n").value().objective, Objective::Throughput);
@@ -167,9 +163,6 @@ TEST(ClusterConfig, Objective) {
 
 // scheduler.step_ahead: on unless the file says false; anything but a boolean is named.
 TEST(ClusterConfig, StepAhead) {
-  auto parse = [](const std::string& yaml) {
-    return parse_cluster_config("model: {path: \"" + model_dir() + "\"}\ncontrol: {join_token: t}\n" + yaml, "c.yaml");
-  };
   EXPECT_TRUE(parse("").value().step_ahead);
   EXPECT_FALSE(parse("scheduler: {step_ahead: false}\n").value().step_ahead);
   EXPECT_TRUE(parse("scheduler: {step_ahead: true}\n").value().step_ahead);
