@@ -134,10 +134,11 @@ TEST(Handoff, InterruptedWaitsEndAtOnceUntilResumed) {
 TEST(Handoff, WaitsWhileEverySlotIsInFlight) {
   transport::UcxChannelOptions ro;
   ro.name = "receiver";
+  ro.net_devices = "lo";  // loopback, as conveyor local (ucx_test_util.h says why)
   ro.max_queued_bytes = 64 << 10;
   auto rx = transport::UcxChannel::create(ro);
   ASSERT_TRUE(rx) << rx.error();
-  auto tx = transport::UcxChannel::create({.name = "sender"});
+  auto tx = transport::UcxChannel::create({.name = "sender", .net_devices = "lo"});
   ASSERT_TRUE(tx) << tx.error();
   auto peer = (*tx)->connect((*rx)->address(), "receiver");
   ASSERT_TRUE(peer) << peer.error();
@@ -182,9 +183,9 @@ TEST(Handoff, WaitsWhileEverySlotIsInFlight) {
 // send, and the failure reaches the closure (the worker then reports a data-plane error; it
 // asks for device slots only when both ends take device memory).
 TEST(Handoff, DeviceSlotsChangeKindAndAreRefusedWhereUcxCannotMoveThem) {
-  auto rx = transport::UcxChannel::create({.name = "receiver"});
+  auto rx = transport::UcxChannel::create({.name = "receiver", .net_devices = "lo"});
   ASSERT_TRUE(rx) << rx.error();
-  auto tx = transport::UcxChannel::create({.name = "sender"});
+  auto tx = transport::UcxChannel::create({.name = "sender", .net_devices = "lo"});
   ASSERT_TRUE(tx) << tx.error();
   auto peer = (*tx)->connect((*rx)->address(), "receiver");
   ASSERT_TRUE(peer) << peer.error();
@@ -224,6 +225,7 @@ TEST(Handoff, DeviceSlotsCarryMicroBatchesGpuToGpu) {
   transport::UcxChannelOptions o;
   o.device_allocator = on_gpu;
   o.progress_thread_init = [] { cudaSetDevice(0); };
+  o.net_devices = "lo";
   o.name = "receiver";
   auto rx = transport::UcxChannel::create(o);
   ASSERT_TRUE(rx) << rx.error();
