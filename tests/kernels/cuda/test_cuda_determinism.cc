@@ -323,9 +323,10 @@ TEST(FixedOrder, SplitsFollowTheShapeAlone) {
 // this one sequence, then checks that every row of the context twin is the same whole and in
 // three chunkings, and that decode at R positions gives each row's bits.
 template <class T>
-void expect_decode_equals_context(Rng& rng, int L, int H, int D, int R, const cuda::KvLayerView& view) {
+void expect_decode_equals_context(Rng& rng, int L, int H, int D, int R, const cuda::KvLayerView& view,
+                                  const std::vector<float>* given = nullptr) {
   const int C = H * D;
-  auto qkv = rng.normal(size_t(L) * 3 * C);
+  auto qkv = given ? *given : rng.normal(size_t(L) * 3 * C);
   Dev<T> dqkv(qkv);
   std::vector<int32_t> rows(static_cast<size_t>(L), 0), pos(static_cast<size_t>(L));
   std::iota(pos.begin(), pos.end(), 0);
@@ -435,9 +436,8 @@ TYPED_TEST(CudaOps, DecodeAttentionEqualsContextRowBitForBit) {
   }
 }
 
-// FP8 K/V: the same property (its own order: the bytes in the tile order, V's element order
-// its own, with a last group of 16 elements at head_dim 16 and 80), and FP8 is refused where
-// the tile order does not exist.
+// FP8 K/V: the same property (its own order: the bytes and their scales in the tile order;
+// head_dim 16 and 80 too), and FP8 is refused where the tile order does not exist.
 TYPED_TEST(CudaOps, Fp8KvDecodeEqualsContextRowBitForBit) {
   using T = TypeParam;
   Rng rng;
@@ -456,6 +456,37 @@ TYPED_TEST(CudaOps, Fp8KvDecodeEqualsContextRowBitForBit) {
   EXPECT_THROW(cuda::attention_decode_paged<T>(out.p(), qkv.p(), fp8.view, lens.p(), 1, 1, 40, 1, cuda::DecodeWorkspace{},
                                                nullptr),
                Error);
+}
+
+// FP8 K/V where rounding is fragile: a row's bits come from the positions it sees alone,
+// never from a later position of its piece (which the context kernel's row has beside it,
+// the prompt's later rows) or from what a page holds past the sequence's end. Each tile
+// piece's last position has a V 256 times the others' (its scale 2^8 larger), and each
+// piece's first key lies along q, so the other positions' e sit near 2^-15, below fp16's
+// normal range. (A design that scaled P by the piece's largest V scale, tried and not
+// landed, rounded such a row differently in decode and context.) L is not a multiple of 4:
+// the last piece's scales past the sequence's end (NaN in this poisoned cache) share a
+// 16-byte chunk with its last positions.
+TYPED_TEST(CudaOps, Fp8KvRowsScaleVByThePositionsTheySeeAlone) {
+  using T = TypeParam;
+  Rng rng;
+  SEED_TRACE(rng);
+  const DType dt = std::is_same_v<T, half> ? DType::F16 : DType::BF16;
+  const int L = 2 * cuda::kDecodePiece + 89, H = 1, D = 128, R = 40, C = H * D;
+  const std::vector<float> u = rng.normal(size_t(D));
+  std::vector<float> qkv(size_t(L) * 3 * C);
+  for (int t = 0; t < L; ++t) {
+    float* row = qkv.data() + size_t(t) * 3 * C;
+    const auto noise = rng.normal(size_t(2 * D));
+    const bool first = t % cuda::kTilePiece == 0, last = t % cuda::kTilePiece == cuda::kTilePiece - 1;
+    for (int d = 0; d < D; ++d) {
+      row[d] = u[size_t(d)];
+      row[C + d] = first ? 0.9f * u[size_t(d)] : 0.05f * noise[size_t(d)];
+      row[2 * C + d] = (last ? 256.f : 1.f) * noise[size_t(D + d)];
+    }
+  }
+  Fp8Cache fp8(L, H, D, R, dt);
+  expect_decode_equals_context<T>(rng, L, H, D, R, fp8.view, &qkv);
 }
 
 // FP8 K/V against the dtype's K/V: the same attention within FP8's rounding (e4m3 keeps 3 bits
