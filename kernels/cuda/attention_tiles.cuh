@@ -327,8 +327,10 @@ __device__ __forceinline__ void copy_piece_rows(unsigned char* dst, const unsign
 template <int ROW_BYTES, int PITCH, int THREADS>
 __device__ __forceinline__ void copy_piece_rows(unsigned char* dst, const unsigned char* head0, int64_t page_bytes,
                                                 const PiecePages& pages, int i, int limit, int skip) {
-  if (limit >= kPiece && skip < 0) copy_piece_rows<ROW_BYTES, PITCH, THREADS, true>(dst, head0, page_bytes, pages, i, limit, skip);
-  else copy_piece_rows<ROW_BYTES, PITCH, THREADS, false>(dst, head0, page_bytes, pages, i, limit, skip);
+  if (limit >= kPiece && skip < 0)
+    copy_piece_rows<ROW_BYTES, PITCH, THREADS, true>(dst, head0, page_bytes, pages, i, limit, skip);
+  else
+    copy_piece_rows<ROW_BYTES, PITCH, THREADS, false>(dst, head0, page_bytes, pages, i, limit, skip);
 }
 
 // The piece at kb of the dtype's cache into sK and sV (rows of pitch<D>() elements), rows

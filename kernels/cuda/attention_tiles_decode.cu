@@ -138,9 +138,10 @@ __device__ __forceinline__ int row_spread(int Z, int pieces, int64_t row_warps, 
 // floor against 96% at batch 256.) The new token's K and V come from qkv, not the cache.
 template <class T, int D, bool FP8>
 __device__ __forceinline__ void decode_pieces(TileState<D>& run, float* parts, bool spread, T* sK, T* sV, uint8_t* st,
-                                              const PagedKv<T>& kv, Fp8Kv f8, const DecodeRow<T>& row, const uint32_t (&q)[D / 16][4],
-                                              const int (&pos)[2], const float (&s_new)[2], int z, int Z, int pieces,
-                                              int lane, float scale_log2) {
+                                              const PagedKv<T>& kv, Fp8Kv f8, const DecodeRow<T>& row,
+                                              const uint32_t (&q)[D / 16][4], const int (&pos)[2],
+                                              const float (&s_new)[2], int z, int Z, int pieces, int lane,
+                                              float scale_log2) {
   constexpr int kStride = D + 4;  // floats per piece state {m, l, O[D], pad}: 16-byte aligned
   const int s = row.s, h = row.h, kv_len = row.kv_len, t_new = row.t_new;
   TileState<D> piece;
