@@ -13,13 +13,13 @@
 // position it sees, head).
 #include <algorithm>
 #include <cstdio>
-#include <cstdlib>
 #include <string>
 #include <vector>
 
 #ifdef CONVEYOR_HAVE_CUDA
 #include <cuda_runtime.h>
 
+#include "bench/count_list.h"
 #include "bench/gpu_bandwidth.h"
 #include "bench/graph_timer.h"
 #include "common/model_config.h"
@@ -156,25 +156,6 @@ void prefill_table(const ModelConfig& c, cudaStream_t stream) {
 int run(int argc, char** argv) {
   std::string shape = "gpt3-6.7b", only;
   std::vector<int64_t> batches = {1, 8, 16, 64, 256, 512}, contexts = {128, 256, 512, 1024, 4096};
-  // A comma-separated list of positive counts, or an error naming the flag.
-  auto counts = [](const std::string& flag, const std::string& text, std::vector<int64_t>& out) {
-    std::vector<int64_t> v;
-    size_t at = 0;
-    while (at <= text.size()) {
-      const size_t comma = std::min(text.find(',', at), text.size());
-      const std::string item = text.substr(at, comma - at);
-      char* end = nullptr;
-      const long long n = std::strtoll(item.c_str(), &end, 10);
-      if (item.empty() || *end != '\0' || n <= 0) {
-        std::fprintf(stderr, "%s takes positive counts separated by commas, not '%s'\n", flag.c_str(), text.c_str());
-        return false;
-      }
-      v.push_back(n);
-      at = comma + 1;
-    }
-    out = std::move(v);
-    return true;
-  };
   for (int i = 1; i < argc; ++i) {
     const std::string k = argv[i];
     if (i + 1 >= argc) {
@@ -184,7 +165,12 @@ int run(int argc, char** argv) {
     if (k == "--shape") shape = argv[++i];
     else if (k == "--only") only = argv[++i];
     else if (k == "--batches" || k == "--contexts") {
-      if (!counts(k, argv[++i], k == "--batches" ? batches : contexts)) return 2;
+      std::vector<int64_t>& list = k == "--batches" ? batches : contexts;
+      list = parse_count_list(argv[++i]);
+      if (list.empty()) {
+        std::fprintf(stderr, "%s takes positive counts separated by commas, not '%s'\n", k.c_str(), argv[i]);
+        return 2;
+      }
     }
     else {
       std::fprintf(stderr, "unknown option %s\n", k.c_str());

@@ -32,6 +32,7 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include "bench/count_list.h"
 #include "bench/gpu_bandwidth.h"
 #include "common/options.h"
 #include "kernels/cuda/check.h"
@@ -87,19 +88,6 @@ struct Timer {
     return us[us.size() / 2];
   }
 };
-
-std::vector<int64_t> parse_list(const char* s) {
-  std::vector<int64_t> v;
-  for (const char* p = s; *p;) {
-    char* end = nullptr;
-    const long long x = std::strtoll(p, &end, 10);
-    if (end == p || x <= 0) return {};
-    v.push_back(x);
-    p = *end == ',' ? end + 1 : end;
-    if (*end != ',' && *end != '\0') return {};
-  }
-  return v;
-}
 
 template <class T>
 int bench(Timer& timer, const std::vector<int64_t>& tokens, bool per_kernel, bool fp8, bool fast, bool both) {
@@ -199,7 +187,7 @@ int run(int argc, char** argv) {
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--reps" && i + 1 < argc) reps = std::atoi(argv[++i]);
-    else if (a == "--tokens" && i + 1 < argc) tokens = parse_list(argv[++i]);
+    else if (a == "--tokens" && i + 1 < argc) tokens = parse_count_list(argv[++i]);
     else if (a == "--bf16") bf16 = true;
     else if (a == "--kernels") per_kernel = true;
     else if (a == "--fp8") fp8 = true;
