@@ -109,10 +109,13 @@ struct TileState {
 
 // The softmax half of piece_scores(): from S (the C fragments of q K^T for the piece's 8
 // tiles of 8 positions, lane's column 8j + 2t + (e & 1)) to m, l and P (the A fragments of
-// rnd_T(e)).
+// rnd_T(e)). FP8 V: fold (null otherwise) holds a factor per position of the piece, and row
+// r's P is rnd_T(e * fold * fold_rcp[r]) (piece_values_fp8 says why); l is the sum of e as
+// always.
 template <class T>
 __device__ __forceinline__ void scores_to_p(float (&m)[2], float (&l)[2], uint32_t (&p)[4][4], float (&s)[8][4],
-                                            int kb, const int (&pos)[2], float scale_log2) {
+                                            int kb, const int (&pos)[2], float scale_log2,
+                                            const float* fold = nullptr, const float* fold_rcp = nullptr) {
   const int t = threadIdx.x & 3;
   float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
@@ -146,6 +149,16 @@ __device__ __forceinline__ void scores_to_p(float (&m)[2], float (&l)[2], uint32
     l[r] = sum[r];
   }
 
+  if (fold) {
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const float2 f = *reinterpret_cast<const float2*>(fold + 8 * j + 2 * t);
+      s[j][0] = __fmul_rn(s[j][0], __fmul_rn(f.x, fold_rcp[0]));
+      s[j][1] = __fmul_rn(s[j][1], __fmul_rn(f.y, fold_rcp[0]));
+      s[j][2] = __fmul_rn(s[j][2], __fmul_rn(f.x, fold_rcp[1]));
+      s[j][3] = __fmul_rn(s[j][3], __fmul_rn(f.y, fold_rcp[1]));
+    }
+  }
   // The C fragments of S tiles 2kk, 2kk + 1 are the A fragment of P's 16-step kk.
 #pragma unroll
   for (int kk = 0; kk < 4; ++kk) {
@@ -243,28 +256,46 @@ __device__ __forceinline__ void merge(TileState<D>& run, const TileState<D>& pie
 }
 
 // The A fragments of 16 query rows: row g + 8r of the lane from rows[r] (null: zeros).
-template <int D>
+// FP8 K/V: each 16-step takes its elements in piece_scores_fp8's order (the lane's k = 2t,
+// 2t + 1 are elements 4t, 4t + 1 of the step; k = 2t + 8, 2t + 9 are 4t + 2, 4t + 3).
+template <int D, bool FP8 = false>
 __device__ __forceinline__ void load_q(uint32_t (&q)[D / 16][4], const void* row_g, const void* row_g8) {
   const int t = threadIdx.x & 3;
   const uint32_t* a = static_cast<const uint32_t*>(row_g);
   const uint32_t* b = static_cast<const uint32_t*>(row_g8);
+  const int lo = FP8 ? 2 * t : t, hi = FP8 ? 2 * t + 1 : 4 + t;
 #pragma unroll
   for (int kk = 0; kk < D / 16; ++kk) {
-    q[kk][0] = a ? a[8 * kk + t] : 0u;
-    q[kk][1] = b ? b[8 * kk + t] : 0u;
-    q[kk][2] = a ? a[8 * kk + 4 + t] : 0u;
-    q[kk][3] = b ? b[8 * kk + 4 + t] : 0u;
+    q[kk][0] = a ? a[8 * kk + lo] : 0u;
+    q[kk][1] = b ? b[8 * kk + lo] : 0u;
+    q[kk][2] = a ? a[8 * kk + hi] : 0u;
+    q[kk][3] = b ? b[8 * kk + hi] : 0u;
   }
 }
 
+// The element of the head at n-tile j, column n of O: 8j + n, or (FP8 K/V) fp8_element().
+template <int D>
+__device__ __forceinline__ int fp8_element(int j, int n);
+template <int D, bool FP8>
+__device__ __forceinline__ int o_element(int j, int n) {
+  if constexpr (FP8) return fp8_element<D>(j, n);
+  else return 8 * j + n;
+}
+
 // The lane's row r of the running state, divided by its sum, into out_row (elements of T).
-template <class T, int D>
+template <class T, int D, bool FP8 = false>
 __device__ __forceinline__ void store_row(T* out_row, const TileState<D>& run, int r) {
   const int t = threadIdx.x & 3;
 #pragma unroll
-  for (int j = 0; j < D / 8; ++j)
-    *reinterpret_cast<uint32_t*>(out_row + 8 * j + 2 * t) =
-        pack_pair<T>(__fdiv_rn(run.o[j][2 * r], run.l[r]), __fdiv_rn(run.o[j][2 * r + 1], run.l[r]));
+  for (int j = 0; j < D / 8; ++j) {
+    const float a = __fdiv_rn(run.o[j][2 * r], run.l[r]), b = __fdiv_rn(run.o[j][2 * r + 1], run.l[r]);
+    if constexpr (FP8) {
+      out_row[fp8_element<D>(j, 2 * t)] = from_float<T>(a);
+      out_row[fp8_element<D>(j, 2 * t + 1)] = from_float<T>(b);
+    } else {
+      *reinterpret_cast<uint32_t*>(out_row + 8 * j + 2 * t) = pack_pair<T>(a, b);
+    }
+  }
 }
 
 // ---- loading a piece -------------------------------------------------------------------------
@@ -368,10 +399,11 @@ __device__ __forceinline__ void load_row(T* sK, T* sV, int r, const T* k, const 
 // scores' B fragments are converted from them in registers (two E4M3 to two halves, one
 // instruction) and each position's column of S is multiplied by its K scale after the mma
 // (a power of two: the same as scaling K first, with no rounding of q * s in the dtype). V
-// is dequantised into the dtype's tile (fp8.cuh: q * s, exact) that piece_values() reads. So
-// after the load both kernels run the same arithmetic (piece_scores_fp8, piece_values), and a
-// row's bits still depend on its position alone. The decode's new token is quantised in the
-// kernel exactly as kv_cache_append quantises it.
+// stays bytes too: V's scales ride on P, and P V's B fragments are paired from the bytes
+// (decode: piece_values_fp8) or read from the bytes widened to T (context: widen_values). So
+// after the load both kernels run the same arithmetic on the same values, and a row's bits
+// still depend on its position alone. The decode's new
+// token is quantised in the kernel exactly as kv_cache_append quantises it.
 
 // The FP8 cache of a layer: bytes through PagedKv<uint8_t>, one scale per (position, head).
 struct Fp8Kv {
@@ -402,10 +434,9 @@ __device__ __forceinline__ float* fp8_stage_scales(uint8_t* st) {  // K's, then 
 
 // The FP8 piece at kb into st: rows [0, n - kb) from the cache (bytes and scales), the rest
 // zeros (a scale chunk of four rows reads only its rows inside: past the sequence's end a page
-// holds whatever an earlier sequence left there, and a zero byte times a NaN scale is NaN).
-// A page's kPageTokens scales of a head are contiguous (64 bytes, 16-byte aligned: a page's
-// bytes are a multiple of 16). The decode's new token is loaded with the rest and replaced
-// in shared memory once the piece is in.
+// holds whatever an earlier sequence left there). A page's kPageTokens scales of a head are
+// contiguous (64 bytes, 16-byte aligned: a page's bytes are a multiple of 16). The decode's
+// new token is loaded with the rest and replaced in shared memory once the piece is in.
 template <int D, int THREADS>
 __device__ __forceinline__ void load_piece_fp8(uint8_t* st, const Fp8Kv& f, int s, int h, int kb, int n, int i) {
   constexpr int KP = fp8_pitch<D>();
@@ -425,34 +456,6 @@ __device__ __forceinline__ void load_piece_fp8(uint8_t* st, const Fp8Kv& f, int 
   }
 }
 
-// Rows [R0, R0 + ROWS) of the staged piece's V at kb dequantised into sV's first ROWS rows;
-// position t_new (decode; -1: none) comes from new_v with scale s_new_v, quantised here.
-template <class T, int D, int R0 = 0, int ROWS = kPiece>
-__device__ __forceinline__ void dequant_values(T* sV, const uint8_t* st, int kb, int i, int threads, int t_new,
-                                               const T* new_v, float s_new_v) {
-  constexpr int kChunks = D / 16, KP = fp8_pitch<D>();
-  const float* scales = fp8_stage_scales<D>(const_cast<uint8_t*>(st)) + kPiece;
-  for (int c = i; c < ROWS * kChunks; c += threads) {
-    const int r = R0 + c / kChunks, d = (c % kChunks) * 16;
-    uint4 q;
-    float sc;
-    if (kb + r == t_new) {  // the bytes and scale kv_cache_append would have stored
-      sc = s_new_v;
-      uint8_t* b = reinterpret_cast<uint8_t*>(&q);
-#pragma unroll
-      for (int j = 0; j < 16; ++j) b[j] = quantize_one(to_float(new_v[d + j]), sc);
-    } else {
-      q = *reinterpret_cast<const uint4*>(st + kPiece * KP + r * KP + d);
-      sc = scales[r];
-    }
-    uint4 x[2];
-    dequant16<T>(q, sc, x);
-    T* dst = sV + (r - R0) * pitch<D>() + d;
-    *reinterpret_cast<uint4*>(dst) = x[0];
-    *reinterpret_cast<uint4*>(dst + 8) = x[1];
-  }
-}
-
 // The scales of the new token's K and V heads (every lane gets both).
 template <class T, int D>
 __device__ __forceinline__ void new_token_scales(float (&s_new)[2], const T* new_k, const T* new_v) {
@@ -463,13 +466,18 @@ __device__ __forceinline__ void new_token_scales(float (&s_new)[2], const T* new
   s_new[1] = kv_fp8_scale(warp_max(av));
 }
 
-// Decode: the new token's K bytes and scale into the staged piece at kb (its row r = t_new - kb),
-// as kv_cache_append stores them, so piece_scores_fp8 reads it as any cached position.
+// Decode: the new token's K and V bytes and scales into the staged piece (its row r =
+// t_new - kb), as kv_cache_append stores them, so the piece reads it as any cached position.
 template <class T, int D>
-__device__ __forceinline__ void stage_new_key(uint8_t* st, int r, const T* new_k, float s_new_k) {
+__device__ __forceinline__ void stage_new_token(uint8_t* st, int r, const T* new_k, const T* new_v,
+                                                const float (&s_new)[2]) {
+  constexpr int KP = fp8_pitch<D>();
   const int lane = threadIdx.x & 31;
-  for (int d = lane; d < D; d += 32) st[r * fp8_pitch<D>() + d] = quantize_one(to_float(new_k[d]), s_new_k);
-  if (lane == 0) fp8_stage_scales<D>(st)[r] = s_new_k;
+  for (int d = lane; d < D; d += 32) {
+    st[r * KP + d] = quantize_one(to_float(new_k[d]), s_new[0]);
+    st[(kPiece + r) * KP + d] = quantize_one(to_float(new_v[d]), s_new[1]);
+  }
+  if (lane == 0) fp8_stage_scales<D>(st)[r] = s_new[0], fp8_stage_scales<D>(st)[kPiece + r] = s_new[1];
 }
 
 // Two E4M3 bytes (the lower one first) as a B-fragment register of T: exact.
@@ -484,13 +492,51 @@ __device__ __forceinline__ uint32_t e4m3_pair(uint16_t bytes) {
   }
 }
 
+// O of a piece times S, row r by S[r] (a power of two: exact unless it leaves fp32's range).
+template <int D>
+__device__ __forceinline__ void scale_values(TileState<D>& st_out, const float (&S)[2]) {
+#pragma unroll
+  for (int j = 0; j < D / 8; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) st_out.o[j][e] = __fmul_rn(st_out.o[j][e], S[e >> 1]);
+}
+
+// S of the lane's rows g and g + 8 (at positions pos[0], pos[1]): the largest V scale of the
+// staged piece's positions kb to pos[r], the positions the row sees (a power of two; 1 where
+// that is none, or all zeros: the row's P times those bytes is zero either way). A row's S
+// depends on its own positions alone: a later position of the piece (a prompt's next rows in
+// the context kernel, what a page held past the sequence's end) never enters it, so decode
+// and context give the row the same S, and a P below T's normal range rounds the same way
+// in both. Every lane of the warp takes part (shuffles).
+template <int D>
+__device__ __forceinline__ void v_scale_rows(float (&S)[2], const uint8_t* st, int kb, const int (&pos)[2]) {
+  const float* vs = fp8_stage_scales<D>(const_cast<uint8_t*>(st)) + kPiece;
+  const int lane = threadIdx.x & 31;
+  float lo = vs[lane], hi = vs[lane + 32];  // then their running maximum from position 0
+#pragma unroll
+  for (int d = 1; d < 32; d <<= 1) {
+    const float a = __shfl_up_sync(0xffffffffu, lo, d), b = __shfl_up_sync(0xffffffffu, hi, d);
+    if (lane >= d) lo = fmaxf(lo, a), hi = fmaxf(hi, b);
+  }
+  hi = fmaxf(hi, __shfl_sync(0xffffffffu, lo, 31));
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int i = min(max(pos[r] - kb, 0), kPiece - 1);
+    const float a = __shfl_sync(0xffffffffu, lo, i & 31), b = __shfl_sync(0xffffffffu, hi, i & 31);
+    const float m = i < 32 ? a : b;
+    S[r] = m > 0.f ? m : 1.f;
+  }
+}
+
 // piece_scores() over a staged FP8 piece (st: its bytes and scales, load_piece_fp8's layout):
-// the same mma steps in the same order, each B fragment converted from the bytes (lane: the
-// position 8j + g, elements 16kk + 2t, +1 and +8, +9), then S times the position's K scale.
+// the same mma steps in the same order, each B fragment converted from the bytes, then S
+// times the position's K scale. A lane's B fragment of a 16-step is four neighbouring bytes of
+// its position 8j + g (elements 4t to 4t + 3 of the step: one 32-bit load), so the step's
+// elements go in load_q<D, true>'s order. S: v_scale_rows() of the piece.
 template <class T, int D>
 __device__ __forceinline__ void piece_scores_fp8(TileState<D>& st_out, uint32_t (&p)[4][4],
                                                  const uint32_t (&q)[D / 16][4], const uint8_t* st, int kb,
-                                                 const int (&pos)[2], float scale_log2) {
+                                                 const int (&pos)[2], float scale_log2, const float (&S)[2]) {
   constexpr int KP = fp8_pitch<D>();
   const int lane = threadIdx.x & 31, t = lane & 3, g = lane >> 2;
   float s[8][4];
@@ -499,9 +545,8 @@ __device__ __forceinline__ void piece_scores_fp8(TileState<D>& st_out, uint32_t 
   for (int kk = 0; kk < D / 16; ++kk)
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
-      const uint8_t* b = st + (8 * j + g) * KP + 16 * kk + 2 * t;
-      mma_m16n8k16<T>(s[j], q[kk], e4m3_pair<T>(*reinterpret_cast<const uint16_t*>(b)),
-                      e4m3_pair<T>(*reinterpret_cast<const uint16_t*>(b + 8)));
+      const uint32_t w = *reinterpret_cast<const uint32_t*>(st + (8 * j + g) * KP + 16 * kk + 4 * t);
+      mma_m16n8k16<T>(s[j], q[kk], e4m3_pair<T>(uint16_t(w & 0xffffu)), e4m3_pair<T>(uint16_t(w >> 16)));
     }
   const float* ks = fp8_stage_scales<D>(const_cast<uint8_t*>(st));
 #pragma unroll
@@ -510,7 +555,99 @@ __device__ __forceinline__ void piece_scores_fp8(TileState<D>& st_out, uint32_t 
     s[j][0] = __fmul_rn(s[j][0], sc.x), s[j][1] = __fmul_rn(s[j][1], sc.y);
     s[j][2] = __fmul_rn(s[j][2], sc.x), s[j][3] = __fmul_rn(s[j][3], sc.y);
   }
-  scores_to_p<T>(st_out.m, st_out.l, p, s, kb, pos, scale_log2);
+  const float* vs = ks + kPiece;
+  const float rcp[2] = {__frcp_rn(S[0]), __frcp_rn(S[1])};
+  scores_to_p<T>(st_out.m, st_out.l, p, s, kb, pos, scale_log2, vs, rcp);
+}
+
+// ---- FP8 V straight from its bytes --------------------------------------------------------
+//
+// P V reads the staged V bytes into B fragments (no dequantised tile). A B fragment holds
+// two positions of one element of V, which are in two rows of the staging: a lane reads four
+// bytes (four elements) of each of its positions' rows and pairs them (prmt). So that a lane
+// reads four neighbouring elements, the n-tiles of the output take the head's elements in
+// this order (fp8_element()): in a group of 32, column n of tile i (0-3) is element 4n + i;
+// a last group of 16 (head_dim 16, 80) has two tiles, column n of tile i is 2n + i.
+//
+// The bytes carry no scale, so the scale goes on P: position p's P is rnd_T(e * s_p / S),
+// S the largest V scale of the positions the row sees in the piece (v_scale_rows; a power of
+// two, as every s_p), and the row's O is multiplied by S after the mma. Every s_p / S is a
+// power of two at most 1, so the products are rnd_T(e) * s_p * q exactly as P times the
+// dequantised V (q * s_p) gave them, unless e * s_p / S falls below T's normal range. The
+// decode reads V this way; the context kernel reads the same values from a widened tile
+// (widen_values).
+
+// The element of the head at n-tile j, column n, in FP8 P V's order.
+template <int D>
+__device__ __forceinline__ int fp8_element(int j, int n) {
+  constexpr int kFull = D / 32;  // groups of 32
+  if (j < 4 * kFull) return 32 * (j / 4) + 4 * n + (j % 4);
+  return 32 * kFull + 2 * n + (j - 4 * kFull);
+}
+
+template <class T, int D>
+__device__ __forceinline__ void piece_values_fp8(TileState<D>& st_out, const uint32_t (&p)[4][4], const uint8_t* st,
+                                                 const float (&S)[2]) {
+  constexpr int KP = fp8_pitch<D>(), kFull = D / 32;
+  static_assert(kPiece == 64 && D % 16 == 0, "four 16-steps of positions; whole 16-element tiles");
+  const int lane = threadIdx.x & 31, t = lane & 3, g = lane >> 2;
+  const uint8_t* sv = st + kPiece * KP;
+  clear_values<D>(st_out);
+  // B fragment of a pair of rows a, b (positions 2t, 2t + 1 or 2t + 8, 2t + 9) for element
+  // byte i of the words read from them.
+  auto pair = [](uint32_t a, uint32_t b, int i) -> uint32_t {
+    const uint32_t x = __byte_perm(a, b, i < 2 ? 0x5140 : 0x7362);  // a0 b0 a1 b1 | a2 b2 a3 b3
+    return (i & 1) ? x >> 16 : x & 0xffffu;
+  };
+#pragma unroll
+  for (int kk = 0; kk < 4; ++kk) {
+    const uint8_t* r0 = sv + (16 * kk + 2 * t) * KP;
+#pragma unroll
+    for (int jg = 0; jg < kFull; ++jg) {
+      const int col = 32 * jg + 4 * g;
+      const uint32_t w0 = *reinterpret_cast<const uint32_t*>(r0 + col);
+      const uint32_t w1 = *reinterpret_cast<const uint32_t*>(r0 + KP + col);
+      const uint32_t w8 = *reinterpret_cast<const uint32_t*>(r0 + 8 * KP + col);
+      const uint32_t w9 = *reinterpret_cast<const uint32_t*>(r0 + 9 * KP + col);
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+        mma_m16n8k16<T>(st_out.o[4 * jg + i], p[kk], e4m3_pair<T>(uint16_t(pair(w0, w1, i))),
+                        e4m3_pair<T>(uint16_t(pair(w8, w9, i))));
+    }
+    if constexpr (D % 32 == 16) {  // the last 16 elements: two bytes a row, two tiles
+      const int col = 32 * kFull + 2 * g;
+      const uint32_t w0 = *reinterpret_cast<const uint16_t*>(r0 + col);
+      const uint32_t w1 = *reinterpret_cast<const uint16_t*>(r0 + KP + col);
+      const uint32_t w8 = *reinterpret_cast<const uint16_t*>(r0 + 8 * KP + col);
+      const uint32_t w9 = *reinterpret_cast<const uint16_t*>(r0 + 9 * KP + col);
+#pragma unroll
+      for (int i = 0; i < 2; ++i)
+        mma_m16n8k16<T>(st_out.o[4 * kFull + i], p[kk], e4m3_pair<T>(uint16_t(pair(w0, w1, i))),
+                        e4m3_pair<T>(uint16_t(pair(w8, w9, i))));
+    }
+  }
+  scale_values<D>(st_out, S);
+}
+
+// The context kernel's P V over FP8 V: its four warps share one widening of the piece's V
+// bytes into a tile of T (exact, no scale: widen_values), which piece_values() reads in the
+// head's own element order, then O times S as above. The mma operands are the same values as
+// piece_values_fp8's, with each output column from its own column of V, so the two orders
+// give every element the same bits (FP8 decode-equals-context test).
+template <class T, int D>
+__device__ __forceinline__ void widen_values(T* sV, const uint8_t* st, int i, int threads) {
+  constexpr int kChunks = D / 16, KP = fp8_pitch<D>();
+  for (int c = i; c < kPiece * kChunks; c += threads) {
+    const int r = c / kChunks, d = (c % kChunks) * 16;
+    const uint4 q = *reinterpret_cast<const uint4*>(st + (kPiece + r) * KP + d);
+    const uint16_t* pairs = reinterpret_cast<const uint16_t*>(&q);
+    uint32_t x[8];
+#pragma unroll
+    for (int k = 0; k < 8; ++k) x[k] = e4m3_pair<T>(pairs[k]);
+    T* dst = sV + r * pitch<D>() + d;
+    *reinterpret_cast<uint4*>(dst) = make_uint4(x[0], x[1], x[2], x[3]);
+    *reinterpret_cast<uint4*>(dst + 8) = make_uint4(x[4], x[5], x[6], x[7]);
+  }
 }
 
 // Calls f.template operator()<D>() for the instantiated head_dim.

@@ -10,7 +10,7 @@ using namespace detail;
 // ---- context --------------------------------------------------------------------------------
 
 // Shared memory of a context block: two pieces' tiles (bf16/fp16), or one piece's V tile and
-// two staged FP8 pieces (the scores read K's bytes).
+// two staged FP8 pieces (the scores read K's bytes; V is widened into the tile).
 template <class T, int D, bool FP8>
 constexpr size_t context_smem() {
   return FP8 ? piece_smem_bytes<D>(sizeof(T)) / 2 + 2 * fp8_stage_bytes<D>() : 2 * piece_smem_bytes<D>(sizeof(T));
@@ -57,7 +57,7 @@ __global__ void __launch_bounds__(kContextWarps * 32)
     qrow[r] = row < rows ? q_base + int64_t(q_begin + q0 + row) * q_stride + int64_t(h) * D : nullptr;
   }
   uint32_t q[D / 16][4];
-  load_q<D>(q, qrow[0], qrow[1]);
+  load_q<D, FP8>(q, qrow[0], qrow[1]);
   const int warp_last = warp * 16 < rows ? min(pos0 + warp * 16 + 15, n_kv - 1) : -1;
 
   const int n_pieces = (n_kv + kPiece - 1) / kPiece;
@@ -73,16 +73,19 @@ __global__ void __launch_bounds__(kContextWarps * 32)
       cp_async_wait<0>();
     }
     __syncthreads();
-    if constexpr (FP8) {  // V into the tile; the scores read K's bytes
-      dequant_values<T, D>(stage_k(0), staged(pc & 1), pc * kPiece, threadIdx.x, blockDim.x, -1, nullptr, 0.f);
+    if constexpr (FP8) {  // V's bytes widened into the tile; the scores read K's bytes
+      widen_values<T, D>(stage_k(0), staged(pc & 1), threadIdx.x, blockDim.x);
       __syncthreads();
     }
     const int kb = pc * kPiece;
     if (kb <= warp_last) {
       if constexpr (FP8) {
         uint32_t p[4][4];
-        piece_scores_fp8<T, D>(piece, p, q, staged(pc & 1), kb, pos, scale_log2);
+        float S[2];
+        v_scale_rows<D>(S, staged(pc & 1), kb, pos);
+        piece_scores_fp8<T, D>(piece, p, q, staged(pc & 1), kb, pos, scale_log2, S);
         piece_values<T, D>(piece, p, stage_k(0));
+        scale_values<D>(piece, S);
       } else {
         const T* sK = stage_k(pc & 1);
         piece_state<T, D>(piece, q, sK, sK + kPiece * pitch<D>(), kb, pos, scale_log2);

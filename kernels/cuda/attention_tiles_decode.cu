@@ -9,14 +9,16 @@ using namespace detail;
 
 // ---- decode ---------------------------------------------------------------------------------
 
-// Row 0's piece state (lanes 0-3 hold it) into the workspace: {m, l, O[D], pad}.
-template <int D>
+// Row 0's piece state (lanes 0-3 hold it) into the workspace: {m, l, O[D], pad}, O in the
+// head's element order.
+template <int D, bool FP8>
 __device__ __forceinline__ void store_partial(float* part, const TileState<D>& piece) {
   const int lane = threadIdx.x & 31;
   if (lane >= 4) return;
   if (lane == 0) part[0] = piece.m[0], part[1] = piece.l[0];
 #pragma unroll
-  for (int j = 0; j < D / 8; ++j) part[2 + 8 * j + 2 * lane] = piece.o[j][0], part[3 + 8 * j + 2 * lane] = piece.o[j][1];
+  for (int j = 0; j < D / 8; ++j)
+    part[2 + o_element<D, FP8>(j, 2 * lane)] = piece.o[j][0], part[2 + o_element<D, FP8>(j, 2 * lane + 1)] = piece.o[j][1];
 }
 
 // A spread row's end: the last warp of the (row, head) to finish merges the pieces' states in
@@ -68,16 +70,15 @@ __device__ __forceinline__ void merge_spread(T* o, const float* parts, int piece
     if (lane + 32 * i < D) o[lane + 32 * i] = from_float<T>(__fdiv_rn(O[i], L));
 }
 
-// Shared memory of one decode warp: its piece tile (K and V; six warps a SM), or (FP8) a
-// quarter of one, which holds half a piece's dequantised V at a time, and the staged piece
-// (eight warps a SM at head_dim 128).
-template <class T, int D>
-constexpr size_t fp8_decode_tile_bytes() {
-  return piece_smem_bytes<D>(sizeof(T)) / 4;
-}
+// Shared memory of one decode warp: its piece tile (K and V; six warps a SM), or (FP8)
+// kFp8Stages staged pieces (bytes and scales), so that a warp has that many pieces in flight.
+// One: eight warps a SM. Measured on the H100 (gpt3-6.7b heads): two stages (six warps a SM)
+// took 175 us at batch 256 x 128 positions against 134, three (four warps) 229; at 1,024
+// positions and more all three were within 3%.
+constexpr int kFp8Stages = 1;
 template <class T, int D, bool FP8>
 constexpr size_t decode_warp_smem() {
-  return FP8 ? fp8_decode_tile_bytes<T, D>() + fp8_stage_bytes<D>() : piece_smem_bytes<D>(sizeof(T));
+  return FP8 ? kFp8Stages * fp8_stage_bytes<D>() : piece_smem_bytes<D>(sizeof(T));
 }
 
 // A decode warp's row: sequence s, head h, the K/V length, and the new token at t_new (new_k,
@@ -100,7 +101,8 @@ __device__ __forceinline__ void append_new_token(PagedKv<T> kv, Fp8Kv f8, const 
   if constexpr (FP8) {
     uint8_t* kd = f8.kv.k + f8.kv.offset(s, h, t_new);
     uint8_t* vd = f8.kv.v + f8.kv.offset(s, h, t_new);
-    for (int d = lane; d < D; d += 32) kd[d] = quantize_one(to_float(new_k[d]), s_new[0]), vd[d] = quantize_one(to_float(new_v[d]), s_new[1]);
+    for (int d = lane; d < D; d += 32)
+      kd[d] = quantize_one(to_float(new_k[d]), s_new[0]), vd[d] = quantize_one(to_float(new_v[d]), s_new[1]);
     if (lane == 0) {
       const int64_t o = f8.scale_offset(s, h, t_new);
       const_cast<float*>(f8.ks)[o] = s_new[0];
@@ -131,17 +133,15 @@ __device__ __forceinline__ int row_spread(int Z, int pieces, int64_t row_warps, 
   return max(1, min(Z, max(wave, by_length)));
 }
 
-// The pieces z, z + Z, ... of the row: each one's state, stored to parts (`spread`) or merged
-// into run. One group in flight per piece, the next piece's issued as soon as this one's is
-// in the tile: bf16/fp16 after its P V has read the tile, FP8 right after the dequantisation.
-// (Loading the next K during this piece's P V measured slower on the H100: 89% of the
-// floor against 96% at batch 256.) The new token's K and V come from qkv, not the cache.
-template <class T, int D, bool FP8>
-__device__ __forceinline__ void decode_pieces(TileState<D>& run, float* parts, bool spread, T* sK, T* sV, uint8_t* st,
-                                              const PagedKv<T>& kv, Fp8Kv f8, const DecodeRow<T>& row,
-                                              const uint32_t (&q)[D / 16][4], const int (&pos)[2],
-                                              const float (&s_new)[2], int z, int Z, int pieces, int lane,
-                                              float scale_log2) {
+// bf16/fp16: the pieces z, z + Z, ... of the row: each one's state, stored to parts
+// (`spread`) or merged into run. One group in flight per piece, the next piece's issued as
+// soon as this one's P V has read the tile. (Loading the next K during this piece's P V
+// measured slower on the H100: 89% of the floor against 96% at batch 256.) The new token's
+// K and V come from qkv, not the cache.
+template <class T, int D>
+__device__ __forceinline__ void decode_pieces(TileState<D>& run, float* parts, bool spread, T* sK, T* sV,
+                                              const PagedKv<T>& kv, const DecodeRow<T>& row, const uint32_t (&q)[D / 16][4],
+                                              const int (&pos)[2], int z, int Z, int pieces, int lane, float scale_log2) {
   constexpr int kStride = D + 4;  // floats per piece state {m, l, O[D], pad}: 16-byte aligned
   const int s = row.s, h = row.h, kv_len = row.kv_len, t_new = row.t_new;
   TileState<D> piece;
@@ -149,44 +149,50 @@ __device__ __forceinline__ void decode_pieces(TileState<D>& run, float* parts, b
     const int next = pc + Z < pieces ? pc + Z : -1;
     cp_async_wait<1>();  // all but the newest group: this piece's (the newest is empty)
     __syncwarp();
-    if constexpr (FP8) {
-      // The scores from K's bytes (the new token's put among them first), V dequantised into
-      // the tile; the next piece loads from then on, during P V. (Loading the next K as soon as
-      // this K was read, V after, measured slower on the H100 with a dequantised K: 5,910
-      // against 5,548 us at batch 256 and 4,096.)
-      if (t_new / kPiece == pc) {
-        stage_new_key<T, D>(st, t_new - pc * kPiece, row.new_k, s_new[0]);
-        __syncwarp();
-      }
-      // V in two halves of 32 positions through a quarter tile (eight warps a SM fit).
-      uint32_t p[4][4];
-      piece_scores_fp8<T, D>(piece, p, q, st, pc * kPiece, pos, scale_log2);
-      constexpr int kHalf = kPiece / 2;
-      dequant_values<T, D, 0, kHalf>(sV, st, pc * kPiece, lane, 32, t_new, row.new_v, s_new[1]);
-      __syncwarp();
-      clear_values<D>(piece);
-      piece_values_steps<T, D, 0, 2>(piece, p, sV);
-      __syncwarp();  // every lane is done with the first half
-      dequant_values<T, D, kHalf, kHalf>(sV, st, pc * kPiece, lane, 32, t_new, row.new_v, s_new[1]);
-      __syncwarp();  // the staging is free
-      if (next >= 0) load_piece_fp8<D, 32>(st, f8, s, h, next * kPiece, kv_len, lane);
-      cp_async_commit();
-      cp_async_commit();
-      piece_values_steps<T, D, 2, 4>(piece, p, sV);
-    } else {
-      piece_state<T, D>(piece, q, sK, sV, pc * kPiece, pos, scale_log2);
-    }
+    piece_state<T, D>(piece, q, sK, sV, pc * kPiece, pos, scale_log2);
     __syncwarp();  // every lane is done with this piece's K and V
-    if constexpr (!FP8) {
-      if (next >= 0) {
-        load_piece<T, D, 32>(sK, sV, kv, s, h, next * kPiece, kv_len, t_new, lane);
-        if (t_new / kPiece == next) load_row<T, D>(sK, sV, t_new - next * kPiece, row.new_k, row.new_v, lane);
-      }
-      cp_async_commit();
-      cp_async_commit();
+    if (next >= 0) {
+      load_piece<T, D, 32>(sK, sV, kv, s, h, next * kPiece, kv_len, t_new, lane);
+      if (t_new / kPiece == next) load_row<T, D>(sK, sV, t_new - next * kPiece, row.new_k, row.new_v, lane);
     }
-    if (spread) store_partial<D>(parts + int64_t(pc) * kStride, piece);
+    cp_async_commit();
+    cp_async_commit();
+    if (spread) store_partial<D, false>(parts + int64_t(pc) * kStride, piece);
     else merge<D>(run, piece, 0, pc == 0);
+  }
+}
+
+// FP8: the pieces z, z + Z, ... through kFp8Stages staged pieces in turn (the kernel loaded
+// the first ones); a piece's stage is loaded again, kFp8Stages pieces on, once its scores
+// and P V have read it. The new token is put among its piece's staged positions first.
+template <class T, int D>
+__device__ __forceinline__ void decode_pieces_fp8(TileState<D>& run, float* parts, bool spread, uint8_t* st,
+                                                  const Fp8Kv& f8, const DecodeRow<T>& row,
+                                                  const uint32_t (&q)[D / 16][4], const int (&pos)[2],
+                                                  const float (&s_new)[2], int z, int Z, int pieces, int lane,
+                                                  float scale_log2) {
+  constexpr int kStride = D + 4;  // floats per piece state {m, l, O[D], pad}: 16-byte aligned
+  const int t_new = row.t_new;
+  TileState<D> piece;
+  for (int pc = z, i = 0; pc < pieces; pc += Z, ++i) {
+    uint8_t* stage = st + (i % kFp8Stages) * fp8_stage_bytes<D>();
+    cp_async_wait<kFp8Stages - 1>();  // one group a piece, in order: this piece's is in
+    __syncwarp();
+    if (t_new / kPiece == pc) {
+      stage_new_token<T, D>(stage, t_new - pc * kPiece, row.new_k, row.new_v, s_new);
+      __syncwarp();
+    }
+    uint32_t p[4][4];
+    float S[2];
+    v_scale_rows<D>(S, stage, pc * kPiece, pos);
+    piece_scores_fp8<T, D>(piece, p, q, stage, pc * kPiece, pos, scale_log2, S);
+    piece_values_fp8<T, D>(piece, p, stage, S);
+    __syncwarp();  // the stage is free
+    const int later = pc + kFp8Stages * Z;
+    if (later < pieces) load_piece_fp8<D, 32>(stage, f8, row.s, row.h, later * kPiece, row.kv_len, lane);
+    cp_async_commit();
+    if (spread) store_partial<D, true>(parts + int64_t(pc) * kStride, piece);
+    else merge<D>(run, piece, 0, pc == z);
   }
 }
 
@@ -211,8 +217,8 @@ __global__ void __launch_bounds__(kDecodeWarps * 32)
   if (z >= min(Zr, pieces)) return;
   unsigned char* mine = smem_raw + size_t(warp) * decode_warp_smem<T, D, FP8>();
   T* sK = reinterpret_cast<T*>(mine);
-  T* sV = FP8 ? sK : sK + kPiece * pitch<D>();           // FP8: V after K in the same rows
-  uint8_t* st = mine + fp8_decode_tile_bytes<T, D>();  // FP8 only
+  T* sV = sK + kPiece * pitch<D>();                          // bf16/fp16
+  uint8_t* st = reinterpret_cast<uint8_t*>(mine);  // FP8
   const int t_new = kv_len - 1;
   const int64_t C = int64_t(n_head) * D;
   const T* q_row = qkv + int64_t(s) * 3 * C + int64_t(h) * D;
@@ -220,33 +226,40 @@ __global__ void __launch_bounds__(kDecodeWarps * 32)
   const T* new_v = q_row + 2 * C;
   const DecodeRow<T> row{s, h, kv_len, t_new, new_k, new_v};
 
-  // The first piece's cached positions stream before the wait (written by earlier steps);
-  // q and the new token are the QKV projection's output.
-  if constexpr (FP8) load_piece_fp8<D, 32>(st, f8, s, h, z * kPiece, kv_len, lane);
-  else load_piece<T, D, 32>(sK, sV, kv, s, h, z * kPiece, kv_len, t_new, lane);
-  grid_dependency_wait();
+  // The first pieces' cached positions stream before the wait (written by earlier steps);
+  // q and the new token are the QKV projection's output. (FP8 loads the new token's slot
+  // too, and replaces it in shared memory once its piece is in.)
   float s_new[2] = {0.f, 0.f};
   if constexpr (FP8) {
+    for (int k = 0; k < kFp8Stages; ++k) {
+      const int pc = z + k * Zr;
+      if (pc < pieces) load_piece_fp8<D, 32>(st + k * fp8_stage_bytes<D>(), f8, s, h, pc * kPiece, kv_len, lane);
+      cp_async_commit();  // one group a piece, empty past the last
+    }
+    grid_dependency_wait();
     new_token_scales<T, D>(s_new, new_k, new_v);
-  } else if (t_new / kPiece == z) {
-    load_row<T, D>(sK, sV, t_new - z * kPiece, new_k, new_v, lane);
+  } else {
+    load_piece<T, D, 32>(sK, sV, kv, s, h, z * kPiece, kv_len, t_new, lane);
+    grid_dependency_wait();
+    if (t_new / kPiece == z) load_row<T, D>(sK, sV, t_new - z * kPiece, new_k, new_v, lane);
+    cp_async_commit();
+    cp_async_commit();  // an empty group: one group per piece, the newest always empty at a wait
   }
-  cp_async_commit();
-  cp_async_commit();  // an empty group: one group per piece, the newest always empty at a wait
   if (z == 0) append_new_token<T, D, FP8>(kv, f8, row, s_new, lane);
 
   uint32_t q[D / 16][4];
-  load_q<D>(q, (lane >> 2) == 0 ? q_row : nullptr, nullptr);
+  load_q<D, FP8>(q, (lane >> 2) == 0 ? q_row : nullptr, nullptr);
   const int pos[2] = {(lane >> 2) == 0 ? t_new : -1, -1};
   const bool spread = Zr > 1 && pieces > 1;
   constexpr int kStride = D + 4;  // floats per piece state {m, l, O[D], pad}: 16-byte aligned
   float* parts = partial + (int64_t(s) * n_head + h) * max_pieces * kStride;
   TileState<D> run;
-  decode_pieces<T, D, FP8>(run, parts, spread, sK, sV, st, kv, f8, row, q, pos, s_new, z, Zr, pieces, lane, scale_log2);
+  if constexpr (FP8) decode_pieces_fp8<T, D>(run, parts, spread, st, f8, row, q, pos, s_new, z, Zr, pieces, lane, scale_log2);
+  else decode_pieces<T, D>(run, parts, spread, sK, sV, kv, row, q, pos, z, Zr, pieces, lane, scale_log2);
   cp_async_wait<0>();
   T* o = out + int64_t(s) * C + int64_t(h) * D;
   if (!spread) {
-    if (lane < 4) store_row<T, D>(o, run, 0);
+    if (lane < 4) store_row<T, D, FP8>(o, run, 0);
     return;
   }
   merge_spread<T, D>(o, parts, pieces, min(Zr, pieces), counters + int64_t(s) * n_head + h,

@@ -34,8 +34,8 @@ __device__ __forceinline__ float e4m3_to_float(uint8_t q) {
 __device__ __forceinline__ float dequant(uint8_t q, float s) { return __fmul_rn(e4m3_to_float(q), s); }
 
 // The K/V cache's scale: the power of two at or above amax / 448 (0 for amax 0), so that
-// q * s is exact in fp32, fp16 and bf16 alike and dequantisation can run two values an
-// instruction (dequant16). A scale that rounds amax / 448 down to a power of two may put a
+// q * s is exact in fp32, fp16 and bf16 alike, and the attention kernels may move s onto
+// the scores (K) or onto P (V) without a rounding. A scale that rounds amax / 448 down to a power of two may put a
 // value a rounding above 448, which e4m3() saturates.
 __device__ __forceinline__ float kv_fp8_scale(float amax) {
   if (!(amax > 0.f)) return 0.f;
@@ -43,30 +43,6 @@ __device__ __forceinline__ float kv_fp8_scale(float amax) {
   unsigned e = r >> 23;           // amax >= 0: no sign bit
   if (r & 0x7fffffu) ++e;         // not a power of two: the next one up
   return __uint_as_float(max(e, 1u) << 23);  // (below the smallest normal: the smallest normal)
-}
-
-// 16 bytes of E4M3 times a power-of-two scale s, as 16 values of T (two uint4): exact.
-template <class T>
-__device__ __forceinline__ void dequant16(const uint4& q, float s, uint4 (&out)[2]) {
-  const uint16_t* pairs = reinterpret_cast<const uint16_t*>(&q);
-  uint32_t* o = reinterpret_cast<uint32_t*>(out);
-  if constexpr (std::is_same_v<T, __half>) {
-    const __half2 s2 = __float2half2_rn(s);
-#pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      const __half2 h = __half2(__nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(pairs[i]), __NV_E4M3));
-      const __half2 v = __hmul2(h, s2);
-      o[i] = *reinterpret_cast<const uint32_t*>(&v);
-    }
-  } else {
-#pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      const float2 f = __half22float2(
-          __half2(__nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(pairs[i]), __NV_E4M3)));
-      const __nv_bfloat162 v = __floats2bfloat162_rn(__fmul_rn(f.x, s), __fmul_rn(f.y, s));
-      o[i] = *reinterpret_cast<const uint32_t*>(&v);
-    }
-  }
 }
 
 }  // namespace conveyor::cuda::detail

@@ -26,8 +26,8 @@ constexpr int kPageTokens = 16;
 // h * kPageTokens + t % kPageTokens. Quantisation is per (token, head): s is the power of two
 // at or above amax / 448 over the head's head_dim values, bytes e4m3(x / s)
 // (kernels/cuda/fp8.cuh: kv_fp8_scale), so a token's bytes depend on that token alone. The
-// attention kernels read the dequantised values q * s (exact in the stage's dtype); only
-// the tile order reads FP8 K/V.
+// attention kernels read the bytes into mma fragments and apply s in fp32 (K's on the
+// scores, V's on P: attention_tiles.cuh); only the tile order reads FP8 K/V.
 struct KvLayerView {
   void* k = nullptr;
   void* v = nullptr;

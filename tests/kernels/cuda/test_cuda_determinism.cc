@@ -436,8 +436,9 @@ TYPED_TEST(CudaOps, DecodeAttentionEqualsContextRowBitForBit) {
   }
 }
 
-// FP8 K/V: the same property (its own order: the bytes and their scales in the tile order;
-// head_dim 16 and 80 too), and FP8 is refused where the tile order does not exist.
+// FP8 K/V: the same property (its own order: the bytes in the tile order, V's element order
+// its own, with a last group of 16 elements at head_dim 16 and 80), and FP8 is refused where
+// the tile order does not exist.
 TYPED_TEST(CudaOps, Fp8KvDecodeEqualsContextRowBitForBit) {
   using T = TypeParam;
   Rng rng;
@@ -458,15 +459,14 @@ TYPED_TEST(CudaOps, Fp8KvDecodeEqualsContextRowBitForBit) {
                Error);
 }
 
-// FP8 K/V where rounding is fragile: a row's bits come from the positions it sees alone,
-// never from a later position of its piece (which the context kernel's row has beside it,
-// the prompt's later rows) or from what a page holds past the sequence's end. Each tile
-// piece's last position has a V 256 times the others' (its scale 2^8 larger), and each
-// piece's first key lies along q, so the other positions' e sit near 2^-15, below fp16's
-// normal range. (A design that scaled P by the piece's largest V scale, tried and not
-// landed, rounded such a row differently in decode and context.) L is not a multiple of 4:
-// the last piece's scales past the sequence's end (NaN in this poisoned cache) share a
-// 16-byte chunk with its last positions.
+// FP8 K/V: a row's V scale factor S (attention_tiles.cuh, piece_values_fp8) comes from the
+// positions it sees alone. Here each tile piece's last position has a V 256 times the others'
+// (its scale 2^8 larger), and each piece's first key lies along q, so the other positions' e
+// sit near 2^-15, below fp16's normal range, where rnd(e s_p / S) keeps fewer bits the larger
+// S is. A decode row in the middle of a piece does not see that last position; the context
+// kernel's row at the same position has it in its piece (the prompt's later rows). Both must
+// give the row the same bits. L is not a multiple of 4: the last piece's scales past the
+// sequence's end (NaN in this poisoned cache) share a 16-byte chunk with the last positions.
 TYPED_TEST(CudaOps, Fp8KvRowsScaleVByThePositionsTheySeeAlone) {
   using T = TypeParam;
   Rng rng;
