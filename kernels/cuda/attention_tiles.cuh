@@ -91,58 +91,73 @@ __device__ __forceinline__ uint32_t pack_pair(float lo, float hi) {
 }
 
 // Zeros N mma accumulator fragments (four floats a lane each): S before q K^T, O before P V.
-template <int N>
-__device__ __forceinline__ void zero_fragments(float (&a)[N][4]) {
+template <int N, int E>
+__device__ __forceinline__ void zero_fragments(float (&a)[N][E]) {
 #pragma unroll
   for (int j = 0; j < N; ++j)
 #pragma unroll
-    for (int e = 0; e < 4; ++e) a[j][e] = 0.f;
+    for (int e = 0; e < E; ++e) a[j][e] = 0.f;
 }
 
-// A lane's share of one piece (or of the running state) for its rows g = lane / 4 and
-// g + 8: o[j][2r + c] is row (g + 8r), element 8j + 2(lane % 4) + c.
-template <int D>
+// A lane's share of one piece (or of the running state) for its R rows, g = lane / 4 and
+// (R = 2) g + 8: o[j][2r + c] is row (g + 8r), element 8j + 2(lane % 4) + c. The decode has
+// one query row, tile row 0: it keeps R = 1, so the rows g + 8 of the mma fragments (zeros
+// in A, dropped from D) cost no registers between the mmas and no arithmetic. An mma's row
+// depends on its own operands only, so the rows kept have the same bits either way.
+template <int D, int R = 2>
 struct TileState {
-  float o[D / 8][4];
-  float m[2], l[2];
+  float o[D / 8][2 * R];
+  float m[R], l[R];
 };
+
+// The lane's R rows of accumulator fragments acc into o (R = 2: all of them).
+template <int N, int R>
+__device__ __forceinline__ void keep_rows(float (&o)[N][2 * R], const float (&acc)[N][4]) {
+#pragma unroll
+  for (int j = 0; j < N; ++j)
+#pragma unroll
+    for (int e = 0; e < 2 * R; ++e) o[j][e] = acc[j][e];
+}
 
 // The softmax half of piece_scores(): from S (the C fragments of q K^T for the piece's 8
 // tiles of 8 positions, lane's column 8j + 2t + (e & 1)) to m, l and P (the A fragments of
 // rnd_T(e)). FP8 V: fold (null otherwise) holds a factor per position of the piece, and row
 // r's P is rnd_T(e * fold * fold_rcp[r]) (piece_values_fp8 says why); l is the sum of e as
 // always.
-template <class T>
-__device__ __forceinline__ void scores_to_p(float (&m)[2], float (&l)[2], uint32_t (&p)[4][4], float (&s)[8][4],
-                                            int kb, const int (&pos)[2], float scale_log2,
+template <class T, int R = 2>
+__device__ __forceinline__ void scores_to_p(float (&m)[R], float (&l)[R], uint32_t (&p)[4][4], float (&s)[8][4],
+                                            int kb, const int (&pos)[R], float scale_log2,
                                             const float* fold = nullptr, const float* fold_rcp = nullptr) {
   const int t = threadIdx.x & 3;
-  float mx[2] = {-INFINITY, -INFINITY};
+  float mx[R];
+#pragma unroll
+  for (int r = 0; r < R; ++r) mx[r] = -INFINITY;
 #pragma unroll
   for (int j = 0; j < 8; ++j)
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {
+    for (int e = 0; e < 2 * R; ++e) {
       const int r = e >> 1, key = kb + 8 * j + 2 * t + (e & 1);
       s[j][e] = key <= pos[r] ? __fmul_rn(s[j][e], scale_log2) : -INFINITY;
       mx[r] = fmaxf(mx[r], s[j][e]);
     }
-  float sum[2] = {0.f, 0.f};
+  float sum[R], base[R];
 #pragma unroll
-  for (int r = 0; r < 2; ++r) {
+  for (int r = 0; r < R; ++r) {
     mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
     mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
+    base[r] = mx[r] == -INFINITY ? 0.f : mx[r];
+    sum[r] = 0.f;
   }
-  const float base[2] = {mx[0] == -INFINITY ? 0.f : mx[0], mx[1] == -INFINITY ? 0.f : mx[1]};
 #pragma unroll
   for (int j = 0; j < 8; ++j)
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {
+    for (int e = 0; e < 2 * R; ++e) {
       const int r = e >> 1;
       s[j][e] = exp2f(__fsub_rn(s[j][e], base[r]));
       sum[r] = __fadd_rn(sum[r], s[j][e]);
     }
 #pragma unroll
-  for (int r = 0; r < 2; ++r) {
+  for (int r = 0; r < R; ++r) {
     sum[r] = __fadd_rn(sum[r], __shfl_xor_sync(0xffffffffu, sum[r], 1));
     sum[r] = __fadd_rn(sum[r], __shfl_xor_sync(0xffffffffu, sum[r], 2));
     m[r] = mx[r];
@@ -153,28 +168,30 @@ __device__ __forceinline__ void scores_to_p(float (&m)[2], float (&l)[2], uint32
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
       const float2 f = *reinterpret_cast<const float2*>(fold + 8 * j + 2 * t);
-      s[j][0] = __fmul_rn(s[j][0], __fmul_rn(f.x, fold_rcp[0]));
-      s[j][1] = __fmul_rn(s[j][1], __fmul_rn(f.y, fold_rcp[0]));
-      s[j][2] = __fmul_rn(s[j][2], __fmul_rn(f.x, fold_rcp[1]));
-      s[j][3] = __fmul_rn(s[j][3], __fmul_rn(f.y, fold_rcp[1]));
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        s[j][2 * r] = __fmul_rn(s[j][2 * r], __fmul_rn(f.x, fold_rcp[r]));
+        s[j][2 * r + 1] = __fmul_rn(s[j][2 * r + 1], __fmul_rn(f.y, fold_rcp[r]));
+      }
     }
   }
-  // The C fragments of S tiles 2kk, 2kk + 1 are the A fragment of P's 16-step kk.
+  // The C fragments of S tiles 2kk, 2kk + 1 are the A fragment of P's 16-step kk (rows g + 8
+  // zeros when R = 1).
 #pragma unroll
   for (int kk = 0; kk < 4; ++kk) {
     p[kk][0] = pack_pair<T>(s[2 * kk][0], s[2 * kk][1]);
-    p[kk][1] = pack_pair<T>(s[2 * kk][2], s[2 * kk][3]);
+    p[kk][1] = R == 2 ? pack_pair<T>(s[2 * kk][2], s[2 * kk][3]) : 0u;
     p[kk][2] = pack_pair<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-    p[kk][3] = pack_pair<T>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+    p[kk][3] = R == 2 ? pack_pair<T>(s[2 * kk + 1][2], s[2 * kk + 1][3]) : 0u;
   }
 }
 
 // The state of the piece at kb (its K and V in sK, sV) for the warp's 16 rows; pos[r]: the
 // position of the lane's row g + 8r (-1: none). q: the rows' A fragments, one per 16-step.
 // In two halves: piece_scores() reads sK and leaves m, l and P; piece_values() reads sV.
-template <class T, int D>
-__device__ __forceinline__ void piece_scores(TileState<D>& st, uint32_t (&p)[4][4], const uint32_t (&q)[D / 16][4],
-                                             const T* sK, int kb, const int (&pos)[2], float scale_log2) {
+template <class T, int D, int R = 2>
+__device__ __forceinline__ void piece_scores(TileState<D, R>& st, uint32_t (&p)[4][4], const uint32_t (&q)[D / 16][4],
+                                             const T* sK, int kb, const int (&pos)[R], float scale_log2) {
   constexpr int P = pitch<D>();
   const int lane = threadIdx.x & 31, mtx = lane >> 3;
   float s[8][4];
@@ -188,13 +205,13 @@ __device__ __forceinline__ void piece_scores(TileState<D>& st, uint32_t (&p)[4][
       mma_m16n8k16<T>(s[2 * jj], q[kk], b[0], b[1]);
       mma_m16n8k16<T>(s[2 * jj + 1], q[kk], b[2], b[3]);
     }
-  scores_to_p<T>(st.m, st.l, p, s, kb, pos, scale_log2);
+  scores_to_p<T, R>(st.m, st.l, p, s, kb, pos, scale_log2);
 }
 
-// P V's 16-steps KK0..KK1-1 added to st.o in order, sV holding positions 16 KK0 on (a whole
-// piece's V, or part of one: the sums are the same whichever way the steps are cut).
+// P V's 16-steps KK0..KK1-1 added to the accumulators o in order, sV holding positions 16 KK0
+// on (a whole piece's V, or part of one: the sums are the same whichever way the steps are cut).
 template <class T, int D, int KK0, int KK1>
-__device__ __forceinline__ void piece_values_steps(TileState<D>& st, const uint32_t (&p)[4][4], const T* sV) {
+__device__ __forceinline__ void piece_values_steps(float (&o)[D / 8][4], const uint32_t (&p)[4][4], const T* sV) {
   constexpr int P = pitch<D>();
   const int lane = threadIdx.x & 31, mtx = lane >> 3;
 #pragma unroll
@@ -203,26 +220,24 @@ __device__ __forceinline__ void piece_values_steps(TileState<D>& st, const uint3
     for (int dd = 0; dd < D / 16; ++dd) {
       uint32_t b[4];
       ldsm_x4_trans(b, sV + (16 * (kk - KK0) + (lane & 7) + (mtx & 1) * 8) * P + 16 * dd + (mtx >> 1) * 8);
-      mma_m16n8k16<T>(st.o[2 * dd], p[kk], b[0], b[1]);
-      mma_m16n8k16<T>(st.o[2 * dd + 1], p[kk], b[2], b[3]);
+      mma_m16n8k16<T>(o[2 * dd], p[kk], b[0], b[1]);
+      mma_m16n8k16<T>(o[2 * dd + 1], p[kk], b[2], b[3]);
     }
 }
-template <int D>
-__device__ __forceinline__ void clear_values(TileState<D>& st) {
-  zero_fragments(st.o);
-}
-template <class T, int D>
-__device__ __forceinline__ void piece_values(TileState<D>& st, const uint32_t (&p)[4][4], const T* sV) {
-  clear_values<D>(st);
-  piece_values_steps<T, D, 0, 4>(st, p, sV);
+template <class T, int D, int R = 2>
+__device__ __forceinline__ void piece_values(TileState<D, R>& st, const uint32_t (&p)[4][4], const T* sV) {
+  float o[D / 8][4];
+  zero_fragments(o);
+  piece_values_steps<T, D, 0, 4>(o, p, sV);
+  keep_rows<D / 8, R>(st.o, o);
 }
 
-template <class T, int D>
-__device__ __forceinline__ void piece_state(TileState<D>& st, const uint32_t (&q)[D / 16][4], const T* sK,
-                                            const T* sV, int kb, const int (&pos)[2], float scale_log2) {
+template <class T, int D, int R = 2>
+__device__ __forceinline__ void piece_state(TileState<D, R>& st, const uint32_t (&q)[D / 16][4], const T* sK,
+                                            const T* sV, int kb, const int (&pos)[R], float scale_log2) {
   uint32_t p[4][4];
-  piece_scores<T, D>(st, p, q, sK, kb, pos, scale_log2);
-  piece_values<T, D>(st, p, sV);
+  piece_scores<T, D, R>(st, p, q, sK, kb, pos, scale_log2);
+  piece_values<T, D, R>(st, p, sV);
 }
 
 // The merge of one piece into the running state, for one value (factor a on the running
@@ -237,8 +252,8 @@ __device__ __forceinline__ MergeFactors merge_factors(float M, float m) {
 __device__ __forceinline__ float merge_value(float run, float piece, const MergeFactors& f) {
   return __fmaf_rn(piece, f.b, f.a == 1.f ? run : __fmul_rn(run, f.a));  // run * 1 is run: same bits
 }
-template <int D>
-__device__ __forceinline__ void merge(TileState<D>& run, const TileState<D>& piece, int r, bool first) {
+template <int D, int R = 2>
+__device__ __forceinline__ void merge(TileState<D, R>& run, const TileState<D, R>& piece, int r, bool first) {
   if (first) {
     run.m[r] = piece.m[r], run.l[r] = piece.l[r];
 #pragma unroll
@@ -456,28 +471,46 @@ __device__ __forceinline__ void load_piece_fp8(uint8_t* st, const Fp8Kv& f, int 
   }
 }
 
-// The scales of the new token's K and V heads (every lane gets both).
+// The decode's new token in FP8: its K and V heads quantised once, as kv_cache_append
+// quantises them (the scales of the heads, then e4m3(x / s) with s a power of two, here
+// x times 1 / s: the same rounding of the same exact value), for both the cache and the
+// staged piece. A lane holds elements lane, lane + 32, ... (kPer of them) of each.
+template <int D>
+struct NewTokenFp8 {
+  static constexpr int kPer = (D + 31) / 32;
+  uint8_t k[kPer], v[kPer];
+  float s[2];  // K's and V's scale
+};
 template <class T, int D>
-__device__ __forceinline__ void new_token_scales(float (&s_new)[2], const T* new_k, const T* new_v) {
+__device__ __forceinline__ NewTokenFp8<D> new_token_fp8(const T* new_k, const T* new_v) {
+  constexpr int kPer = NewTokenFp8<D>::kPer;
   const int lane = threadIdx.x & 31;
-  float ak = 0.f, av = 0.f;
-  for (int d = lane; d < D; d += 32) ak = fmaxf(ak, fabsf(to_float(new_k[d]))), av = fmaxf(av, fabsf(to_float(new_v[d])));
-  s_new[0] = kv_fp8_scale(warp_max(ak));
-  s_new[1] = kv_fp8_scale(warp_max(av));
+  float k[kPer], v[kPer], ak = 0.f, av = 0.f;
+#pragma unroll
+  for (int i = 0; i < kPer; ++i) {
+    const int d = lane + 32 * i;
+    k[i] = d < D ? to_float(new_k[d]) : 0.f, v[i] = d < D ? to_float(new_v[d]) : 0.f;
+    ak = fmaxf(ak, fabsf(k[i])), av = fmaxf(av, fabsf(v[i]));
+  }
+  NewTokenFp8<D> n;
+  n.s[0] = kv_fp8_scale(warp_max(ak));
+  n.s[1] = kv_fp8_scale(warp_max(av));
+  const float rk = n.s[0] > 0.f ? __frcp_rn(n.s[0]) : 0.f, rv = n.s[1] > 0.f ? __frcp_rn(n.s[1]) : 0.f;
+#pragma unroll
+  for (int i = 0; i < kPer; ++i) n.k[i] = quantize_pow2(k[i], n.s[0], rk), n.v[i] = quantize_pow2(v[i], n.s[1], rv);
+  return n;
 }
 
 // Decode: the new token's K and V bytes and scales into the staged piece (its row r =
 // t_new - kb), as kv_cache_append stores them, so the piece reads it as any cached position.
-template <class T, int D>
-__device__ __forceinline__ void stage_new_token(uint8_t* st, int r, const T* new_k, const T* new_v,
-                                                const float (&s_new)[2]) {
+template <int D>
+__device__ __forceinline__ void stage_new_token(uint8_t* st, int r, const NewTokenFp8<D>& n) {
   constexpr int KP = fp8_pitch<D>();
   const int lane = threadIdx.x & 31;
-  for (int d = lane; d < D; d += 32) {
-    st[r * KP + d] = quantize_one(to_float(new_k[d]), s_new[0]);
-    st[(kPiece + r) * KP + d] = quantize_one(to_float(new_v[d]), s_new[1]);
-  }
-  if (lane == 0) fp8_stage_scales<D>(st)[r] = s_new[0], fp8_stage_scales<D>(st)[kPiece + r] = s_new[1];
+#pragma unroll
+  for (int i = 0; i < NewTokenFp8<D>::kPer; ++i)
+    if (const int d = lane + 32 * i; d < D) st[r * KP + d] = n.k[i], st[(kPiece + r) * KP + d] = n.v[i];
+  if (lane == 0) fp8_stage_scales<D>(st)[r] = n.s[0], fp8_stage_scales<D>(st)[kPiece + r] = n.s[1];
 }
 
 // Two E4M3 bytes (the lower one first) as a B-fragment register of T: exact.
@@ -493,12 +526,12 @@ __device__ __forceinline__ uint32_t e4m3_pair(uint16_t bytes) {
 }
 
 // O of a piece times S, row r by S[r] (a power of two: exact unless it leaves fp32's range).
-template <int D>
-__device__ __forceinline__ void scale_values(TileState<D>& st_out, const float (&S)[2]) {
+template <int D, int R = 2>
+__device__ __forceinline__ void scale_values(TileState<D, R>& st_out, const float (&S)[R]) {
 #pragma unroll
   for (int j = 0; j < D / 8; ++j)
 #pragma unroll
-    for (int e = 0; e < 4; ++e) st_out.o[j][e] = __fmul_rn(st_out.o[j][e], S[e >> 1]);
+    for (int e = 0; e < 2 * R; ++e) st_out.o[j][e] = __fmul_rn(st_out.o[j][e], S[e >> 1]);
 }
 
 // S of the lane's rows g and g + 8 (at positions pos[0], pos[1]): the largest V scale of the
@@ -508,8 +541,8 @@ __device__ __forceinline__ void scale_values(TileState<D>& st_out, const float (
 // the context kernel, what a page held past the sequence's end) never enters it, so decode
 // and context give the row the same S, and a P below T's normal range rounds the same way
 // in both. Every lane of the warp takes part (shuffles).
-template <int D>
-__device__ __forceinline__ void v_scale_rows(float (&S)[2], const uint8_t* st, int kb, const int (&pos)[2]) {
+template <int D, int R = 2>
+__device__ __forceinline__ void v_scale_rows(float (&S)[R], const uint8_t* st, int kb, const int (&pos)[R]) {
   const float* vs = fp8_stage_scales<D>(const_cast<uint8_t*>(st)) + kPiece;
   const int lane = threadIdx.x & 31;
   float lo = vs[lane], hi = vs[lane + 32];  // then their running maximum from position 0
@@ -520,7 +553,7 @@ __device__ __forceinline__ void v_scale_rows(float (&S)[2], const uint8_t* st, i
   }
   hi = fmaxf(hi, __shfl_sync(0xffffffffu, lo, 31));
 #pragma unroll
-  for (int r = 0; r < 2; ++r) {
+  for (int r = 0; r < R; ++r) {
     const int i = min(max(pos[r] - kb, 0), kPiece - 1);
     const float a = __shfl_sync(0xffffffffu, lo, i & 31), b = __shfl_sync(0xffffffffu, hi, i & 31);
     const float m = i < 32 ? a : b;
@@ -533,10 +566,10 @@ __device__ __forceinline__ void v_scale_rows(float (&S)[2], const uint8_t* st, i
 // times the position's K scale. A lane's B fragment of a 16-step is four neighbouring bytes of
 // its position 8j + g (elements 4t to 4t + 3 of the step: one 32-bit load), so the step's
 // elements go in load_q<D, true>'s order. S: v_scale_rows() of the piece.
-template <class T, int D>
-__device__ __forceinline__ void piece_scores_fp8(TileState<D>& st_out, uint32_t (&p)[4][4],
+template <class T, int D, int R = 2>
+__device__ __forceinline__ void piece_scores_fp8(TileState<D, R>& st_out, uint32_t (&p)[4][4],
                                                  const uint32_t (&q)[D / 16][4], const uint8_t* st, int kb,
-                                                 const int (&pos)[2], float scale_log2, const float (&S)[2]) {
+                                                 const int (&pos)[R], float scale_log2, const float (&S)[R]) {
   constexpr int KP = fp8_pitch<D>();
   const int lane = threadIdx.x & 31, t = lane & 3, g = lane >> 2;
   float s[8][4];
@@ -552,12 +585,15 @@ __device__ __forceinline__ void piece_scores_fp8(TileState<D>& st_out, uint32_t 
 #pragma unroll
   for (int j = 0; j < 8; ++j) {
     const float2 sc = *reinterpret_cast<const float2*>(ks + 8 * j + 2 * t);
-    s[j][0] = __fmul_rn(s[j][0], sc.x), s[j][1] = __fmul_rn(s[j][1], sc.y);
-    s[j][2] = __fmul_rn(s[j][2], sc.x), s[j][3] = __fmul_rn(s[j][3], sc.y);
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+      s[j][2 * r] = __fmul_rn(s[j][2 * r], sc.x), s[j][2 * r + 1] = __fmul_rn(s[j][2 * r + 1], sc.y);
   }
   const float* vs = ks + kPiece;
-  const float rcp[2] = {__frcp_rn(S[0]), __frcp_rn(S[1])};
-  scores_to_p<T>(st_out.m, st_out.l, p, s, kb, pos, scale_log2, vs, rcp);
+  float rcp[R];
+#pragma unroll
+  for (int r = 0; r < R; ++r) rcp[r] = __frcp_rn(S[r]);
+  scores_to_p<T, R>(st_out.m, st_out.l, p, s, kb, pos, scale_log2, vs, rcp);
 }
 
 // ---- FP8 V straight from its bytes --------------------------------------------------------
@@ -585,48 +621,63 @@ __device__ __forceinline__ int fp8_element(int j, int n) {
   return 32 * kFull + 2 * n + (j - 4 * kFull);
 }
 
-template <class T, int D>
-__device__ __forceinline__ void piece_values_fp8(TileState<D>& st_out, const uint32_t (&p)[4][4], const uint8_t* st,
-                                                 const float (&S)[2]) {
+template <class T, int D, int R = 2>
+__device__ __forceinline__ void piece_values_fp8(TileState<D, R>& st_out, const uint32_t (&p)[4][4], const uint8_t* st,
+                                                 const float (&S)[R]) {
   constexpr int KP = fp8_pitch<D>(), kFull = D / 32;
   static_assert(kPiece == 64 && D % 16 == 0, "four 16-steps of positions; whole 16-element tiles");
   const int lane = threadIdx.x & 31, t = lane & 3, g = lane >> 2;
   const uint8_t* sv = st + kPiece * KP;
-  clear_values<D>(st_out);
   // B fragment of a pair of rows a, b (positions 2t, 2t + 1 or 2t + 8, 2t + 9) for element
   // byte i of the words read from them.
   auto pair = [](uint32_t a, uint32_t b, int i) -> uint32_t {
     const uint32_t x = __byte_perm(a, b, i < 2 ? 0x5140 : 0x7362);  // a0 b0 a1 b1 | a2 b2 a3 b3
     return (i & 1) ? x >> 16 : x & 0xffffu;
   };
+  // A group of n-tiles at a time, its 16-steps in order: only the group's accumulators are
+  // whole fragments; the rows kept go to st_out as each group ends.
 #pragma unroll
-  for (int kk = 0; kk < 4; ++kk) {
-    const uint8_t* r0 = sv + (16 * kk + 2 * t) * KP;
+  for (int jg = 0; jg < kFull; ++jg) {
+    float o[4][4];
+    zero_fragments(o);
+    const int col = 32 * jg + 4 * g;
 #pragma unroll
-    for (int jg = 0; jg < kFull; ++jg) {
-      const int col = 32 * jg + 4 * g;
+    for (int kk = 0; kk < 4; ++kk) {
+      const uint8_t* r0 = sv + (16 * kk + 2 * t) * KP;
       const uint32_t w0 = *reinterpret_cast<const uint32_t*>(r0 + col);
       const uint32_t w1 = *reinterpret_cast<const uint32_t*>(r0 + KP + col);
       const uint32_t w8 = *reinterpret_cast<const uint32_t*>(r0 + 8 * KP + col);
       const uint32_t w9 = *reinterpret_cast<const uint32_t*>(r0 + 9 * KP + col);
 #pragma unroll
       for (int i = 0; i < 4; ++i)
-        mma_m16n8k16<T>(st_out.o[4 * jg + i], p[kk], e4m3_pair<T>(uint16_t(pair(w0, w1, i))),
-                        e4m3_pair<T>(uint16_t(pair(w8, w9, i))));
+        mma_m16n8k16<T>(o[i], p[kk], e4m3_pair<T>(uint16_t(pair(w0, w1, i))), e4m3_pair<T>(uint16_t(pair(w8, w9, i))));
     }
-    if constexpr (D % 32 == 16) {  // the last 16 elements: two bytes a row, two tiles
-      const int col = 32 * kFull + 2 * g;
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+#pragma unroll
+      for (int e = 0; e < 2 * R; ++e) st_out.o[4 * jg + i][e] = o[i][e];
+  }
+  if constexpr (D % 32 == 16) {  // the last 16 elements: two bytes a row, two tiles
+    float o[2][4];
+    zero_fragments(o);
+    const int col = 32 * kFull + 2 * g;
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) {
+      const uint8_t* r0 = sv + (16 * kk + 2 * t) * KP;
       const uint32_t w0 = *reinterpret_cast<const uint16_t*>(r0 + col);
       const uint32_t w1 = *reinterpret_cast<const uint16_t*>(r0 + KP + col);
       const uint32_t w8 = *reinterpret_cast<const uint16_t*>(r0 + 8 * KP + col);
       const uint32_t w9 = *reinterpret_cast<const uint16_t*>(r0 + 9 * KP + col);
 #pragma unroll
       for (int i = 0; i < 2; ++i)
-        mma_m16n8k16<T>(st_out.o[4 * kFull + i], p[kk], e4m3_pair<T>(uint16_t(pair(w0, w1, i))),
-                        e4m3_pair<T>(uint16_t(pair(w8, w9, i))));
+        mma_m16n8k16<T>(o[i], p[kk], e4m3_pair<T>(uint16_t(pair(w0, w1, i))), e4m3_pair<T>(uint16_t(pair(w8, w9, i))));
     }
+#pragma unroll
+    for (int i = 0; i < 2; ++i)
+#pragma unroll
+      for (int e = 0; e < 2 * R; ++e) st_out.o[4 * kFull + i][e] = o[i][e];
   }
-  scale_values<D>(st_out, S);
+  scale_values<D, R>(st_out, S);
 }
 
 // The context kernel's P V over FP8 V: its four warps share one widening of the piece's V

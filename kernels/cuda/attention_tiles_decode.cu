@@ -12,7 +12,7 @@ using namespace detail;
 // Row 0's piece state (lanes 0-3 hold it) into the workspace: {m, l, O[D], pad}, O in the
 // head's element order.
 template <int D, bool FP8>
-__device__ __forceinline__ void store_partial(float* part, const TileState<D>& piece) {
+__device__ __forceinline__ void store_partial(float* part, const TileState<D, 1>& piece) {
   const int lane = threadIdx.x & 31;
   if (lane >= 4) return;
   if (lane == 0) part[0] = piece.m[0], part[1] = piece.l[0];
@@ -90,32 +90,47 @@ struct DecodeRow {
   const T* new_v;
 };
 
-// The fused append: the new token's K and V into the cache (FP8: quantised with the scales
-// s_new, which go beside them).
+// The fused append: the new token's K and V into the cache (FP8: its bytes and scales, n).
 template <class T, int D, bool FP8>
 __device__ __forceinline__ void append_new_token(PagedKv<T> kv, Fp8Kv f8, const DecodeRow<T>& row,
-                                                 const float (&s_new)[2], int lane) {
+                                                 const NewTokenFp8<D>& n, int lane) {
   const int s = row.s, h = row.h, t_new = row.t_new;
-  const T* new_k = row.new_k;
-  const T* new_v = row.new_v;
   if constexpr (FP8) {
     uint8_t* kd = f8.kv.k + f8.kv.offset(s, h, t_new);
     uint8_t* vd = f8.kv.v + f8.kv.offset(s, h, t_new);
-    for (int d = lane; d < D; d += 32)
-      kd[d] = quantize_one(to_float(new_k[d]), s_new[0]), vd[d] = quantize_one(to_float(new_v[d]), s_new[1]);
+#pragma unroll
+    for (int i = 0; i < NewTokenFp8<D>::kPer; ++i)
+      if (const int d = lane + 32 * i; d < D) kd[d] = n.k[i], vd[d] = n.v[i];
     if (lane == 0) {
       const int64_t o = f8.scale_offset(s, h, t_new);
-      const_cast<float*>(f8.ks)[o] = s_new[0];
-      const_cast<float*>(f8.vs)[o] = s_new[1];
+      const_cast<float*>(f8.ks)[o] = n.s[0];
+      const_cast<float*>(f8.vs)[o] = n.s[1];
     }
   } else {
     T* kd = kv.k + kv.offset(s, h, t_new);
     T* vd = kv.v + kv.offset(s, h, t_new);
     for (int d = lane * 8; d < D; d += 32 * 8) {
-      *reinterpret_cast<uint4*>(kd + d) = *reinterpret_cast<const uint4*>(new_k + d);
-      *reinterpret_cast<uint4*>(vd + d) = *reinterpret_cast<const uint4*>(new_v + d);
+      *reinterpret_cast<uint4*>(kd + d) = *reinterpret_cast<const uint4*>(row.new_k + d);
+      *reinterpret_cast<uint4*>(vd + d) = *reinterpret_cast<const uint4*>(row.new_v + d);
     }
   }
+}
+
+// The row's output: O / L, lane by lane over the head's elements. Lanes 0-3 hold the row
+// (run, tile row 0); they put O and L in `scratch` (the warp's shared memory, free now), so
+// that every lane takes its share of the divisions.
+template <class T, int D, bool FP8>
+__device__ __forceinline__ void store_decode_row(T* o, const TileState<D, 1>& run, float* scratch, int lane) {
+  __syncwarp();  // every lane is done with the staged pieces
+  if (lane < 4) {
+#pragma unroll
+    for (int j = 0; j < D / 8; ++j)
+      scratch[o_element<D, FP8>(j, 2 * lane)] = run.o[j][0], scratch[o_element<D, FP8>(j, 2 * lane + 1)] = run.o[j][1];
+    if (lane == 0) scratch[D] = run.l[0];
+  }
+  __syncwarp();
+  const float L = scratch[D];
+  for (int d = lane; d < D; d += 32) o[d] = from_float<T>(__fdiv_rn(scratch[d], L));
 }
 
 // How many of the Z warps launched for a row take its pieces: about one wave of the warps the
@@ -139,12 +154,12 @@ __device__ __forceinline__ int row_spread(int Z, int pieces, int64_t row_warps, 
 // measured slower on the H100: 89% of the floor against 96% at batch 256.) The new token's
 // K and V come from qkv, not the cache.
 template <class T, int D>
-__device__ __forceinline__ void decode_pieces(TileState<D>& run, float* parts, bool spread, T* sK, T* sV,
+__device__ __forceinline__ void decode_pieces(TileState<D, 1>& run, float* parts, bool spread, T* sK, T* sV,
                                               const PagedKv<T>& kv, const DecodeRow<T>& row, const uint32_t (&q)[D / 16][4],
-                                              const int (&pos)[2], int z, int Z, int pieces, int lane, float scale_log2) {
+                                              const int (&pos)[1], int z, int Z, int pieces, int lane, float scale_log2) {
   constexpr int kStride = D + 4;  // floats per piece state {m, l, O[D], pad}: 16-byte aligned
   const int s = row.s, h = row.h, kv_len = row.kv_len, t_new = row.t_new;
-  TileState<D> piece;
+  TileState<D, 1> piece;
   for (int pc = z; pc < pieces; pc += Z) {
     const int next = pc + Z < pieces ? pc + Z : -1;
     cp_async_wait<1>();  // all but the newest group: this piece's (the newest is empty)
@@ -166,24 +181,24 @@ __device__ __forceinline__ void decode_pieces(TileState<D>& run, float* parts, b
 // the first ones); a piece's stage is loaded again, kFp8Stages pieces on, once its scores
 // and P V have read it. The new token is put among its piece's staged positions first.
 template <class T, int D>
-__device__ __forceinline__ void decode_pieces_fp8(TileState<D>& run, float* parts, bool spread, uint8_t* st,
+__device__ __forceinline__ void decode_pieces_fp8(TileState<D, 1>& run, float* parts, bool spread, uint8_t* st,
                                                   const Fp8Kv& f8, const DecodeRow<T>& row,
-                                                  const uint32_t (&q)[D / 16][4], const int (&pos)[2],
-                                                  const float (&s_new)[2], int z, int Z, int pieces, int lane,
+                                                  const uint32_t (&q)[D / 16][4], const int (&pos)[1],
+                                                  const NewTokenFp8<D>& n, int z, int Z, int pieces, int lane,
                                                   float scale_log2) {
   constexpr int kStride = D + 4;  // floats per piece state {m, l, O[D], pad}: 16-byte aligned
   const int t_new = row.t_new;
-  TileState<D> piece;
+  TileState<D, 1> piece;
   for (int pc = z, i = 0; pc < pieces; pc += Z, ++i) {
     uint8_t* stage = st + (i % kFp8Stages) * fp8_stage_bytes<D>();
     cp_async_wait<kFp8Stages - 1>();  // one group a piece, in order: this piece's is in
     __syncwarp();
     if (t_new / kPiece == pc) {
-      stage_new_token<T, D>(stage, t_new - pc * kPiece, row.new_k, row.new_v, s_new);
+      stage_new_token<D>(stage, t_new - pc * kPiece, n);
       __syncwarp();
     }
     uint32_t p[4][4];
-    float S[2];
+    float S[1];
     v_scale_rows<D>(S, stage, pc * kPiece, pos);
     piece_scores_fp8<T, D>(piece, p, q, stage, pc * kPiece, pos, scale_log2, S);
     piece_values_fp8<T, D>(piece, p, stage, S);
@@ -229,7 +244,7 @@ __global__ void __launch_bounds__(kDecodeWarps * 32)
   // The first pieces' cached positions stream before the wait (written by earlier steps);
   // q and the new token are the QKV projection's output. (FP8 loads the new token's slot
   // too, and replaces it in shared memory once its piece is in.)
-  float s_new[2] = {0.f, 0.f};
+  NewTokenFp8<D> n{};
   if constexpr (FP8) {
     for (int k = 0; k < kFp8Stages; ++k) {
       const int pc = z + k * Zr;
@@ -237,7 +252,7 @@ __global__ void __launch_bounds__(kDecodeWarps * 32)
       cp_async_commit();  // one group a piece, empty past the last
     }
     grid_dependency_wait();
-    new_token_scales<T, D>(s_new, new_k, new_v);
+    n = new_token_fp8<T, D>(new_k, new_v);
   } else {
     load_piece<T, D, 32>(sK, sV, kv, s, h, z * kPiece, kv_len, t_new, lane);
     grid_dependency_wait();
@@ -245,21 +260,21 @@ __global__ void __launch_bounds__(kDecodeWarps * 32)
     cp_async_commit();
     cp_async_commit();  // an empty group: one group per piece, the newest always empty at a wait
   }
-  if (z == 0) append_new_token<T, D, FP8>(kv, f8, row, s_new, lane);
+  if (z == 0) append_new_token<T, D, FP8>(kv, f8, row, n, lane);
 
   uint32_t q[D / 16][4];
   load_q<D, FP8>(q, (lane >> 2) == 0 ? q_row : nullptr, nullptr);
-  const int pos[2] = {(lane >> 2) == 0 ? t_new : -1, -1};
+  const int pos[1] = {(lane >> 2) == 0 ? t_new : -1};
   const bool spread = Zr > 1 && pieces > 1;
   constexpr int kStride = D + 4;  // floats per piece state {m, l, O[D], pad}: 16-byte aligned
   float* parts = partial + (int64_t(s) * n_head + h) * max_pieces * kStride;
-  TileState<D> run;
-  if constexpr (FP8) decode_pieces_fp8<T, D>(run, parts, spread, st, f8, row, q, pos, s_new, z, Zr, pieces, lane, scale_log2);
+  TileState<D, 1> run;
+  if constexpr (FP8) decode_pieces_fp8<T, D>(run, parts, spread, st, f8, row, q, pos, n, z, Zr, pieces, lane, scale_log2);
   else decode_pieces<T, D>(run, parts, spread, sK, sV, kv, row, q, pos, z, Zr, pieces, lane, scale_log2);
   cp_async_wait<0>();
   T* o = out + int64_t(s) * C + int64_t(h) * D;
   if (!spread) {
-    if (lane < 4) store_row<T, D, FP8>(o, run, 0);
+    store_decode_row<T, D, FP8>(o, run, reinterpret_cast<float*>(mine), lane);
     return;
   }
   merge_spread<T, D>(o, parts, pieces, min(Zr, pieces), counters + int64_t(s) * n_head + h,
