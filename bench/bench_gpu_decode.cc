@@ -50,6 +50,8 @@
 #include <tuple>
 #include <vector>
 
+#include "bench/count_list.h"
+
 #ifdef CONVEYOR_HAVE_CUDA
 #include <cuda_profiler_api.h>
 #include <cuda_runtime.h>
@@ -71,10 +73,14 @@ std::vector<std::string> split(const std::string& s) {
   return out;
 }
 
-std::vector<int> split_ints(const std::string& s) {
-  std::vector<int> out;
-  for (const auto& x : split(s)) out.push_back(std::stoi(x));
-  return out;
+// A flag's list of positive counts (bench/count_list.h); a bad list names the flag.
+std::vector<int> counts(const char* flag, const std::string& s) {
+  const std::vector<int64_t> v = parse_count_list(s.c_str());
+  if (v.empty() || *std::max_element(v.begin(), v.end()) > INT32_MAX) {
+    std::fprintf(stderr, "conveyor-bench-gpu-decode: %s takes a list of positive counts, not '%s'\n", flag, s.c_str());
+    std::exit(2);
+  }
+  return {v.begin(), v.end()};
 }
 
 struct Args {
@@ -112,9 +118,9 @@ Args parse(int argc, char** argv) {
       return argv[++i];
     };
     if (k == "--shapes") a.shapes = split(val());
-    else if (k == "--batches") a.batches = split_ints(val());
-    else if (k == "--prompts") a.prompts = split_ints(val());
-    else if (k == "--new-tokens") a.new_tokens = split_ints(val());
+    else if (k == "--batches") a.batches = counts("--batches", val());
+    else if (k == "--prompts") a.prompts = counts("--prompts", val());
+    else if (k == "--new-tokens") a.new_tokens = counts("--new-tokens", val());
     else if (k == "--dtype") a.dtype = val();
     else if (k == "--max-tokens") a.max_tokens = std::stoll(val());
     else if (k == "--kv-fraction") a.kv_fraction = std::stod(val());
