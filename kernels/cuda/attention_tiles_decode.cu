@@ -291,10 +291,15 @@ int64_t tile_partial_floats(int64_t rows, int64_t n_head, int64_t head_dim, int6
   return rows * n_head * tile_pieces(max_kv_len) * (head_dim + 4);
 }
 
-// A small batch's warps spread until there are about 16 per SM (six are resident at a time).
-// Measured on the H100: spreading further (eight waves) was slower, the pieces' states
-// written and merged costing more than the shorter tail saves.
-constexpr int64_t kSpreadWarpsPerSm = 16;
+// A small batch's warps spread until there are about 8 per SM (six to eight are resident at
+// a time). Measured on the H100: spreading further (eight waves) was slower, the pieces'
+// states written and merged costing more than the shorter tail saves. 8 against 16, once a
+// decode warp kept only its own row (2026-11-27, two rounds): gpt2-xl heads 64 x 4,096 fp16
+// 651 -> 591 us and 16 x 4,096 FP8 126 -> 110; gpt3-6.7b 64 x 4,096 1,609 -> 1,487 (FP8
+// 881 -> 783), 64 x 128 FP8 32.5 -> 30.6, 4 x 1,024 and 2 x 2,048 FP8 9% faster; slower:
+// gpt3-6.7b 16 x 4,096 FP8 230 -> 249 (three warps a row: 1.45 waves) and 32 x 4,096 fp16
+// by 1%; the rest within 1%.
+constexpr int64_t kSpreadWarpsPerSm = 8;
 
 int tile_decode_splits(int64_t rows, int64_t n_head, int64_t head_dim, const DecodeWorkspace& ws) {
   const int64_t pieces = tile_pieces(ws.max_kv_len);
