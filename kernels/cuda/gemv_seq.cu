@@ -14,7 +14,7 @@
 // first stages' weights are asked for before the kernel waits on the kernel before it, since
 // weights never change) and reads the weights with ldmatrix (fp16/bf16) or dequantises their
 // bytes in registers (int8), the tokens with 32-bit shared loads. No split along K, so the
-// order above holds; the bandwidth comes from N / 16 warps with kStages - 1 stages of 4 KiB
+// order above holds; the bandwidth comes from N / 16 warps with kStages - 1 stages of 8 KiB
 // of weights each in flight.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -55,15 +55,18 @@ __device__ __forceinline__ void load_weight_rows(Elem (*dst)[kPitch], const Elem
 // The weights of a GEMV, as a policy of the kernel below: what a stage holds, how it is
 // loaded, and how a step's A fragment (16 rows x 16 k) is made from it.
 //
-// HalfWeights: W in T. A stage is 16 rows x 128 k; the fragment comes by ldmatrix. Five
-// stages of 16 weight rows and 8 token rows (6.4 KiB) let six warps share an SM, as many as
-// gpt3-6.7b's QKV (768 warps) needs for one wave on an H100's 132 SMs.
-// (Measured on an H100, 2026-11-26: stages of 256 k x 3, 64 x 8 and 128 x 4 were each
-// slower on some gpt3-6.7b product at T = 1, by up to 42%.)
+// HalfWeights: W in T. A stage is 16 rows x 256 k (512 contiguous bytes a row); the fragment
+// comes by ldmatrix. Three stages of 16 weight rows and 8 token rows (37 KiB) let five warps
+// share an SM. Since the grids spread over every SM (spread_smem), this beats the 128 k x 5
+// stages of before (H100, 2026-11-27, us per call at T = 1, alone: gpt2-xl projection 6.55 ->
+// 5.45, QKV 7.78 -> 7.48, FC 9.3 -> 9.2; gpt3-6.7b projection 14.7 -> 13.9, the rest within
+// 1%; gpt2-xl's decode step 2.18-2.31 -> 2.09 ms). Measured there and not kept: 8 weight rows a
+// warp as the MMA's B operand (256 k x 4 or 5 stages, 128 k x 9), and a stage of one token row
+// at T = 1 (so eight warps fit an SM): each slower on gpt2-xl, by 2-20%.
 template <class T>
 struct HalfWeights {
   using Elem = T;
-  static constexpr int kChunk = 128, kStages = 5, kPitch = kChunk + 8;  // 16 bytes of padding: no bank conflicts
+  static constexpr int kChunk = 256, kStages = 3, kPitch = kChunk + 8;  // 16 bytes of padding: no bank conflicts
   const T* w;
   __device__ HalfWeights(const T* w_, const float*, int, int, int) : w(w_) {}
   // K % 8 == 0.
@@ -81,7 +84,7 @@ struct HalfWeights {
 // Int8Weights: q [N, K] int8 with a scale per row (quant.h), dequantised in the producer:
 // the fragment holds T(q[n, k] * s[n]) rounded once, the very values dequantize_rows_int8
 // writes, so this GEMV gives the bits of the sequential order over the dequantised matrix.
-// A stage is 16 rows x 256 k (4 KiB, as HalfWeights'); four stages let six warps share an SM.
+// A stage is 16 rows x 256 k (4 KiB); four stages let six warps share an SM.
 // Lane (g, q) reads its pairs (row g or g + 8, k 2q and 2q + 1, and 8 further) with 16-bit
 // shared loads (a row pitch of 272 bytes puts the eight rows on distinct banks) and makes each
 // value from its byte without a conversion instruction: 2^23 + 128 + q as fp32 bits, less
