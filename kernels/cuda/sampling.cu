@@ -120,10 +120,18 @@ __global__ void __launch_bounds__(kThreads) argmax_kernel(int32_t* tokens, const
   if (threadIdx.x == 0) tokens[blockIdx.x] = id;
 }
 
-// Rows with 0 < top_k <= kSelectMax (and < V) need only their first top_k candidates:
-// topk_select_kernel finds and sorts them in one block, instead of a radix sort of the row.
+// Rows with 0 < top_k <= kSelectMax (and < V) need only their first top_k candidates, not a
+// radix sort of the row: the row is cut into slices (select_slices), a block finds each
+// slice's first top_k (topk_slice_kernel), and one block a row sorts the slices' candidates
+// and keeps the first top_k (topk_merge_kernel). Exact: a candidate of the row is among the
+// first top_k of its slice, since fewer than top_k of the row, and so of the slice, precede it
+// in the order (logit desc, id asc).
 constexpr int kSelectMax = 256;
-constexpr int kSelectThreads = 1024;
+constexpr int kSliceThreads = 256;
+constexpr int kMergeThreads = 256;
+constexpr int64_t kSliceKeys = 4096;  // a slice's keys, about: 16 KB of shared memory
+constexpr int kMaxSlices = 32;        // the merge takes at most 32 x 256 candidates (64 KB)
+constexpr int kLoads = 8;             // global loads a thread has in flight as a select block starts
 
 __host__ __device__ __forceinline__ bool selects_top_k(const RowParams& p, int64_t V) {
   return p.temperature != 0.f && p.top_k > 0 && p.top_k <= kSelectMax && p.top_k < V;
@@ -142,7 +150,7 @@ __device__ __forceinline__ unsigned long long candidate(uint32_t bits, int64_t i
 }
 
 // Steps 0-3 of sample_next. Greedy rows are finished here; the others get a sort segment
-// (empty for the rows topk_select_kernel takes).
+// (empty for the rows topk_slice_kernel takes, which divide by the temperature as they read).
 __global__ void __launch_bounds__(kThreads) prepare_kernel(float* logits, const RowParams* params, const int32_t* lists, int64_t V,
                                int32_t* tokens, int* seg_begin, int* seg_end) {
   const int r = blockIdx.x;
@@ -184,124 +192,216 @@ __global__ void __launch_bounds__(kThreads) prepare_kernel(float* logits, const 
     }
     return;
   }
-  if (p.temperature != 1.f)
+  const bool select = selects_top_k(p, V);
+  if (p.temperature != 1.f && !select)
     for (int64_t i = threadIdx.x; i < V; i += blockDim.x) l[i] = __fdiv_rn(l[i], p.temperature);
-  if (threadIdx.x == 0) seg_end[r] = int(int64_t(r) * V + (selects_top_k(p, V) ? 0 : V));
+  if (threadIdx.x == 0) seg_end[r] = int(int64_t(r) * V + (select ? 0 : V));
 }
 
-using SelectScan = cub::BlockScan<int, kSelectThreads>;
+using SelectScan = cub::BlockScan<int, kSliceThreads>;
 
-// Key i of a row: from the shared copy when `cached`, else from the logits l.
-__device__ __forceinline__ uint32_t row_key(const float* l, const uint32_t* row_keys, bool cached, int64_t i) {
-  return cached ? row_keys[i] : order_bits(l[i]);
+// The logit x of a row that samples, divided by its temperature t as sample_next divides it.
+__device__ __forceinline__ float tempered(float x, float t) { return t != 1.f ? __fdiv_rn(x, t) : x; }
+// order_bits' inverse (-0 comes back as +0, which sample_next's arithmetic cannot tell apart).
+__device__ __forceinline__ float from_order_bits(uint32_t u) {
+  return __uint_as_float((u & 0x80000000u) ? (u & 0x7fffffffu) : ~u);
 }
 
-// The k-th largest key of the row, a byte at a time from the top (a block histogram each),
-// into prefix; `need`: how many keys equal to it belong to the top k (k on entry).
-__device__ __forceinline__ void select_kth_key(const float* l, const uint32_t* row_keys, bool cached, int64_t V,
-                                               int (&hist)[256], uint32_t& s_prefix, int& s_need, uint32_t& prefix,
-                                               int& need) {
-  uint32_t mask = 0;
-  for (int shift = 24; shift >= 0; shift -= 8) {
+// Key i of a slice: from the shared copy when `cached`, else from the logits l (divided by t).
+__device__ __forceinline__ uint32_t row_key(const float* l, float t, const uint32_t* row_keys, bool cached, int64_t i) {
+  return cached ? row_keys[i] : order_bits(tempered(l[i], t));
+}
+
+// The k-th largest of the n keys key_at(i) (K: 32 or 64 bits), a byte at a time from the top
+// (a block histogram each), into prefix; `need`: how many keys equal to it belong to the top
+// k (k on entry). Every thread of the block calls it and gets the result.
+template <class K, class KeyAt>
+__device__ __forceinline__ void select_kth(KeyAt key_at, int64_t n, int (&hist)[256], K& s_prefix, int& s_need,
+                                           K& prefix, int& need) {
+  K mask = 0;
+  for (int shift = int(8 * sizeof(K)) - 8; shift >= 0; shift -= 8) {
     for (int i = threadIdx.x; i < 256; i += blockDim.x) hist[i] = 0;
     __syncthreads();
-    // Most logits share their top bytes: lanes with the same digit add once, together.
-    for (int64_t base = 0; base < V; base += blockDim.x) {
-      const int64_t i = base + threadIdx.x;
-      uint32_t digit = 256;  // none
-      if (i < V) {
-        const uint32_t u = row_key(l, row_keys, cached, i);
-        if ((u & mask) == prefix) digit = (u >> shift) & 0xffu;
+    // Plain shared atomics, though most logits share their top bytes: lanes of a warp adding
+    // once per digit after __match_any_sync were slower (H100: a slice of 3,866 keys 22.6 us
+    // against 19.6).
+    for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
+      const K u = key_at(i);
+      if ((u & mask) == prefix) atomicAdd(&hist[uint32_t(u >> shift) & 0xffu], 1);
+    }
+    __syncthreads();
+    // The highest digit d > 0 whose keys, with those of the digits above it, reach `need`
+    // (else 0): warp 0, a lane 8 digits from the top, a scan over the lanes, then the lane
+    // where the count reaches need walks its 8.
+    if (threadIdx.x < 32) {
+      const int lane = int(threadIdx.x);
+      int mine = 0;
+#pragma unroll
+      for (int j = 0; j < 8; ++j) mine += hist[255 - 8 * lane - j];
+      int upto = mine;
+#pragma unroll
+      for (int o = 1; o < 32; o <<= 1) {
+        const int v = __shfl_up_sync(0xffffffffu, upto, o);
+        if (lane >= o) upto += v;
       }
-      const unsigned peers = __match_any_sync(0xffffffffu, digit);
-      if (digit != 256 && (threadIdx.x & 31) == __ffs(peers) - 1) atomicAdd(&hist[digit], __popc(peers));
+      const unsigned reached = __ballot_sync(0xffffffffu, upto >= need);
+      if (lane == (reached ? __ffs(reached) - 1 : 31)) {
+        int above = upto - mine, d = 255 - 8 * lane;
+        for (; d > 0 && above + hist[d] < need && d > 248 - 8 * lane; --d) above += hist[d];
+        s_prefix = prefix | (K(d) << shift);
+        s_need = need - above;
+      }
     }
     __syncthreads();
-    if (threadIdx.x == 0) {
-      int above = 0, d = 255;
-      for (; d > 0 && above + hist[d] < need; --d) above += hist[d];
-      s_prefix = prefix | (uint32_t(d) << shift);
-      s_need = need - above;
-    }
-    __syncthreads();
-    prefix = s_prefix, need = s_need, mask |= 0xffu << shift;
+    prefix = s_prefix, need = s_need, mask |= K(0xff) << shift;
   }
 }
 
 // Candidates: every key above the k-th (`prefix`; k - need of them, any order), then the
 // `need` lowest ids holding it (an ordered block compaction); the rest of cand sorts last.
-__device__ __forceinline__ void gather_candidates(const float* l, const uint32_t* row_keys, bool cached, int64_t V,
-                                                  int k, uint32_t prefix, int need,
+// `id0` is the slice's first id in the row.
+__device__ __forceinline__ void gather_candidates(const float* l, float t, const uint32_t* row_keys, bool cached,
+                                                  int64_t V, int64_t id0, int k, uint32_t prefix, int need,
                                                   unsigned long long (&cand)[kSelectMax], int& s_above,
                                                   SelectScan::TempStorage& scan_storage) {
   for (int i = threadIdx.x; i < kSelectMax; i += blockDim.x) cand[i] = 0;
   if (threadIdx.x == 0) s_above = 0;
   __syncthreads();
   for (int64_t i = threadIdx.x; i < V; i += blockDim.x) {
-    const uint32_t u = row_key(l, row_keys, cached, i);
-    if (u > prefix) cand[atomicAdd(&s_above, 1)] = candidate(u, i);
+    const uint32_t u = row_key(l, t, row_keys, cached, i);
+    if (u > prefix) cand[atomicAdd(&s_above, 1)] = candidate(u, id0 + i);
   }
   int taken = 0;
   for (int64_t base = 0; base < V && taken < need; base += blockDim.x) {
     const int64_t i = base + threadIdx.x;
-    const int equal = i < V && row_key(l, row_keys, cached, i) == prefix ? 1 : 0;
+    const int equal = i < V && row_key(l, t, row_keys, cached, i) == prefix ? 1 : 0;
     int at = 0, total = 0;
     SelectScan(scan_storage).ExclusiveSum(equal, at, total);
-    if (equal && taken + at < need) cand[k - need + taken + at] = candidate(prefix, i);
+    if (equal && taken + at < need) cand[k - need + taken + at] = candidate(prefix, id0 + i);
     taken += total;
     __syncthreads();  // scan_storage reuse
   }
   __syncthreads();
 }
 
-// Bitonic sort of cand in shared memory, descending.
-__device__ __forceinline__ void bitonic_sort_descending(unsigned long long (&cand)[kSelectMax]) {
-  for (int size = 2; size <= kSelectMax; size <<= 1)
+// Bitonic sort of a[0, n) in shared memory, descending; n a power of two.
+__device__ __forceinline__ void bitonic_sort_descending(unsigned long long* a, int n) {
+  for (int size = 2; size <= n; size <<= 1)
     for (int stride = size / 2; stride > 0; stride >>= 1) {
-      for (int i = threadIdx.x; i < kSelectMax; i += blockDim.x) {
+      for (int i = threadIdx.x; i < n; i += blockDim.x) {
         const int j = i ^ stride;
         if (j > i) {
-          const unsigned long long a = cand[i], b = cand[j];
-          if ((a < b) == ((i & size) == 0)) cand[i] = b, cand[j] = a;
+          const unsigned long long x = a[i], y = a[j];
+          if ((x < y) == ((i & size) == 0)) a[i] = y, a[j] = x;
         }
       }
       __syncthreads();
     }
 }
 
-// Step 4 for a top-k row: its first top_k candidates in order, as the radix sort would give
-// them. A radix select over the keys' four bytes (a block histogram each) finds the k-th
-// key; the keys above it, and the lowest ids among those equal to it (an ordered block
-// compaction), are the candidates, then sorted in shared memory (bitonic). The row's keys
-// are read from global memory once into dynamic shared memory when they fit (`cached`:
-// a vocabulary up to ~56k on an H100), else every pass reads the logits again.
-__global__ void __launch_bounds__(kSelectThreads)
-    topk_select_kernel(const float* logits, const RowParams* params, int64_t V, bool cached, float* sorted_keys,
-                       int32_t* sorted_ids) {
+// Slices of a row of V logits: enough that each holds about kSliceKeys, at most kMaxSlices.
+__host__ __device__ __forceinline__ int select_slices(int64_t V) {
+  return int(std::min<int64_t>(kMaxSlices, (V + kSliceKeys - 1) / kSliceKeys));
+}
+__host__ __device__ __forceinline__ int64_t slice_keys(int64_t V) {
+  const int64_t s = select_slices(V);
+  return (V + s - 1) / s;
+}
+
+// Block (row, slice) of a top-k row: the first top_k candidates of the slice's ids in the
+// order (logit / temperature desc, id asc), in no order, into out[row][slice][0, top_k). A
+// slice holds more than top_k ids: one slice is the row (top_k < V), two or more hold 2,048
+// ids or more each (top_k <= kSelectMax). A radix select over the keys' four bytes (a block
+// histogram each) finds the slice's top_k-th key; the keys above it, and the lowest ids equal
+// to it (an ordered block compaction), are the candidates. The keys are read from global
+// memory once into dynamic shared memory when they fit (`cached`), else every pass reads
+// the logits again.
+__global__ void __launch_bounds__(kSliceThreads)
+    topk_slice_kernel(const float* logits, const RowParams* params, int64_t V, bool cached,
+                      unsigned long long* out) {
   __shared__ SelectScan::TempStorage scan_storage;
   __shared__ int hist[256];
   __shared__ unsigned long long cand[kSelectMax];
   __shared__ uint32_t s_prefix;
   __shared__ int s_need, s_above;
   extern __shared__ uint32_t row_keys[];
-  const int r = blockIdx.x;
+  const int r = blockIdx.x, slice = blockIdx.y;
   const RowParams p = params[r];
   if (!selects_top_k(p, V)) return;
   const int k = p.top_k;
-  const float* l = logits + int64_t(r) * V;
-  if (cached) {
-    for (int64_t i = threadIdx.x; i < V; i += blockDim.x) row_keys[i] = order_bits(l[i]);
+  const int64_t lo = min(V, slice * slice_keys(V)), n = min(V, lo + slice_keys(V)) - lo;
+  const float* l = logits + int64_t(r) * V + lo;
+  const float t = p.temperature;
+  unsigned long long* dst = out + (int64_t(r) * select_slices(V) + slice) * kSelectMax;
+  if (cached) {  // kLoads loads in flight a thread, not one at a time
+    for (int64_t base = 0; base < n; base += int64_t(blockDim.x) * kLoads) {
+      float v[kLoads];
+#pragma unroll
+      for (int j = 0; j < kLoads; ++j) {
+        const int64_t i = base + int64_t(j) * blockDim.x + threadIdx.x;
+        v[j] = i < n ? l[i] : 0.f;
+      }
+#pragma unroll
+      for (int j = 0; j < kLoads; ++j) {
+        const int64_t i = base + int64_t(j) * blockDim.x + threadIdx.x;
+        if (i < n) row_keys[i] = order_bits(tempered(v[j], t));
+      }
+    }
     __syncthreads();
   }
   uint32_t prefix = 0;
   int need = k;
-  select_kth_key(l, row_keys, cached, V, hist, s_prefix, s_need, prefix, need);
-  gather_candidates(l, row_keys, cached, V, k, prefix, need, cand, s_above, scan_storage);
-  bitonic_sort_descending(cand);
+  select_kth<uint32_t>([&](int64_t i) { return row_key(l, t, row_keys, cached, i); }, n, hist, s_prefix, s_need, prefix,
+                       need);
+  gather_candidates(l, t, row_keys, cached, n, lo, k, prefix, need, cand, s_above, scan_storage);
+  for (int i = threadIdx.x; i < k; i += blockDim.x) dst[i] = cand[i];
+}
+
+// Step 4 for a top-k row: the first top_k of its slices' candidates, as the radix sort of the
+// row would give them: ids, and the logits divided by the temperature (from their keys). The
+// candidates are distinct (their ids are), so a radix select over their 64 bits finds the
+// top_k-th, exactly top_k are at least it, and those are sorted (bitonic, in shared memory).
+__global__ void __launch_bounds__(kMergeThreads)
+    topk_merge_kernel(const RowParams* params, int64_t V, const unsigned long long* slices, float* sorted_keys,
+                      int32_t* sorted_ids) {
+  __shared__ int hist[256];
+  __shared__ unsigned long long s_prefix, top[kSelectMax];
+  __shared__ int s_need, s_taken;
+  extern __shared__ unsigned long long merged[];
+  const int r = blockIdx.x;
+  const RowParams p = params[r];
+  if (!selects_top_k(p, V)) return;
+  const int k = p.top_k, n = select_slices(V) * k;
+  const unsigned long long* mine = slices + int64_t(r) * select_slices(V) * kSelectMax;
+  for (int base = 0; base < n; base += int(blockDim.x) * kLoads) {  // kLoads loads in flight a thread
+    unsigned long long v[kLoads];
+#pragma unroll
+    for (int j = 0; j < kLoads; ++j) {
+      const int i = base + j * int(blockDim.x) + int(threadIdx.x);
+      v[j] = i < n ? mine[(i / k) * kSelectMax + i % k] : 0ull;
+    }
+#pragma unroll
+    for (int j = 0; j < kLoads; ++j) {
+      const int i = base + j * int(blockDim.x) + int(threadIdx.x);
+      if (i < n) merged[i] = v[j];
+    }
+  }
+  for (int i = threadIdx.x; i < kSelectMax; i += blockDim.x) top[i] = 0;
+  if (threadIdx.x == 0) s_taken = 0;
+  __syncthreads();
+  unsigned long long prefix = 0;
+  int need = k;
+  select_kth<unsigned long long>([&](int64_t i) { return merged[i]; }, n, hist, s_prefix, s_need, prefix, need);
+  for (int i = threadIdx.x; i < n; i += blockDim.x)
+    if (merged[i] >= prefix) top[atomicAdd(&s_taken, 1)] = merged[i];
+  __syncthreads();
+  int m = 1;
+  while (m < k) m <<= 1;
+  bitonic_sort_descending(top, m);
   for (int j = threadIdx.x; j < k; j += blockDim.x) {
-    const int32_t id = int32_t(0xffffffffu - uint32_t(cand[j]));
-    sorted_ids[int64_t(r) * V + j] = id;
-    sorted_keys[int64_t(r) * V + j] = l[id];
+    const unsigned long long c = top[j];
+    sorted_ids[int64_t(r) * V + j] = int32_t(0xffffffffu - uint32_t(c));
+    sorted_keys[int64_t(r) * V + j] = from_order_bits(uint32_t(c >> 32));
   }
 }
 
@@ -410,18 +510,23 @@ GpuSampler::GpuSampler(const std::string& owner, int64_t max_rows, int64_t vocab
   CUDA_CHECK(cudaMemset(argmax_counters_.get(), 0, argmax_counters_.bytes()));
   CUDA_CHECK(cudaEventCreateWithFlags(&copied_, cudaEventDisableTiming));
   ensure_list_capacity(4096);
-  // The top-k select keeps a row's keys in shared memory where the device lets a block have
-  // that much beside the kernel's own.
+  // The top-k select keeps a slice's keys in shared memory where the device lets a block have
+  // that much beside the kernel's own; the merge sorts up to kMaxSlices x kSelectMax
+  // candidates there.
   int device = 0, optin = 0;
   CUDA_CHECK(cudaGetDevice(&device));
   CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
   cudaFuncAttributes attr{};
-  CUDA_CHECK(cudaFuncGetAttributes(&attr, topk_select_kernel));
-  const size_t row_bytes = size_t(vocab_size) * sizeof(uint32_t);
-  if (row_bytes + attr.sharedSizeBytes <= size_t(optin)) {
-    select_smem_ = row_bytes;
-    CUDA_CHECK(cudaFuncSetAttribute(topk_select_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(row_bytes)));
+  CUDA_CHECK(cudaFuncGetAttributes(&attr, topk_slice_kernel));
+  const size_t slice_bytes = size_t(slice_keys(vocab_size)) * sizeof(uint32_t);
+  if (slice_bytes + attr.sharedSizeBytes <= size_t(optin)) {
+    select_smem_ = slice_bytes;
+    CUDA_CHECK(cudaFuncSetAttribute(topk_slice_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(slice_bytes)));
   }
+  merge_smem_ = size_t(select_slices(vocab_size)) * kSelectMax * sizeof(unsigned long long);
+  CUDA_CHECK(cudaFuncSetAttribute(topk_merge_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(merge_smem_)));
+  slice_candidates_ = device_alloc(size_t(max_rows * select_slices(vocab_size) * kSelectMax) * sizeof(unsigned long long),
+                                   owner, "sampler top-k candidates");
 }
 
 void GpuSampler::argmax(int32_t* tokens, const float* logits, int64_t rows, cudaStream_t stream) {
@@ -442,6 +547,7 @@ GpuSampler::~GpuSampler() {
 
 int64_t GpuSampler::device_bytes() const {
   return int64_t(sorted_keys_.bytes() + sorted_ids_.bytes() + iota_.bytes() + cum_.bytes() + offsets_.bytes() +
+                 slice_candidates_.bytes() +
                  cub_temp_.bytes() + params_dev_.bytes() + lists_dev_.bytes() + argmax_partial_.bytes() +
                  argmax_counters_.bytes());
 }
@@ -572,8 +678,13 @@ void GpuSampler::sample(float* logits, std::span<const SampleRow> rows, int32_t*
         seg_end, 0, 32, stream));
   }
   if (any_select) {
-    topk_select_kernel<<<unsigned(n), kSelectThreads, select_smem_, stream>>>(
-        logits, pd, vocab_, select_smem_ > 0, sorted_keys_.as<float>(), sorted_ids_.as<int32_t>());
+    auto* candidates = slice_candidates_.as<unsigned long long>();
+    topk_slice_kernel<<<dim3(unsigned(n), unsigned(select_slices(vocab_))), kSliceThreads, select_smem_, stream>>>(
+        logits, pd, vocab_, select_smem_ > 0, candidates);
+    CUDA_CHECK(cudaGetLastError());
+    topk_merge_kernel<<<unsigned(n), kMergeThreads, merge_smem_, stream>>>(pd, vocab_, candidates,
+                                                                          sorted_keys_.as<float>(),
+                                                                          sorted_ids_.as<int32_t>());
     CUDA_CHECK(cudaGetLastError());
   }
   draw_kernel<<<unsigned(n), kDrawThreads, 0, stream>>>(pd, sorted_keys_.as<float>(), sorted_ids_.as<int32_t>(),

@@ -8,10 +8,12 @@
 //
 // Kernels per call: one prepare kernel (logit_bias, penalties; greedy rows take their argmax there;
 // others are divided by the temperature), the candidates in order: rows with a top-k of at
-// most 256 get just their first top-k from a select kernel (a radix select over the keys'
-// bytes, then a bitonic sort in shared memory: a row of GPT-2's 50257 logits is not sorted
-// whole), the others from one segmented radix sort (CUB; greedy and top-k rows get empty
-// segments, and it is skipped when no row needs it), then one draw kernel (block scan of
+// most 256 get just their first top-k from two select kernels (a block a slice of about 4,096
+// logits finds the slice's first top-k by a radix select over the keys' bytes, dividing by the
+// temperature as it reads; a block a row sorts the slices' candidates, bitonic in shared
+// memory: a row of GPT-2's 50257 logits is not sorted whole), the others from one segmented
+// radix sort (CUB; greedy and top-k rows get empty segments, and it is skipped when no row
+// needs it), then one draw kernel (block scan of
 // exp(l - max) in double, then binary searches for the top-p cut and the draw). The
 // parameters and penalty lists travel in one host-to-device copy.
 #pragma once
@@ -42,8 +44,9 @@ class GpuSampler {
   // True when a row needs more than argmax_rows: a temperature > 0, a logit_bias or any penalty.
   static bool needs_sampler(const SamplingParams& p, size_t generated_len);
 
-  // logits: device [rows.size(), V], mutated (penalties, temperature) as sample_next mutates
-  // its row. tokens: device [rows.size()]. Asynchronous; the host-side buffers it fills are
+  // logits: device [rows.size(), V], mutated by the penalties as sample_next mutates its row,
+  // and divided by the temperature where the row is sorted whole (a top-k row divides as it
+  // reads). tokens: device [rows.size()]. Asynchronous; the host-side buffers it fills are
   // reused on the next call only after this call's copy has completed.
   void sample(float* logits, std::span<const SampleRow> rows, int32_t* tokens, cudaStream_t stream);
 
@@ -59,8 +62,10 @@ class GpuSampler {
 
   std::string owner_;
   int64_t max_rows_, vocab_;
-  size_t select_smem_ = 0;  // dynamic shared memory of the top-k select: a row's keys, or 0
+  size_t select_smem_ = 0;  // dynamic shared memory of the top-k select: a slice's keys, or 0
+  size_t merge_smem_ = 0;   // and of its merge: the slices' candidates of a row
   DeviceBuffer sorted_keys_, sorted_ids_, iota_, cum_, offsets_, cub_temp_, params_dev_, lists_dev_;
+  DeviceBuffer slice_candidates_;  // [rows][slices][kSelectMax] of the top-k select
   DeviceBuffer argmax_partial_, argmax_counters_;
   PinnedBuffer params_host_, lists_host_;
   int64_t list_capacity_ = 0;  // ints

@@ -81,15 +81,16 @@ TEST(CudaSampling, MatchesCpuSampleNext) {
   }
 }
 
-// Rows with a small top-k take the select kernel instead of the sort: the same tokens as
+// Rows with a small top-k take the select kernels instead of the sort: the same tokens as
 // sample_next, also where ties straddle the k-th candidate (logits on a coarse grid), with
 // -0 and +0 among the best, a row masked but for a few ids, and rows of both kinds in one
-// call; vocabularies whose row fits the kernel's shared memory and one that does not.
+// call; a row in one slice (1013), two (4097: 2,049 and 2,048 ids), 13 (GPT-2's 50257), 25,
+// and the most slices, 32, of 9,375 ids each (300000).
 TEST(CudaSampling, TopKRowsMatchCpuSampleNext) {
   REQUIRE_GPU();
   Rng rng;
   SEED_TRACE(rng);
-  for (int V : {1013, 50257, 100000}) {
+  for (int V : {1013, 4097, 50257, 100000, 300000}) {
     const int rows = 16;
     cuda::GpuSampler sampler("test", rows, V);
     for (int round = 0; round < 4; ++round) {
