@@ -14,8 +14,11 @@
 //   conveyor-bench-gpu-decode [--shapes gpt2-xl,gpt3-6.7b] [--batches 1,8,32,128]
 //       [--prompts 128,1024] [--new-tokens 128] [--dtype f16|bf16] [--max-tokens 8192]
 //       [--kv-fraction 0.9] [--no-graphs] [--tp N] [--pp N] [--weights dtype,int8,fp8] [--int8]
-//       [--fp8] [--kv-dtype auto|fp8] [--ar-push-max BYTES] [--csv FILE] [--modes det,fast]
+//       [--fp8] [--kv-dtype auto|fp8] [--ar-push-max BYTES] [--csv FILE] [--modes det,fast] [--sample]
 //
+// --sample: the decode steps sample every row with temperature 0.8 and top-k 40 (the requests
+// of conveyor-bench-cluster without --greedy), so the step includes the GPU sampler; without
+// it they take the argmax inside the step's graph.
 // --kv-dtype fp8: every stage's K/V cache in E4M3 with a scale per position and head
 // (GpuStageOptions::kv_fp8): half the bytes, so twice the sequences fit; its rows name the
 // weights with "/kv8".
@@ -98,6 +101,7 @@ struct Args {
   bool kv_fp8 = false;
   std::string csv;
   std::vector<std::string> modes = {"det"};
+  bool sample = false;  // decode rows sampled (temperature 0.8, top-k 40) as conveyor-bench-cluster's requests
 };
 
 [[noreturn]] void usage() {
@@ -105,7 +109,7 @@ struct Args {
                "usage: conveyor-bench-gpu-decode [--shapes S,..] [--batches N,..] [--prompts N,..] [--new-tokens N]\n"
                "       [--dtype f16|bf16] [--max-tokens N] [--kv-fraction F] [--no-graphs] [--tp N] [--pp N]\n"
                "       [--weights dtype,int8,fp8] [--int8] [--fp8] [--kv-dtype auto|fp8] [--ar-push-max BYTES]\n"
-               "       [--csv FILE] [--modes det,fast]\n");
+               "       [--csv FILE] [--modes det,fast] [--sample]\n");
   std::exit(2);
 }
 
@@ -138,6 +142,7 @@ Args parse(int argc, char** argv) {
     else if (k == "--ar-push-max") a.ar_push_max = std::stoll(val());
     else if (k == "--csv") a.csv = val();
     else if (k == "--modes") a.modes = split(val());
+    else if (k == "--sample") a.sample = true;
     else usage();
   }
   if (a.new_tokens.empty() || *std::min_element(a.new_tokens.begin(), a.new_tokens.end()) < 2 || a.batches.empty() || a.prompts.empty() || a.shapes.empty() || a.tp < 1 || a.tp > 8 || a.pp < 1) usage();
@@ -250,8 +255,10 @@ class Pipeline {
   std::vector<std::unique_ptr<cuda::TpStage>> stages_;
 };
 
-// Prefill `batch` prompts of `prompt` tokens, then `decode_steps` greedy decode steps.
-Result run_once(Pipeline& stage, int batch, int prompt, int decode_steps, std::mt19937& rng) {
+// Prefill `batch` prompts of `prompt` tokens, then `decode_steps` decode steps: greedy, or
+// with `sample` temperature 0.8 and top-k 40, a seed a sequence (as conveyor-bench-cluster's
+// requests without --greedy), so that the step includes the GPU sampler.
+Result run_once(Pipeline& stage, int batch, int prompt, int decode_steps, bool sample, std::mt19937& rng) {
   const int64_t V = stage.config().vocab_size;
   stage.clear();
   std::vector<std::vector<int32_t>> prompts(static_cast<size_t>(batch));
@@ -296,7 +303,14 @@ Result run_once(Pipeline& stage, int batch, int prompt, int decode_steps, std::m
   }
   r.ttft_ms = ms_since(t0);
 
+  std::vector<SamplingParams> sampled(static_cast<size_t>(batch));
+  for (int s = 0; s < batch; ++s) {
+    SamplingParams& p = sampled[static_cast<size_t>(s)];
+    p.temperature = 0.8f, p.top_k = 40, p.seed = uint64_t(s);
+  }
   std::vector<cuda::SampleRow> rows(static_cast<size_t>(batch), cuda::SampleRow{&greedy, {}, {}, 0});
+  if (sample)
+    for (int s = 0; s < batch; ++s) rows[static_cast<size_t>(s)].params = &sampled[static_cast<size_t>(s)];
   std::vector<SeqSlice> slices(static_cast<size_t>(batch));
   std::vector<int32_t> out(static_cast<size_t>(batch));
   std::vector<double> times;
@@ -324,6 +338,7 @@ Result run_once(Pipeline& stage, int batch, int prompt, int decode_steps, std::m
 
 int main(int argc, char** argv) {
   const Args args = parse(argc, argv);
+  if (args.sample) std::printf("# decode steps sample every row: temperature 0.8, top-k 40, a seed a sequence\n");
   // CONVEYOR_PDL (common/options.h), as a worker applies it, before the first launch.
   cuda::set_pdl(process_options().kernels.pdl);
   int devices = 0;
@@ -406,11 +421,11 @@ int main(int argc, char** argv) {
             std::printf("%s\n", line);
             continue;
           }
-          run_once(*stage, batch, prompt, 3, rng);  // warm-up: plans, graphs
+          run_once(*stage, batch, prompt, 3, args.sample, rng);  // warm-up: plans, graphs
           // Only the measured run is profiled: `ncu --profile-from-start off` (or nsys's
           // cudaProfilerApi capture) leaves out the warm-up's plan timing and graph capture.
           CUDA_CHECK(cudaProfilerStart());
-          const Result r = run_once(*stage, batch, prompt, new_tokens - 1, rng);
+          const Result r = run_once(*stage, batch, prompt, new_tokens - 1, args.sample, rng);
           CUDA_CHECK(cudaProfilerStop());
           const double tps = batch * 1e3 / r.ms_per_token;
           char floor_s[32] = "-", frac_s[32] = "-";

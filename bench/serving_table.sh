@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # The serving path beside the engine, in one command (issue 16): for one model shape, batch
 # sizes = client counts, a prompt length and an output length, it runs
-#   (a) the engine: a static batch in one process (CUDA: conveyor-bench-gpu-decode; CPU:
-#       conveyor-bench-cluster --engine, the in-process CPU engine);
+#   (a) the engine: a static batch in one process (CUDA: conveyor-bench-gpu-decode --sample,
+#       whose decode steps sample every row as the REST requests are sampled, temperature 0.8
+#       and top-k 40; CPU: conveyor-bench-cluster --engine, the in-process CPU engine);
 #   (b) the cluster through REST: conveyor-bench-cluster (conveyor local, one or more
 #       stages), one load per client count on one cluster, the 1-client load streamed for
 #       its per-token latency, with the workers' and the coordinator's step traces;
 #   (c) the compiled PyTorch static batch: scripts/torch_peer_decode.py (CUDA only, when
-#       python3 can import torch; otherwise the column is left empty and says why);
+#       python3 can import torch; otherwise the column is left empty and says why), which
+#       decodes greedily: it does less a step than the REST requests ask of us;
 # and prints one markdown table with the ratios, plus (--mix) the time to first token and
 # inter-token latency (p50, p99) of the cluster under a mix of prompt lengths.
 #
@@ -70,7 +72,7 @@ echo "serving_table.sh: logs and figures in $out"
 if [[ "$backend" == cuda ]]; then
   echo "== engine: conveyor-bench-gpu-decode"
   "$bin/conveyor-bench-gpu-decode" --shapes "$shape" --batches "$clients" --prompts "$prompt" --new-tokens "$new_tokens" \
-      --csv "$out/engine.csv" 2>&1 | tee "$out/engine.log"
+      --sample --csv "$out/engine.csv" 2>&1 | tee "$out/engine.log"
 else
   echo "== engine: conveyor-bench-cluster --engine (the in-process CPU engine)"
   "$bin/conveyor-bench-cluster" --engine --model "$model" --random "$shape" --concurrency "$clients" \
@@ -146,8 +148,7 @@ def ratio(a, b):
     return f"{a / b:.2f}" if a is not None and b else "—"
 
 print(f"\n{device}, {datetime.date.today().isoformat()}; shape {shape}, prompt {prompt} tokens, {new_tokens} new tokens, "
-      f"temperature 0.8 / top-k 40 through REST{' and in the CPU engine' if backend == 'cpu' else ''}, "
-      f"greedy in {'PyTorch' if backend == 'cpu' else 'conveyor-bench-gpu-decode and PyTorch'}; "
+      f"temperature 0.8 / top-k 40 through REST and in the engine, greedy in PyTorch; "
       f"engine tokens/s: whole requests (prefill + decode, the static batch's tokens over its time) and decode steps "
       f"only; REST tokens/s: completions' tokens over the load's wall time; REST / engine: against whole requests\n")
 print(f"    {command}\n")
