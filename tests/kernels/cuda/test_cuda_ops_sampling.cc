@@ -1,6 +1,6 @@
 // The CUDA sampler (kernels/cuda/sampling.h) against the CPU's sample_next and argmax_token
 // (kernels/cpu/sampling.h) on the same logits: the same token for every row, whatever the
-// temperature, top-k, top-p and penalties; the top-k select kernel, ties included; and the
+// temperature, top-k, top-p and penalties; the top-k select kernels, ties included; and the
 // argmax's lowest-id rule, split or not.
 //
 // Skips cleanly when built without CUDA or run where no GPU is present.
