@@ -621,62 +621,52 @@ __device__ __forceinline__ int fp8_element(int j, int n) {
   return 32 * kFull + 2 * n + (j - 4 * kFull);
 }
 
-template <class T, int D, int R = 2>
-__device__ __forceinline__ void piece_values_fp8(TileState<D, R>& st_out, const uint32_t (&p)[4][4], const uint8_t* st,
-                                                 const float (&S)[R]) {
-  constexpr int KP = fp8_pitch<D>(), kFull = D / 32;
-  static_assert(kPiece == 64 && D % 16 == 0, "four 16-steps of positions; whole 16-element tiles");
-  const int lane = threadIdx.x & 31, t = lane & 3, g = lane >> 2;
-  const uint8_t* sv = st + kPiece * KP;
+// N n-tiles of FP8 P V, from column `col` of the staged V bytes (Word: the N bytes of a row a
+// lane reads; four tiles for a group of 32 elements, two for a last group of 16), into
+// st_out's tiles j0..j0 + N - 1, their 16-steps in order: only these accumulators are whole
+// fragments at a time.
+template <class T, int D, int R, class Word, int N>
+__device__ __forceinline__ void values_fp8_tiles(TileState<D, R>& st_out, const uint32_t (&p)[4][4], const uint8_t* sv,
+                                                 int j0, int col) {
+  constexpr int KP = fp8_pitch<D>();
+  const int t = threadIdx.x & 3;
   // B fragment of a pair of rows a, b (positions 2t, 2t + 1 or 2t + 8, 2t + 9) for element
   // byte i of the words read from them.
   auto pair = [](uint32_t a, uint32_t b, int i) -> uint32_t {
     const uint32_t x = __byte_perm(a, b, i < 2 ? 0x5140 : 0x7362);  // a0 b0 a1 b1 | a2 b2 a3 b3
     return (i & 1) ? x >> 16 : x & 0xffffu;
   };
-  // A group of n-tiles at a time, its 16-steps in order: only the group's accumulators are
-  // whole fragments; the rows kept go to st_out as each group ends.
+  float o[N][4];
+  zero_fragments(o);
 #pragma unroll
-  for (int jg = 0; jg < kFull; ++jg) {
-    float o[4][4];
-    zero_fragments(o);
-    const int col = 32 * jg + 4 * g;
+  for (int kk = 0; kk < 4; ++kk) {
+    const uint8_t* r0 = sv + (16 * kk + 2 * t) * KP;
+    const uint32_t w0 = *reinterpret_cast<const Word*>(r0 + col);
+    const uint32_t w1 = *reinterpret_cast<const Word*>(r0 + KP + col);
+    const uint32_t w8 = *reinterpret_cast<const Word*>(r0 + 8 * KP + col);
+    const uint32_t w9 = *reinterpret_cast<const Word*>(r0 + 9 * KP + col);
 #pragma unroll
-    for (int kk = 0; kk < 4; ++kk) {
-      const uint8_t* r0 = sv + (16 * kk + 2 * t) * KP;
-      const uint32_t w0 = *reinterpret_cast<const uint32_t*>(r0 + col);
-      const uint32_t w1 = *reinterpret_cast<const uint32_t*>(r0 + KP + col);
-      const uint32_t w8 = *reinterpret_cast<const uint32_t*>(r0 + 8 * KP + col);
-      const uint32_t w9 = *reinterpret_cast<const uint32_t*>(r0 + 9 * KP + col);
-#pragma unroll
-      for (int i = 0; i < 4; ++i)
-        mma_m16n8k16<T>(o[i], p[kk], e4m3_pair<T>(uint16_t(pair(w0, w1, i))), e4m3_pair<T>(uint16_t(pair(w8, w9, i))));
-    }
-#pragma unroll
-    for (int i = 0; i < 4; ++i)
-#pragma unroll
-      for (int e = 0; e < 2 * R; ++e) st_out.o[4 * jg + i][e] = o[i][e];
+    for (int i = 0; i < N; ++i)
+      mma_m16n8k16<T>(o[i], p[kk], e4m3_pair<T>(uint16_t(pair(w0, w1, i))), e4m3_pair<T>(uint16_t(pair(w8, w9, i))));
   }
-  if constexpr (D % 32 == 16) {  // the last 16 elements: two bytes a row, two tiles
-    float o[2][4];
-    zero_fragments(o);
-    const int col = 32 * kFull + 2 * g;
 #pragma unroll
-    for (int kk = 0; kk < 4; ++kk) {
-      const uint8_t* r0 = sv + (16 * kk + 2 * t) * KP;
-      const uint32_t w0 = *reinterpret_cast<const uint16_t*>(r0 + col);
-      const uint32_t w1 = *reinterpret_cast<const uint16_t*>(r0 + KP + col);
-      const uint32_t w8 = *reinterpret_cast<const uint16_t*>(r0 + 8 * KP + col);
-      const uint32_t w9 = *reinterpret_cast<const uint16_t*>(r0 + 9 * KP + col);
+  for (int i = 0; i < N; ++i)
 #pragma unroll
-      for (int i = 0; i < 2; ++i)
-        mma_m16n8k16<T>(o[i], p[kk], e4m3_pair<T>(uint16_t(pair(w0, w1, i))), e4m3_pair<T>(uint16_t(pair(w8, w9, i))));
-    }
+    for (int e = 0; e < 2 * R; ++e) st_out.o[j0 + i][e] = o[i][e];
+}
+
+template <class T, int D, int R = 2>
+__device__ __forceinline__ void piece_values_fp8(TileState<D, R>& st_out, const uint32_t (&p)[4][4], const uint8_t* st,
+                                                 const float (&S)[R]) {
+  constexpr int kFull = D / 32;
+  static_assert(kPiece == 64 && D % 16 == 0, "four 16-steps of positions; whole 16-element tiles");
+  const int g = (threadIdx.x & 31) >> 2;
+  const uint8_t* sv = st + kPiece * fp8_pitch<D>();
+  // A group of n-tiles at a time; the rows kept go to st_out as each group ends.
 #pragma unroll
-    for (int i = 0; i < 2; ++i)
-#pragma unroll
-      for (int e = 0; e < 2 * R; ++e) st_out.o[4 * kFull + i][e] = o[i][e];
-  }
+  for (int jg = 0; jg < kFull; ++jg) values_fp8_tiles<T, D, R, uint32_t, 4>(st_out, p, sv, 4 * jg, 32 * jg + 4 * g);
+  if constexpr (D % 32 == 16)  // the last 16 elements: two bytes a row, two tiles
+    values_fp8_tiles<T, D, R, uint16_t, 2>(st_out, p, sv, 4 * kFull, 32 * kFull + 2 * g);
   scale_values<D, R>(st_out, S);
 }
 
