@@ -215,6 +215,7 @@ struct UcxChannel::Impl {
   Peer* find_peer_locked(PeerId id);
 
   static void on_send_done(void* request, ucs_status_t status, void* user_data);
+  void posted(Incoming& in, ucs_status_ptr_t r);
   static void on_recv_done(void* request, ucs_status_t status, const ucp_tag_recv_info_t* info,
                            void* user_data);
   static void on_ep_error(void* arg, ucp_ep_h ep, ucs_status_t status);

@@ -279,14 +279,27 @@ void UcxChannel::Impl::start_receive(ucp_tag_message_h msg, const ucp_tag_recv_i
   param.cb.recv = &Impl::on_recv_done;
   param.user_data = in.get();
   param.datatype = ucp_dt_make_iov();
-  ucs_status_ptr_t r = ucp_tag_msg_recv_nbx(worker.get(), in->iov, n, msg, &param);
-  if (UCS_PTR_IS_ERR(r)) {
-    in->result = UCS_PTR_STATUS(r);
-  } else if (r != nullptr) {
-    in->request = ucx::Request(worker.get(), r);
-    in->in_flight = true;
-  }
+  // In flight from before the call: UCX may run the callback inside it and still return the
+  // request (see posted()).
+  in->in_flight = true;
+  posted(*in, ucp_tag_msg_recv_nbx(worker.get(), in->iov, n, msg, &param));
   incoming[sender].push_back(std::move(in));
+}
+
+// Takes what posting a receive returned. UCX 1.13 can complete a receive inside the call that
+// posts it, callback included, and still return its request: a message of several eager
+// fragments that had all arrived unexpected (a payload over one fragment below the
+// rendezvous threshold, e.g. UCX_RNDV_THRESH=1m over TCP). So the callback alone says when
+// it is done: in_flight was set before the call, and only the callback clears it.
+void UcxChannel::Impl::posted(Incoming& in, ucs_status_ptr_t r) {
+  if (UCS_PTR_IS_ERR(r)) {
+    in.result = UCS_PTR_STATUS(r);
+    in.in_flight = false;
+  } else if (r == nullptr) {
+    in.in_flight = false;  // completed at once, without the callback
+  } else {
+    in.request = ucx::Request(worker.get(), r);  // released once done (advance())
+  }
 }
 
 void UcxChannel::Impl::on_recv_done(void* /*request*/, ucs_status_t status,
@@ -380,14 +393,12 @@ void UcxChannel::Impl::advance(Incoming& in) {
   }
   in.stage = Incoming::kPayload;
   in.payload_posted = Clock::now();
-  ucs_status_ptr_t r = ucp_tag_recv_nbx(worker.get(), in.message.payload.data(), p.payload_bytes,
-                                        wire::payload_tag(sender, p.seq), wire::kFullMask, &param);
-  if (UCS_PTR_IS_ERR(r)) {
-    in.result = UCS_PTR_STATUS(r);
-    advance(in);
-  } else if (r != nullptr) {
-    in.request = ucx::Request(worker.get(), r);
-    in.in_flight = true;
+  in.in_flight = true;  // see posted()
+  posted(in, ucp_tag_recv_nbx(worker.get(), in.message.payload.data(), p.payload_bytes,
+                              wire::payload_tag(sender, p.seq), wire::kFullMask, &param));
+  if (!in.in_flight) {
+    advance(in);  // done (or failed) already
+  } else {
     // Its envelope came on a connection the sender has since closed and dialled again
     // (ucx_auth.cc): a payload not already here will not come, and would hold every later
     // message of that sender until stalled_receive_timeout.
@@ -397,8 +408,6 @@ void UcxChannel::Impl::advance(Incoming& in) {
                    opt.name, p.seq, sender_name(sender), why);
       abandon(in, "cut off (" + why + ")");
     }
-  } else {
-    in.stage = Incoming::kDone;
   }
 }
 
