@@ -7,11 +7,14 @@
 #include <utility>
 
 #include "kernels/cuda/dtype.cuh"
+#include "kernels/cuda/launch.cuh"
 
 namespace conveyor::cuda {
 namespace {
 
 using detail::from_float;
+using detail::grid_dependency_wait;
+using detail::grid_dependents_launch;
 using detail::from_float2;
 using detail::pack8;
 using detail::to_float2;
@@ -92,10 +95,16 @@ __device__ __forceinline__ uint4 sum_unit(const Peers& peers, int ranks, int64_t
 // is over.
 template <class T, bool kTwoShot>
 __global__ void __launch_bounds__(kThreads) all_reduce_kernel(Peers peers, T* data, int64_t n, int rank, int ranks,
-                                                              bool aligned, uint32_t* state, int64_t half_units) {
+                                                              bool aligned, uint32_t* state, int64_t half_units,
+                                                              bool early) {
   const int64_t units = (n + kUnit - 1) / kUnit;
   const int64_t begin = units * blockIdx.x / gridDim.x, end = units * (blockIdx.x + 1) / gridDim.x;
   __shared__ uint32_t call;
+  // Launched beside the kernel before (programmatic dependent launch): nothing of the call's,
+  // not even its counter, is read before that kernel, and so every earlier call, is done.
+  // `early` (no two ranks share a GPU, launch()): the kernel after may start beside this one.
+  if (early) grid_dependents_launch();
+  grid_dependency_wait();
   if (threadIdx.x == 0) call = *reinterpret_cast<volatile uint32_t*>(state);  // the last block advances it
   __syncthreads();
   const uint32_t base = call * 2;  // this call's barrier values: base + 1 (and base + 2 for two-shot)
@@ -183,9 +192,11 @@ __device__ __forceinline__ void add_line(float (&acc)[4], uint2 line) {
 template <class T>
 __global__ void __launch_bounds__(kThreads) push_all_reduce_kernel(PushPeers peers, T* data, int64_t n, int rank,
                                                                    int ranks, bool aligned, uint32_t* state,
-                                                                   int64_t slot_lines) {
+                                                                   int64_t slot_lines, bool early) {
   using T2 = typename detail::Pair<T>::type;
   __shared__ uint32_t call_s;
+  if (early) grid_dependents_launch();  // as all_reduce_kernel
+  grid_dependency_wait();
   if (threadIdx.x == 0) call_s = *reinterpret_cast<volatile uint32_t*>(state);
   __syncthreads();
   const uint32_t call = call_s, flag = call + 1;
@@ -284,6 +295,27 @@ CustomAllReduce::~CustomAllReduce() {
   }
 }
 
+// One call's kernel on `stream`. Where no two ranks share a GPU it may start beside the kernel
+// before it (programmatic dependent launch): its blocks wait for that kernel before reading
+// anything, and once they all run, the kernel after them may start too (the kernel's last
+// argument). Ranks sharing a GPU do neither: kernels of one rank started early would hold the
+// SMs its peers' kernels need to reach the call.
+template <class... KArgs, class... Args>
+Status CustomAllReduce::launch(void (*kernel)(KArgs...), int blocks, cudaStream_t stream, Args&&... args) {
+  if (!distinct_) {
+    kernel<<<blocks, kThreads, 0, stream>>>(std::forward<Args>(args)...);
+    const cudaError_t e = cudaGetLastError();
+    if (e != cudaSuccess) return Status::error(std::string("custom all-reduce: launch: ") + cudaGetErrorString(e));
+    return ok_status();
+  }
+  try {
+    LAUNCH_PDL("custom all-reduce", kernel, dim3(blocks), dim3(kThreads), 0, stream, std::forward<Args>(args)...);
+  } catch (const Error& e) {
+    return Status::error(std::string("custom all-reduce: launch: ") + e.what());
+  }
+  return ok_status();
+}
+
 template <class T>
 Status CustomAllReduce::all_reduce(int rank, T* data, size_t count, cudaStream_t stream, Algo algo) {
   const int R = ranks();
@@ -309,15 +341,9 @@ Status CustomAllReduce::all_reduce(int rank, T* data, size_t count, cudaStream_t
   const int blocks = int(std::min<int64_t>(max_blocks_, std::max<int64_t>(1, units / (two_shot ? 1024 : 256))));
   const int64_t half_units = int64_t((max_bytes_ + 15) / 16);
   DeviceGuard on(devices_[size_t(rank)]);
-  if (two_shot)
-    all_reduce_kernel<T, true><<<blocks, kThreads, 0, stream>>>(peers, data, int64_t(count), rank, R, aligned,
-                                                                counters_[size_t(rank)], half_units);
-  else
-    all_reduce_kernel<T, false><<<blocks, kThreads, 0, stream>>>(peers, data, int64_t(count), rank, R, aligned,
-                                                                 counters_[size_t(rank)], half_units);
-  const cudaError_t e = cudaGetLastError();
-  if (e != cudaSuccess) return Status::error(std::string("custom all-reduce: launch: ") + cudaGetErrorString(e));
-  return ok_status();
+  auto kernel = two_shot ? all_reduce_kernel<T, true> : all_reduce_kernel<T, false>;
+  return launch(kernel, blocks, stream, peers, data, int64_t(count), rank, R, aligned, counters_[size_t(rank)],
+                half_units, distinct_);
 }
 
 template <class T>
@@ -328,11 +354,8 @@ Status CustomAllReduce::push(int rank, T* data, size_t count, bool aligned, cuda
   const int64_t lines = int64_t((count + 3) / 4);
   const int blocks = int(std::clamp<int64_t>((lines + kThreads - 1) / kThreads, 1, max_blocks_));
   DeviceGuard on(devices_[size_t(rank)]);
-  push_all_reduce_kernel<T><<<blocks, kThreads, 0, stream>>>(peers, data, int64_t(count), rank, ranks(), aligned,
-                                                              counters_[size_t(rank)], push_lines_);
-  const cudaError_t e = cudaGetLastError();
-  if (e != cudaSuccess) return Status::error(std::string("custom all-reduce: launch: ") + cudaGetErrorString(e));
-  return ok_status();
+  return launch(push_all_reduce_kernel<T>, blocks, stream, peers, data, int64_t(count), rank, ranks(), aligned,
+                counters_[size_t(rank)], push_lines_, distinct_);
 }
 
 template Status CustomAllReduce::all_reduce<__half>(int, __half*, size_t, cudaStream_t, Algo);

@@ -107,6 +107,9 @@ class CustomAllReduce {
   // when no two ranks share a GPU.
   template <class T>
   Status push(int rank, T* data, size_t count, bool aligned, cudaStream_t stream);
+  // A call's kernel: with programmatic dependent launch where no two ranks share a GPU.
+  template <class... KArgs, class... Args>
+  Status launch(void (*kernel)(KArgs...), int blocks, cudaStream_t stream, Args&&... args);
 
   std::vector<int> devices_;
   size_t max_bytes_ = 0;
