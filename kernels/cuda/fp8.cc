@@ -5,6 +5,7 @@
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cmath>
 #include <string>
 
@@ -37,6 +38,13 @@ void quantize_rows_fp8_reference(uint8_t* q, float* scales, const float* x, int6
     scales[r] = s;
     for (int64_t k = 0; k < K; ++k) q[r * K + k] = s > 0.f ? float_to_fp8_e4m3(row[k] / s) : 0;
   }
+}
+
+int fp8_sum_exponent(int64_t K) {
+  const double bound = double(kFp8E4M3Max) * double(kFp8E4M3Max) * double(std::max<int64_t>(K, 1));
+  int e = 0;
+  while (bound > 65504.0 * std::ldexp(1.0, e)) ++e;
+  return e;
 }
 
 Status fp8_device_check(int device) {

@@ -1,5 +1,5 @@
 // FP8 row quantisation (fp8.h) and run_fp8's epilogue (both scales, bias, activation, on
-// cuBLASLt's fp32 sums). Both are memory-bound and per row: a row's bytes depend on that row
+// cuBLASLt's fp16 sums). Both are memory-bound and per row: a row's bytes depend on that row
 // alone.
 #include "kernels/cuda/fp8.h"
 
@@ -8,6 +8,7 @@
 #include <cuda_fp8.h>
 
 #include <algorithm>
+#include <cmath>
 #include <string>
 #include <type_traits>
 
@@ -90,34 +91,29 @@ __device__ __forceinline__ float scaled(float sum, float row_scale, float col_sc
   return activate(__fmul_rn(__fmul_rn(sum, row_scale), col_scale) + bias, act);
 }
 
-// kVec4: N % 4 == 0, sums 16-byte and out 8-byte aligned: four columns a thread (one float4
-// load, one 8-byte store); else one element a thread.
-template <class T, bool kVec4, bool kPdl>
+// kVec8: N % 8 == 0, sums and out 16-byte aligned: eight columns a thread (one 16-byte load,
+// one 16-byte store); else one element a thread. unscale = 2^e, exact.
+template <class T, bool kVec8, bool kPdl>
 __global__ void __launch_bounds__(kFp8EpilogueThreads)
-    fp8_scale_epilogue_kernel(T* __restrict__ out, const float* sums, const float* rs, const float* __restrict__ cs,
-                              const T* __restrict__ bias, int64_t rows, int64_t N, int act) {
-  constexpr int kW = kVec4 ? 4 : 1;
+    fp8_scale_epilogue_kernel(T* __restrict__ out, const __half* sums, float unscale, const float* rs,
+                              const float* __restrict__ cs, const T* __restrict__ bias, int64_t rows, int64_t N,
+                              int act) {
+  constexpr int kW = kVec8 ? 8 : 1;
   start<kPdl>();  // the sums and row scales are the kernels before's output
   const int64_t groups = rows * (N / kW);
   for (int64_t g = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; g < groups; g += int64_t(gridDim.x) * blockDim.x) {
     const int64_t i = g * kW, r = i / N, n = i % N;
     const float row_scale = load<kPdl>(rs + r);
-    if constexpr (kVec4) {
-      const float4 s = load<kPdl>(reinterpret_cast<const float4*>(sums + i));
-      const float in[4] = {s.x, s.y, s.z, s.w};
-      float v[4];
+    if constexpr (kVec8) {
+      float v[8];
+      unpack8<__half>(load<kPdl>(reinterpret_cast<const uint4*>(sums + i)), v);
 #pragma unroll
-      for (int j = 0; j < 4; ++j)
-        v[j] = scaled(in[j], row_scale, cs[n + j], bias != nullptr ? to_float(bias[n + j]) : 0.f, act);
-      using P = typename Pair<T>::type;
-      const P lo = from_float2<T>(make_float2(v[0], v[1])), hi = from_float2<T>(make_float2(v[2], v[3]));
-      uint2 packed;
-      packed.x = *reinterpret_cast<const uint32_t*>(&lo);
-      packed.y = *reinterpret_cast<const uint32_t*>(&hi);
-      *reinterpret_cast<uint2*>(out + i) = packed;
+      for (int j = 0; j < 8; ++j)
+        v[j] = scaled(v[j] * unscale, row_scale, cs[n + j], bias != nullptr ? to_float(bias[n + j]) : 0.f, act);
+      *reinterpret_cast<uint4*>(out + i) = pack8<T>(v);
     } else {
       const float b = bias != nullptr ? to_float(bias[n]) : 0.f;
-      out[i] = from_float<T>(scaled(load<kPdl>(sums + i), row_scale, cs[n], b, act));
+      out[i] = from_float<T>(scaled(__half2float(load<kPdl>(sums + i)) * unscale, row_scale, cs[n], b, act));
     }
   }
 }
@@ -157,24 +153,27 @@ template void quantize_rows_fp8<__nv_bfloat16>(uint8_t*, float*, const __nv_bflo
 template void quantize_rows_fp8<float>(uint8_t*, float*, const float*, int64_t, int64_t, cudaStream_t);
 
 template <class T>
-void fp8_scale_epilogue(T* out, const float* sums, const float* row_scales, const float* col_scales, const T* bias,
-                        int64_t rows, int64_t N, int act, cudaStream_t stream) {
+void fp8_scale_epilogue(T* out, const __half* sums, int e, const float* row_scales, const float* col_scales,
+                        const T* bias, int64_t rows, int64_t N, int act, cudaStream_t stream) {
   if (out == nullptr || sums == nullptr || row_scales == nullptr || col_scales == nullptr)
     throw Error("fp8_scale_epilogue: null pointer (out, sums, row_scales and col_scales are required)");
+  if (e < 0 || e > 64) throw Error("fp8_scale_epilogue: exponent " + std::to_string(e) + " out of [0, 64]");
   if (rows <= 0 || N <= 0) return;
-  const bool vec = N % 4 == 0 && detail::aligned16(sums) && reinterpret_cast<uintptr_t>(out) % 8 == 0;
-  const int64_t groups = rows * (vec ? N / 4 : N);
+  const float unscale = std::ldexp(1.f, e);
+  const bool vec = N % 8 == 0 && detail::aligned16(sums) && detail::aligned16(out);
+  const int64_t groups = rows * (vec ? N / 8 : N);
   const unsigned blocks = unsigned(std::min<int64_t>((groups + detail::kFp8EpilogueThreads - 1) /
                                                          detail::kFp8EpilogueThreads,
                                                      int64_t(1) << 16));
-  auto run = [&](auto vec4) {
-    constexpr bool kVec4 = decltype(vec4)::value;
+  auto run = [&](auto vec8) {
+    constexpr bool kVec8 = decltype(vec8)::value;
     if (rows <= detail::kFp8PdlRows) {
-      LAUNCH_PDL("fp8_scale_epilogue_kernel", detail::fp8_scale_epilogue_kernel<T, kVec4, true>, dim3(blocks),
-                 dim3(detail::kFp8EpilogueThreads), 0, stream, out, sums, row_scales, col_scales, bias, rows, N, act);
+      LAUNCH_PDL("fp8_scale_epilogue_kernel", detail::fp8_scale_epilogue_kernel<T, kVec8, true>, dim3(blocks),
+                 dim3(detail::kFp8EpilogueThreads), 0, stream, out, sums, unscale, row_scales, col_scales, bias,
+                 rows, N, act);
     } else {
-      detail::fp8_scale_epilogue_kernel<T, kVec4, false>
-          <<<blocks, detail::kFp8EpilogueThreads, 0, stream>>>(out, sums, row_scales, col_scales, bias, rows, N, act);
+      detail::fp8_scale_epilogue_kernel<T, kVec8, false><<<blocks, detail::kFp8EpilogueThreads, 0, stream>>>(
+          out, sums, unscale, row_scales, col_scales, bias, rows, N, act);
       CUDA_CHECK(cudaGetLastError());
     }
   };
@@ -182,9 +181,9 @@ void fp8_scale_epilogue(T* out, const float* sums, const float* row_scales, cons
   else run(std::false_type{});
 }
 
-template void fp8_scale_epilogue<__half>(__half*, const float*, const float*, const float*, const __half*, int64_t,
-                                         int64_t, int, cudaStream_t);
-template void fp8_scale_epilogue<__nv_bfloat16>(__nv_bfloat16*, const float*, const float*, const float*,
+template void fp8_scale_epilogue<__half>(__half*, const __half*, int, const float*, const float*, const __half*,
+                                         int64_t, int64_t, int, cudaStream_t);
+template void fp8_scale_epilogue<__nv_bfloat16>(__nv_bfloat16*, const __half*, int, const float*, const float*,
                                                 const __nv_bfloat16*, int64_t, int64_t, int, cudaStream_t);
 
 }  // namespace conveyor::cuda

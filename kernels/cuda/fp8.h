@@ -12,9 +12,10 @@
 //     per-tensor amax over the batch (issue 17's promise that an answer depends only on its
 //     request).
 // The product then is out[t, n] = act(sa[t] * sw[n] * sum_k qa[t, k] qw[n, k] + bias[n]):
-// cuBLASLt's FP8 GEMM writes the unscaled fp32 sums (its A and B scales left at 1: Hopper's
-// cuBLASLt has no per-row scale vectors), then fp8_scale_epilogue applies both scales, the
-// bias and the activation and writes fp16/bf16.
+// cuBLASLt's FP8 GEMM writes the unscaled sums times a power of two as fp16 (its A and B
+// scales left at 1: Hopper's cuBLASLt has no per-row scale vectors; fp8_sum_exponent), then
+// fp8_scale_epilogue undoes the power of two, applies both scales, the bias and the
+// activation, and writes fp16/bf16.
 //
 // The GPU quantiser and the host reference perform the same IEEE fp32 operations (|x| and max
 // are exact, one correctly rounded division for s and one per element, the E4M3 conversion
@@ -35,6 +36,7 @@
 //     fp16 K/V (137 GB at 256 tokens) does not fit beside the weights in 141 GB.
 #pragma once
 
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -52,15 +54,22 @@ inline constexpr float kFp8E4M3Max = 448.f;
 template <class T>
 void quantize_rows_fp8(uint8_t* q, float* scales, const T* x, int64_t rows, int64_t K, cudaStream_t stream);
 
-// out[r, n] = act(sums[r, n] * row_scales[r] * col_scales[n] + bias[n]) over [rows, N], in
-// fp32 then rounded once to T (__half or __nv_bfloat16): run_fp8's epilogue. sums is fp32
-// [rows, N] row-major; bias (length N) may be null; act is a GemmAct code (0 none, 1 tanh
-// GeLU, 2 erf GeLU). Each element depends on its own inputs alone (no reduction). Device
-// pointers, asynchronous on `stream`, no allocation (capturable). Throws conveyor::Error for
-// a null out, sums or scale vector.
+// The power of two e that keeps a product's unscaled sums within fp16: |sum| <= 448^2 K, and
+// 448^2 K 2^-e <= 65504 (the largest finite fp16). cuBLASLt writes sum x 2^-e (alpha, exact)
+// rounded to fp16: half the bytes of fp32 sums, 11 significant bits where E4M3's operands
+// have 4; below 2^(e-14) (sums far under their bound) fp16's subnormals keep absolute
+// precision only.
+int fp8_sum_exponent(int64_t K);
+
+// out[r, n] = act(sums[r, n] * 2^e * row_scales[r] * col_scales[n] + bias[n]) over [rows, N],
+// in fp32 then rounded once to T (__half or __nv_bfloat16): run_fp8's epilogue. sums is fp16
+// [rows, N] row-major (e = fp8_sum_exponent(K): times 2^e is exact); bias (length N) may be
+// null; act is a GemmAct code (0 none, 1 tanh GeLU, 2 erf GeLU). Each element depends on its
+// own inputs alone (no reduction). Device pointers, asynchronous on `stream`, no allocation
+// (capturable). Throws conveyor::Error for a null out, sums or scale vector.
 template <class T>
-void fp8_scale_epilogue(T* out, const float* sums, const float* row_scales, const float* col_scales, const T* bias,
-                        int64_t rows, int64_t N, int act, cudaStream_t stream);
+void fp8_scale_epilogue(T* out, const __half* sums, int e, const float* row_scales, const float* col_scales,
+                        const T* bias, int64_t rows, int64_t N, int act, cudaStream_t stream);
 
 // The host twin of quantize_rows_fp8 (plain C++, fp8.cc): the reference.
 void quantize_rows_fp8_reference(uint8_t* q, float* scales, const float* x, int64_t rows, int64_t K);

@@ -1,16 +1,17 @@
 // Gemm::run_fp8 (gemm.h): FP8 E4M3 products on cuBLASLt, for Hopper.
 //
 // The problem in cuBLASLt's column-major terms (the only FP8 layout Hopper runs is "TN"):
-//   D (N x T, ld N; row-major sums [T, N], fp32) = op(A) (N x K) * B (K x T), with
+//   D (N x T, ld N; row-major sums [T, N], fp16) = 2^-e op(A) (N x K) * B (K x T), with
 //   A = the weight, E4M3 K x N (ld K; row-major [N, K]), transposed;
 //   B = the activations quantised per row, E4M3 K x T (ld K; row-major [T, K]).
 // Hopper's cuBLASLt has no per-row scale vectors for FP8 (the "outer vector" scale mode is not
 // offered on compute capability 9.0), so A's and B's scales stay at their default, the scalar
-// 1, and D is fp32 (E4M3 x E4M3 -> fp32 is one of cuBLASLt's FP8 type combinations, and it
-// cannot overflow where fp16 would: the unscaled sums reach 448^2 K). fp8_scale_epilogue
-// (fp8.cu) then writes out[t, n] = act(D[n, t] * sa[t] * sw[n] + bias[n]) in T. The sums live
-// in the FP8 workspace beside the quantised activations:
-//   [sums: rows x N fp32][quantised rows: rows x K bytes][row scales: rows fp32]
+// 1. D is fp16 with alpha = 2^-e, e = fp8_sum_exponent(K) (fp8.h): the unscaled sums reach
+// 448^2 K, which 2^-e keeps within fp16, and fp16 sums are half the bytes that fp32 ones were
+// for cuBLASLt to write and the epilogue to read. fp8_scale_epilogue (fp8.cu) then writes
+// out[t, n] = act(D[n, t] 2^e * sa[t] * sw[n] + bias[n]) in T. The sums live in the FP8
+// workspace beside the quantised activations:
+//   [sums: rows x N fp16][quantised rows: rows x K bytes][row scales: rows fp32]
 // each part at a 256-byte boundary, for the block of rows one cuBLASLt call covers.
 //
 // Why a row's bits do not depend on the batch (deterministic mode). A row's scale is computed
@@ -48,7 +49,11 @@ namespace conveyor::cuda {
 namespace {
 
 constexpr int kFp8Layout = 5;  // Key::layout of run_fp8's plans (gemm.cc uses 0..4)
-constexpr int kHeuristicResults = 16;
+constexpr int kHeuristicResults = 32;
+// Deterministic mode times up to this many algorithms with the anchor's bits. With fp16 sums
+// the heuristic's first eight for gpt3-6.7b's QKV at T = 64 held none under 80 us, where a
+// later proposal takes 24 (H100, 2026-11-27).
+constexpr int kFp8DetCandidates = 16;
 
 int64_t align_up(int64_t x, int64_t a) { return (x + a - 1) / a * a; }
 
@@ -60,10 +65,10 @@ constexpr int64_t kProbeRows[] = {1, 2, 3, 8, 17, 64, 100, 255, 256, 512, 1024, 
 }  // namespace
 
 // A descriptor and the three layouts of one problem (T rows): scales left at 1, no epilogue,
-// fp32 sums (D, and C with beta = 0).
+// fp16 sums (D, and C with beta = 0).
 struct Fp8Problem : LtDescriptors {
   Fp8Problem(int64_t T_, int64_t K, int64_t N, bool fast_accum) {
-    lt_describe(*this, CUDA_R_8F_E4M3, CUDA_R_32F, T_, K, N, true, false);
+    lt_describe(*this, CUDA_R_8F_E4M3, CUDA_R_16F, T_, K, N, true, false);
     const int8_t fast = fast_accum ? 1 : 0;
     CUDA_CHECK(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_FAST_ACCUM, &fast, sizeof(fast)));
   }
@@ -101,7 +106,7 @@ Gemm::Fp8State& Gemm::fp8_state() {
 
 size_t Gemm::fp8_workspace_bytes(int64_t rows, int64_t K, int64_t N) {
   if (rows <= 0 || K <= 0 || N <= 0) return 0;
-  return size_t(256 + align_up(rows * N * 4, 256) + align_up(rows * K, 256) + rows * 4);
+  return size_t(256 + align_up(rows * N * 2, 256) + align_up(rows * K, 256) + rows * 4);
 }
 
 void Gemm::set_fp8_workspace(void* workspace, size_t bytes) {
@@ -146,7 +151,7 @@ void check_fp8_arguments(const void* out, const void* in, const void* w, const v
 
 // The most rows whose FP8 workspace fits in `bytes`.
 int64_t rows_fitting(size_t bytes, int64_t K, int64_t N) {
-  int64_t r = int64_t(bytes / size_t(K + 4 + 4 * N));
+  int64_t r = int64_t(bytes / size_t(K + 4 + 2 * N));
   while (r > 0 && Gemm::fp8_workspace_bytes(r, K, N) > bytes) --r;
   return r;
 }
@@ -159,15 +164,15 @@ bool stream_capturing(cudaStream_t stream) {
 
 // The parts of the FP8 workspace (layout at the top of this file) for `rows` rows.
 struct Fp8WorkspaceParts {
-  float* sums;  // rows x N fp32
+  __half* sums;  // rows x N fp16 (times 2^-e)
   uint8_t* qa;  // rows x K E4M3
   float* sa;    // rows fp32 row scales
 };
 
 Fp8WorkspaceParts carve_fp8_workspace(void* workspace, int64_t rows, int64_t K, int64_t N) {
   auto* base = reinterpret_cast<uint8_t*>(align_up(int64_t(reinterpret_cast<uintptr_t>(workspace)), 256));
-  float* sums = reinterpret_cast<float*>(base);
-  uint8_t* qa = base + align_up(rows * N * 4, 256);
+  auto* sums = reinterpret_cast<__half*>(base);
+  uint8_t* qa = base + align_up(rows * N * 2, 256);
   float* sa = reinterpret_cast<float*>(qa + align_up(rows * K, 256));
   return {sums, qa, sa};
 }
@@ -184,13 +189,14 @@ struct Gemm::Fp8State::Call {
   int64_t rows_per_call;
   const uint8_t* w;
   const uint8_t* qa;
-  float* sums;
+  __half* sums;
+  float alpha;  // 2^-e
   cudaStream_t stream;
 
   uint64_t ws() const { return gemm.workspace_.bytes(); }
 
   cublasStatus_t matmul(const Fp8Problem& p, const cublasLtMatmulAlgo_t& algo) const {
-    const float alpha = 1.f, beta = 0.f;
+    const float beta = 0.f;
     return cublasLtMatmul(gemm.lt_, p.desc, &alpha, w, p.a, qa, p.b, &beta, sums, p.d, sums, p.d, &algo,
                           gemm.workspace_.get(), gemm.workspace_.bytes(), stream);
   }
@@ -232,7 +238,7 @@ struct Gemm::Fp8State::Call {
       return s.anchors.emplace(ak, a).first->second;
     }
     const std::string shape = "K=" + std::to_string(K) + " N=" + std::to_string(N) +
-                              " (E4M3 x E4M3 -> fp32 sums, T=" + std::to_string(kFp8AnchorRows) + ")";
+                              " (E4M3 x E4M3 -> fp16 sums, T=" + std::to_string(kFp8AnchorRows) + ")";
     if (results.empty()) throw Error("fp8 gemm: cuBLASLt proposes no FP8 algorithm for " + shape);
     throw Error("fp8 gemm: none of the " + std::to_string(results.size()) + " FP8 algorithms cuBLASLt proposes for " +
                 shape + " runs without a split along K, accepts every T from 1 to " +
@@ -290,7 +296,7 @@ struct Gemm::Fp8State::Call {
   // rows): the algorithms deterministic mode times.
   std::vector<cublasLtMatmulAlgo_t> anchor_class(const Fp8Problem& p, int64_t rows,
                                                  const cublasLtMatmulAlgo_t& anchor_algo) const {
-    const size_t sum_bytes = size_t(rows * key.N) * sizeof(float);
+    const size_t sum_bytes = size_t(rows * key.N) * sizeof(__half);
     std::vector<unsigned char> want(sum_bytes), got(sum_bytes);
     CUDA_CHECK(matmul(p, anchor_algo));
     CUDA_CHECK(cudaMemcpyAsync(want.data(), sums, sum_bytes, cudaMemcpyDeviceToHost, stream));
@@ -298,7 +304,7 @@ struct Gemm::Fp8State::Call {
     std::vector<cublasLtMatmulAlgo_t> held{anchor_algo};
     for (const auto& r : lt_proposals(gemm.lt_, p, key.align, ws(), kHeuristicResults)) {
       cublasLtMatmulAlgo_t algo = r.algo;
-      if (held.size() >= size_t(kMaxCandidates)) break;
+      if (held.size() >= size_t(kFp8DetCandidates)) break;
       if ((lt_splits_k(algo) && !lt_unsplit(algo)) || !lt_accepts(gemm.lt_, p, algo, ws())) continue;
       if (matmul(p, algo) != CUBLAS_STATUS_SUCCESS) continue;
       CUDA_CHECK(cudaMemcpyAsync(got.data(), sums, sum_bytes, cudaMemcpyDeviceToHost, stream));
@@ -315,7 +321,7 @@ struct Gemm::Fp8State::Call {
     if (reuse_bucket_plan(s.timed_buckets, bk, *plan)) return keep(k, std::move(plan));
     const auto results = lt_proposals(gemm.lt_, *plan->problem, key.align, ws(), kHeuristicResults);
     if (results.empty())
-      throw Error("fp8 gemm: cuBLASLt offers no FP8 algorithm (E4M3 x E4M3 -> fp32) for " +
+      throw Error("fp8 gemm: cuBLASLt offers no FP8 algorithm (E4M3 x E4M3 -> fp16) for " +
                   shape_text(rows, key.K, key.N));
     if (!gemm.options_.tuning || capturing || results.size() == 1) {
       plan->algo = results[0].algo;
@@ -371,22 +377,23 @@ void Gemm::run_fp8(T* out, const T* in, const uint8_t* w, const float* w_scales,
   const Fp8WorkspaceParts parts = carve_fp8_workspace(s.workspace, rows_per_call, K, N);
 
   // The cuBLASLt problem does not depend on the bias, the activation or out (the epilogue is
-  // ours): one plan for all of them.
+  // ours): one plan for all of them. Its alpha, 2^-e, follows from K.
+  const int e = fp8_sum_exponent(K);
   Key key{};
   key.layout = kFp8Layout;
   key.in_type = int(lt_data_type<T>());
-  key.out_type = int(CUDA_R_32F);
+  key.out_type = int(CUDA_R_16F);
   key.align = lt_alignment(w);
   key.K = K, key.N = N;
   Fp8State::Call call{.gemm = *this, .s = s, .key = key, .capturing = capturing, .rows_per_call = rows_per_call,
-                      .w = w, .qa = parts.qa, .sums = parts.sums, .stream = stream};
+                      .w = w, .qa = parts.qa, .sums = parts.sums, .alpha = std::ldexp(1.f, -e), .stream = stream};
 
   for (int64_t r0 = 0; r0 < T_; r0 += rows_per_call) {
     const int64_t rows = std::min(rows_per_call, T_ - r0);
     quantize_rows_fp8<T>(parts.qa, parts.sa, in + r0 * K, rows, K, stream);
     const Fp8State::Plan& plan = call.plan(rows);
     CUDA_CHECK(call.matmul(*plan.problem, plan.algo));
-    fp8_scale_epilogue<T>(out + r0 * N, parts.sums, parts.sa, w_scales, bias, rows, N, int(act), stream);
+    fp8_scale_epilogue<T>(out + r0 * N, parts.sums, e, parts.sa, w_scales, bias, rows, N, int(act), stream);
   }
 }
 
@@ -429,7 +436,7 @@ Status Gemm::fp8_supported() {
           const float want = 2.f * float(t + 1) * float(K) + (with_bias ? 1.f : 0.f);
           const float v = __half2float(got[size_t(t * N + n)]);
           if (!(std::fabs(v - want) <= 1e-2f * want))
-            return Status::error("fp8: the FP8 product (cuBLASLt E4M3 -> fp32, then the scaling epilogue) is wrong on "
+            return Status::error("fp8: the FP8 product (cuBLASLt E4M3 -> fp16, then the scaling epilogue) is wrong on "
                                  "device " + std::to_string(device_) + " (" + (with_bias ? "bias, " : "") +
                                  (act == GemmAct::None ? "" : "GeLU, ") + "row " + std::to_string(t) + ": " +
                                  std::to_string(v) + ", expected " + std::to_string(want) + ")");

@@ -95,8 +95,8 @@ class Gemm {
   // E4M3 and w_scales [N] as quantize_rows_fp8 makes them. T is __half or __nv_bfloat16; out,
   // in and bias (may be null) are T. Needs K % 16 == 0 and N % 16 == 0 (cuBLASLt's FP8 layout
   // rules), 16-byte aligned in, w and out. cuBLASLt computes the unscaled sums (E4M3 x E4M3,
-  // fp32 accumulation, fp32 out, into the FP8 workspace); fp8_scale_epilogue then writes
-  // out. In deterministic mode every T of a (K, N) shape sums in the order of one anchor
+  // fp32 accumulation, times 2^-e out in fp16, into the FP8 workspace: fp8_sum_exponent);
+  // fp8_scale_epilogue then writes out. In deterministic mode every T of a (K, N) shape sums in the order of one anchor
   // algorithm, the first the heuristic proposes for kFp8AnchorRows rows that runs without a
   // split along K and accepts every T; each T bucket times the anchor and the unsplit
   // proposals whose sums equal its bit for bit on the call's rows: a row's bits then depend on
@@ -111,7 +111,7 @@ class Gemm {
   void run_fp8(T* out, const T* in, const uint8_t* w, const float* w_scales, const T* bias, int64_t T_, int64_t K,
                int64_t N, GemmAct act, cudaStream_t stream);
   // The memory run_fp8 works in: the activations quantised (K bytes and a scale a row) and
-  // cuBLASLt's fp32 sums (4 N bytes a row). fp8_workspace_bytes(rows, K, N) holds `rows` rows
+  // cuBLASLt's fp16 sums (2 N bytes a row). fp8_workspace_bytes(rows, K, N) holds `rows` rows
   // of one product; calls of more rows than it holds run in blocks of rows (the same bits in
   // deterministic mode). Without one, the Gemm allocates its own at a call outside graph
   // capture that needs more. The caller owns the buffer.

@@ -32,7 +32,7 @@ Expected<std::unique_ptr<StepBuffers>> StepBuffers::create(const GpuStageShape& 
     b->dequant = device_alloc(size_t(std::max({3 * W * C, C * W, I * C})) * e, n, "int8 dequantisation workspace");
     gemm.set_dequant_workspace(b->dequant.get(), b->dequant.bytes());
   }
-  if (o.fp8 && shape.num_layers() > 0) {  // every row of the largest product: E4M3 input + fp32 sums
+  if (o.fp8 && shape.num_layers() > 0) {  // every row of the largest product: E4M3 input + fp16 sums
     b->fp8_act = device_alloc(std::max({Gemm::fp8_workspace_bytes(shape.max_rows, C, 3 * W),
                                         Gemm::fp8_workspace_bytes(shape.max_rows, W, C),
                                         Gemm::fp8_workspace_bytes(shape.max_rows, C, I),

@@ -3,8 +3,9 @@
 //     decoding is exact, the reference quantiser's scales and bytes;
 //   - the GPU quantiser equals the host reference bit for bit (fp16, bf16, fp32 rows, the
 //     vector and the element-wise paths, a zero row);
-//   - the scaling epilogue (both scales, bias, activation on cuBLASLt's fp32 sums) equals the
-//     host's fp32 operations bit for bit without activation, within T's rounding with one;
+//   - the scaling epilogue (the power of two back, both scales, bias, activation on cuBLASLt's
+//     fp16 sums) equals the host's fp32 operations bit for bit without activation, within T's
+//     rounding with one; the power of two keeps the largest sum within fp16;
 //   - run_fp8 against a double-precision product of the unquantised inputs (within FP8's
 //     error) and of the quantised ones (within fp32 accumulation and output rounding), with
 //     and without bias, each activation, fp16 and bf16, several T;
@@ -107,19 +108,34 @@ TEST(Fp8Host, ReferenceQuantiserScalesEachRowToItsLargestValue) {
   EXPECT_THROW(cuda::quantize_rows_fp8_reference(q.data(), s.data(), x.data(), 0, 1), Error);
 }
 
-// The workspace of one product: the fp32 sums (4 N bytes a row), the E4M3 rows (K bytes) and
+// The workspace of one product: the fp16 sums (2 N bytes a row), the E4M3 rows (K bytes) and
 // their scales (4 bytes), each part at a 256-byte boundary, plus 256 bytes for the base's own.
 TEST(Fp8Host, WorkspaceHoldsTheSumsTheRowsAndTheirScales) {
   using cuda::Gemm;
   EXPECT_EQ(Gemm::fp8_workspace_bytes(1, 64, 32), size_t(256 + 256 + 256 + 4));
-  EXPECT_EQ(Gemm::fp8_workspace_bytes(70, 2048, 1024), size_t(256 + 70 * 1024 * 4 + 70 * 2048 + 70 * 4));
-  // gpt3-6.7b's FC1 at 4096 rows: 256 MiB of sums, 16 MiB of rows.
+  EXPECT_EQ(Gemm::fp8_workspace_bytes(70, 2048, 1024), size_t(256 + 70 * 1024 * 2 + 70 * 2048 + 70 * 4));
+  // gpt3-6.7b's FC1 at 4096 rows: 128 MiB of sums, 16 MiB of rows.
   EXPECT_EQ(Gemm::fp8_workspace_bytes(4096, 4096, 16384),
-            size_t(256) + (size_t(256) << 20) + (size_t(16) << 20) + 4096 * 4);
+            size_t(256) + (size_t(128) << 20) + (size_t(16) << 20) + 4096 * 4);
   for (int64_t rows : {1, 3, 17, 255, 4096})
-    EXPECT_GE(Gemm::fp8_workspace_bytes(rows, 4096, 12288), size_t(rows) * (4096 + 4 + 4 * 12288) + 256) << rows;
+    EXPECT_GE(Gemm::fp8_workspace_bytes(rows, 4096, 12288), size_t(rows) * (4096 + 4 + 2 * 12288) + 256) << rows;
   EXPECT_LT(Gemm::fp8_workspace_bytes(69, 2048, 1024), Gemm::fp8_workspace_bytes(70, 2048, 1024));
   EXPECT_EQ(Gemm::fp8_workspace_bytes(0, 64, 32), 0u);
+}
+
+// The fp16 sums' power of two: the smallest e with 448^2 K 2^-e within fp16's 65504, so the
+// largest sum E4M3 rows can make fits, and twice it would not.
+TEST(Fp8Host, SumExponentKeepsTheLargestSumWithinFp16) {
+  EXPECT_EQ(cuda::fp8_sum_exponent(1), 2);
+  EXPECT_EQ(cuda::fp8_sum_exponent(64), 8);
+  EXPECT_EQ(cuda::fp8_sum_exponent(4096), 14);
+  EXPECT_EQ(cuda::fp8_sum_exponent(16384), 16);
+  for (int64_t K : {1, 16, 1600, 4096, 6400, 12288, 16384, 24576, 49152}) {
+    const int e = cuda::fp8_sum_exponent(K);
+    const double largest = 448.0 * 448.0 * double(K);
+    EXPECT_LE(std::ldexp(largest, -e), 65504.0) << K;
+    EXPECT_GT(std::ldexp(largest, 1 - e), 65504.0) << K;
+  }
 }
 
 // ---- device helpers --------------------------------------------------------------------------
@@ -283,28 +299,34 @@ TYPED_TEST(Fp8, QuantiserEqualsTheHostReference) {
 
 // ---- the epilogue ----------------------------------------------------------------------------
 
-// fp8_scale_epilogue against the host: without activation the same fp32 operations ((sum x
-// row scale) x column scale + bias, each rounded), then one rounding to T: the same bits; with
-// a GeLU within a few units of T's last place (tanhf/erff may differ by an ulp). Both the
-// 4-wide path (N % 4 == 0) and the element-wise one (N odd, or out not 8-byte aligned).
+// fp8_scale_epilogue against the host: without activation the same fp32 operations (fp16 sum
+// x 2^e, exact, then x row scale, x column scale, + bias, each rounded), then one rounding to
+// T: the same bits; with a GeLU within a few units of T's last place (tanhf/erff may differ by
+// an ulp). Both the 8-wide path (N % 8 == 0) and the element-wise one (N not a multiple of 8,
+// or out not 16-byte aligned).
 template <class T>
 void check_epilogue(Rng& rng, int64_t rows, int64_t N, int64_t out_offset, bool with_bias, GemmAct act) {
   SCOPED_TRACE("rows " + std::to_string(rows) + " N " + std::to_string(N) + " offset " + std::to_string(out_offset) +
                (with_bias ? " bias" : "") + " act " + std::to_string(int(act)));
-  const std::vector<float> sums = rng.normal(size_t(rows * N), 3000.f);
+  const int e = 12;
+  std::vector<float> unscaled = rng.normal(size_t(rows * N), 3000.f);
+  for (float& v : unscaled) v = std::ldexp(v, -e);
+  Rounded<half> sums(unscaled);
   std::vector<float> rs = rng.normal(size_t(rows), 0.01f), cs = rng.normal(size_t(N), 0.03f);
   rs[0] = 0.f;  // an all-zero input row
   Rounded<T> b(rng.normal(size_t(N), 0.5f));
-  Dev<float> dsums(sums), drs(rs), dcs(cs);
+  Dev<uint16_t> dsums(sums.bits);
+  Dev<float> drs(rs), dcs(cs);
   Dev<uint16_t> db(b.bits), out(static_cast<size_t>(rows * N + out_offset));
-  cuda::fp8_scale_epilogue<T>(reinterpret_cast<T*>(out.p()) + out_offset, dsums.p(), drs.p(), dcs.p(),
-                              with_bias ? reinterpret_cast<const T*>(db.p()) : nullptr, rows, N, int(act), nullptr);
+  cuda::fp8_scale_epilogue<T>(reinterpret_cast<T*>(out.p()) + out_offset, reinterpret_cast<const __half*>(dsums.p()),
+                              e, drs.p(), dcs.p(), with_bias ? reinterpret_cast<const T*>(db.p()) : nullptr, rows, N,
+                              int(act), nullptr);
   CUDA_CHECK(cudaDeviceSynchronize());
   const auto got = out.template get<uint16_t>();
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t n = 0; n < N; ++n) {
       const size_t i = size_t(r * N + n);
-      volatile float scaled = sums[i] * rs[size_t(r)];
+      volatile float scaled = std::ldexp(sums.values[i], e) * rs[size_t(r)];
       scaled = scaled * cs[size_t(n)];
       const float pre = scaled + (with_bias ? b.values[size_t(n)] : 0.f);
       const uint16_t g = got[i + size_t(out_offset)];
@@ -322,13 +344,15 @@ TYPED_TEST(Fp8, EpilogueAppliesBothScalesBiasAndActivation) {
   SEED_TRACE(rng);
   for (GemmAct act : {GemmAct::None, GemmAct::GeluTanh, GemmAct::GeluErf})
     for (bool with_bias : {false, true}) {
-      check_epilogue<TypeParam>(rng, 37, 96, 0, with_bias, act);  // 4-wide
+      check_epilogue<TypeParam>(rng, 37, 96, 0, with_bias, act);  // 8-wide
       check_epilogue<TypeParam>(rng, 5, 33, 0, with_bias, act);   // element-wise: N odd
+      check_epilogue<TypeParam>(rng, 4, 36, 0, with_bias, act);   // element-wise: N % 8 == 4
       check_epilogue<TypeParam>(rng, 6, 48, 1, with_bias, act);   // element-wise: out misaligned
     }
   Dev<float> x(4);
-  EXPECT_THROW(cuda::fp8_scale_epilogue<TypeParam>(nullptr, x.p(), x.p(), x.p(), nullptr, 1, 4, 0, nullptr), Error);
-  EXPECT_THROW(cuda::fp8_scale_epilogue<TypeParam>(reinterpret_cast<TypeParam*>(x.p()), x.p(), nullptr, x.p(), nullptr,
+  const auto* h = reinterpret_cast<const __half*>(x.p());
+  EXPECT_THROW(cuda::fp8_scale_epilogue<TypeParam>(nullptr, h, 0, x.p(), x.p(), nullptr, 1, 4, 0, nullptr), Error);
+  EXPECT_THROW(cuda::fp8_scale_epilogue<TypeParam>(reinterpret_cast<TypeParam*>(x.p()), h, 0, nullptr, x.p(), nullptr,
                                                    1, 4, 0, nullptr),
                Error);
 }
