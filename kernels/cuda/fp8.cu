@@ -118,6 +118,53 @@ __global__ void __launch_bounds__(kFp8EpilogueThreads)
   }
 }
 
+constexpr int kFp8EpilogueQuantThreads = 512;
+
+// fp8_scale_epilogue and quantize_rows_fp8 in one: block r computes row r's outputs as the
+// epilogue does (rounded to T), keeps them in shared memory (N x sizeof(T) bytes), takes
+// their largest magnitude, and quantises them as the quantiser does: the same operations in
+// the same order, so the same bytes and scale as the two kernels with the T row between them.
+// kVec8: N % 8 == 0 and sums 16-byte aligned.
+template <class T, bool kVec8, bool kPdl>
+__global__ void __launch_bounds__(kFp8EpilogueQuantThreads)
+    fp8_epilogue_quantize_kernel(uint8_t* __restrict__ q, float* __restrict__ q_scales, const __half* sums,
+                                 float unscale, const float* rs, const float* __restrict__ cs,
+                                 const T* __restrict__ bias, int64_t N, int act) {
+  extern __shared__ __align__(16) unsigned char fused_smem[];
+  T* vals = reinterpret_cast<T*>(fused_smem);
+  __shared__ float scratch[32];
+  start<kPdl>();  // the sums and row scales are the kernels before's output
+  const int64_t r = blockIdx.x;
+  const __half* row = sums + r * N;
+  const float row_scale = load<kPdl>(rs + r);
+  float amax = 0.f;
+  if constexpr (kVec8) {
+    for (int64_t n = int64_t(threadIdx.x) * 8; n < N; n += int64_t(kFp8EpilogueQuantThreads) * 8) {
+      float v[8];
+      unpack8<__half>(load<kPdl>(reinterpret_cast<const uint4*>(row + n)), v);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        const float b = bias != nullptr ? to_float(bias[n + j]) : 0.f;
+        const T t = from_float<T>(scaled(v[j] * unscale, row_scale, cs[n + j], b, act));
+        vals[n + j] = t;
+        amax = fmaxf(amax, fabsf(to_float(t)));
+      }
+    }
+  } else {
+    for (int64_t n = threadIdx.x; n < N; n += kFp8EpilogueQuantThreads) {
+      const float b = bias != nullptr ? to_float(bias[n]) : 0.f;
+      const T t = from_float<T>(scaled(__half2float(load<kPdl>(row + n)) * unscale, row_scale, cs[n], b, act));
+      vals[n] = t;
+      amax = fmaxf(amax, fabsf(to_float(t)));
+    }
+  }
+  amax = block_max(amax, scratch);  // its barriers also order the shared writes before the reads
+  const float s = fp8_scale(amax);
+  if (threadIdx.x == 0) q_scales[r] = s;
+  uint8_t* qrow = q + r * N;
+  for (int64_t n = threadIdx.x; n < N; n += kFp8EpilogueQuantThreads) qrow[n] = quantize_one(to_float(vals[n]), s);
+}
+
 }  // namespace
 }  // namespace detail
 
@@ -185,5 +232,47 @@ template void fp8_scale_epilogue<__half>(__half*, const __half*, int, const floa
                                          int64_t, int64_t, int, cudaStream_t);
 template void fp8_scale_epilogue<__nv_bfloat16>(__nv_bfloat16*, const __half*, int, const float*, const float*,
                                                 const __nv_bfloat16*, int64_t, int64_t, int, cudaStream_t);
+
+int64_t fp8_epilogue_quantize_max_n() { return int64_t(96 * 1024) / 2; }
+
+template <class T>
+void fp8_epilogue_quantize(uint8_t* q, float* q_scales, const __half* sums, int e, const float* row_scales,
+                           const float* col_scales, const T* bias, int64_t rows, int64_t N, int act,
+                           cudaStream_t stream) {
+  if (q == nullptr || q_scales == nullptr || sums == nullptr || row_scales == nullptr || col_scales == nullptr)
+    throw Error("fp8_epilogue_quantize: null pointer (q, q_scales, sums, row_scales and col_scales are required)");
+  if (e < 0 || e > 64) throw Error("fp8_epilogue_quantize: exponent " + std::to_string(e) + " out of [0, 64]");
+  if (N > fp8_epilogue_quantize_max_n() || rows > int64_t(0x7fffffff))
+    throw Error("fp8_epilogue_quantize: a row of N=" + std::to_string(N) + " does not fit a block's shared memory (" +
+                std::to_string(fp8_epilogue_quantize_max_n()) + " at most), or rows=" + std::to_string(rows) +
+                " is 2^31 or more");
+  if (rows <= 0 || N <= 0) return;
+  const float unscale = std::ldexp(1.f, e);
+  const size_t smem = size_t(N) * sizeof(T);
+  const bool vec = N % 8 == 0 && detail::aligned16(sums);
+  auto run = [&](auto vec8) {
+    constexpr bool kVec8 = decltype(vec8)::value;
+    if (rows <= detail::kFp8PdlRows) {
+      auto kernel = detail::fp8_epilogue_quantize_kernel<T, kVec8, true>;
+      detail::allow_smem(kernel, size_t(fp8_epilogue_quantize_max_n()) * sizeof(T));
+      LAUNCH_PDL("fp8_epilogue_quantize_kernel", kernel, dim3(unsigned(rows)),
+                 dim3(detail::kFp8EpilogueQuantThreads), smem, stream, q, q_scales, sums, unscale, row_scales,
+                 col_scales, bias, N, act);
+    } else {
+      auto kernel = detail::fp8_epilogue_quantize_kernel<T, kVec8, false>;
+      detail::allow_smem(kernel, size_t(fp8_epilogue_quantize_max_n()) * sizeof(T));
+      kernel<<<unsigned(rows), detail::kFp8EpilogueQuantThreads, smem, stream>>>(q, q_scales, sums, unscale,
+                                                                                 row_scales, col_scales, bias, N, act);
+      CUDA_CHECK(cudaGetLastError());
+    }
+  };
+  if (vec) run(std::true_type{});
+  else run(std::false_type{});
+}
+
+template void fp8_epilogue_quantize<__half>(uint8_t*, float*, const __half*, int, const float*, const float*,
+                                            const __half*, int64_t, int64_t, int, cudaStream_t);
+template void fp8_epilogue_quantize<__nv_bfloat16>(uint8_t*, float*, const __half*, int, const float*, const float*,
+                                                   const __nv_bfloat16*, int64_t, int64_t, int, cudaStream_t);
 
 }  // namespace conveyor::cuda

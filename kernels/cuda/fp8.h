@@ -71,6 +71,17 @@ template <class T>
 void fp8_scale_epilogue(T* out, const __half* sums, int e, const float* row_scales, const float* col_scales,
                         const T* bias, int64_t rows, int64_t N, int act, cudaStream_t stream);
 
+// fp8_scale_epilogue into a T row, then quantize_rows_fp8 of that row, in one kernel without
+// the T row in memory: q [rows, N] (E4M3) and q_scales [rows] are the bytes and scales the two
+// would give (one block a row; the row lives in shared memory). The FP8 MLP's FC1 feeding
+// FC2 (Gemm::run_fp8_mlp). N at most fp8_epilogue_quantize_max_n(). Throws conveyor::Error
+// for a null pointer or a row too long.
+int64_t fp8_epilogue_quantize_max_n();
+template <class T>
+void fp8_epilogue_quantize(uint8_t* q, float* q_scales, const __half* sums, int e, const float* row_scales,
+                           const float* col_scales, const T* bias, int64_t rows, int64_t N, int act,
+                           cudaStream_t stream);
+
 // The host twin of quantize_rows_fp8 (plain C++, fp8.cc): the reference.
 void quantize_rows_fp8_reference(uint8_t* q, float* scales, const float* x, int64_t rows, int64_t K);
 // One E4M3 byte as a float (exact), and a float rounded to E4M3 (nearest even, saturating).

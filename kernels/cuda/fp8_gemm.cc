@@ -95,6 +95,19 @@ struct Gemm::Fp8State {
 
   struct Call;
   void reserve_workspace(size_t need, bool capturing);
+
+  // A product's plan key (T set per plan): the cuBLASLt problem does not depend on the bias,
+  // the activation or out (the epilogue is ours), so one plan serves all of them.
+  template <class T>
+  static Key key_for(const uint8_t* w, int64_t K, int64_t N) {
+    Key key{};
+    key.layout = kFp8Layout;
+    key.in_type = int(lt_data_type<T>());
+    key.out_type = int(CUDA_R_16F);
+    key.align = lt_alignment(w);
+    key.K = K, key.N = N;
+    return key;
+  }
 };
 
 void Gemm::Fp8StateDeleter::operator()(Fp8State* s) const { delete s; }
@@ -108,6 +121,14 @@ size_t Gemm::fp8_workspace_bytes(int64_t rows, int64_t K, int64_t N) {
   if (rows <= 0 || K <= 0 || N <= 0) return 0;
   return size_t(256 + align_up(rows * N * 2, 256) + align_up(rows * K, 256) + rows * 4);
 }
+
+size_t Gemm::fp8_mlp_workspace_bytes(int64_t rows, int64_t K, int64_t I, int64_t N) {
+  if (rows <= 0 || K <= 0 || I <= 0 || N <= 0) return 0;
+  return size_t(256 + align_up(rows * std::max(I, N) * 2, 256) + align_up(rows * K, 256) + align_up(rows * 4, 256) +
+                align_up(rows * I, 256) + rows * 4);
+}
+
+bool Gemm::fp8_mlp_supported(int64_t I) { return I > 0 && I <= fp8_epilogue_quantize_max_n(); }
 
 void Gemm::set_fp8_workspace(void* workspace, size_t bytes) {
   Fp8State& s = fp8_state();
@@ -156,6 +177,13 @@ int64_t rows_fitting(size_t bytes, int64_t K, int64_t N) {
   return r;
 }
 
+// The same for run_fp8_mlp's workspace.
+int64_t mlp_rows_fitting(size_t bytes, int64_t K, int64_t I, int64_t N) {
+  int64_t r = int64_t(bytes / size_t(2 * std::max(I, N) + K + I + 8));
+  while (r > 0 && Gemm::fp8_mlp_workspace_bytes(r, K, I, N) > bytes) --r;
+  return r;
+}
+
 bool stream_capturing(cudaStream_t stream) {
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
   CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
@@ -175,6 +203,27 @@ Fp8WorkspaceParts carve_fp8_workspace(void* workspace, int64_t rows, int64_t K, 
   uint8_t* qa = base + align_up(rows * N * 2, 256);
   float* sa = reinterpret_cast<float*>(qa + align_up(rows * K, 256));
   return {sums, qa, sa};
+}
+
+// run_fp8_mlp's workspace: [sums: rows x max(I, N) fp16, FC1's then FC2's][FC1's rows: rows
+// x K E4M3][their scales: rows fp32][FC2's rows: rows x I E4M3][their scales: rows fp32].
+struct Fp8MlpParts {
+  __half* sums;
+  uint8_t* q1;
+  float* s1;
+  uint8_t* q2;
+  float* s2;
+};
+
+Fp8MlpParts carve_fp8_mlp_workspace(void* workspace, int64_t rows, int64_t K, int64_t I, int64_t N) {
+  auto* base = reinterpret_cast<uint8_t*>(align_up(int64_t(reinterpret_cast<uintptr_t>(workspace)), 256));
+  Fp8MlpParts p{};
+  p.sums = reinterpret_cast<__half*>(base);
+  p.q1 = base + align_up(rows * std::max(I, N) * 2, 256);
+  p.s1 = reinterpret_cast<float*>(p.q1 + align_up(rows * K, 256));
+  p.q2 = reinterpret_cast<uint8_t*>(p.s1) + align_up(rows * 4, 256);
+  p.s2 = reinterpret_cast<float*>(p.q2 + align_up(rows * I, 256));
+  return p;
 }
 
 }  // namespace
@@ -376,15 +425,9 @@ void Gemm::run_fp8(T* out, const T* in, const uint8_t* w, const float* w_scales,
                 std::to_string(fp8_workspace_bytes(1, K, N)) + " bytes)");
   const Fp8WorkspaceParts parts = carve_fp8_workspace(s.workspace, rows_per_call, K, N);
 
-  // The cuBLASLt problem does not depend on the bias, the activation or out (the epilogue is
-  // ours): one plan for all of them. Its alpha, 2^-e, follows from K.
+  // Its alpha, 2^-e, follows from K.
   const int e = fp8_sum_exponent(K);
-  Key key{};
-  key.layout = kFp8Layout;
-  key.in_type = int(lt_data_type<T>());
-  key.out_type = int(CUDA_R_16F);
-  key.align = lt_alignment(w);
-  key.K = K, key.N = N;
+  const Key key = Fp8State::key_for<T>(w, K, N);
   Fp8State::Call call{.gemm = *this, .s = s, .key = key, .capturing = capturing, .rows_per_call = rows_per_call,
                       .w = w, .qa = parts.qa, .sums = parts.sums, .alpha = std::ldexp(1.f, -e), .stream = stream};
 
@@ -401,6 +444,53 @@ template void Gemm::run_fp8<__half>(__half*, const __half*, const uint8_t*, cons
                                     int64_t, int64_t, GemmAct, cudaStream_t);
 template void Gemm::run_fp8<__nv_bfloat16>(__nv_bfloat16*, const __nv_bfloat16*, const uint8_t*, const float*,
                                            const __nv_bfloat16*, int64_t, int64_t, int64_t, GemmAct, cudaStream_t);
+
+template <class T>
+void Gemm::run_fp8_mlp(T* out, const T* in, const uint8_t* w1, const float* w1_scales, const T* bias1, GemmAct act,
+                       const uint8_t* w2, const float* w2_scales, int64_t T_, int64_t K, int64_t I, int64_t N,
+                       cudaStream_t stream) {
+  static_assert(std::is_same_v<T, __half> || std::is_same_v<T, __nv_bfloat16>, "T is __half or __nv_bfloat16");
+  check_fp8_arguments(out, in, w1, w1_scales, T_, K, I);
+  check_fp8_arguments(out, in, w2, w2_scales, T_, I, N);
+  if (!fp8_mlp_supported(I))
+    throw Error("fp8 mlp: FC1's rows of " + std::to_string(I) + " are longer than one block quantises (" +
+                std::to_string(fp8_epilogue_quantize_max_n()) + "): run the two products with run_fp8");
+  check_device();
+  Fp8State& s = fp8_state();
+  const bool capturing = stream_capturing(stream);
+  s.reserve_workspace(fp8_mlp_workspace_bytes(T_, K, I, N), capturing);
+  const int64_t rows_per_call = std::min(T_, mlp_rows_fitting(s.workspace_bytes, K, I, N));
+  if (rows_per_call <= 0)
+    throw Error("fp8 mlp: the FP8 workspace (" + std::to_string(s.workspace_bytes) + " bytes) cannot hold a row of K=" +
+                std::to_string(K) + " I=" + std::to_string(I) + " N=" + std::to_string(N) + " (" +
+                std::to_string(fp8_mlp_workspace_bytes(1, K, I, N)) + " bytes)");
+  const Fp8MlpParts parts = carve_fp8_mlp_workspace(s.workspace, rows_per_call, K, I, N);
+  const int e1 = fp8_sum_exponent(K), e2 = fp8_sum_exponent(I);
+  Fp8State::Call fc1{.gemm = *this, .s = s, .key = Fp8State::key_for<T>(w1, K, I), .capturing = capturing,
+                     .rows_per_call = rows_per_call, .w = w1, .qa = parts.q1, .sums = parts.sums,
+                     .alpha = std::ldexp(1.f, -e1), .stream = stream};
+  Fp8State::Call fc2{.gemm = *this, .s = s, .key = Fp8State::key_for<T>(w2, I, N), .capturing = capturing,
+                     .rows_per_call = rows_per_call, .w = w2, .qa = parts.q2, .sums = parts.sums,
+                     .alpha = std::ldexp(1.f, -e2), .stream = stream};
+  for (int64_t r0 = 0; r0 < T_; r0 += rows_per_call) {
+    const int64_t rows = std::min(rows_per_call, T_ - r0);
+    quantize_rows_fp8<T>(parts.q1, parts.s1, in + r0 * K, rows, K, stream);
+    const Fp8State::Plan& p1 = fc1.plan(rows);
+    CUDA_CHECK(fc1.matmul(*p1.problem, p1.algo));
+    fp8_epilogue_quantize<T>(parts.q2, parts.s2, parts.sums, e1, parts.s1, w1_scales, bias1, rows, I, int(act),
+                             stream);
+    const Fp8State::Plan& p2 = fc2.plan(rows);
+    CUDA_CHECK(fc2.matmul(*p2.problem, p2.algo));
+    fp8_scale_epilogue<T>(out + r0 * N, parts.sums, e2, parts.s2, w2_scales, nullptr, rows, N, 0, stream);
+  }
+}
+
+template void Gemm::run_fp8_mlp<__half>(__half*, const __half*, const uint8_t*, const float*, const __half*, GemmAct,
+                                        const uint8_t*, const float*, int64_t, int64_t, int64_t, int64_t,
+                                        cudaStream_t);
+template void Gemm::run_fp8_mlp<__nv_bfloat16>(__nv_bfloat16*, const __nv_bfloat16*, const uint8_t*, const float*,
+                                               const __nv_bfloat16*, GemmAct, const uint8_t*, const float*, int64_t,
+                                               int64_t, int64_t, int64_t, cudaStream_t);
 
 Status Gemm::fp8_supported() {
   if (Status st = fp8_device_check(device_); !st) return st;

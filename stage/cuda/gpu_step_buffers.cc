@@ -32,11 +32,14 @@ Expected<std::unique_ptr<StepBuffers>> StepBuffers::create(const GpuStageShape& 
     b->dequant = device_alloc(size_t(std::max({3 * W * C, C * W, I * C})) * e, n, "int8 dequantisation workspace");
     gemm.set_dequant_workspace(b->dequant.get(), b->dequant.bytes());
   }
-  if (o.fp8 && shape.num_layers() > 0) {  // every row of the largest product: E4M3 input + fp16 sums
+  if (o.fp8 && shape.num_layers() > 0) {  // every row of the largest product (or the MLP): E4M3 rows + fp16 sums
     b->fp8_act = device_alloc(std::max({Gemm::fp8_workspace_bytes(shape.max_rows, C, 3 * W),
                                         Gemm::fp8_workspace_bytes(shape.max_rows, W, C),
                                         Gemm::fp8_workspace_bytes(shape.max_rows, C, I),
-                                        Gemm::fp8_workspace_bytes(shape.max_rows, I, C)}),
+                                        Gemm::fp8_workspace_bytes(shape.max_rows, I, C),
+                                        Gemm::fp8_mlp_supported(I)
+                                            ? Gemm::fp8_mlp_workspace_bytes(shape.max_rows, C, I, C)
+                                            : size_t(0)}),
                               n, "FP8 workspace");
     gemm.set_fp8_workspace(b->fp8_act.get(), b->fp8_act.bytes());
     if (Status s = gemm.fp8_supported(); !s) return Status::error(n + ": " + s.message());

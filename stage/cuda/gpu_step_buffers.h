@@ -44,7 +44,7 @@ struct StepBuffers {
   DeviceBuffer fc;           // [rows, I]
   DeviceBuffer staging_f32;  // [rows, C] fp32: hidden-state transfers in another dtype, the weight upload
   DeviceBuffer dequant;      // int8 weights: the largest layer matrix in dtype, for prefill GEMMs
-  DeviceBuffer fp8_act;      // FP8: the products' rows quantised (with their scales) and fp32 sums
+  DeviceBuffer fp8_act;      // FP8: the products' rows quantised (with their scales) and fp16 sums
 
   // The head (rank holding the LM head): logits_rows = max_step_seqs rows.
   int64_t logits_rows = 0;

@@ -122,8 +122,15 @@ Status StepRunner::layers_impl(const StepMeta& m, const KvCache* cache, int64_t 
                                                 w.as<T>(LT::Ln2Bias), num_tokens);
         !s)
       return s;
-    matmul<T>(fc, ln, w.at(LT::FcWeight), w.scales(LT::FcWeight), w.at(LT::FcBias), num_tokens, C, I, act);
-    matmul<T>(proj, fc, w.at(LT::Fc2Weight), w.scales(LT::Fc2Weight), nullptr, num_tokens, I, C, GemmAct::None);
+    if (options_.fp8 && Gemm::fp8_mlp_pays(num_tokens, I)) {  // FC1's rows go to FC2 quantised, never as T
+      gemm_.run_fp8_mlp<T>(proj, ln, static_cast<const uint8_t*>(w.at(LT::FcWeight)), w.scales(LT::FcWeight),
+                           static_cast<const T*>(w.at(LT::FcBias)), act,
+                           static_cast<const uint8_t*>(w.at(LT::Fc2Weight)), w.scales(LT::Fc2Weight), num_tokens, C,
+                           I, C, stream_);
+    } else {
+      matmul<T>(fc, ln, w.at(LT::FcWeight), w.scales(LT::FcWeight), w.at(LT::FcBias), num_tokens, C, I, act);
+      matmul<T>(proj, fc, w.at(LT::Fc2Weight), w.scales(LT::Fc2Weight), nullptr, num_tokens, I, C, GemmAct::None);
+    }
     // The next LayerNorm fused into this residual: the next layer's ln_1, or ln_f after the last.
     const T* g = nullptr;
     const T* b = nullptr;

@@ -13,6 +13,8 @@
 //     among the rows (the fixed cuBLASLt algorithm per (K, N), no split-K), at the gpt3-6.7b
 //     shapes, and when the rows run in blocks of a small workspace; a captured CUDA graph
 //     replays the same bits;
+//   - the epilogue and the next product's quantiser in one kernel give their bytes and scales,
+//     and run_fp8_mlp (FC1 then FC2 through it) the bits of run_fp8 twice;
 //   - Gemm::fp8_supported's probe passes on compute capability 9.0;
 //   - fp8_workspace_bytes (host) holds the sums, the quantised rows and their scales.
 // Outputs are poisoned (NaN) before each run, so an element the product fails to write fails.
@@ -357,6 +359,53 @@ TYPED_TEST(Fp8, EpilogueAppliesBothScalesBiasAndActivation) {
                Error);
 }
 
+// fp8_epilogue_quantize equals fp8_scale_epilogue into a T row and quantize_rows_fp8 of it,
+// bytes and scales, on the 8-wide path (N % 8 == 0) and the element-wise one, with and
+// without programmatic dependent launch (up to 64 rows with it).
+template <class T>
+void check_epilogue_quantize(Rng& rng, int64_t rows, int64_t N, bool with_bias, GemmAct act) {
+  SCOPED_TRACE("rows " + std::to_string(rows) + " N " + std::to_string(N) + (with_bias ? " bias" : "") + " act " +
+               std::to_string(int(act)));
+  const int e = 10;
+  std::vector<float> unscaled = rng.normal(size_t(rows * N), 3000.f);
+  for (float& v : unscaled) v = std::ldexp(v, -e);
+  Rounded<half> sums(unscaled);
+  std::vector<float> rs = rng.normal(size_t(rows), 0.01f), cs = rng.normal(size_t(N), 0.03f);
+  rs[0] = 0.f;  // an all-zero row
+  Rounded<T> b(rng.normal(size_t(N), 0.5f));
+  Dev<uint16_t> dsums(sums.bits), db(b.bits), row(static_cast<size_t>(rows * N));
+  Dev<float> drs(rs), dcs(cs), s_two(static_cast<size_t>(rows)), s_one(static_cast<size_t>(rows));
+  Dev<uint8_t> q_two(static_cast<size_t>(rows * N)), q_one(static_cast<size_t>(rows * N));
+  const auto* hs = reinterpret_cast<const __half*>(dsums.p());
+  const T* bias = with_bias ? reinterpret_cast<const T*>(db.p()) : nullptr;
+  cuda::fp8_scale_epilogue<T>(reinterpret_cast<T*>(row.p()), hs, e, drs.p(), dcs.p(), bias, rows, N, int(act), nullptr);
+  cuda::quantize_rows_fp8<T>(q_two.p(), s_two.p(), reinterpret_cast<const T*>(row.p()), rows, N, nullptr);
+  cuda::fp8_epilogue_quantize<T>(q_one.p(), s_one.p(), hs, e, drs.p(), dcs.p(), bias, rows, N, int(act), nullptr);
+  CUDA_CHECK(cudaDeviceSynchronize());
+  EXPECT_EQ(q_one.template get<uint8_t>(), q_two.template get<uint8_t>());
+  EXPECT_EQ(s_one.template get<float>(), s_two.template get<float>());
+}
+
+TYPED_TEST(Fp8, EpilogueQuantiseEqualsEpilogueThenQuantiser) {
+  Rng rng;
+  SEED_TRACE(rng);
+  for (GemmAct act : {GemmAct::None, GemmAct::GeluTanh, GemmAct::GeluErf})
+    for (bool with_bias : {false, true}) {
+      check_epilogue_quantize<TypeParam>(rng, 5, 4096, with_bias, act);  // 8-wide, launched early
+      check_epilogue_quantize<TypeParam>(rng, 70, 96, with_bias, act);   // 8-wide, launched plainly
+      check_epilogue_quantize<TypeParam>(rng, 3, 33, with_bias, act);    // element-wise
+    }
+  const int64_t too_long = cuda::fp8_epilogue_quantize_max_n() + 8;
+  Dev<uint8_t> q(8);
+  Dev<float> f(8);
+  EXPECT_THROW(cuda::fp8_epilogue_quantize<TypeParam>(q.p(), f.p(), reinterpret_cast<const __half*>(f.p()), 0, f.p(),
+                                                      f.p(), nullptr, 1, too_long, 0, nullptr),
+               Error);
+  EXPECT_THROW(cuda::fp8_epilogue_quantize<TypeParam>(nullptr, f.p(), reinterpret_cast<const __half*>(f.p()), 0, f.p(),
+                                                      f.p(), nullptr, 1, 8, 0, nullptr),
+               Error);
+}
+
 // ---- the product -----------------------------------------------------------------------------
 
 TYPED_TEST(Fp8, ProductMatchesTheReferenceWithinFp8Error) {
@@ -472,6 +521,47 @@ TYPED_TEST(Fp8, RowBlocksGiveTheSameBits) {
   CUDA_CHECK(cudaDeviceSynchronize());
   EXPECT_EQ(a.template get<uint16_t>(), b.template get<uint16_t>());
   EXPECT_NE(blocks.describe_plans().find("T=70 "), std::string::npos) << blocks.describe_plans();
+}
+
+// run_fp8_mlp gives the bits of its two products through run_fp8 (FC1 with bias and GeLU into a
+// T row, FC2 of that row), deterministic mode, for several T, in one block of rows and in
+// blocks of 70.
+TYPED_TEST(Fp8, MlpGivesTheBitsOfItsTwoProducts) {
+  using T = TypeParam;
+  cuda::Gemm gemm, blocks;
+  SKIP_WITHOUT_FP8(gemm);
+  Rng rng;
+  SEED_TRACE(rng);
+  const int64_t K = 512, I = 2048, N = 512, T_max = 300;
+  Rounded<T> x(rng.normal(static_cast<size_t>(T_max * K), 1.f)), w1(rng.normal(static_cast<size_t>(I * K), 0.05f)),
+      w2(rng.normal(static_cast<size_t>(N * I), 0.02f)), b1(rng.normal(static_cast<size_t>(I), 0.2f));
+  Dev<uint16_t> dx(x.bits), dw1(w1.bits), dw2(w2.bits), db1(b1.bits), fc(static_cast<size_t>(T_max * I));
+  Dev<uint8_t> w18(static_cast<size_t>(I * K)), w28(static_cast<size_t>(N * I));
+  Dev<float> s1(static_cast<size_t>(I)), s2(static_cast<size_t>(N));
+  cuda::quantize_rows_fp8<T>(w18.p(), s1.p(), reinterpret_cast<const T*>(dw1.p()), I, K, nullptr);
+  cuda::quantize_rows_fp8<T>(w28.p(), s2.p(), reinterpret_cast<const T*>(dw2.p()), N, I, nullptr);
+  Dev<uint8_t> small(cuda::Gemm::fp8_mlp_workspace_bytes(70, K, I, N));  // 70 rows a block
+  blocks.set_fp8_workspace(small.p(), small.n);
+  ASSERT_TRUE(cuda::Gemm::fp8_mlp_supported(I));
+  const auto* in = reinterpret_cast<const T*>(dx.p());
+  const auto* bias = reinterpret_cast<const T*>(db1.p());
+  for (int64_t t : {int64_t(1), int64_t(5), int64_t(64), int64_t(65), T_max}) {
+    SCOPED_TRACE("T " + std::to_string(t));
+    Dev<uint16_t> want(static_cast<size_t>(t * N)), got(static_cast<size_t>(t * N)), got_blocks(static_cast<size_t>(t * N));
+    gemm.run_fp8<T>(reinterpret_cast<T*>(fc.p()), in, w18.p(), s1.p(), bias, t, K, I, GemmAct::GeluTanh, nullptr);
+    gemm.run_fp8<T>(reinterpret_cast<T*>(want.p()), reinterpret_cast<const T*>(fc.p()), w28.p(), s2.p(), nullptr, t, I,
+                    N, GemmAct::None, nullptr);
+    gemm.run_fp8_mlp<T>(reinterpret_cast<T*>(got.p()), in, w18.p(), s1.p(), bias, GemmAct::GeluTanh, w28.p(), s2.p(), t,
+                        K, I, N, nullptr);
+    blocks.run_fp8_mlp<T>(reinterpret_cast<T*>(got_blocks.p()), in, w18.p(), s1.p(), bias, GemmAct::GeluTanh, w28.p(),
+                          s2.p(), t, K, I, N, nullptr);
+    CUDA_CHECK(cudaDeviceSynchronize());
+    const auto w = want.template get<uint16_t>();
+    EXPECT_EQ(got.template get<uint16_t>(), w);
+    EXPECT_EQ(got_blocks.template get<uint16_t>(), w);
+    for (uint16_t bits : w) ASSERT_TRUE(std::isfinite(from_bits<T>(bits)));
+  }
+  EXPECT_FALSE(cuda::Gemm::fp8_mlp_supported(cuda::fp8_epilogue_quantize_max_n() + 16));
 }
 
 TYPED_TEST(Fp8, GraphReplayGivesTheEagerBits) {
