@@ -54,7 +54,11 @@
 //       --requests-per-client 2 --prompt-tokens 128 --max-tokens 128 --trace
 //   (--fp8: the cuda workers run FP8 layer matrices, conveyor local --fp8; --kv-dtype fp8: their
 //   K/V caches in E4M3, conveyor local --kv-dtype fp8)
+#include <unistd.h>
+
 #include <algorithm>
+#include <cerrno>
+#include <cstring>
 #include <climits>
 #include <cmath>
 #include <csignal>
@@ -119,9 +123,21 @@ struct LocalCluster {
     if (no_prefix_cache) argv.push_back("--no-prefix-cache");
     if (no_step_ahead) argv.push_back("--no-step-ahead");
     if (!kv_cache_mb.empty()) argv.insert(argv.end(), {"--kv-cache-mb", kv_cache_mb});
+    // Says why it did not start (the callers add "the cluster did not start").
+    if (::access(argv[0].c_str(), X_OK) != 0) {
+      std::fprintf(stderr, "%s: %s (the cluster starts through `conveyor local`, found beside this program)\n",
+                   argv[0].c_str(), std::strerror(errno));
+      return false;
+    }
     proc = std::make_unique<testing::ChildProcess>(argv);
     const std::string line = proc->read_line_matching("ready at", std::chrono::seconds(120));
-    return std::sscanf(line.c_str(), "conveyor local: ready at http://127.0.0.1:%d", &port) == 1;
+    if (std::sscanf(line.c_str(), "conveyor local: ready at http://127.0.0.1:%d", &port) == 1) return true;
+    if (std::optional<int> code = proc->wait_exit(std::chrono::milliseconds(100)))
+      std::fprintf(stderr, "conveyor local exited with status %d before it was ready (its logs: %s)\n", *code,
+                   logs.c_str());
+    else
+      std::fprintf(stderr, "conveyor local printed no \"ready at\" line within 120 s (its logs: %s)\n", logs.c_str());
+    return false;
   }
   ~LocalCluster() {
     if (proc) {
