@@ -356,6 +356,7 @@ int run_bench(const Args& args, const char* self) {
   print_table(sizes, rows, mac_us);
   for (Side& s : sides) {
     check(s.ch->send(s.peer.id, as_bytes("bye"), {}, 10s), "bye");
+    s.ch->disconnect(s.peer.id);  // before the peer exits, which would otherwise read as its failure
     int status = 0;
     waitpid(s.peer.pid, &status, 0);
   }
@@ -507,6 +508,7 @@ std::vector<HandoffRow> measure_handoff(const Args& args, const char* self, bool
   std::printf("%s path, endpoint to the peer process:\n%s\n", direct ? "direct" : "staged",
               info.ok() ? info->c_str() : info.error().c_str());
   check(ch->send(peer, as_bytes("bye"), {}, 10s), "bye");
+  ch->disconnect(peer);  // before the peer exits, which would otherwise read as its failure
   int status = 0;
   waitpid(pid, &status, 0);
   return rows;
