@@ -87,8 +87,13 @@ __global__ void __launch_bounds__(kFp8QuantThreads)
 
 constexpr int kFp8EpilogueThreads = 256;
 
-__device__ __forceinline__ float scaled(float sum, float row_scale, float col_scale, float bias, int act) {
-  return activate(__fmul_rn(__fmul_rn(sum, row_scale), col_scale) + bias, act);
+// Output n of a row in fp32, from its fp16 sum: times unscale (2^e, exact), the row's and
+// column n's scales, bias n (none when null), the activation. Every epilogue path uses it.
+template <class T>
+__device__ __forceinline__ float epilogue_value(float sum, float unscale, float row_scale, const float* cs,
+                                                const T* bias, int64_t n, int act) {
+  const float b = bias != nullptr ? to_float(bias[n]) : 0.f;
+  return activate(__fmul_rn(__fmul_rn(sum * unscale, row_scale), cs[n]) + b, act);
 }
 
 // kVec8: N % 8 == 0, sums and out 16-byte aligned: eight columns a thread (one 16-byte load,
@@ -108,12 +113,10 @@ __global__ void __launch_bounds__(kFp8EpilogueThreads)
       float v[8];
       unpack8<__half>(load<kPdl>(reinterpret_cast<const uint4*>(sums + i)), v);
 #pragma unroll
-      for (int j = 0; j < 8; ++j)
-        v[j] = scaled(v[j] * unscale, row_scale, cs[n + j], bias != nullptr ? to_float(bias[n + j]) : 0.f, act);
+      for (int j = 0; j < 8; ++j) v[j] = epilogue_value(v[j], unscale, row_scale, cs, bias, n + j, act);
       *reinterpret_cast<uint4*>(out + i) = pack8<T>(v);
     } else {
-      const float b = bias != nullptr ? to_float(bias[n]) : 0.f;
-      out[i] = from_float<T>(scaled(__half2float(load<kPdl>(sums + i)) * unscale, row_scale, cs[n], b, act));
+      out[i] = from_float<T>(epilogue_value(__half2float(load<kPdl>(sums + i)), unscale, row_scale, cs, bias, n, act));
     }
   }
 }
@@ -144,16 +147,14 @@ __global__ void __launch_bounds__(kFp8EpilogueQuantThreads)
       unpack8<__half>(load<kPdl>(reinterpret_cast<const uint4*>(row + n)), v);
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
-        const float b = bias != nullptr ? to_float(bias[n + j]) : 0.f;
-        const T t = from_float<T>(scaled(v[j] * unscale, row_scale, cs[n + j], b, act));
+        const T t = from_float<T>(epilogue_value(v[j], unscale, row_scale, cs, bias, n + j, act));
         vals[n + j] = t;
         amax = fmaxf(amax, fabsf(to_float(t)));
       }
     }
   } else {
     for (int64_t n = threadIdx.x; n < N; n += kFp8EpilogueQuantThreads) {
-      const float b = bias != nullptr ? to_float(bias[n]) : 0.f;
-      const T t = from_float<T>(scaled(__half2float(load<kPdl>(row + n)) * unscale, row_scale, cs[n], b, act));
+      const T t = from_float<T>(epilogue_value(__half2float(load<kPdl>(row + n)), unscale, row_scale, cs, bias, n, act));
       vals[n] = t;
       amax = fmaxf(amax, fabsf(to_float(t)));
     }
@@ -163,6 +164,19 @@ __global__ void __launch_bounds__(kFp8EpilogueQuantThreads)
   if (threadIdx.x == 0) q_scales[r] = s;
   uint8_t* qrow = q + r * N;
   for (int64_t n = threadIdx.x; n < N; n += kFp8EpilogueQuantThreads) qrow[n] = quantize_one(to_float(vals[n]), s);
+}
+
+// Launches kernel<..., true> with programmatic dependent launch up to kFp8PdlRows rows, else
+// kernel<..., false> plainly (kFp8PdlRows says why).
+template <class... KArgs, class... Args>
+void launch_by_rows(const char* what, int64_t rows, void (*early)(KArgs...), void (*plain)(KArgs...), dim3 grid,
+                    dim3 block, size_t smem, cudaStream_t stream, Args... args) {
+  if (rows <= kFp8PdlRows) {
+    LAUNCH_PDL(what, early, grid, block, smem, stream, args...);
+  } else {
+    plain<<<grid, block, smem, stream>>>(args...);
+    CUDA_CHECK(cudaGetLastError());
+  }
 }
 
 }  // namespace
@@ -179,14 +193,9 @@ void quantize_rows_fp8(uint8_t* q, float* scales, const T* x, int64_t rows, int6
   const bool vec = kHalfType && K % 8 == 0 && detail::aligned16(x) && reinterpret_cast<uintptr_t>(q) % 8 == 0;
   auto run = [&](auto vec8) {
     constexpr bool kVec8 = decltype(vec8)::value;
-    if (rows <= detail::kFp8PdlRows) {
-      LAUNCH_PDL("quantize_rows_fp8_kernel", detail::quantize_rows_fp8_kernel<T, kVec8, true>, dim3(unsigned(rows)),
-                 dim3(detail::kFp8QuantThreads), 0, stream, q, scales, x, K);
-    } else {
-      detail::quantize_rows_fp8_kernel<T, kVec8, false>
-          <<<unsigned(rows), detail::kFp8QuantThreads, 0, stream>>>(q, scales, x, K);
-      CUDA_CHECK(cudaGetLastError());
-    }
+    detail::launch_by_rows("quantize_rows_fp8_kernel", rows, detail::quantize_rows_fp8_kernel<T, kVec8, true>,
+                           detail::quantize_rows_fp8_kernel<T, kVec8, false>, dim3(unsigned(rows)),
+                           dim3(detail::kFp8QuantThreads), 0, stream, q, scales, x, K);
   };
   if constexpr (kHalfType) {
     if (vec) return run(std::true_type{});
@@ -214,15 +223,10 @@ void fp8_scale_epilogue(T* out, const __half* sums, int e, const float* row_scal
                                                      int64_t(1) << 16));
   auto run = [&](auto vec8) {
     constexpr bool kVec8 = decltype(vec8)::value;
-    if (rows <= detail::kFp8PdlRows) {
-      LAUNCH_PDL("fp8_scale_epilogue_kernel", detail::fp8_scale_epilogue_kernel<T, kVec8, true>, dim3(blocks),
-                 dim3(detail::kFp8EpilogueThreads), 0, stream, out, sums, unscale, row_scales, col_scales, bias,
-                 rows, N, act);
-    } else {
-      detail::fp8_scale_epilogue_kernel<T, kVec8, false><<<blocks, detail::kFp8EpilogueThreads, 0, stream>>>(
-          out, sums, unscale, row_scales, col_scales, bias, rows, N, act);
-      CUDA_CHECK(cudaGetLastError());
-    }
+    detail::launch_by_rows("fp8_scale_epilogue_kernel", rows, detail::fp8_scale_epilogue_kernel<T, kVec8, true>,
+                           detail::fp8_scale_epilogue_kernel<T, kVec8, false>, dim3(blocks),
+                           dim3(detail::kFp8EpilogueThreads), 0, stream, out, sums, unscale, row_scales, col_scales,
+                           bias, rows, N, act);
   };
   if (vec) run(std::true_type{});
   else run(std::false_type{});
@@ -252,19 +256,13 @@ void fp8_epilogue_quantize(uint8_t* q, float* q_scales, const __half* sums, int 
   const bool vec = N % 8 == 0 && detail::aligned16(sums);
   auto run = [&](auto vec8) {
     constexpr bool kVec8 = decltype(vec8)::value;
-    if (rows <= detail::kFp8PdlRows) {
-      auto kernel = detail::fp8_epilogue_quantize_kernel<T, kVec8, true>;
-      detail::allow_smem(kernel, size_t(fp8_epilogue_quantize_max_n()) * sizeof(T));
-      LAUNCH_PDL("fp8_epilogue_quantize_kernel", kernel, dim3(unsigned(rows)),
-                 dim3(detail::kFp8EpilogueQuantThreads), smem, stream, q, q_scales, sums, unscale, row_scales,
-                 col_scales, bias, N, act);
-    } else {
-      auto kernel = detail::fp8_epilogue_quantize_kernel<T, kVec8, false>;
-      detail::allow_smem(kernel, size_t(fp8_epilogue_quantize_max_n()) * sizeof(T));
-      kernel<<<unsigned(rows), detail::kFp8EpilogueQuantThreads, smem, stream>>>(q, q_scales, sums, unscale,
-                                                                                 row_scales, col_scales, bias, N, act);
-      CUDA_CHECK(cudaGetLastError());
-    }
+    auto early = detail::fp8_epilogue_quantize_kernel<T, kVec8, true>;
+    auto plain = detail::fp8_epilogue_quantize_kernel<T, kVec8, false>;
+    const size_t most = size_t(fp8_epilogue_quantize_max_n()) * sizeof(T);
+    for (auto kernel : {early, plain}) detail::allow_smem(kernel, most);
+    detail::launch_by_rows("fp8_epilogue_quantize_kernel", rows, early, plain, dim3(unsigned(rows)),
+                           dim3(detail::kFp8EpilogueQuantThreads), smem, stream, q, q_scales, sums, unscale,
+                           row_scales, col_scales, bias, N, act);
   };
   if (vec) run(std::true_type{});
   else run(std::false_type{});
