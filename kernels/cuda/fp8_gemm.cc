@@ -239,8 +239,8 @@ struct Gemm::Fp8State::Call {
   const uint8_t* w;
   const uint8_t* qa;
   __half* sums;
-  float alpha;  // 2^-e
   cudaStream_t stream;
+  float alpha = std::ldexp(1.f, -fp8_sum_exponent(key.K));  // 2^-e: the sums within fp16 (fp8.h)
 
   uint64_t ws() const { return gemm.workspace_.bytes(); }
 
@@ -425,11 +425,10 @@ void Gemm::run_fp8(T* out, const T* in, const uint8_t* w, const float* w_scales,
                 std::to_string(fp8_workspace_bytes(1, K, N)) + " bytes)");
   const Fp8WorkspaceParts parts = carve_fp8_workspace(s.workspace, rows_per_call, K, N);
 
-  // Its alpha, 2^-e, follows from K.
-  const int e = fp8_sum_exponent(K);
+  const int e = fp8_sum_exponent(K);  // the epilogue's 2^e (the Call's alpha is 2^-e)
   const Key key = Fp8State::key_for<T>(w, K, N);
   Fp8State::Call call{.gemm = *this, .s = s, .key = key, .capturing = capturing, .rows_per_call = rows_per_call,
-                      .w = w, .qa = parts.qa, .sums = parts.sums, .alpha = std::ldexp(1.f, -e), .stream = stream};
+                      .w = w, .qa = parts.qa, .sums = parts.sums, .stream = stream};
 
   for (int64_t r0 = 0; r0 < T_; r0 += rows_per_call) {
     const int64_t rows = std::min(rows_per_call, T_ - r0);
@@ -467,11 +466,9 @@ void Gemm::run_fp8_mlp(T* out, const T* in, const uint8_t* w1, const float* w1_s
   const Fp8MlpParts parts = carve_fp8_mlp_workspace(s.workspace, rows_per_call, K, I, N);
   const int e1 = fp8_sum_exponent(K), e2 = fp8_sum_exponent(I);
   Fp8State::Call fc1{.gemm = *this, .s = s, .key = Fp8State::key_for<T>(w1, K, I), .capturing = capturing,
-                     .rows_per_call = rows_per_call, .w = w1, .qa = parts.q1, .sums = parts.sums,
-                     .alpha = std::ldexp(1.f, -e1), .stream = stream};
+                     .rows_per_call = rows_per_call, .w = w1, .qa = parts.q1, .sums = parts.sums, .stream = stream};
   Fp8State::Call fc2{.gemm = *this, .s = s, .key = Fp8State::key_for<T>(w2, I, N), .capturing = capturing,
-                     .rows_per_call = rows_per_call, .w = w2, .qa = parts.q2, .sums = parts.sums,
-                     .alpha = std::ldexp(1.f, -e2), .stream = stream};
+                     .rows_per_call = rows_per_call, .w = w2, .qa = parts.q2, .sums = parts.sums, .stream = stream};
   for (int64_t r0 = 0; r0 < T_; r0 += rows_per_call) {
     const int64_t rows = std::min(rows_per_call, T_ - r0);
     quantize_rows_fp8<T>(parts.q1, parts.s1, in + r0 * K, rows, K, stream);
