@@ -452,14 +452,14 @@ __device__ __forceinline__ float* fp8_stage_scales(uint8_t* st) {  // K's, then 
 // holds whatever an earlier sequence left there). A page's kPageTokens scales of a head are
 // contiguous (64 bytes, 16-byte aligned: a page's bytes are a multiple of 16). The decode's
 // new token is loaded with the rest and replaced in shared memory once the piece is in.
+// In two parts, so that the decode can wait for each on its own: what the scores read (K's
+// bytes, K's and V's scales: P carries V's scales) and what P V reads (V's bytes).
 template <int D, int THREADS>
-__device__ __forceinline__ void load_piece_fp8(uint8_t* st, const Fp8Kv& f, int s, int h, int kb, int n, int i) {
+__device__ __forceinline__ void load_piece_fp8_keys(uint8_t* st, const Fp8Kv& f, int s, int h, int kb, int n, int i) {
   constexpr int KP = fp8_pitch<D>();
   const int limit = min(kPiece, n - kb);
   const PiecePages pages = piece_pages(f.kv, s, kb, limit);
-  const int64_t head = int64_t(h) * kPageTokens * D, page_bytes = f.kv.page_stride;
-  copy_piece_rows<D, KP, THREADS>(st, f.kv.k + head, page_bytes, pages, i, limit, -1);
-  copy_piece_rows<D, KP, THREADS>(st + kPiece * KP, f.kv.v + head, page_bytes, pages, i, limit, -1);
+  copy_piece_rows<D, KP, THREADS>(st, f.kv.k + int64_t(h) * kPageTokens * D, f.kv.page_stride, pages, i, limit, -1);
   constexpr int kScaleChunks = kPiece / 4;  // 16 bytes: four positions' scales
   float* sks = fp8_stage_scales<D>(st);
   for (int c = i; c < 2 * kScaleChunks; c += THREADS) {
@@ -469,6 +469,19 @@ __device__ __forceinline__ void load_piece_fp8(uint8_t* st, const Fp8Kv& f, int 
                        int64_t(h) * kPageTokens + row % kPageTokens;
     cp_async16(sks + (v ? kPiece : 0) + row, src, 4 * min(4, max(0, limit - row)));
   }
+}
+template <int D, int THREADS>
+__device__ __forceinline__ void load_piece_fp8_values(uint8_t* st, const Fp8Kv& f, int s, int h, int kb, int n, int i) {
+  constexpr int KP = fp8_pitch<D>();
+  const int limit = min(kPiece, n - kb);
+  const PiecePages pages = piece_pages(f.kv, s, kb, limit);
+  copy_piece_rows<D, KP, THREADS>(st + kPiece * KP, f.kv.v + int64_t(h) * kPageTokens * D, f.kv.page_stride, pages, i,
+                                  limit, -1);
+}
+template <int D, int THREADS>
+__device__ __forceinline__ void load_piece_fp8(uint8_t* st, const Fp8Kv& f, int s, int h, int kb, int n, int i) {
+  load_piece_fp8_keys<D, THREADS>(st, f, s, h, kb, n, i);
+  load_piece_fp8_values<D, THREADS>(st, f, s, h, kb, n, i);
 }
 
 // The decode's new token in FP8: its K and V heads quantised once, as kv_cache_append
@@ -503,14 +516,18 @@ __device__ __forceinline__ NewTokenFp8<D> new_token_fp8(const T* new_k, const T*
 
 // Decode: the new token's K and V bytes and scales into the staged piece (its row r =
 // t_new - kb), as kv_cache_append stores them, so the piece reads it as any cached position.
-template <int D>
+// The parts of load_piece_fp8: K's bytes and both scales (KEYS), or V's bytes.
+template <int D, bool KEYS>
 __device__ __forceinline__ void stage_new_token(uint8_t* st, int r, const NewTokenFp8<D>& n) {
   constexpr int KP = fp8_pitch<D>();
   const int lane = threadIdx.x & 31;
 #pragma unroll
   for (int i = 0; i < NewTokenFp8<D>::kPer; ++i)
-    if (const int d = lane + 32 * i; d < D) st[r * KP + d] = n.k[i], st[(kPiece + r) * KP + d] = n.v[i];
-  if (lane == 0) fp8_stage_scales<D>(st)[r] = n.s[0], fp8_stage_scales<D>(st)[kPiece + r] = n.s[1];
+    if (const int d = lane + 32 * i; d < D) {
+      if constexpr (KEYS) st[r * KP + d] = n.k[i];
+      else st[(kPiece + r) * KP + d] = n.v[i];
+    }
+  if (KEYS && lane == 0) fp8_stage_scales<D>(st)[r] = n.s[0], fp8_stage_scales<D>(st)[kPiece + r] = n.s[1];
 }
 
 // Two E4M3 bytes (the lower one first) as a B-fragment register of T: exact.

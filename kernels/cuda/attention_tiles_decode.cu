@@ -70,15 +70,14 @@ __device__ __forceinline__ void merge_spread(T* o, const float* parts, int piece
     if (lane + 32 * i < D) o[lane + 32 * i] = from_float<T>(__fdiv_rn(O[i], L));
 }
 
-// Shared memory of one decode warp: its piece tile (K and V; six warps a SM), or (FP8)
-// kFp8Stages staged pieces (bytes and scales), so that a warp has that many pieces in flight.
-// One: eight warps a SM. Measured on the H100 (gpt3-6.7b heads): two stages (six warps a SM)
-// took 175 us at batch 256 x 128 positions against 134, three (four warps) 229; at 1,024
-// positions and more all three were within 3%.
-constexpr int kFp8Stages = 1;
+// Shared memory of one decode warp: its piece tile (K and V; six warps a SM), or (FP8) one
+// staged piece (bytes and scales; eight warps a SM). Measured on the H100 (gpt3-6.7b heads):
+// two whole staged pieces a warp (six warps a SM) took 175 us at batch 256 x 128 positions
+// against 134, three (four warps) 229; at 1,024 positions and more all three were within 3%.
+// So the FP8 piece is staged in its two parts instead (decode_pieces_fp8).
 template <class T, int D, bool FP8>
 constexpr size_t decode_warp_smem() {
-  return FP8 ? kFp8Stages * fp8_stage_bytes<D>() : piece_smem_bytes<D>(sizeof(T));
+  return FP8 ? fp8_stage_bytes<D>() : piece_smem_bytes<D>(sizeof(T));
 }
 
 // A decode warp's row: sequence s, head h, the K/V length, and the new token at t_new (new_k,
@@ -177,9 +176,11 @@ __device__ __forceinline__ void decode_pieces(TileState<D, 1>& run, float* parts
   }
 }
 
-// FP8: the pieces z, z + Z, ... through kFp8Stages staged pieces in turn (the kernel loaded
-// the first ones); a piece's stage is loaded again, kFp8Stages pieces on, once its scores
-// and P V have read it. The new token is put among its piece's staged positions first.
+// FP8: the pieces z, z + Z, ... through the one staged piece, whose two parts (load_piece_fp8's
+// keys and values) come in as two groups: the next piece's keys are loaded as soon as this
+// piece's scores have read them, and stream while P V reads this piece's values; the next
+// values stream while the next scores run. (The kernel loaded the first piece.) The new token
+// is put among its piece's staged positions first, each part once it is in.
 template <class T, int D>
 __device__ __forceinline__ void decode_pieces_fp8(TileState<D, 1>& run, float* parts, bool spread, uint8_t* st,
                                                   const Fp8Kv& f8, const DecodeRow<T>& row,
@@ -189,22 +190,31 @@ __device__ __forceinline__ void decode_pieces_fp8(TileState<D, 1>& run, float* p
   constexpr int kStride = D + 4;  // floats per piece state {m, l, O[D], pad}: 16-byte aligned
   const int t_new = row.t_new;
   TileState<D, 1> piece;
-  for (int pc = z, i = 0; pc < pieces; pc += Z, ++i) {
-    uint8_t* stage = st + (i % kFp8Stages) * fp8_stage_bytes<D>();
-    cp_async_wait<kFp8Stages - 1>();  // one group a piece, in order: this piece's is in
+  for (int pc = z; pc < pieces; pc += Z) {
+    const int next = pc + Z < pieces ? pc + Z : -1;
+    const bool has_new = t_new / kPiece == pc;
+    cp_async_wait<1>();  // this piece's keys (its values are the newest group)
     __syncwarp();
-    if (t_new / kPiece == pc) {
-      stage_new_token<D>(stage, t_new - pc * kPiece, n);
+    if (has_new) {
+      stage_new_token<D, true>(st, t_new - pc * kPiece, n);
       __syncwarp();
     }
     uint32_t p[4][4];
     float S[1];
-    v_scale_rows<D>(S, stage, pc * kPiece, pos);
-    piece_scores_fp8<T, D>(piece, p, q, stage, pc * kPiece, pos, scale_log2, S);
-    piece_values_fp8<T, D>(piece, p, stage, S);
-    __syncwarp();  // the stage is free
-    const int later = pc + kFp8Stages * Z;
-    if (later < pieces) load_piece_fp8<D, 32>(stage, f8, row.s, row.h, later * kPiece, row.kv_len, lane);
+    v_scale_rows<D>(S, st, pc * kPiece, pos);
+    piece_scores_fp8<T, D>(piece, p, q, st, pc * kPiece, pos, scale_log2, S);
+    __syncwarp();  // the keys and scales are free
+    if (next >= 0) load_piece_fp8_keys<D, 32>(st, f8, row.s, row.h, next * kPiece, row.kv_len, lane);
+    cp_async_commit();
+    cp_async_wait<1>();  // this piece's values (the next keys are the newest group)
+    __syncwarp();
+    if (has_new) {
+      stage_new_token<D, false>(st, t_new - pc * kPiece, n);
+      __syncwarp();
+    }
+    piece_values_fp8<T, D>(piece, p, st, S);
+    __syncwarp();  // the values are free
+    if (next >= 0) load_piece_fp8_values<D, 32>(st, f8, row.s, row.h, next * kPiece, row.kv_len, lane);
     cp_async_commit();
     if (spread) store_partial<D, true>(parts + int64_t(pc) * kStride, piece);
     else merge<D>(run, piece, 0, pc == z);
@@ -246,11 +256,10 @@ __global__ void __launch_bounds__(kDecodeWarps * 32)
   // too, and replaces it in shared memory once its piece is in.)
   NewTokenFp8<D> n{};
   if constexpr (FP8) {
-    for (int k = 0; k < kFp8Stages; ++k) {
-      const int pc = z + k * Zr;
-      if (pc < pieces) load_piece_fp8<D, 32>(st + k * fp8_stage_bytes<D>(), f8, s, h, pc * kPiece, kv_len, lane);
-      cp_async_commit();  // one group a piece, empty past the last
-    }
+    load_piece_fp8_keys<D, 32>(st, f8, s, h, z * kPiece, kv_len, lane);  // z < pieces
+    cp_async_commit();
+    load_piece_fp8_values<D, 32>(st, f8, s, h, z * kPiece, kv_len, lane);
+    cp_async_commit();  // two groups a piece: keys, then values
     grid_dependency_wait();
     n = new_token_fp8<T, D>(new_k, new_v);
   } else {
