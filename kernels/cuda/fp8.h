@@ -48,6 +48,15 @@ namespace conveyor::cuda {
 
 inline constexpr float kFp8E4M3Max = 448.f;
 
+// A matrix's rows as quantize_rows_fp8 makes them: E4M3 bytes [rows, K] and a scale a row
+// (device memory). A LayerNorm writes them beside its output (ops.h) so that the product
+// after it (Gemm::run_fp8, run_fp8_mlp) need not quantise that output again. Empty: none.
+struct Fp8Rows {
+  uint8_t* q = nullptr;
+  float* scales = nullptr;
+  explicit operator bool() const { return q != nullptr; }
+};
+
 // q [rows, K] (E4M3 bytes) and scales [rows] from x [rows, K] (row-major, device pointers),
 // asynchronous on `stream`, deterministic, no allocation (capturable). T is __half,
 // __nv_bfloat16 or float. Throws conveyor::Error for null pointers or rows, K <= 0.

@@ -226,6 +226,23 @@ Fp8MlpParts carve_fp8_mlp_workspace(void* workspace, int64_t rows, int64_t K, in
   return p;
 }
 
+// A caller's quantised rows (in_q) need their scales too, and 16-byte aligned bytes (cuBLASLt's B).
+void check_quantised_input(Fp8Rows in_q) {
+  if (!in_q) return;
+  if (in_q.scales == nullptr) throw Error("fp8 gemm: quantised input rows without their scales");
+  if (lt_alignment(in_q.q) < 16) throw Error("fp8 gemm: quantised input rows must be 16-byte aligned");
+}
+
+// Rows [r0, r0 + rows) of the product's input in FP8: the caller's (in_q, quantised already),
+// or `in`'s quantised now into the workspace's q and s.
+template <class T>
+Fp8Rows quantised_rows(Fp8Rows in_q, uint8_t* q, float* s, const T* in, int64_t r0, int64_t rows, int64_t K,
+                       cudaStream_t stream) {
+  if (in_q) return {in_q.q + r0 * K, in_q.scales + r0};
+  quantize_rows_fp8<T>(q, s, in + r0 * K, rows, K, stream);
+  return {q, s};
+}
+
 }  // namespace
 
 // One run_fp8 call: its problem (key, with T set per plan), where its sums and quantised rows
@@ -409,9 +426,10 @@ void Gemm::Fp8State::reserve_workspace(size_t need, bool capturing) {
 
 template <class T>
 void Gemm::run_fp8(T* out, const T* in, const uint8_t* w, const float* w_scales, const T* bias, int64_t T_, int64_t K,
-                   int64_t N, GemmAct act, cudaStream_t stream) {
+                   int64_t N, GemmAct act, cudaStream_t stream, Fp8Rows in_q) {
   static_assert(std::is_same_v<T, __half> || std::is_same_v<T, __nv_bfloat16>, "T is __half or __nv_bfloat16");
   check_fp8_arguments(out, in, w, w_scales, T_, K, N);
+  check_quantised_input(in_q);
   check_device();
   Fp8State& s = fp8_state();
 
@@ -432,25 +450,28 @@ void Gemm::run_fp8(T* out, const T* in, const uint8_t* w, const float* w_scales,
 
   for (int64_t r0 = 0; r0 < T_; r0 += rows_per_call) {
     const int64_t rows = std::min(rows_per_call, T_ - r0);
-    quantize_rows_fp8<T>(parts.qa, parts.sa, in + r0 * K, rows, K, stream);
+    const Fp8Rows a = quantised_rows<T>(in_q, parts.qa, parts.sa, in, r0, rows, K, stream);
+    call.qa = a.q;
     const Fp8State::Plan& plan = call.plan(rows);
     CUDA_CHECK(call.matmul(*plan.problem, plan.algo));
-    fp8_scale_epilogue<T>(out + r0 * N, parts.sums, e, parts.sa, w_scales, bias, rows, N, int(act), stream);
+    fp8_scale_epilogue<T>(out + r0 * N, parts.sums, e, a.scales, w_scales, bias, rows, N, int(act), stream);
   }
 }
 
 template void Gemm::run_fp8<__half>(__half*, const __half*, const uint8_t*, const float*, const __half*, int64_t,
-                                    int64_t, int64_t, GemmAct, cudaStream_t);
+                                    int64_t, int64_t, GemmAct, cudaStream_t, Fp8Rows);
 template void Gemm::run_fp8<__nv_bfloat16>(__nv_bfloat16*, const __nv_bfloat16*, const uint8_t*, const float*,
-                                           const __nv_bfloat16*, int64_t, int64_t, int64_t, GemmAct, cudaStream_t);
+                                           const __nv_bfloat16*, int64_t, int64_t, int64_t, GemmAct, cudaStream_t,
+                                           Fp8Rows);
 
 template <class T>
 void Gemm::run_fp8_mlp(T* out, const T* in, const uint8_t* w1, const float* w1_scales, const T* bias1, GemmAct act,
                        const uint8_t* w2, const float* w2_scales, int64_t T_, int64_t K, int64_t I, int64_t N,
-                       cudaStream_t stream) {
+                       cudaStream_t stream, Fp8Rows in_q) {
   static_assert(std::is_same_v<T, __half> || std::is_same_v<T, __nv_bfloat16>, "T is __half or __nv_bfloat16");
   check_fp8_arguments(out, in, w1, w1_scales, T_, K, I);
   check_fp8_arguments(out, in, w2, w2_scales, T_, I, N);
+  check_quantised_input(in_q);
   if (!fp8_mlp_supported(I))
     throw Error("fp8 mlp: FC1's rows of " + std::to_string(I) + " are longer than one block quantises (" +
                 std::to_string(fp8_epilogue_quantize_max_n()) + "): run the two products with run_fp8");
@@ -471,10 +492,11 @@ void Gemm::run_fp8_mlp(T* out, const T* in, const uint8_t* w1, const float* w1_s
                      .rows_per_call = rows_per_call, .w = w2, .qa = parts.q2, .sums = parts.sums, .stream = stream};
   for (int64_t r0 = 0; r0 < T_; r0 += rows_per_call) {
     const int64_t rows = std::min(rows_per_call, T_ - r0);
-    quantize_rows_fp8<T>(parts.q1, parts.s1, in + r0 * K, rows, K, stream);
+    const Fp8Rows a = quantised_rows<T>(in_q, parts.q1, parts.s1, in, r0, rows, K, stream);
+    fc1.qa = a.q;
     const Fp8State::Plan& p1 = fc1.plan(rows);
     CUDA_CHECK(fc1.matmul(*p1.problem, p1.algo));
-    fp8_epilogue_quantize<T>(parts.q2, parts.s2, parts.sums, e1, parts.s1, w1_scales, bias1, rows, I, int(act),
+    fp8_epilogue_quantize<T>(parts.q2, parts.s2, parts.sums, e1, a.scales, w1_scales, bias1, rows, I, int(act),
                              stream);
     const Fp8State::Plan& p2 = fc2.plan(rows);
     CUDA_CHECK(fc2.matmul(*p2.problem, p2.algo));
@@ -484,10 +506,10 @@ void Gemm::run_fp8_mlp(T* out, const T* in, const uint8_t* w1, const float* w1_s
 
 template void Gemm::run_fp8_mlp<__half>(__half*, const __half*, const uint8_t*, const float*, const __half*, GemmAct,
                                         const uint8_t*, const float*, int64_t, int64_t, int64_t, int64_t,
-                                        cudaStream_t);
+                                        cudaStream_t, Fp8Rows);
 template void Gemm::run_fp8_mlp<__nv_bfloat16>(__nv_bfloat16*, const __nv_bfloat16*, const uint8_t*, const float*,
                                                const __nv_bfloat16*, GemmAct, const uint8_t*, const float*, int64_t,
-                                               int64_t, int64_t, int64_t, cudaStream_t);
+                                               int64_t, int64_t, int64_t, cudaStream_t, Fp8Rows);
 
 Status Gemm::fp8_supported() {
   if (Status st = fp8_device_check(device_); !st) return st;

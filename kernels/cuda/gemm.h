@@ -44,6 +44,7 @@
 #include "common/kernel_options.h"
 #include "common/model_config.h"
 #include "kernels/cuda/check.h"
+#include "kernels/cuda/fp8.h"
 
 namespace conveyor::cuda {
 
@@ -107,18 +108,21 @@ class Gemm {
   // cuBLASLt offers no FP8 algorithm for the problem. GemmOptions::fp8_fast_accum turns
   // on cuBLASLt's fast FP8 accumulation (no periodic promotion to fp32: faster, less exact;
   // still the same bits for every T, but not the default's bits).
+  // in_q (optional): in's rows already quantised (layernorm_forward's fp8 rows: exactly
+  // quantize_rows_fp8 of in), read instead of quantising in again.
   template <class T>
   void run_fp8(T* out, const T* in, const uint8_t* w, const float* w_scales, const T* bias, int64_t T_, int64_t K,
-               int64_t N, GemmAct act, cudaStream_t stream);
+               int64_t N, GemmAct act, cudaStream_t stream, Fp8Rows in_q = {});
   // FC1 then FC2 of an MLP in FP8: out = FC2(act(FC1(in) + bias1)), FC2 without its bias (the
   // layer adds it with the residual). The same bits as run_fp8 twice (FC1 into a T row, then
   // FC2 of it), without that row in memory: FC1's epilogue quantises it for FC2 in the same
   // kernel (fp8_epilogue_quantize). in [T, K], w1 [I, K], w2 [N, I]; needs
-  // fp8_mlp_supported(I), else throws. Its workspace: fp8_mlp_workspace_bytes.
+  // fp8_mlp_supported(I), else throws. Its workspace: fp8_mlp_workspace_bytes. in_q: as
+  // run_fp8's.
   template <class T>
   void run_fp8_mlp(T* out, const T* in, const uint8_t* w1, const float* w1_scales, const T* bias1, GemmAct act,
                    const uint8_t* w2, const float* w2_scales, int64_t T_, int64_t K, int64_t I, int64_t N,
-                   cudaStream_t stream);
+                   cudaStream_t stream, Fp8Rows in_q = {});
   static size_t fp8_mlp_workspace_bytes(int64_t rows, int64_t K, int64_t I, int64_t N);
   static bool fp8_mlp_supported(int64_t I);
   // Whether run_fp8_mlp is faster than run_fp8 twice for T_ rows: above 64 (one block a row

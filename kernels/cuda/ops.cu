@@ -8,6 +8,7 @@
 
 #include "kernels/cuda/check.h"
 #include "kernels/cuda/dtype.cuh"
+#include "kernels/cuda/fp8.cuh"
 #include "kernels/cuda/launch.cuh"
 #include "kernels/cuda/ops.h"
 
@@ -149,9 +150,9 @@ __device__ __forceinline__ float sum_squared_deviations(const float (&v)[NPT][V]
 }
 
 // out[row] = (v - mean) * rstd * gamma + beta for this thread's items (gamma, beta preloaded
-// in g, b with PRE).
+// in g, b with PRE); v then holds the values stored (rounded to T), for quantise_ln_row.
 template <class T, int V, int NPT, bool PRE, int P>
-__device__ __forceinline__ void write_ln_row(T* out, const float (&v)[NPT][V], const float (&g)[P][V],
+__device__ __forceinline__ void write_ln_row(T* out, float (&v)[NPT][V], const float (&g)[P][V],
                                              const float (&b)[P][V], const T* gamma, const T* beta, float mean,
                                              float rstd, int64_t row, int64_t C, int64_t items) {
 #pragma unroll
@@ -171,6 +172,40 @@ __device__ __forceinline__ void write_ln_row(T* out, const float (&v)[NPT][V], c
         for (int j = 0; j < V; ++j) o[j] = (v[k][j] - mean) * rstd * gg[j] + bb[j];
       }
       store_items<T, V>(out + row * C + col, o);
+#pragma unroll
+      for (int j = 0; j < V; ++j) v[k][j] = to_float(from_float<T>(o[j]));
+    }
+  }
+}
+
+// The row just written (v: its stored values) quantised as quantize_rows_fp8 quantises a row:
+// the scale of its largest magnitude (the maximum is exact in any order), then each value by
+// quantize_one. The same operations on the same values: the same bytes and scale.
+template <int V, int NPT>
+__device__ __forceinline__ void quantise_ln_row(Fp8Rows fp8, const float (&v)[NPT][V], float* scratch, int64_t row,
+                                                int64_t C, int64_t items) {
+  float amax = 0.f;
+#pragma unroll
+  for (int k = 0; k < NPT; ++k)
+    if (threadIdx.x + int64_t(k) * blockDim.x < items)
+#pragma unroll
+      for (int j = 0; j < V; ++j) amax = fmaxf(amax, fabsf(v[k][j]));
+  const float s = detail::fp8_scale(block_max(amax, scratch));
+  if (threadIdx.x == 0) fp8.scales[row] = s;
+#pragma unroll
+  for (int k = 0; k < NPT; ++k) {
+    const int64_t item = threadIdx.x + int64_t(k) * blockDim.x;
+    if (item >= items) continue;
+    uint8_t* q = fp8.q + row * C + item * V;
+    if constexpr (V == 8) {
+      uint2 out;
+      uint8_t* b = reinterpret_cast<uint8_t*>(&out);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) b[j] = detail::quantize_one(v[k][j], s);
+      *reinterpret_cast<uint2*>(q) = out;
+    } else {
+#pragma unroll
+      for (int j = 0; j < V; ++j) q[j] = detail::quantize_one(v[k][j], s);
     }
   }
 }
@@ -182,11 +217,12 @@ __device__ __forceinline__ void write_ln_row(T* out, const float (&v)[NPT][V], c
 // row of a decode step is spread over many warps: the kernel is latency-bound and a single
 // warp walking the row serially is several times slower. With PRE (NPT = 1) the immutable
 // gamma, beta and bias are loaded before grid_dependency_wait(), overlapping the kernel
-// before.
+// before. fp8 (when not empty): out's rows quantised there too (quantise_ln_row).
 template <class T, int V, int NPT, bool FUSED, bool PRE>
 __global__ void __launch_bounds__(1024)
     layernorm_kernel(T* __restrict__ out, const T* in, const T* __restrict__ gamma, const T* __restrict__ beta,
-                     int64_t C, float eps, T* residual, const T* __restrict__ x, const T* __restrict__ bias) {
+                     int64_t C, float eps, T* residual, const T* __restrict__ x, const T* __restrict__ bias,
+                     Fp8Rows fp8) {
   __shared__ float scratch[32];
   grid_dependents_launch();
   const int64_t row = blockIdx.x;
@@ -203,23 +239,26 @@ __global__ void __launch_bounds__(1024)
   const float var = block_sum(sq, scratch) / float(C);
   const float rstd = 1.f / sqrtf(var + eps);
   write_ln_row<T, V, NPT, PRE>(out, v, g, b, gamma, beta, mean, rstd, row, C, items);
+  if (fp8.q != nullptr) quantise_ln_row<V, NPT>(fp8, v, scratch, row, C, items);  // uniform across the block
 }
 
 // Threads: one item each up to 1024, then NPT items each (vector path: C <= 1024 * 4 * 8;
 // scalar path: C <= 1024 * 8).
 template <class T, bool FUSED>
 void launch_layernorm(T* out, const T* in, const T* gamma, const T* beta, int64_t rows, int64_t C,
-                      float eps, T* residual, const T* x, const T* bias, cudaStream_t stream) {
+                      float eps, T* residual, const T* x, const T* bias, cudaStream_t stream, Fp8Rows fp8) {
   if (rows <= 0 || C <= 0) return;
+  if (fp8 && (fp8.scales == nullptr || gamma == nullptr))
+    throw Error("layernorm: FP8 rows need their scales and a LayerNorm (gamma) to quantise");
   const bool vec = C % kVec == 0 && aligned16(out) && aligned16(in) && aligned16(gamma) && aligned16(beta) &&
-                   aligned16(residual) && aligned16(x) && aligned16(bias);
+                   aligned16(residual) && aligned16(x) && aligned16(bias) && aligned16(fp8.q);
   const int64_t items = vec ? C / kVec : C;
   const int threads = int(std::min<int64_t>(1024, (items + 31) / 32 * 32));
   const int64_t npt = (items + threads - 1) / threads;
   const dim3 grid{unsigned(rows)}, block{unsigned(threads)};
 #define CONVEYOR_LN(VV, N, PRE)                                                                                    \
   LAUNCH_PDL("layernorm_kernel", layernorm_kernel<T, VV, N, FUSED, PRE>, grid, block, 0, stream, out, in, gamma, \
-             beta, C, eps, residual, x, bias)
+             beta, C, eps, residual, x, bias, fp8)
   if (vec) {
     if (npt == 1) CONVEYOR_LN(8, 1, true);
     else if (npt == 2) CONVEYOR_LN(8, 2, false);
@@ -391,15 +430,15 @@ void embedding_forward(T* out, const int32_t* ids, const int32_t* positions, int
 
 template <class T>
 void layernorm_forward(T* out, const T* in, const T* gamma, const T* beta, int64_t num_tokens,
-                       int64_t C, float eps, cudaStream_t stream) {
-  launch_layernorm<T, false>(out, in, gamma, beta, num_tokens, C, eps, nullptr, nullptr, nullptr, stream);
+                       int64_t C, float eps, cudaStream_t stream, Fp8Rows fp8) {
+  launch_layernorm<T, false>(out, in, gamma, beta, num_tokens, C, eps, nullptr, nullptr, nullptr, stream, fp8);
 }
 
 template <class T>
 void add_bias_residual_layernorm(T* residual, T* ln_out, const T* x, const T* bias, const T* gamma,
                                  const T* beta, int64_t num_tokens, int64_t C, float eps,
-                                 cudaStream_t stream) {
-  launch_layernorm<T, true>(ln_out, nullptr, gamma, beta, num_tokens, C, eps, residual, x, bias, stream);
+                                 cudaStream_t stream, Fp8Rows fp8) {
+  launch_layernorm<T, true>(ln_out, nullptr, gamma, beta, num_tokens, C, eps, residual, x, bias, stream, fp8);
 }
 
 template <class T>
@@ -478,9 +517,9 @@ void convert_transpose_from_float(T* out, const float* in, int64_t K, int64_t N,
   template void embedding_forward<T>(T*, const int32_t*, const int32_t*, int64_t, const T*,        \
                                      const T*, int64_t, cudaStream_t);                             \
   template void layernorm_forward<T>(T*, const T*, const T*, const T*, int64_t, int64_t, float,    \
-                                     cudaStream_t);                                                \
+                                     cudaStream_t, Fp8Rows);                                       \
   template void add_bias_residual_layernorm<T>(T*, T*, const T*, const T*, const T*, const T*,     \
-                                               int64_t, int64_t, float, cudaStream_t);             \
+                                               int64_t, int64_t, float, cudaStream_t, Fp8Rows);    \
   template void gelu_forward<T>(T*, int64_t, cudaStream_t);                                        \
   template void gelu_erf_forward<T>(T*, int64_t, cudaStream_t);                                    \
   template void add_bias_gelu<T>(T*, const T*, int64_t, int64_t, Activation, cudaStream_t);        \

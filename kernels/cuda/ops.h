@@ -19,6 +19,7 @@
 #include <cstdint>
 
 #include "common/model_config.h"
+#include "kernels/cuda/fp8.h"
 
 namespace conveyor::cuda {
 
@@ -35,9 +36,11 @@ void embedding_forward(T* out, const int32_t* ids, const int32_t* positions, int
 
 // out[t, :] = (in[t, :] - mean) / sqrt(var + eps) * gamma + beta (biased variance). out may
 // alias in. C <= 32768 (C % 8 == 0 and 16-byte aligned rows) or C <= 8192 (otherwise).
+// fp8 (optional): out's rows also quantised there, the bytes and scales quantize_rows_fp8
+// gives those rows (the FP8 product after the LayerNorm reads them instead of quantising).
 template <class T>
 void layernorm_forward(T* out, const T* in, const T* gamma, const T* beta, int64_t num_tokens,
-                       int64_t C, float eps, cudaStream_t stream);
+                       int64_t C, float eps, cudaStream_t stream, Fp8Rows fp8 = {});
 
 // out[T, N] = in[T, K] @ w[K, N] + bias[N]; bias may be null. Through the calling thread's
 // default Gemm (gemm.h): cuBLASLt, fp32 compute, algorithm timed once per shape.
@@ -86,11 +89,12 @@ void token_logprob(float* out, const float* x, const int32_t* tokens, int64_t ro
 
 // residual[t, :] += x[t, :] + bias (bias may be null; the sum is rounded to T and stored), then,
 // when gamma is not null, ln_out[t, :] = LayerNorm(residual[t, :]) with gamma/beta. One pass:
-// the row stays in registers. ln_out may be null when gamma is null.
+// the row stays in registers. ln_out may be null when gamma is null. fp8: as layernorm_forward's
+// (needs gamma).
 template <class T>
 void add_bias_residual_layernorm(T* residual, T* ln_out, const T* x, const T* bias, const T* gamma,
                                  const T* beta, int64_t num_tokens, int64_t C, float eps,
-                                 cudaStream_t stream);
+                                 cudaStream_t stream, Fp8Rows fp8 = {});
 
 // x[t, n] = act(x[t, n] + bias[n]) over a [rows, N] matrix; bias may be null.
 template <class T>

@@ -98,11 +98,13 @@ class StepRunner {
   template <class T> void embed_impl(const StepMeta& m, int64_t num_tokens);
   template <class T> Status layers_impl(const StepMeta& m, const KvCache* kv, int64_t num_tokens, int64_t num_seqs,
                                         int64_t max_q_len, int64_t decode_seqs, bool fuse_final_ln);
+  // ln_q: where ln_out's rows also go quantised (FP8 stages, before QKV and FC1), or empty.
   template <class T> Status reduce_residual_layernorm(T* hidden, T* ln_out, T* x, const T* bias, const T* gamma,
-                                                      const T* beta, int64_t num_tokens);
-  // out[T, N] = act(in[T, K] @ w^T + bias) for a layer matrix w [N, K] (scales: int8 or FP8 weights).
+                                                      const T* beta, int64_t num_tokens, Fp8Rows ln_q = {});
+  // out[T, N] = act(in[T, K] @ w^T + bias) for a layer matrix w [N, K] (scales: int8 or FP8
+  // weights; in_q: FP8 only, in's rows quantised already by their LayerNorm).
   template <class T> void matmul(T* out, const T* in, const void* w, const float* scales, const void* bias,
-                                 int64_t num_tokens, int64_t K, int64_t N, GemmAct act);
+                                 int64_t num_tokens, int64_t K, int64_t N, GemmAct act, Fp8Rows in_q = {});
   template <class T> void plan_products_impl(int64_t rows, bool with_head);
 
   const GpuStageShape& shape_;

@@ -15,6 +15,9 @@
 //     replays the same bits;
 //   - the epilogue and the next product's quantiser in one kernel give their bytes and scales,
 //     and run_fp8_mlp (FC1 then FC2 through it) the bits of run_fp8 twice;
+//   - a LayerNorm's rows quantised beside its output (both LayerNorm kernels, every row
+//     length path) are the quantiser's bytes and scales of that output, and run_fp8 and
+//     run_fp8_mlp reading them give the bits of quantising their input themselves;
 //   - Gemm::fp8_supported's probe passes on compute capability 9.0;
 //   - fp8_workspace_bytes (host) holds the sums, the quantised rows and their scales.
 // Outputs are poisoned (NaN) before each run, so an element the product fails to write fails.
@@ -45,6 +48,7 @@ TEST(Fp8, NotBuilt) { GTEST_SKIP() << "built without the CUDA backend"; }
 #include "kernels/cuda/check.h"
 #include "kernels/cuda/fp8.h"
 #include "kernels/cuda/gemm.h"
+#include "kernels/cuda/ops.h"
 #include "tests/gpu_test_util.h"
 
 namespace conveyor {
@@ -521,6 +525,100 @@ TYPED_TEST(Fp8, RowBlocksGiveTheSameBits) {
   CUDA_CHECK(cudaDeviceSynchronize());
   EXPECT_EQ(a.template get<uint16_t>(), b.template get<uint16_t>());
   EXPECT_NE(blocks.describe_plans().find("T=70 "), std::string::npos) << blocks.describe_plans();
+}
+
+// The LayerNorm's FP8 rows (ops.h) against quantize_rows_fp8 of the rows it wrote: the same
+// bytes and scales, with and without the fused residual add, for row lengths of each of the
+// kernel's paths (8 elements a thread with one, two and four items, one element a thread);
+// the LayerNorm's own output is the same bits with them as without.
+TYPED_TEST(Fp8, LayerNormRowsQuantisedEqualTheQuantiser) {
+  using T = TypeParam;
+  Rng rng;
+  SEED_TRACE(rng);
+  for (int64_t C : {int64_t(4096), int64_t(1600), int64_t(16384), int64_t(24576), int64_t(100)}) {
+    for (bool fused : {false, true}) {
+      SCOPED_TRACE("C " + std::to_string(C) + (fused ? " fused" : ""));
+      const int64_t rows = 5;
+      const size_t n = size_t(rows * C);
+      Rounded<T> x(rng.normal(n, 2.f)), res(rng.normal(n, 2.f)), g(rng.normal(size_t(C), 1.f)),
+          b(rng.normal(size_t(C), 0.5f)), bias(rng.normal(size_t(C), 0.5f));
+      Dev<uint16_t> dx(x.bits), dg(g.bits), db(b.bits), dbias(bias.bits), res_a(res.bits), res_b(res.bits), out_a(n),
+          out_b(n);
+      Dev<uint8_t> q(n), q_ref(n);
+      Dev<float> sc(static_cast<size_t>(rows)), sc_ref(static_cast<size_t>(rows));
+      auto* px = reinterpret_cast<const T*>(dx.p());
+      auto* pg = reinterpret_cast<const T*>(dg.p());
+      auto* pb = reinterpret_cast<const T*>(db.p());
+      auto* pbias = reinterpret_cast<const T*>(dbias.p());
+      auto* oa = reinterpret_cast<T*>(out_a.p());
+      auto* ob = reinterpret_cast<T*>(out_b.p());
+      const cuda::Fp8Rows rows_q{q.p(), sc.p()};
+      if (fused) {
+        cuda::add_bias_residual_layernorm<T>(reinterpret_cast<T*>(res_a.p()), oa, px, pbias, pg, pb, rows, C, 1e-5f,
+                                             nullptr, rows_q);
+        cuda::add_bias_residual_layernorm<T>(reinterpret_cast<T*>(res_b.p()), ob, px, pbias, pg, pb, rows, C, 1e-5f,
+                                             nullptr);
+      } else {
+        cuda::layernorm_forward<T>(oa, px, pg, pb, rows, C, 1e-5f, nullptr, rows_q);
+        cuda::layernorm_forward<T>(ob, px, pg, pb, rows, C, 1e-5f, nullptr);
+      }
+      cuda::quantize_rows_fp8<T>(q_ref.p(), sc_ref.p(), ob, rows, C, nullptr);
+      CUDA_CHECK(cudaDeviceSynchronize());
+      EXPECT_EQ(out_a.template get<uint16_t>(), out_b.template get<uint16_t>());
+      EXPECT_EQ(res_a.template get<uint16_t>(), res_b.template get<uint16_t>());
+      const auto s_got = sc.template get<float>(), s_want = sc_ref.template get<float>();
+      ASSERT_EQ(std::memcmp(s_got.data(), s_want.data(), s_got.size() * 4), 0);
+      const auto q_got = q.template get<uint8_t>(), q_want = q_ref.template get<uint8_t>();
+      for (size_t i = 0; i < n; ++i) ASSERT_EQ(q_got[i], q_want[i]) << "row " << i / size_t(C) << " k " << i % size_t(C);
+    }
+  }
+}
+
+// run_fp8 and run_fp8_mlp given their input's rows quantised already (in_q) give the bits of
+// quantising it themselves, in one block of rows and in blocks of 70.
+TYPED_TEST(Fp8, QuantisedInputGivesTheSameBits) {
+  using T = TypeParam;
+  cuda::Gemm gemm, blocks;
+  SKIP_WITHOUT_FP8(gemm);
+  Rng rng;
+  SEED_TRACE(rng);
+  const int64_t K = 512, I = 2048, N = 512, T_ = 300;
+  Rounded<T> x(rng.normal(static_cast<size_t>(T_ * K), 1.f)), w1(rng.normal(static_cast<size_t>(I * K), 0.05f)),
+      w2(rng.normal(static_cast<size_t>(N * I), 0.02f)), b1(rng.normal(static_cast<size_t>(I), 0.2f));
+  Dev<uint16_t> dx(x.bits), dw1(w1.bits), dw2(w2.bits), db1(b1.bits);
+  Dev<uint8_t> w18(static_cast<size_t>(I * K)), w28(static_cast<size_t>(N * I)), xq(static_cast<size_t>(T_ * K));
+  Dev<float> s1(static_cast<size_t>(I)), s2(static_cast<size_t>(N)), xs(static_cast<size_t>(T_));
+  const auto* in = reinterpret_cast<const T*>(dx.p());
+  const auto* bias = reinterpret_cast<const T*>(db1.p());
+  cuda::quantize_rows_fp8<T>(w18.p(), s1.p(), reinterpret_cast<const T*>(dw1.p()), I, K, nullptr);
+  cuda::quantize_rows_fp8<T>(w28.p(), s2.p(), reinterpret_cast<const T*>(dw2.p()), N, I, nullptr);
+  cuda::quantize_rows_fp8<T>(xq.p(), xs.p(), in, T_, K, nullptr);
+  const cuda::Fp8Rows in_q{xq.p(), xs.p()};
+  Dev<uint8_t> small(cuda::Gemm::fp8_mlp_workspace_bytes(70, K, I, N));  // 70 rows a block
+  blocks.set_fp8_workspace(small.p(), small.n);
+  Dev<uint16_t> want(static_cast<size_t>(T_ * I)), got(static_cast<size_t>(T_ * I)), got_blocks(static_cast<size_t>(T_ * I));
+  auto out = [](Dev<uint16_t>& d) { return reinterpret_cast<T*>(d.p()); };
+  gemm.run_fp8<T>(out(want), in, w18.p(), s1.p(), bias, T_, K, I, GemmAct::GeluTanh, nullptr);
+  gemm.run_fp8<T>(out(got), in, w18.p(), s1.p(), bias, T_, K, I, GemmAct::GeluTanh, nullptr, in_q);
+  blocks.run_fp8<T>(out(got_blocks), in, w18.p(), s1.p(), bias, T_, K, I, GemmAct::GeluTanh, nullptr, in_q);
+  CUDA_CHECK(cudaDeviceSynchronize());
+  EXPECT_EQ(got.template get<uint16_t>(), want.template get<uint16_t>());
+  EXPECT_EQ(got_blocks.template get<uint16_t>(), want.template get<uint16_t>());
+  Dev<uint16_t> mlp_want(static_cast<size_t>(T_ * N)), mlp_got(static_cast<size_t>(T_ * N)),
+      mlp_blocks(static_cast<size_t>(T_ * N));
+  gemm.run_fp8_mlp<T>(out(mlp_want), in, w18.p(), s1.p(), bias, GemmAct::GeluTanh, w28.p(), s2.p(), T_, K, I, N, nullptr);
+  gemm.run_fp8_mlp<T>(out(mlp_got), in, w18.p(), s1.p(), bias, GemmAct::GeluTanh, w28.p(), s2.p(), T_, K, I, N, nullptr,
+                      in_q);
+  blocks.run_fp8_mlp<T>(out(mlp_blocks), in, w18.p(), s1.p(), bias, GemmAct::GeluTanh, w28.p(), s2.p(), T_, K, I, N,
+                        nullptr, in_q);
+  CUDA_CHECK(cudaDeviceSynchronize());
+  const auto w = mlp_want.template get<uint16_t>();
+  EXPECT_EQ(mlp_got.template get<uint16_t>(), w);
+  EXPECT_EQ(mlp_blocks.template get<uint16_t>(), w);
+  for (uint16_t bits : w) ASSERT_TRUE(std::isfinite(from_bits<T>(bits)));
+  const cuda::Fp8Rows no_scales{xq.p(), nullptr};
+  EXPECT_THROW(gemm.run_fp8<T>(out(got), in, w18.p(), s1.p(), bias, T_, K, I, GemmAct::None, nullptr, no_scales),
+               Error);
 }
 
 // run_fp8_mlp gives the bits of its two products through run_fp8 (FC1 with bias and GeLU into a
