@@ -63,10 +63,12 @@ __device__ __forceinline__ void load_weight_rows(Elem (*dst)[kPitch], const Elem
 // 1%; gpt2-xl's decode step 2.18-2.31 -> 2.09 ms). Measured there and not kept: 8 weight rows a
 // warp as the MMA's B operand (256 k x 4 or 5 stages, 128 k x 9), and a stage of one token row
 // at T = 1 (so eight warps fit an SM): each slower on gpt2-xl, by 2-20%.
-template <class T>
+// S = 2 (one stage in flight, nine warps an SM) serves the grids that three stages would
+// run in more than one wave (gemv_seq).
+template <class T, int S = 3>
 struct HalfWeights {
   using Elem = T;
-  static constexpr int kChunk = 256, kStages = 3, kPitch = kChunk + 8;  // 16 bytes of padding: no bank conflicts
+  static constexpr int kChunk = 256, kStages = S, kPitch = kChunk + 8;  // 16 bytes of padding: no bank conflicts
   const T* w;
   __device__ HalfWeights(const T* w_, const float*, int, int, int) : w(w_) {}
   // K % 8 == 0.
@@ -279,10 +281,22 @@ void gemv_seq(OutT* out, const T* in, const T* w, const T* bias, int64_t T_, int
   if (!gemv_seq_supported(T_, K, N, in, w))
     throw Error("gemv_seq: cannot run T=" + std::to_string(T_) + " K=" + std::to_string(K) + " N=" +
                 std::to_string(N) + " (needs T <= 8, K % 8 == 0, 16-byte aligned in and w)");
-  auto kernel = gemv_seq_kernel<T, OutT, HalfWeights<T>>;
-  const size_t pad = spread_smem<T, HalfWeights<T>>(kernel, (N + 15) / 16);
-  LAUNCH_PDL("gemv_seq_kernel", kernel, dim3(1, unsigned((N + 15) / 16)), dim3(32), pad, stream, out, in, w,
-             static_cast<const float*>(nullptr), bias, int(T_), int(K), int(N), int(act));
+  // A grid that three stages a warp would run in more than one wave and two stages in one
+  // (gpt3-6.7b's QKV and FC1: 768 and 1,024 blocks; an H100 holds 660 and 1,056) takes two:
+  // every block then starts at once, before the kernel it waits for ends, instead of a last
+  // wave of a part of the SMs' warps.
+  const int64_t blocks = (N + 15) / 16;
+  auto wave = [](size_t stage_bytes) { return int64_t(smem_per_sm()) / int64_t(stage_bytes + 1024) * sm_count(); };
+  const bool two = blocks > wave(sizeof(Stages<T, HalfWeights<T, 3>>)) &&
+                   blocks <= wave(sizeof(Stages<T, HalfWeights<T, 2>>));
+  auto launch = [&]<int S>() {
+    auto kernel = gemv_seq_kernel<T, OutT, HalfWeights<T, S>>;
+    const size_t pad = spread_smem<T, HalfWeights<T, S>>(kernel, blocks);
+    LAUNCH_PDL("gemv_seq_kernel", kernel, dim3(1, unsigned(blocks)), dim3(32), pad, stream, out, in, w,
+               static_cast<const float*>(nullptr), bias, int(T_), int(K), int(N), int(act));
+  };
+  if (two) launch.template operator()<2>();
+  else launch.template operator()<3>();
 }
 
 template <class T, class OutT>
