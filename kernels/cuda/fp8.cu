@@ -73,11 +73,7 @@ __global__ void __launch_bounds__(kFp8QuantThreads)
     for (int64_t k = int64_t(threadIdx.x) * 8; k < K; k += int64_t(kFp8QuantThreads) * 8) {
       float f[8];
       unpack8<T>(load<kPdl>(reinterpret_cast<const uint4*>(row + k)), f);
-      uint2 out;
-      uint8_t* b = reinterpret_cast<uint8_t*>(&out);
-#pragma unroll
-      for (int i = 0; i < 8; ++i) b[i] = quantize_one(f[i], s);
-      *reinterpret_cast<uint2*>(qrow + k) = out;
+      quantize8(qrow + k, f, s);
     }
   } else {
     for (int64_t k = threadIdx.x; k < K; k += kFp8QuantThreads)

@@ -26,6 +26,15 @@ __device__ __forceinline__ float fp8_scale(float amax) { return __fdiv_rn(amax, 
 // operations as quantize_rows_fp8_reference (fp8.cc), in the same order.
 __device__ __forceinline__ uint8_t quantize_one(float x, float s) { return s > 0.f ? e4m3(__fdiv_rn(x, s)) : 0; }
 
+// Eight values quantised by quantize_one into q[0, 8) with one 8-byte store (q 8-byte aligned).
+__device__ __forceinline__ void quantize8(uint8_t* q, const float (&f)[8], float s) {
+  uint2 out;
+  uint8_t* b = reinterpret_cast<uint8_t*>(&out);
+#pragma unroll
+  for (int i = 0; i < 8; ++i) b[i] = quantize_one(f[i], s);
+  *reinterpret_cast<uint2*>(q) = out;
+}
+
 // quantize_one for a power-of-two s (kv_fp8_scale's), given rcp = 1 / s (exact: s is a normal
 // power of two): x * rcp and x / s are the same exact value, so the one rounding gives the
 // same float, without a division's dozen instructions.

@@ -198,11 +198,7 @@ __device__ __forceinline__ void quantise_ln_row(Fp8Rows fp8, const float (&v)[NP
     if (item >= items) continue;
     uint8_t* q = fp8.q + row * C + item * V;
     if constexpr (V == 8) {
-      uint2 out;
-      uint8_t* b = reinterpret_cast<uint8_t*>(&out);
-#pragma unroll
-      for (int j = 0; j < 8; ++j) b[j] = detail::quantize_one(v[k][j], s);
-      *reinterpret_cast<uint2*>(q) = out;
+      detail::quantize8(q, v[k], s);
     } else {
 #pragma unroll
       for (int j = 0; j < V; ++j) q[j] = detail::quantize_one(v[k][j], s);
