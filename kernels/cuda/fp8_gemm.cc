@@ -35,6 +35,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <iterator>
 #include <sstream>
 #include <string>
@@ -94,7 +95,8 @@ struct Gemm::Fp8State {
   std::map<Key, const Plan*> det_buckets;    // deterministic mode: the same, among the anchor's class
 
   struct Call;
-  void reserve_workspace(size_t need, bool capturing);
+  int64_t reserve_rows(int64_t T_, size_t need, size_t row_bytes, const std::function<int64_t(size_t)>& fits,
+                       bool capturing, const char* what, const std::function<std::string()>& shape);
 
   // A product's plan key (T set per plan): the cuBLASLt problem does not depend on the bias,
   // the activation or out (the epilogue is ours), so one plan serves all of them.
@@ -413,15 +415,24 @@ struct Gemm::Fp8State::Call {
   }
 };
 
-// The FP8 workspace for `need` bytes: the Gemm's own is (re)allocated when there is none, or
-// when it is too small and the stream is not being captured.
-void Gemm::Fp8State::reserve_workspace(size_t need, bool capturing) {
+// The FP8 workspace for a call of T_ rows (`need` bytes; `fits(bytes)`: the rows that many
+// bytes hold): the Gemm's own is (re)allocated when there is none, or when it is too small
+// and the stream is not being captured. Returns the rows one block of the call takes (at
+// most T_); throws, naming `what` and its shape (`shape()`; a row: row_bytes), when not one fits.
+int64_t Gemm::Fp8State::reserve_rows(int64_t T_, size_t need, size_t row_bytes,
+                                     const std::function<int64_t(size_t)>& fits, bool capturing, const char* what,
+                                     const std::function<std::string()>& shape) {
   if (workspace == nullptr || (owned.get() != nullptr && workspace_bytes < need && !capturing)) {
     if (capturing) throw Error("fp8 gemm: no FP8 workspace, and none can be allocated during graph capture");
     owned = DeviceBuffer();
     owned = device_alloc(std::max(need, size_t(4) << 20), "gemm", "FP8 workspace");
     workspace = owned.get(), workspace_bytes = owned.bytes();
   }
+  const int64_t rows = std::min(T_, fits(workspace_bytes));
+  if (rows <= 0)
+    throw Error(std::string(what) + ": the FP8 workspace (" + std::to_string(workspace_bytes) +
+                " bytes) cannot hold a row of " + shape() + " (" + std::to_string(row_bytes) + " bytes)");
+  return rows;
 }
 
 template <class T>
@@ -435,12 +446,10 @@ void Gemm::run_fp8(T* out, const T* in, const uint8_t* w, const float* w_scales,
 
   // The workspace (layout at the top of this file), sized for rows_per_call rows.
   const bool capturing = stream_capturing(stream);
-  s.reserve_workspace(fp8_workspace_bytes(T_, K, N), capturing);
-  const int64_t rows_per_call = std::min(T_, rows_fitting(s.workspace_bytes, K, N));
-  if (rows_per_call <= 0)
-    throw Error("fp8 gemm: the FP8 workspace (" + std::to_string(s.workspace_bytes) +
-                " bytes) cannot hold a row of K=" + std::to_string(K) + " N=" + std::to_string(N) + " (" +
-                std::to_string(fp8_workspace_bytes(1, K, N)) + " bytes)");
+  const int64_t rows_per_call =
+      s.reserve_rows(T_, fp8_workspace_bytes(T_, K, N), fp8_workspace_bytes(1, K, N),
+                     [&](size_t bytes) { return rows_fitting(bytes, K, N); }, capturing, "fp8 gemm",
+                     [&] { return "K=" + std::to_string(K) + " N=" + std::to_string(N); });
   const Fp8WorkspaceParts parts = carve_fp8_workspace(s.workspace, rows_per_call, K, N);
 
   const int e = fp8_sum_exponent(K);  // the epilogue's 2^e (the Call's alpha is 2^-e)
@@ -478,12 +487,10 @@ void Gemm::run_fp8_mlp(T* out, const T* in, const uint8_t* w1, const float* w1_s
   check_device();
   Fp8State& s = fp8_state();
   const bool capturing = stream_capturing(stream);
-  s.reserve_workspace(fp8_mlp_workspace_bytes(T_, K, I, N), capturing);
-  const int64_t rows_per_call = std::min(T_, mlp_rows_fitting(s.workspace_bytes, K, I, N));
-  if (rows_per_call <= 0)
-    throw Error("fp8 mlp: the FP8 workspace (" + std::to_string(s.workspace_bytes) + " bytes) cannot hold a row of K=" +
-                std::to_string(K) + " I=" + std::to_string(I) + " N=" + std::to_string(N) + " (" +
-                std::to_string(fp8_mlp_workspace_bytes(1, K, I, N)) + " bytes)");
+  const int64_t rows_per_call =
+      s.reserve_rows(T_, fp8_mlp_workspace_bytes(T_, K, I, N), fp8_mlp_workspace_bytes(1, K, I, N),
+                     [&](size_t bytes) { return mlp_rows_fitting(bytes, K, I, N); }, capturing, "fp8 mlp",
+                     [&] { return "K=" + std::to_string(K) + " I=" + std::to_string(I) + " N=" + std::to_string(N); });
   const Fp8MlpParts parts = carve_fp8_mlp_workspace(s.workspace, rows_per_call, K, I, N);
   const int e1 = fp8_sum_exponent(K), e2 = fp8_sum_exponent(I);
   Fp8State::Call fc1{.gemm = *this, .s = s, .key = Fp8State::key_for<T>(w1, K, I), .capturing = capturing,
