@@ -574,28 +574,52 @@ TYPED_TEST(Fp8, LayerNormRowsQuantisedEqualTheQuantiser) {
   }
 }
 
+// The MLP the run_fp8_mlp tests run: input rows in [kRows, K], FC1 w1 [I, K] with bias b1,
+// FC2 w2 [N, I], the weights quantised (w18, s1; w28, s2); `small`, a workspace that holds 70
+// rows a block of run_fp8_mlp.
+template <class T>
+struct Fp8Mlp {
+  static constexpr int64_t K = 512, I = 2048, N = 512, kRows = 300;
+  Rounded<T> x, w1, w2, b1;
+  Dev<uint16_t> dx, dw1, dw2, db1;
+  Dev<uint8_t> w18, w28, small;
+  Dev<float> s1, s2;
+  explicit Fp8Mlp(Rng& rng)
+      : x(rng.normal(static_cast<size_t>(kRows * K), 1.f)),
+        w1(rng.normal(static_cast<size_t>(I * K), 0.05f)),
+        w2(rng.normal(static_cast<size_t>(N * I), 0.02f)),
+        b1(rng.normal(static_cast<size_t>(I), 0.2f)),
+        dx(x.bits), dw1(w1.bits), dw2(w2.bits), db1(b1.bits),
+        w18(static_cast<size_t>(I * K)), w28(static_cast<size_t>(N * I)),
+        small(cuda::Gemm::fp8_mlp_workspace_bytes(70, K, I, N)),
+        s1(static_cast<size_t>(I)), s2(static_cast<size_t>(N)) {
+    cuda::quantize_rows_fp8<T>(w18.p(), s1.p(), reinterpret_cast<const T*>(dw1.p()), I, K, nullptr);
+    cuda::quantize_rows_fp8<T>(w28.p(), s2.p(), reinterpret_cast<const T*>(dw2.p()), N, I, nullptr);
+  }
+  const T* in() const { return reinterpret_cast<const T*>(dx.p()); }
+  const T* bias() const { return reinterpret_cast<const T*>(db1.p()); }
+};
+
 // run_fp8 and run_fp8_mlp given their input's rows quantised already (in_q) give the bits of
 // quantising it themselves, in one block of rows and in blocks of 70.
 TYPED_TEST(Fp8, QuantisedInputGivesTheSameBits) {
   using T = TypeParam;
+  using M = Fp8Mlp<T>;
+  constexpr int64_t K = M::K, I = M::I, N = M::N, T_ = M::kRows;
   cuda::Gemm gemm, blocks;
   SKIP_WITHOUT_FP8(gemm);
   Rng rng;
   SEED_TRACE(rng);
-  const int64_t K = 512, I = 2048, N = 512, T_ = 300;
-  Rounded<T> x(rng.normal(static_cast<size_t>(T_ * K), 1.f)), w1(rng.normal(static_cast<size_t>(I * K), 0.05f)),
-      w2(rng.normal(static_cast<size_t>(N * I), 0.02f)), b1(rng.normal(static_cast<size_t>(I), 0.2f));
-  Dev<uint16_t> dx(x.bits), dw1(w1.bits), dw2(w2.bits), db1(b1.bits);
-  Dev<uint8_t> w18(static_cast<size_t>(I * K)), w28(static_cast<size_t>(N * I)), xq(static_cast<size_t>(T_ * K));
-  Dev<float> s1(static_cast<size_t>(I)), s2(static_cast<size_t>(N)), xs(static_cast<size_t>(T_));
-  const auto* in = reinterpret_cast<const T*>(dx.p());
-  const auto* bias = reinterpret_cast<const T*>(db1.p());
-  cuda::quantize_rows_fp8<T>(w18.p(), s1.p(), reinterpret_cast<const T*>(dw1.p()), I, K, nullptr);
-  cuda::quantize_rows_fp8<T>(w28.p(), s2.p(), reinterpret_cast<const T*>(dw2.p()), N, I, nullptr);
+  M m(rng);
+  const T* in = m.in();
+  const T* bias = m.bias();
+  auto &w18 = m.w18, &w28 = m.w28;
+  auto &s1 = m.s1, &s2 = m.s2;
+  Dev<uint8_t> xq(static_cast<size_t>(T_ * K));
+  Dev<float> xs(static_cast<size_t>(T_));
   cuda::quantize_rows_fp8<T>(xq.p(), xs.p(), in, T_, K, nullptr);
   const cuda::Fp8Rows in_q{xq.p(), xs.p()};
-  Dev<uint8_t> small(cuda::Gemm::fp8_mlp_workspace_bytes(70, K, I, N));  // 70 rows a block
-  blocks.set_fp8_workspace(small.p(), small.n);
+  blocks.set_fp8_workspace(m.small.p(), m.small.n);
   Dev<uint16_t> want(static_cast<size_t>(T_ * I)), got(static_cast<size_t>(T_ * I)), got_blocks(static_cast<size_t>(T_ * I));
   auto out = [](Dev<uint16_t>& d) { return reinterpret_cast<T*>(d.p()); };
   gemm.run_fp8<T>(out(want), in, w18.p(), s1.p(), bias, T_, K, I, GemmAct::GeluTanh, nullptr);
@@ -626,23 +650,20 @@ TYPED_TEST(Fp8, QuantisedInputGivesTheSameBits) {
 // blocks of 70.
 TYPED_TEST(Fp8, MlpGivesTheBitsOfItsTwoProducts) {
   using T = TypeParam;
+  using M = Fp8Mlp<T>;
+  constexpr int64_t K = M::K, I = M::I, N = M::N, T_max = M::kRows;
   cuda::Gemm gemm, blocks;
   SKIP_WITHOUT_FP8(gemm);
   Rng rng;
   SEED_TRACE(rng);
-  const int64_t K = 512, I = 2048, N = 512, T_max = 300;
-  Rounded<T> x(rng.normal(static_cast<size_t>(T_max * K), 1.f)), w1(rng.normal(static_cast<size_t>(I * K), 0.05f)),
-      w2(rng.normal(static_cast<size_t>(N * I), 0.02f)), b1(rng.normal(static_cast<size_t>(I), 0.2f));
-  Dev<uint16_t> dx(x.bits), dw1(w1.bits), dw2(w2.bits), db1(b1.bits), fc(static_cast<size_t>(T_max * I));
-  Dev<uint8_t> w18(static_cast<size_t>(I * K)), w28(static_cast<size_t>(N * I));
-  Dev<float> s1(static_cast<size_t>(I)), s2(static_cast<size_t>(N));
-  cuda::quantize_rows_fp8<T>(w18.p(), s1.p(), reinterpret_cast<const T*>(dw1.p()), I, K, nullptr);
-  cuda::quantize_rows_fp8<T>(w28.p(), s2.p(), reinterpret_cast<const T*>(dw2.p()), N, I, nullptr);
-  Dev<uint8_t> small(cuda::Gemm::fp8_mlp_workspace_bytes(70, K, I, N));  // 70 rows a block
-  blocks.set_fp8_workspace(small.p(), small.n);
+  M m(rng);
+  const T* in = m.in();
+  const T* bias = m.bias();
+  auto &w18 = m.w18, &w28 = m.w28;
+  auto &s1 = m.s1, &s2 = m.s2;
+  Dev<uint16_t> fc(static_cast<size_t>(T_max * I));
+  blocks.set_fp8_workspace(m.small.p(), m.small.n);
   ASSERT_TRUE(cuda::Gemm::fp8_mlp_supported(I));
-  const auto* in = reinterpret_cast<const T*>(dx.p());
-  const auto* bias = reinterpret_cast<const T*>(db1.p());
   for (int64_t t : {int64_t(1), int64_t(5), int64_t(64), int64_t(65), T_max}) {
     SCOPED_TRACE("T " + std::to_string(t));
     Dev<uint16_t> want(static_cast<size_t>(t * N)), got(static_cast<size_t>(t * N)), got_blocks(static_cast<size_t>(t * N));
