@@ -10,13 +10,6 @@
 #include "stage/cuda/gpu_weights.h"
 
 namespace conveyor::cuda {
-namespace {
-
-// ln_fp8's scales follow its bytes, 256-byte aligned.
-size_t ln_fp8_scales_offset(size_t rows, int64_t C) { return (rows * size_t(C) + 255) / 256 * 256; }
-
-}  // namespace
-
 Expected<std::unique_ptr<StepBuffers>> StepBuffers::create(const GpuStageShape& shape, Gemm& gemm,
                                                            cudaStream_t stream) {
   const GpuStageOptions& o = shape.options;
@@ -48,8 +41,8 @@ Expected<std::unique_ptr<StepBuffers>> StepBuffers::create(const GpuStageShape& 
                                             : size_t(0)}),
                               n, "FP8 workspace");
     gemm.set_fp8_workspace(b->fp8_act.get(), b->fp8_act.bytes());
-    b->ln_fp8_scales = ln_fp8_scales_offset(R, C);
-    b->ln_fp8 = device_alloc(b->ln_fp8_scales + R * sizeof(float), n, "FP8 LayerNorm rows");
+    b->ln_q = device_alloc(R * C, n, "FP8 LayerNorm rows");
+    b->ln_q_scales = device_alloc(R * sizeof(float), n, "FP8 LayerNorm row scales");
     if (Status s = gemm.fp8_supported(); !s) return Status::error(n + ": " + s.message());
   }
   for (DeviceBuffer* a : {&b->hidden, &b->ln, &b->qkv, &b->attn, &b->proj, &b->fc})
@@ -80,12 +73,6 @@ Expected<std::unique_ptr<StepBuffers>> StepBuffers::create(const GpuStageShape& 
   return b;
 }
 
-Fp8Rows StepBuffers::ln_rows_fp8() const {
-  if (!ln_fp8.get()) return {};
-  auto* base = static_cast<uint8_t*>(ln_fp8.get());
-  return {base, reinterpret_cast<float*>(base + ln_fp8_scales)};
-}
-
 int64_t StepBuffers::activation_bytes() const {
   return int64_t(hidden.bytes() + ln.bytes() + qkv.bytes() + attn.bytes() + proj.bytes() + fc.bytes() +
                  head_in.bytes() + logits.bytes() + raw_logits.bytes() + staging_f32.bytes());
@@ -93,7 +80,7 @@ int64_t StepBuffers::activation_bytes() const {
 
 int64_t StepBuffers::workspace_bytes() const {
   return int64_t(decode_partial.bytes() + decode_counters.bytes() + meta->device_bytes() + dequant.bytes() +
-                 fp8_act.bytes() + ln_fp8.bytes()) +
+                 fp8_act.bytes() + ln_q.bytes() + ln_q_scales.bytes()) +
          (sampler ? sampler->device_bytes() : 0);
 }
 

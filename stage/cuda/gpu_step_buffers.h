@@ -45,12 +45,10 @@ struct StepBuffers {
   DeviceBuffer staging_f32;  // [rows, C] fp32: hidden-state transfers in another dtype, the weight upload
   DeviceBuffer dequant;      // int8 weights: the largest layer matrix in dtype, for prefill GEMMs
   DeviceBuffer fp8_act;      // FP8: the products' rows quantised (with their scales) and fp16 sums
-  DeviceBuffer ln_fp8;       // FP8: `ln` quantised by its LayerNorm for QKV and FC1 (ln_rows_fp8())
+  DeviceBuffer ln_q, ln_q_scales;  // FP8: `ln` quantised by its LayerNorm for QKV and FC1, [rows, C] E4M3 and [rows]
 
-  // FP8 stages: where the LayerNorms put their rows quantised ([max_rows, C] E4M3, then a
-  // scale a row); empty otherwise.
-  Fp8Rows ln_rows_fp8() const;
-  size_t ln_fp8_scales = 0;  // the scales' offset in ln_fp8
+  // FP8 stages: where the LayerNorms put their rows quantised (ln_q, ln_q_scales); empty otherwise.
+  Fp8Rows ln_rows_fp8() const { return {ln_q.as<uint8_t>(), ln_q_scales.as<float>()}; }
 
   // The head (rank holding the LM head): logits_rows = max_step_seqs rows.
   int64_t logits_rows = 0;
