@@ -63,12 +63,19 @@ int smem_per_sm() {
   return device_attribute(cudaDevAttrMaxSharedMemoryPerMultiprocessor, cache);
 }
 
+namespace {
+constexpr size_t kReservedPerBlock = 1024;  // the shared memory the GPU keeps for each block
+}  // namespace
+
+int64_t smem_blocks_per_sm(size_t block_bytes) {
+  return int64_t(size_t(smem_per_sm()) / (block_bytes + kReservedPerBlock));
+}
+
 size_t spread_pad(int64_t blocks, size_t block_bytes) {
-  constexpr size_t kReservedPerBlock = 1024;  // the shared memory the GPU keeps for each block
-  const size_t sm_bytes = size_t(smem_per_sm()), used = block_bytes + kReservedPerBlock;
+  const size_t used = block_bytes + kReservedPerBlock;
   const int64_t sms = sm_count(), per_sm = (std::max<int64_t>(blocks, 1) + sms - 1) / sms;
-  if (per_sm >= int64_t(sm_bytes / used)) return 0;
-  return (sm_bytes / size_t(per_sm) - used) / 128 * 128;
+  if (per_sm >= smem_blocks_per_sm(block_bytes)) return 0;
+  return (size_t(smem_per_sm()) / size_t(per_sm) - used) / 128 * 128;
 }
 
 std::pair<size_t, size_t> device_memory_info() {

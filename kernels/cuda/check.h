@@ -136,6 +136,10 @@ std::pair<size_t, size_t> device_memory_info();
 int sm_count();
 int smem_per_sm();
 
+// Blocks of `block_bytes` shared memory (static and dynamic) one SM holds at once, by shared
+// memory alone (each block also costs the GPU's reserve).
+int64_t smem_blocks_per_sm(size_t block_bytes);
+
 // Shared memory to ask beside a block's own `block_bytes` (static and dynamic), unused, so
 // that a grid of `blocks` spreads evenly over the current device's SMs: with programmatic
 // dependent launch a grid's blocks are placed while the kernel before it still runs, and fill

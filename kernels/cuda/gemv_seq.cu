@@ -286,7 +286,7 @@ void gemv_seq(OutT* out, const T* in, const T* w, const T* bias, int64_t T_, int
   // every block then starts at once, before the kernel it waits for ends, instead of a last
   // wave of a part of the SMs' warps.
   const int64_t blocks = (N + 15) / 16;
-  auto wave = [](size_t stage_bytes) { return int64_t(smem_per_sm()) / int64_t(stage_bytes + 1024) * sm_count(); };
+  auto wave = [](size_t stage_bytes) { return smem_blocks_per_sm(stage_bytes) * sm_count(); };
   const bool two = blocks > wave(sizeof(Stages<T, HalfWeights<T, 3>>)) &&
                    blocks <= wave(sizeof(Stages<T, HalfWeights<T, 2>>));
   auto launch = [&]<int S>() {
