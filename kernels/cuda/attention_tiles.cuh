@@ -453,35 +453,43 @@ __device__ __forceinline__ float* fp8_stage_scales(uint8_t* st) {  // K's, then 
 // contiguous (64 bytes, 16-byte aligned: a page's bytes are a multiple of 16). The decode's
 // new token is loaded with the rest and replaced in shared memory once the piece is in.
 // In two parts, so that the decode can wait for each on its own: what the scores read (K's
-// bytes, K's and V's scales: P carries V's scales) and what P V reads (V's bytes).
-template <int D, int THREADS>
-__device__ __forceinline__ void load_piece_fp8_keys(uint8_t* st, const Fp8Kv& f, int s, int h, int kb, int n, int i) {
-  constexpr int KP = fp8_pitch<D>();
+// bytes, K's and V's scales: P carries V's scales) and what P V reads (V's bytes); both read
+// the piece's pages from one Fp8PieceRows.
+struct Fp8PieceRows {
+  PiecePages pages;
+  int limit;  // rows [0, limit) are the sequence's
+};
+__device__ __forceinline__ Fp8PieceRows fp8_piece_rows(const Fp8Kv& f, int s, int kb, int n) {
   const int limit = min(kPiece, n - kb);
-  const PiecePages pages = piece_pages(f.kv, s, kb, limit);
-  copy_piece_rows<D, KP, THREADS>(st, f.kv.k + int64_t(h) * kPageTokens * D, f.kv.page_stride, pages, i, limit, -1);
+  return {piece_pages(f.kv, s, kb, limit), limit};
+}
+template <int D, int THREADS>
+__device__ __forceinline__ void load_piece_fp8_keys(uint8_t* st, const Fp8Kv& f, int h, const Fp8PieceRows& r, int i) {
+  constexpr int KP = fp8_pitch<D>();
+  copy_piece_rows<D, KP, THREADS>(st, f.kv.k + int64_t(h) * kPageTokens * D, f.kv.page_stride, r.pages, i, r.limit,
+                                  -1);
   constexpr int kScaleChunks = kPiece / 4;  // 16 bytes: four positions' scales
   float* sks = fp8_stage_scales<D>(st);
   for (int c = i; c < 2 * kScaleChunks; c += THREADS) {
     const bool v = c >= kScaleChunks;
     const int row = 4 * (v ? c - kScaleChunks : c);
-    const float* src = (v ? f.vs : f.ks) + int64_t(page_of(pages, row / kPageTokens)) * f.scale_page_stride +
+    const float* src = (v ? f.vs : f.ks) + int64_t(page_of(r.pages, row / kPageTokens)) * f.scale_page_stride +
                        int64_t(h) * kPageTokens + row % kPageTokens;
-    cp_async16(sks + (v ? kPiece : 0) + row, src, 4 * min(4, max(0, limit - row)));
+    cp_async16(sks + (v ? kPiece : 0) + row, src, 4 * min(4, max(0, r.limit - row)));
   }
 }
 template <int D, int THREADS>
-__device__ __forceinline__ void load_piece_fp8_values(uint8_t* st, const Fp8Kv& f, int s, int h, int kb, int n, int i) {
+__device__ __forceinline__ void load_piece_fp8_values(uint8_t* st, const Fp8Kv& f, int h, const Fp8PieceRows& r,
+                                                      int i) {
   constexpr int KP = fp8_pitch<D>();
-  const int limit = min(kPiece, n - kb);
-  const PiecePages pages = piece_pages(f.kv, s, kb, limit);
-  copy_piece_rows<D, KP, THREADS>(st + kPiece * KP, f.kv.v + int64_t(h) * kPageTokens * D, f.kv.page_stride, pages, i,
-                                  limit, -1);
+  copy_piece_rows<D, KP, THREADS>(st + kPiece * KP, f.kv.v + int64_t(h) * kPageTokens * D, f.kv.page_stride, r.pages,
+                                  i, r.limit, -1);
 }
 template <int D, int THREADS>
 __device__ __forceinline__ void load_piece_fp8(uint8_t* st, const Fp8Kv& f, int s, int h, int kb, int n, int i) {
-  load_piece_fp8_keys<D, THREADS>(st, f, s, h, kb, n, i);
-  load_piece_fp8_values<D, THREADS>(st, f, s, h, kb, n, i);
+  const Fp8PieceRows r = fp8_piece_rows(f, s, kb, n);
+  load_piece_fp8_keys<D, THREADS>(st, f, h, r, i);
+  load_piece_fp8_values<D, THREADS>(st, f, h, r, i);
 }
 
 // The decode's new token in FP8: its K and V heads quantised once, as kv_cache_append

@@ -204,7 +204,11 @@ __device__ __forceinline__ void decode_pieces_fp8(TileState<D, 1>& run, float* p
     v_scale_rows<D>(S, st, pc * kPiece, pos);
     piece_scores_fp8<T, D>(piece, p, q, st, pc * kPiece, pos, scale_log2, S);
     __syncwarp();  // the keys and scales are free
-    if (next >= 0) load_piece_fp8_keys<D, 32>(st, f8, row.s, row.h, next * kPiece, row.kv_len, lane);
+    Fp8PieceRows next_rows{};
+    if (next >= 0) {
+      next_rows = fp8_piece_rows(f8, row.s, next * kPiece, row.kv_len);
+      load_piece_fp8_keys<D, 32>(st, f8, row.h, next_rows, lane);
+    }
     cp_async_commit();
     cp_async_wait<1>();  // this piece's values (the next keys are the newest group)
     __syncwarp();
@@ -214,7 +218,7 @@ __device__ __forceinline__ void decode_pieces_fp8(TileState<D, 1>& run, float* p
     }
     piece_values_fp8<T, D>(piece, p, st, S);
     __syncwarp();  // the values are free
-    if (next >= 0) load_piece_fp8_values<D, 32>(st, f8, row.s, row.h, next * kPiece, row.kv_len, lane);
+    if (next >= 0) load_piece_fp8_values<D, 32>(st, f8, row.h, next_rows, lane);
     cp_async_commit();
     if (spread) store_partial<D, true>(parts + int64_t(pc) * kStride, piece);
     else merge<D>(run, piece, 0, pc == z);
@@ -256,9 +260,10 @@ __global__ void __launch_bounds__(kDecodeWarps * 32)
   // too, and replaces it in shared memory once its piece is in.)
   NewTokenFp8<D> n{};
   if constexpr (FP8) {
-    load_piece_fp8_keys<D, 32>(st, f8, s, h, z * kPiece, kv_len, lane);  // z < pieces
+    const Fp8PieceRows first = fp8_piece_rows(f8, s, z * kPiece, kv_len);  // z < pieces
+    load_piece_fp8_keys<D, 32>(st, f8, h, first, lane);
     cp_async_commit();
-    load_piece_fp8_values<D, 32>(st, f8, s, h, z * kPiece, kv_len, lane);
+    load_piece_fp8_values<D, 32>(st, f8, h, first, lane);
     cp_async_commit();  // two groups a piece: keys, then values
     grid_dependency_wait();
     n = new_token_fp8<T, D>(new_k, new_v);
