@@ -10,6 +10,7 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "kernels/cuda/fp8.h"
 #include "kernels/cuda/paged_kv.h"
 
 namespace conveyor::cuda {
@@ -45,10 +46,17 @@ int64_t decode_partial_floats(int64_t rows, int64_t n_head, int64_t head_dim, in
 // at most one per piece of max_kv_len; at most 16.
 int decode_splits_for(int64_t rows, int64_t n_head, int64_t max_kv_len, int num_sms);
 
+// qkv_sums (FP8 products): q and the new token's K and V come from the QKV product's deferred
+// epilogue (Gemm::run_fp8's `defer`: every element as the epilogue would have stored it in
+// qkv, so the same bits), and qkv is not read (may be null). Only where
+// attention_decode_reads_sums(kv, head_dim); throws otherwise.
 template <class T>
 void attention_decode_paged(T* out, const T* qkv, const KvLayerView& kv, const int32_t* kv_lens,
                             int64_t num_rows, int64_t n_head, int64_t head_dim, int num_splits,
-                            const DecodeWorkspace& ws, cudaStream_t stream);
+                            const DecodeWorkspace& ws, cudaStream_t stream, Fp8Sums qkv_sums = {});
+// Whether attention_decode_paged takes a deferred QKV epilogue for this layer: an FP8 K/V
+// cache (whose head sizes all take the tile order).
+bool attention_decode_reads_sums(const KvLayerView& kv, int64_t head_dim);
 
 // Context (prefill, chunked prefill, or any mix): sequence s has q_lens[s] query rows starting
 // at row q_begins[s], at positions kv_lens[s] - q_lens[s] + i, causal; its K/V (this step's

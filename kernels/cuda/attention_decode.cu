@@ -547,11 +547,17 @@ void attention_decode(T* out, const T* q, const T* k, const T* v, int64_t kv_str
 template <class T>
 void attention_decode_paged(T* out, const T* qkv, const KvLayerView& view, const int32_t* kv_lens,
                             int64_t num_rows, int64_t n_head, int64_t head_dim, int num_splits,
-                            const DecodeWorkspace& ws, cudaStream_t stream) {
+                            const DecodeWorkspace& ws, cudaStream_t stream, Fp8Sums qkv_sums) {
   if (num_rows <= 0) return;
+  if (qkv_sums && !attention_decode_reads_sums(view, head_dim))
+    throw Error("attention_decode_paged: a deferred QKV epilogue is read with an FP8 K/V cache only");
   if (!takes_tile_order("attention_decode_paged", view, head_dim, qkv, out))
     return attention_decode_cores<T>(out, qkv, view, kv_lens, num_rows, n_head, head_dim, num_splits, ws, stream);
-  attention_decode_tiles<T>(out, qkv, view, kv_lens, num_rows, n_head, head_dim, ws, stream);
+  attention_decode_tiles<T>(out, qkv, view, kv_lens, num_rows, n_head, head_dim, ws, stream, qkv_sums);
+}
+
+bool attention_decode_reads_sums(const KvLayerView& view, int64_t head_dim) {
+  return view.fp8() && tile_order_head_dim(head_dim);
 }
 
 template <class T>
@@ -607,9 +613,9 @@ template void attention_decode<half>(half*, const half*, const half*, const half
 template void attention_decode<bf16>(bf16*, const bf16*, const bf16*, const bf16*, int64_t, int64_t, int64_t,
                                      int64_t, cudaStream_t);
 template void attention_decode_paged<half>(half*, const half*, const KvLayerView&, const int32_t*, int64_t,
-                                           int64_t, int64_t, int, const DecodeWorkspace&, cudaStream_t);
+                                           int64_t, int64_t, int, const DecodeWorkspace&, cudaStream_t, Fp8Sums);
 template void attention_decode_paged<bf16>(bf16*, const bf16*, const KvLayerView&, const int32_t*, int64_t,
-                                           int64_t, int64_t, int, const DecodeWorkspace&, cudaStream_t);
+                                           int64_t, int64_t, int, const DecodeWorkspace&, cudaStream_t, Fp8Sums);
 template void attention_decode_cores<half>(half*, const half*, const KvLayerView&, const int32_t*, int64_t,
                                            int64_t, int64_t, int, const DecodeWorkspace&, cudaStream_t);
 template void attention_decode_cores<bf16>(bf16*, const bf16*, const KvLayerView&, const int32_t*, int64_t,

@@ -502,15 +502,16 @@ struct NewTokenFp8 {
   uint8_t k[kPer], v[kPer];
   float s[2];  // K's and V's scale
 };
-template <class T, int D>
-__device__ __forceinline__ NewTokenFp8<D> new_token_fp8(const T* new_k, const T* new_v) {
+// k_at(d), v_at(d): element d of the new K and V head as a float (a value of T).
+template <int D, class KAt, class VAt>
+__device__ __forceinline__ NewTokenFp8<D> new_token_fp8(KAt k_at, VAt v_at) {
   constexpr int kPer = NewTokenFp8<D>::kPer;
   const int lane = threadIdx.x & 31;
   float k[kPer], v[kPer], ak = 0.f, av = 0.f;
 #pragma unroll
   for (int i = 0; i < kPer; ++i) {
     const int d = lane + 32 * i;
-    k[i] = d < D ? to_float(new_k[d]) : 0.f, v[i] = d < D ? to_float(new_v[d]) : 0.f;
+    k[i] = d < D ? k_at(d) : 0.f, v[i] = d < D ? v_at(d) : 0.f;
     ak = fmaxf(ak, fabsf(k[i])), av = fmaxf(av, fabsf(v[i]));
   }
   NewTokenFp8<D> n;
@@ -520,6 +521,54 @@ __device__ __forceinline__ NewTokenFp8<D> new_token_fp8(const T* new_k, const T*
 #pragma unroll
   for (int i = 0; i < kPer; ++i) n.k[i] = quantize_pow2(k[i], n.s[0], rk), n.v[i] = quantize_pow2(v[i], n.s[1], rv);
   return n;
+}
+
+template <class T, int D>
+__device__ __forceinline__ NewTokenFp8<D> new_token_fp8(const T* new_k, const T* new_v) {
+  return new_token_fp8<D>([&](int d) { return to_float(new_k[d]); }, [&](int d) { return to_float(new_v[d]); });
+}
+
+// A decode row's q, new K and new V from the QKV product's deferred FP8 epilogue (Fp8Sums,
+// fp8.h) instead of its output row: row r of the sums, N = 3C columns. at(c) is column c as
+// the epilogue would have stored it (a value of T), pair(c) columns c and c + 1 packed as T
+// (c even): the bits the decode reads from qkv otherwise.
+template <class T>
+struct QkvSumsRow {
+  Fp8Sums x;          // a copy: a reference to the kernel's parameter would put it in local memory
+  const __half* row;  // the row's sums
+  float row_scale;
+  __device__ QkvSumsRow(const Fp8Sums& sums, int64_t r, int64_t N)
+      : x(sums), row(sums.sums + r * N), row_scale(sums.row_scales[r]) {}
+  __device__ float value(float sum, int64_t c) const {
+    return epilogue_value<T>(sum, x.unscale, row_scale, x.col_scales, static_cast<const T*>(x.bias), c, 0);
+  }
+  __device__ float at(int64_t c) const { return to_float(from_float<T>(value(__half2float(row[c]), c))); }
+  __device__ uint32_t pair(int64_t c) const {
+    const float2 s = __half22float2(*reinterpret_cast<const __half2*>(row + c));
+    return pack_pair<T>(value(s.x, c), value(s.y, c + 1));
+  }
+};
+
+// load_q<D, true>'s fragments for the decode's one row (lanes 0-3 hold tile row 0; the rest
+// zeros) from a deferred epilogue: the row's q at column c0 on (its head), the same values.
+// Every lane makes four elements (4 lane to 4 lane + 3: two pairs), and lane t of 0-3 takes
+// 16-step kk's pairs (elements 16 kk + 4t on) from lane 4 kk + t: one round of loads and
+// arithmetic for the warp, not D / 4 on four lanes.
+template <class T, int D>
+__device__ __forceinline__ void load_q_sums(uint32_t (&q)[D / 16][4], const QkvSumsRow<T>& row, int64_t c0) {
+  static_assert(D <= 128, "a 16-step's pairs come from lanes 4 kk to 4 kk + 3");
+  const int lane = threadIdx.x & 31;
+  uint32_t lo = 0u, hi = 0u;
+  if (4 * lane < D) lo = row.pair(c0 + 4 * lane), hi = row.pair(c0 + 4 * lane + 2);
+#pragma unroll
+  for (int kk = 0; kk < D / 16; ++kk) {
+    const int from = 4 * kk + (lane & 3);
+    const uint32_t a = __shfl_sync(0xffffffffu, lo, from), b = __shfl_sync(0xffffffffu, hi, from);
+    q[kk][0] = lane < 4 ? a : 0u;
+    q[kk][1] = 0u;
+    q[kk][2] = lane < 4 ? b : 0u;
+    q[kk][3] = 0u;
+  }
 }
 
 // Decode: the new token's K and V bytes and scales into the staged piece (its row r =

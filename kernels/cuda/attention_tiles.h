@@ -9,6 +9,7 @@
 #include <cstdint>
 
 #include "kernels/cuda/attention.h"
+#include "kernels/cuda/fp8.h"
 
 namespace conveyor::cuda {
 
@@ -31,7 +32,8 @@ int tile_decode_splits(int64_t rows, int64_t n_head, int64_t head_dim, const Dec
 // As attention_decode_paged / attention_context_fixed_paged; every pointer 16-byte aligned.
 template <class T>
 void attention_decode_tiles(T* out, const T* qkv, const KvLayerView& kv, const int32_t* kv_lens, int64_t num_rows,
-                            int64_t n_head, int64_t head_dim, const DecodeWorkspace& ws, cudaStream_t stream);
+                            int64_t n_head, int64_t head_dim, const DecodeWorkspace& ws, cudaStream_t stream,
+                            Fp8Sums qkv_sums = {});
 template <class T>
 void attention_context_tiles(T* out, const T* qkv, const KvLayerView& kv, const SeqArrays& seqs, int64_t max_q_len,
                              int64_t n_head, int64_t head_dim, cudaStream_t stream);

@@ -225,11 +225,14 @@ __device__ __forceinline__ void decode_pieces_fp8(TileState<D, 1>& run, float* p
   }
 }
 
-template <class T, int D, bool FP8>
+// SUMS (FP8 K/V only): q and the new token come from the QKV product's deferred epilogue
+// (qkv_sums), not from qkv.
+template <class T, int D, bool FP8, bool SUMS>
 __global__ void __launch_bounds__(kDecodeWarps * 32)
-    decode_tiles_kernel(T* __restrict__ out, const T* qkv, PagedKv<T> kv, Fp8Kv f8,
+    decode_tiles_kernel(T* __restrict__ out, const T* qkv, Fp8Sums qkv_sums, PagedKv<T> kv, Fp8Kv f8,
                         const int32_t* __restrict__ kv_lens, int rows, int n_head, int Z, int resident,
                         float scale_log2, int max_pieces, float* partial, int* counters) {
+  static_assert(FP8 || !SUMS, "the deferred epilogue is read by the FP8 K/V path");
   extern __shared__ __align__(16) unsigned char smem_raw[];
   grid_dependents_launch();
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -250,9 +253,10 @@ __global__ void __launch_bounds__(kDecodeWarps * 32)
   uint8_t* st = reinterpret_cast<uint8_t*>(mine);  // FP8
   const int t_new = kv_len - 1;
   const int64_t C = int64_t(n_head) * D;
-  const T* q_row = qkv + int64_t(s) * 3 * C + int64_t(h) * D;
-  const T* new_k = q_row + C;
-  const T* new_v = q_row + 2 * C;
+  const int64_t q_col = int64_t(h) * D;  // the head's q in the row's 3C columns; its K at + C, V at + 2C
+  const T* q_row = SUMS ? nullptr : qkv + int64_t(s) * 3 * C + q_col;
+  const T* new_k = SUMS ? nullptr : q_row + C;
+  const T* new_v = SUMS ? nullptr : q_row + 2 * C;
   const DecodeRow<T> row{s, h, kv_len, t_new, new_k, new_v};
 
   // The first pieces' cached positions stream before the wait (written by earlier steps);
@@ -266,7 +270,13 @@ __global__ void __launch_bounds__(kDecodeWarps * 32)
     load_piece_fp8_values<D, 32>(st, f8, h, first, lane);
     cp_async_commit();  // two groups a piece: keys, then values
     grid_dependency_wait();
-    n = new_token_fp8<T, D>(new_k, new_v);
+    if constexpr (SUMS) {
+      const QkvSumsRow<T> sums(qkv_sums, s, 3 * C);
+      n = new_token_fp8<D>([&](int d) { return sums.at(C + q_col + d); },
+                           [&](int d) { return sums.at(2 * C + q_col + d); });
+    } else {
+      n = new_token_fp8<T, D>(new_k, new_v);
+    }
   } else {
     load_piece<T, D, 32>(sK, sV, kv, s, h, z * kPiece, kv_len, t_new, lane);
     grid_dependency_wait();
@@ -277,7 +287,12 @@ __global__ void __launch_bounds__(kDecodeWarps * 32)
   if (z == 0) append_new_token<T, D, FP8>(kv, f8, row, n, lane);
 
   uint32_t q[D / 16][4];
-  load_q<D, FP8>(q, (lane >> 2) == 0 ? q_row : nullptr, nullptr);
+  if constexpr (SUMS) {
+    const QkvSumsRow<T> sums(qkv_sums, s, 3 * C);
+    load_q_sums<T, D>(q, sums, q_col);
+  } else {
+    load_q<D, FP8>(q, (lane >> 2) == 0 ? q_row : nullptr, nullptr);
+  }
   const int pos[1] = {(lane >> 2) == 0 ? t_new : -1};
   const bool spread = Zr > 1 && pieces > 1;
   constexpr int kStride = D + 4;  // floats per piece state {m, l, O[D], pad}: 16-byte aligned
@@ -332,8 +347,14 @@ int64_t tile_spread_rows(int64_t n_head, int num_sms) {
 
 template <class T>
 void attention_decode_tiles(T* out, const T* qkv, const KvLayerView& view, const int32_t* kv_lens, int64_t num_rows,
-                            int64_t n_head, int64_t head_dim, const DecodeWorkspace& ws, cudaStream_t stream) {
+                            int64_t n_head, int64_t head_dim, const DecodeWorkspace& ws, cudaStream_t stream,
+                            Fp8Sums qkv_sums) {
   if (num_rows <= 0) return;
+  if (qkv_sums && !view.fp8())
+    throw Error("attention_decode (tile order): a deferred QKV epilogue is read with an FP8 K/V cache only");
+  if (qkv_sums && (qkv_sums.row_scales == nullptr || qkv_sums.col_scales == nullptr))
+    throw Error("attention_decode (tile order): the deferred QKV epilogue needs its row and column scales");
+  if (!qkv_sums && qkv == nullptr) throw Error("attention_decode (tile order): qkv is null");
   const int Z = tile_decode_splits(num_rows, n_head, head_dim, ws);
   const int64_t warps = num_rows * n_head * Z;
   const int64_t blocks = (warps + kDecodeWarps - 1) / kDecodeWarps;
@@ -342,28 +363,29 @@ void attention_decode_tiles(T* out, const T* qkv, const KvLayerView& view, const
   const auto kv = paged<T>(view, int(head_dim));
   const Fp8Kv f8 = fp8_view(view, head_dim);
   with_head_dim(head_dim, [&]<int D>() {
-    auto launch = [&]<bool FP8>() {
+    auto launch = [&]<bool FP8, bool SUMS>() {
       const size_t smem = kDecodeWarps * decode_warp_smem<T, D, FP8>();
-      allow_smem(decode_tiles_kernel<T, D, FP8>, smem);
+      allow_smem(decode_tiles_kernel<T, D, FP8, SUMS>, smem);
       static const int per_sm = [&] {  // blocks of this kernel an SM holds at once
         int n = 0;
-        CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, decode_tiles_kernel<T, D, FP8>,
+        CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, decode_tiles_kernel<T, D, FP8, SUMS>,
                                                                  kDecodeWarps * 32, smem));
         return std::max(1, n);
       }();
       const int resident = per_sm * kDecodeWarps * sm_count();  // warps the current GPU holds at once
-      LAUNCH_PDL("decode_tiles_kernel", decode_tiles_kernel<T, D, FP8>, dim3(unsigned(blocks)),
-                 dim3(kDecodeWarps * 32), smem, stream, out, qkv, kv, f8, kv_lens, int(num_rows), int(n_head), Z,
-                 resident, scale_log2, int(tile_pieces(ws.max_kv_len)), ws.partial, ws.counters);
+      LAUNCH_PDL("decode_tiles_kernel", decode_tiles_kernel<T, D, FP8, SUMS>, dim3(unsigned(blocks)),
+                 dim3(kDecodeWarps * 32), smem, stream, out, qkv, qkv_sums, kv, f8, kv_lens, int(num_rows),
+                 int(n_head), Z, resident, scale_log2, int(tile_pieces(ws.max_kv_len)), ws.partial, ws.counters);
     };
-    if (view.fp8()) launch.template operator()<true>();
-    else launch.template operator()<false>();
+    if (qkv_sums) launch.template operator()<true, true>();
+    else if (view.fp8()) launch.template operator()<true, false>();
+    else launch.template operator()<false, false>();
   });
 }
 
 template void attention_decode_tiles<half>(half*, const half*, const KvLayerView&, const int32_t*, int64_t, int64_t,
-                                           int64_t, const DecodeWorkspace&, cudaStream_t);
+                                           int64_t, const DecodeWorkspace&, cudaStream_t, Fp8Sums);
 template void attention_decode_tiles<bf16>(bf16*, const bf16*, const KvLayerView&, const int32_t*, int64_t, int64_t,
-                                           int64_t, const DecodeWorkspace&, cudaStream_t);
+                                           int64_t, const DecodeWorkspace&, cudaStream_t, Fp8Sums);
 
 }  // namespace conveyor::cuda

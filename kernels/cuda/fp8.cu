@@ -83,15 +83,6 @@ __global__ void __launch_bounds__(kFp8QuantThreads)
 
 constexpr int kFp8EpilogueThreads = 256;
 
-// Output n of a row in fp32, from its fp16 sum: times unscale (2^e, exact), the row's and
-// column n's scales, bias n (none when null), the activation. Every epilogue path uses it.
-template <class T>
-__device__ __forceinline__ float epilogue_value(float sum, float unscale, float row_scale, const float* cs,
-                                                const T* bias, int64_t n, int act) {
-  const float b = bias != nullptr ? to_float(bias[n]) : 0.f;
-  return activate(__fmul_rn(__fmul_rn(sum * unscale, row_scale), cs[n]) + b, act);
-}
-
 // kVec8: N % 8 == 0, sums and out 16-byte aligned: eight columns a thread (one 16-byte load,
 // one 16-byte store); else one element a thread. unscale = 2^e, exact.
 template <class T, bool kVec8, bool kPdl>

@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "kernels/cuda/dtype.cuh"
 #include "kernels/cuda/fp8.h"
 
 namespace conveyor::cuda::detail {
@@ -59,6 +60,17 @@ __device__ __forceinline__ float kv_fp8_scale(float amax) {
   unsigned e = r >> 23;           // amax >= 0: no sign bit
   if (r & 0x7fffffu) ++e;         // not a power of two: the next one up
   return __uint_as_float(max(e, 1u) << 23);  // (below the smallest normal: the smallest normal)
+}
+
+// Output n of a product's row in fp32, from its fp16 sum: times unscale (2^e, exact), the
+// row's and column n's scales, bias n (none when null), the activation (GemmAct's code). Every
+// FP8 epilogue uses it: fp8_scale_epilogue, fp8_epilogue_quantize, and the LayerNorm that
+// reads an Fp8Sums.
+template <class T>
+__device__ __forceinline__ float epilogue_value(float sum, float unscale, float row_scale, const float* cs,
+                                                const T* bias, int64_t n, int act) {
+  const float b = bias != nullptr ? to_float(bias[n]) : 0.f;
+  return activate(__fmul_rn(__fmul_rn(sum * unscale, row_scale), cs[n]) + b, act);
 }
 
 }  // namespace conveyor::cuda::detail

@@ -57,6 +57,22 @@ struct Fp8Rows {
   explicit operator bool() const { return q != nullptr; }
 };
 
+// A product's sums left for the kernel after it to scale: run_fp8's epilogue deferred
+// (Gemm::run_fp8, run_fp8_mlp). Row r's element n is
+//   round_T(sums[r, n] * unscale * row_scales[r] * col_scales[n] + bias[n])
+// exactly as fp8_scale_epilogue writes it without an activation. The consumers: the
+// residual's LayerNorm (ops.h) and the decode attention over an FP8 K/V cache (attention.h).
+// sums is fp16 [rows, N], row-major, in the FP8 workspace: valid until the next FP8 product
+// on the same Gemm. Empty: none (the product wrote its output).
+struct Fp8Sums {
+  const __half* sums = nullptr;
+  float unscale = 1.f;  // 2^e, e = fp8_sum_exponent(K): exact
+  const float* row_scales = nullptr;
+  const float* col_scales = nullptr;
+  const void* bias = nullptr;  // [N] of the product's T, or none
+  explicit operator bool() const { return sums != nullptr; }
+};
+
 // q [rows, K] (E4M3 bytes) and scales [rows] from x [rows, K] (row-major, device pointers),
 // asynchronous on `stream`, deterministic, no allocation (capturable). T is __half,
 // __nv_bfloat16 or float. Throws conveyor::Error for null pointers or rows, K <= 0.

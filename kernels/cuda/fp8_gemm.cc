@@ -415,6 +415,18 @@ struct Gemm::Fp8State::Call {
   }
 };
 
+namespace {
+// Where a deferred epilogue's sums are and how to scale them (Fp8Sums): the call's one block.
+Fp8Sums deferred_sums(const __half* sums, int e, const float* row_scales, const float* col_scales,
+                      const void* bias) {
+  return {.sums = sums,
+          .unscale = std::ldexp(1.f, e),
+          .row_scales = row_scales,
+          .col_scales = col_scales,
+          .bias = bias};
+}
+}  // namespace
+
 // The FP8 workspace for a call of T_ rows (`need` bytes; `fits(bytes)`: the rows that many
 // bytes hold): the Gemm's own is (re)allocated when there is none, or when it is too small
 // and the stream is not being captured. Returns the rows one block of the call takes (at
@@ -437,10 +449,13 @@ int64_t Gemm::Fp8State::reserve_rows(int64_t T_, size_t need, size_t row_bytes,
 
 template <class T>
 void Gemm::run_fp8(T* out, const T* in, const uint8_t* w, const float* w_scales, const T* bias, int64_t T_, int64_t K,
-                   int64_t N, GemmAct act, cudaStream_t stream, Fp8Rows in_q) {
+                   int64_t N, GemmAct act, cudaStream_t stream, Fp8Rows in_q, Fp8Sums* defer) {
   static_assert(std::is_same_v<T, __half> || std::is_same_v<T, __nv_bfloat16>, "T is __half or __nv_bfloat16");
   check_fp8_arguments(out, in, w, w_scales, T_, K, N);
   check_quantised_input(in_q);
+  if (defer && act != GemmAct::None)
+    throw Error("fp8 gemm: a deferred epilogue applies the scales and the bias only (no activation)");
+  if (defer) *defer = {};
   check_device();
   Fp8State& s = fp8_state();
 
@@ -463,24 +478,26 @@ void Gemm::run_fp8(T* out, const T* in, const uint8_t* w, const float* w_scales,
     call.qa = a.q;
     const Fp8State::Plan& plan = call.plan(rows);
     CUDA_CHECK(call.matmul(*plan.problem, plan.algo));
-    fp8_scale_epilogue<T>(out + r0 * N, parts.sums, e, a.scales, w_scales, bias, rows, N, int(act), stream);
+    if (defer && rows == T_) *defer = deferred_sums(parts.sums, e, a.scales, w_scales, bias);
+    else fp8_scale_epilogue<T>(out + r0 * N, parts.sums, e, a.scales, w_scales, bias, rows, N, int(act), stream);
   }
 }
 
 template void Gemm::run_fp8<__half>(__half*, const __half*, const uint8_t*, const float*, const __half*, int64_t,
-                                    int64_t, int64_t, GemmAct, cudaStream_t, Fp8Rows);
+                                    int64_t, int64_t, GemmAct, cudaStream_t, Fp8Rows, Fp8Sums*);
 template void Gemm::run_fp8<__nv_bfloat16>(__nv_bfloat16*, const __nv_bfloat16*, const uint8_t*, const float*,
                                            const __nv_bfloat16*, int64_t, int64_t, int64_t, GemmAct, cudaStream_t,
-                                           Fp8Rows);
+                                           Fp8Rows, Fp8Sums*);
 
 template <class T>
 void Gemm::run_fp8_mlp(T* out, const T* in, const uint8_t* w1, const float* w1_scales, const T* bias1, GemmAct act,
                        const uint8_t* w2, const float* w2_scales, int64_t T_, int64_t K, int64_t I, int64_t N,
-                       cudaStream_t stream, Fp8Rows in_q) {
+                       cudaStream_t stream, Fp8Rows in_q, Fp8Sums* defer) {
   static_assert(std::is_same_v<T, __half> || std::is_same_v<T, __nv_bfloat16>, "T is __half or __nv_bfloat16");
   check_fp8_arguments(out, in, w1, w1_scales, T_, K, I);
   check_fp8_arguments(out, in, w2, w2_scales, T_, I, N);
   check_quantised_input(in_q);
+  if (defer) *defer = {};
   if (!fp8_mlp_supported(I))
     throw Error("fp8 mlp: FC1's rows of " + std::to_string(I) + " are longer than one block quantises (" +
                 std::to_string(fp8_epilogue_quantize_max_n()) + "): run the two products with run_fp8");
@@ -507,16 +524,17 @@ void Gemm::run_fp8_mlp(T* out, const T* in, const uint8_t* w1, const float* w1_s
                              stream);
     const Fp8State::Plan& p2 = fc2.plan(rows);
     CUDA_CHECK(fc2.matmul(*p2.problem, p2.algo));
-    fp8_scale_epilogue<T>(out + r0 * N, parts.sums, e2, parts.s2, w2_scales, nullptr, rows, N, 0, stream);
+    if (defer && rows == T_) *defer = deferred_sums(parts.sums, e2, parts.s2, w2_scales, nullptr);
+    else fp8_scale_epilogue<T>(out + r0 * N, parts.sums, e2, parts.s2, w2_scales, nullptr, rows, N, 0, stream);
   }
 }
 
 template void Gemm::run_fp8_mlp<__half>(__half*, const __half*, const uint8_t*, const float*, const __half*, GemmAct,
                                         const uint8_t*, const float*, int64_t, int64_t, int64_t, int64_t,
-                                        cudaStream_t, Fp8Rows);
+                                        cudaStream_t, Fp8Rows, Fp8Sums*);
 template void Gemm::run_fp8_mlp<__nv_bfloat16>(__nv_bfloat16*, const __nv_bfloat16*, const uint8_t*, const float*,
                                                const __nv_bfloat16*, GemmAct, const uint8_t*, const float*, int64_t,
-                                               int64_t, int64_t, int64_t, cudaStream_t, Fp8Rows);
+                                               int64_t, int64_t, int64_t, cudaStream_t, Fp8Rows, Fp8Sums*);
 
 Status Gemm::fp8_supported() {
   if (Status st = fp8_device_check(device_); !st) return st;

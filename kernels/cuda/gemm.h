@@ -110,25 +110,36 @@ class Gemm {
   // still the same bits for every T, but not the default's bits).
   // in_q (optional): in's rows already quantised (layernorm_forward's fp8 rows: exactly
   // quantize_rows_fp8 of in), read instead of quantising in again.
+  // defer (optional; no activation): the epilogue is left to the kernel after the product
+  // (add_bias_residual_layernorm's x_sums, attention_decode_paged's qkv_sums), which reads the
+  // sums where *defer says (Fp8Sums, fp8.h, the bias with them) before the next FP8 product
+  // on this Gemm: one kernel and one pass over the output fewer. Only a call whose rows fit
+  // one block of the workspace defers; any other writes out as usual and sets *defer empty,
+  // so the caller's next kernel reads out.
   template <class T>
   void run_fp8(T* out, const T* in, const uint8_t* w, const float* w_scales, const T* bias, int64_t T_, int64_t K,
-               int64_t N, GemmAct act, cudaStream_t stream, Fp8Rows in_q = {});
+               int64_t N, GemmAct act, cudaStream_t stream, Fp8Rows in_q = {}, Fp8Sums* defer = nullptr);
   // FC1 then FC2 of an MLP in FP8: out = FC2(act(FC1(in) + bias1)), FC2 without its bias (the
   // layer adds it with the residual). The same bits as run_fp8 twice (FC1 into a T row, then
   // FC2 of it), without that row in memory: FC1's epilogue quantises it for FC2 in the same
   // kernel (fp8_epilogue_quantize). in [T, K], w1 [I, K], w2 [N, I]; needs
-  // fp8_mlp_supported(I), else throws. Its workspace: fp8_mlp_workspace_bytes. in_q: as
-  // run_fp8's.
+  // fp8_mlp_supported(I), else throws. Its workspace: fp8_mlp_workspace_bytes. in_q, defer
+  // (FC2's epilogue): as run_fp8's.
   template <class T>
   void run_fp8_mlp(T* out, const T* in, const uint8_t* w1, const float* w1_scales, const T* bias1, GemmAct act,
                    const uint8_t* w2, const float* w2_scales, int64_t T_, int64_t K, int64_t I, int64_t N,
-                   cudaStream_t stream, Fp8Rows in_q = {});
+                   cudaStream_t stream, Fp8Rows in_q = {}, Fp8Sums* defer = nullptr);
   static size_t fp8_mlp_workspace_bytes(int64_t rows, int64_t K, int64_t I, int64_t N);
   static bool fp8_mlp_supported(int64_t I);
   // Whether run_fp8_mlp is faster than run_fp8 twice for T_ rows: above 64 (one block a row
   // quantises FC1's outputs; at one row that block took longer than the epilogue's 16 and the
   // quantiser's one: gpt3-6.7b's FP8 step 3.73 -> 3.78 ms; at 512 rows 17.14 -> 16.98, H100).
   static bool fp8_mlp_pays(int64_t T_, int64_t I) { return T_ > 64 && fp8_mlp_supported(I); }
+  // Whether deferring an epilogue (run_fp8's `defer`) pays for T_ rows: above 64. At fewer
+  // rows the epilogue is a kernel launched early (programmatic dependent launch) during which
+  // the next kernel gets ready, and taking it away was slower: gpt3-6.7b's FP8 step at batch 1
+  // 2.975 -> 3.03 ms with the LayerNorm reading the sums (H200, 2026-11-28).
+  static bool fp8_defer_pays(int64_t T_) { return T_ > 64; }
   // The memory run_fp8 works in: the activations quantised (K bytes and a scale a row) and
   // cuBLASLt's fp16 sums (2 N bytes a row). fp8_workspace_bytes(rows, K, N) holds `rows` rows
   // of one product; calls of more rows than it holds run in blocks of rows (the same bits in

@@ -95,9 +95,11 @@ __device__ __forceinline__ void preload_ln_params(float (&g)[NPT][V], float (&b)
 // This thread's items of row `row` into v (fused: the residual added and stored back, see
 // layernorm_kernel); returns their sum.
 template <class T, int V, int NPT, bool FUSED, bool PRE, int P>
-__device__ __forceinline__ float load_ln_row(float (&v)[NPT][V], const T* in, T* residual, const T* x, const T* bias,
-                                             const float (&bs)[P][V], int64_t row, int64_t C, int64_t items) {
+__device__ __forceinline__ float load_ln_row(float (&v)[NPT][V], const T* in, T* residual, const T* x,
+                                             const Fp8Sums& xs, const T* bias, const float (&bs)[P][V], int64_t row,
+                                             int64_t C, int64_t items) {
   float sum = 0.f;
+  const float x_row_scale = FUSED && xs.sums != nullptr ? xs.row_scales[row] : 0.f;
 #pragma unroll
   for (int k = 0; k < NPT; ++k) {
     const int64_t item = threadIdx.x + int64_t(k) * blockDim.x;
@@ -106,7 +108,16 @@ __device__ __forceinline__ float load_ln_row(float (&v)[NPT][V], const T* in, T*
       if constexpr (FUSED) {
         float r[V], a[V];
         load_items<T, V>(residual + row * C + col, r);
-        load_items<T, V>(x + row * C + col, a);
+        if (xs.sums != nullptr) {  // x as the FP8 product's epilogue would have stored it
+          load_items<__half, V>(xs.sums + row * C + col, a);
+#pragma unroll
+          for (int j = 0; j < V; ++j)
+            a[j] = to_float(from_float<T>(
+                detail::epilogue_value<T>(a[j], xs.unscale, x_row_scale, xs.col_scales,
+                                          static_cast<const T*>(xs.bias), col + j, 0)));
+        } else {
+          load_items<T, V>(x + row * C + col, a);
+        }
 #pragma unroll
         for (int j = 0; j < V; ++j) r[j] += a[j];
         if constexpr (PRE) {
@@ -207,7 +218,7 @@ __device__ __forceinline__ void quantise_ln_row(Fp8Rows fp8, const float (&v)[NP
 }
 
 // fused == false: v = in[row]. fused == true: v = round(residual[row] + x[row] + bias), stored
-// back to residual. Then, when gamma != null, out[row] = LN(v).
+// back to residual (x from xs when that is not empty). Then, when gamma != null, out[row] = LN(v).
 //
 // One block per row, one item (V elements) per thread where the row allows (NPT = 1), so a
 // row of a decode step is spread over many warps: the kernel is latency-bound and a single
@@ -218,7 +229,7 @@ template <class T, int V, int NPT, bool FUSED, bool PRE>
 __global__ void __launch_bounds__(1024)
     layernorm_kernel(T* __restrict__ out, const T* in, const T* __restrict__ gamma, const T* __restrict__ beta,
                      int64_t C, float eps, T* residual, const T* __restrict__ x, const T* __restrict__ bias,
-                     Fp8Rows fp8) {
+                     Fp8Rows fp8, Fp8Sums xs) {
   __shared__ float scratch[32];
   grid_dependents_launch();
   const int64_t row = blockIdx.x;
@@ -228,7 +239,7 @@ __global__ void __launch_bounds__(1024)
   if constexpr (PRE) preload_ln_params<T, V, NPT, FUSED>(g, b, bs, gamma, beta, bias, items);
   grid_dependency_wait();
   float v[NPT][V];
-  const float sum = load_ln_row<T, V, NPT, FUSED, PRE>(v, in, residual, x, bias, bs, row, C, items);
+  const float sum = load_ln_row<T, V, NPT, FUSED, PRE>(v, in, residual, x, xs, bias, bs, row, C, items);
   if (gamma == nullptr) return;  // fused add only; uniform across the block
   const float mean = block_sum(sum, scratch) / float(C);
   const float sq = sum_squared_deviations(v, mean, items);
@@ -242,19 +253,24 @@ __global__ void __launch_bounds__(1024)
 // scalar path: C <= 1024 * 8).
 template <class T, bool FUSED>
 void launch_layernorm(T* out, const T* in, const T* gamma, const T* beta, int64_t rows, int64_t C,
-                      float eps, T* residual, const T* x, const T* bias, cudaStream_t stream, Fp8Rows fp8) {
+                      float eps, T* residual, const T* x, const T* bias, cudaStream_t stream, Fp8Rows fp8,
+                      Fp8Sums xs = {}) {
   if (rows <= 0 || C <= 0) return;
   if (fp8 && (fp8.scales == nullptr || gamma == nullptr))
     throw Error("layernorm: FP8 rows need their scales and a LayerNorm (gamma) to quantise");
+  if (FUSED && !xs && x == nullptr) throw Error("add_bias_residual_layernorm: x is null and no FP8 sums stand for it");
+  if (xs && (xs.row_scales == nullptr || xs.col_scales == nullptr))
+    throw Error("add_bias_residual_layernorm: FP8 sums need their row and column scales");
   const bool vec = C % kVec == 0 && aligned16(out) && aligned16(in) && aligned16(gamma) && aligned16(beta) &&
-                   aligned16(residual) && aligned16(x) && aligned16(bias) && aligned16(fp8.q);
+                   aligned16(residual) && aligned16(x) && aligned16(bias) && aligned16(fp8.q) &&
+                   aligned16(xs.sums);
   const int64_t items = vec ? C / kVec : C;
   const int threads = int(std::min<int64_t>(1024, (items + 31) / 32 * 32));
   const int64_t npt = (items + threads - 1) / threads;
   const dim3 grid{unsigned(rows)}, block{unsigned(threads)};
 #define CONVEYOR_LN(VV, N, PRE)                                                                                    \
   LAUNCH_PDL("layernorm_kernel", layernorm_kernel<T, VV, N, FUSED, PRE>, grid, block, 0, stream, out, in, gamma, \
-             beta, C, eps, residual, x, bias, fp8)
+             beta, C, eps, residual, x, bias, fp8, xs)
   if (vec) {
     if (npt == 1) CONVEYOR_LN(8, 1, true);
     else if (npt == 2) CONVEYOR_LN(8, 2, false);
@@ -433,8 +449,8 @@ void layernorm_forward(T* out, const T* in, const T* gamma, const T* beta, int64
 template <class T>
 void add_bias_residual_layernorm(T* residual, T* ln_out, const T* x, const T* bias, const T* gamma,
                                  const T* beta, int64_t num_tokens, int64_t C, float eps,
-                                 cudaStream_t stream, Fp8Rows fp8) {
-  launch_layernorm<T, true>(ln_out, nullptr, gamma, beta, num_tokens, C, eps, residual, x, bias, stream, fp8);
+                                 cudaStream_t stream, Fp8Rows fp8, Fp8Sums x_sums) {
+  launch_layernorm<T, true>(ln_out, nullptr, gamma, beta, num_tokens, C, eps, residual, x, bias, stream, fp8, x_sums);
 }
 
 template <class T>
@@ -515,7 +531,8 @@ void convert_transpose_from_float(T* out, const float* in, int64_t K, int64_t N,
   template void layernorm_forward<T>(T*, const T*, const T*, const T*, int64_t, int64_t, float,    \
                                      cudaStream_t, Fp8Rows);                                       \
   template void add_bias_residual_layernorm<T>(T*, T*, const T*, const T*, const T*, const T*,     \
-                                               int64_t, int64_t, float, cudaStream_t, Fp8Rows);    \
+                                               int64_t, int64_t, float, cudaStream_t, Fp8Rows,     \
+                                               Fp8Sums);                                           \
   template void gelu_forward<T>(T*, int64_t, cudaStream_t);                                        \
   template void gelu_erf_forward<T>(T*, int64_t, cudaStream_t);                                    \
   template void add_bias_gelu<T>(T*, const T*, int64_t, int64_t, Activation, cudaStream_t);        \

@@ -99,16 +99,25 @@ Status StepRunner::layers_impl(const StepMeta& m, const KvCache* cache, int64_t 
   const SeqArrays chunks{m.q_begin + decode_seqs, m.q_len + decode_seqs, m.kv_len + decode_seqs,
                          num_seqs - decode_seqs};
 
-  // FP8: each LayerNorm before QKV and FC1 also writes its rows quantised, which the product reads.
+  // FP8: each LayerNorm before QKV and FC1 also writes its rows quantised, which the product reads;
+  // (one rank) the projection's and FC2's epilogues are left to the residual's LayerNorm, which
+  // reads their sums (Fp8Sums) instead of a T row the epilogue wrote; and QKV's, in a decode
+  // step over FP8 K/V, to the decode attention.
   const Fp8Rows ln_q = buffers_.ln_rows_fp8();
+  const bool defer = options_.fp8 && options_.tp_ranks <= 1 && Gemm::fp8_defer_pays(num_tokens);
   for (int64_t l = 0; l < L; ++l) {
     const GpuLayer w = weights_.layer(l);
     if (l == 0)
       layernorm_forward<T>(ln, hidden, w.as<T>(LT::Ln1Gain), w.as<T>(LT::Ln1Bias), num_tokens, C, eps, stream_, ln_q);
-    matmul<T>(qkv, ln, w.at(LT::QkvWeight), w.scales(LT::QkvWeight), w.at(LT::QkvBias), num_tokens, C, 3 * W,
-              GemmAct::None, ln_q);
     const KvLayerView kv = cache->layer(l, m.tables, int32_t(max_pages_));
-    if (decode_seqs > 0) attention_decode_paged<T>(attn, qkv, kv, m.kv_len, decode_seqs, H, D, splits, ws, stream_);
+    // A step of decode rows alone over FP8 K/V: the decode attention reads QKV's sums itself.
+    const bool defer_qkv =
+        options_.fp8 && Gemm::fp8_defer_pays(num_tokens) && chunks.num_seqs == 0 && attention_decode_reads_sums(kv, D);
+    Fp8Sums qkv_sums;
+    matmul<T>(qkv, ln, w.at(LT::QkvWeight), w.scales(LT::QkvWeight), w.at(LT::QkvBias), num_tokens, C, 3 * W,
+              GemmAct::None, ln_q, defer_qkv ? &qkv_sums : nullptr);
+    if (decode_seqs > 0)
+      attention_decode_paged<T>(attn, qkv, kv, m.kv_len, decode_seqs, H, D, splits, ws, stream_, qkv_sums);
     if (chunks.num_seqs > 0) {
       kv_cache_append<T>(kv, qkv + first_chunk_row * 3 * W, 3 * W, m.token_row + first_chunk_row,
                          m.pos + first_chunk_row, num_tokens - first_chunk_row, H, D, stream_);
@@ -119,19 +128,22 @@ Status StepRunner::layers_impl(const StepMeta& m, const KvCache* cache, int64_t 
       else
         attention_context_paged<T>(attn, qkv, chunk_kv, chunks, max_q_len, H, D, stream_);
     }
-    matmul<T>(proj, attn, w.at(LT::ProjWeight), w.scales(LT::ProjWeight), nullptr, num_tokens, W, C, GemmAct::None);
+    Fp8Sums sums;
+    matmul<T>(proj, attn, w.at(LT::ProjWeight), w.scales(LT::ProjWeight), nullptr, num_tokens, W, C, GemmAct::None, {},
+              defer ? &sums : nullptr);
     if (Status s = reduce_residual_layernorm<T>(hidden, ln, proj, w.as<T>(LT::ProjBias), w.as<T>(LT::Ln2Gain),
-                                                w.as<T>(LT::Ln2Bias), num_tokens, ln_q);
+                                                w.as<T>(LT::Ln2Bias), num_tokens, ln_q, sums);
         !s)
       return s;
     if (options_.fp8 && Gemm::fp8_mlp_pays(num_tokens, I)) {  // FC1's rows go to FC2 quantised, never as T
       gemm_.run_fp8_mlp<T>(proj, ln, static_cast<const uint8_t*>(w.at(LT::FcWeight)), w.scales(LT::FcWeight),
                            static_cast<const T*>(w.at(LT::FcBias)), act,
                            static_cast<const uint8_t*>(w.at(LT::Fc2Weight)), w.scales(LT::Fc2Weight), num_tokens, C,
-                           I, C, stream_, ln_q);
+                           I, C, stream_, ln_q, defer ? &sums : nullptr);
     } else {
       matmul<T>(fc, ln, w.at(LT::FcWeight), w.scales(LT::FcWeight), w.at(LT::FcBias), num_tokens, C, I, act, ln_q);
-      matmul<T>(proj, fc, w.at(LT::Fc2Weight), w.scales(LT::Fc2Weight), nullptr, num_tokens, I, C, GemmAct::None);
+      matmul<T>(proj, fc, w.at(LT::Fc2Weight), w.scales(LT::Fc2Weight), nullptr, num_tokens, I, C, GemmAct::None, {},
+                defer ? &sums : nullptr);
     }
     // The next LayerNorm fused into this residual: the next layer's ln_1, or ln_f after the last.
     const T* g = nullptr;
@@ -139,7 +151,7 @@ Status StepRunner::layers_impl(const StepMeta& m, const KvCache* cache, int64_t 
     if (l + 1 < L) g = weights_.layer(l + 1).as<T>(LT::Ln1Gain), b = weights_.layer(l + 1).as<T>(LT::Ln1Bias);
     else if (fuse_final_ln && shape_.holds_head()) g = lnf_g, b = lnf_b;
     if (Status s = reduce_residual_layernorm<T>(hidden, g ? ln : nullptr, proj, w.as<T>(LT::Fc2Bias), g, b, num_tokens,
-                                                l + 1 < L ? ln_q : Fp8Rows{});
+                                                l + 1 < L ? ln_q : Fp8Rows{}, sums);
         !s)
       return s;
   }
@@ -157,29 +169,33 @@ Status StepRunner::run_layers(const StepMeta& m, const KvCache* kv, int64_t num_
 
 template <class T>
 void StepRunner::matmul(T* out, const T* in, const void* w, const float* scales, const void* bias, int64_t num_tokens,
-                        int64_t K, int64_t N, GemmAct act, Fp8Rows in_q) {
+                        int64_t K, int64_t N, GemmAct act, Fp8Rows in_q, Fp8Sums* defer) {
   const T* b = static_cast<const T*>(bias);
+  if (defer) *defer = {};
   if (options_.int8_weights)
     gemm_.run_int8<T, T>(out, in, static_cast<const int8_t*>(w), scales, b, num_tokens, K, N, act, stream_);
   else if (options_.fp8)
-    gemm_.run_fp8<T>(out, in, static_cast<const uint8_t*>(w), scales, b, num_tokens, K, N, act, stream_, in_q);
+    gemm_.run_fp8<T>(out, in, static_cast<const uint8_t*>(w), scales, b, num_tokens, K, N, act, stream_, in_q, defer);
   else
     gemm_.run<T, T>(out, in, static_cast<const T*>(w), b, num_tokens, K, N, WeightLayout::NK, act, stream_);
 }
 
 // hidden = hidden + x + bias (x: this rank's partial sums of a row-split projection,
-// [num_tokens, C], joined over the ranks first), then ln_out = LayerNorm(hidden) with gamma,
-// beta (ln_out null: none). Tensor parallel: the all-reduce, then the LayerNorm kernel. A
-// failed all-reduce comes back naming the stage; nothing after it is launched.
+// [num_tokens, C], joined over the ranks first; or, one rank, x_sums: the FP8 product's
+// deferred epilogue standing for x), then ln_out = LayerNorm(hidden) with gamma, beta (ln_out
+// null: none). Tensor parallel: the all-reduce, then the LayerNorm kernel. A failed all-reduce
+// comes back naming the stage; nothing after it is launched.
 template <class T>
 Status StepRunner::reduce_residual_layernorm(T* hidden, T* ln_out, T* x, const T* bias, const T* gamma, const T* beta,
-                                             int64_t num_tokens, Fp8Rows ln_q) {
+                                             int64_t num_tokens, Fp8Rows ln_q, Fp8Sums x_sums) {
   const int64_t C = config_.n_embd;
   const float eps = config_.layer_norm_epsilon;
   TpAllReduce* ar = options_.tp_ranks > 1 ? options_.all_reduce : nullptr;
+  if (ar && x_sums) return Status::error(options_.name + ": FP8 sums cannot be all-reduced before their epilogue");
   Status s;
   if (ar) s = ar->all_reduce(options_.tp_rank, x, size_t(num_tokens * C), stream_);
-  if (s) add_bias_residual_layernorm<T>(hidden, ln_out, x, bias, gamma, beta, num_tokens, C, eps, stream_, ln_q);
+  if (s)
+    add_bias_residual_layernorm<T>(hidden, ln_out, x, bias, gamma, beta, num_tokens, C, eps, stream_, ln_q, x_sums);
   if (!s) return Status::error(options_.name + ": " + s.message());
   return ok_status();
 }

@@ -12,7 +12,9 @@
 // so the residual stream `hidden` is [tokens, C] of the stage's dtype throughout. Weights are
 // read through the weight table (layer.at(LayerTensor::...)). Tensor parallel: the attention
 // projection and FC2 produce partial sums that the options' all_reduce joins before their
-// bias and the residual are added.
+// bias and the residual are added. FP8 on one rank: the projection's and FC2's epilogues run
+// inside the add-bias-residual kernel after them, which reads their sums (Gemm::run_fp8's
+// `defer`).
 //
 // Decode: the step (embedding on the first stage, every layer, ln_f + LM head + greedy argmax
 // on the rank holding the head) is captured once per batch-size bucket (decode_bucket) and
@@ -99,12 +101,16 @@ class StepRunner {
   template <class T> Status layers_impl(const StepMeta& m, const KvCache* kv, int64_t num_tokens, int64_t num_seqs,
                                         int64_t max_q_len, int64_t decode_seqs, bool fuse_final_ln);
   // ln_q: where ln_out's rows also go quantised (FP8 stages, before QKV and FC1), or empty.
+  // x_sums: x as an FP8 product's deferred epilogue (one rank only), or empty.
   template <class T> Status reduce_residual_layernorm(T* hidden, T* ln_out, T* x, const T* bias, const T* gamma,
-                                                      const T* beta, int64_t num_tokens, Fp8Rows ln_q = {});
+                                                      const T* beta, int64_t num_tokens, Fp8Rows ln_q = {},
+                                                      Fp8Sums x_sums = {});
   // out[T, N] = act(in[T, K] @ w^T + bias) for a layer matrix w [N, K] (scales: int8 or FP8
-  // weights; in_q: FP8 only, in's rows quantised already by their LayerNorm).
+  // weights; in_q: FP8 only, in's rows quantised already by their LayerNorm; defer: FP8 only,
+  // Gemm::run_fp8's deferred epilogue, set empty for every other product).
   template <class T> void matmul(T* out, const T* in, const void* w, const float* scales, const void* bias,
-                                 int64_t num_tokens, int64_t K, int64_t N, GemmAct act, Fp8Rows in_q = {});
+                                 int64_t num_tokens, int64_t K, int64_t N, GemmAct act, Fp8Rows in_q = {},
+                                 Fp8Sums* defer = nullptr);
   template <class T> void plan_products_impl(int64_t rows, bool with_head);
 
   const GpuStageShape& shape_;

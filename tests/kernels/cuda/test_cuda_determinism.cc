@@ -30,6 +30,7 @@ TEST(CudaDeterminism, NotBuilt) { GTEST_SKIP() << "built without the CUDA backen
 #include "kernels/cuda/attention.h"
 #include "kernels/cuda/attention_tiles.h"
 #include "kernels/cuda/check.h"
+#include "kernels/cuda/fp8.h"
 #include "kernels/cuda/fixed_gemm.h"
 #include "kernels/cuda/gemm.h"
 #include "kernels/cuda/gemv.h"
@@ -456,6 +457,82 @@ TYPED_TEST(CudaOps, Fp8KvDecodeEqualsContextRowBitForBit) {
   DevInts lens({1});
   EXPECT_THROW(cuda::attention_decode_paged<T>(out.p(), qkv.p(), fp8.view, lens.p(), 1, 1, 40, 1, cuda::DecodeWorkspace{},
                                                nullptr),
+               Error);
+}
+
+// FP8 products over FP8 K/V: the decode attention reading the QKV product's deferred epilogue
+// (attention_decode_paged's qkv_sums: q and the new token from the sums, scales and bias)
+// gives the bits of reading the rows that epilogue writes, with and without its rows spread
+// over warps, and appends the same K/V bytes and scales to the cache.
+TYPED_TEST(CudaOps, Fp8KvDecodeReadsTheDeferredQkvEpilogue) {
+  using T = TypeParam;
+  cuda::Gemm gemm;
+  if (Status fp8_ok = gemm.fp8_supported(); !fp8_ok) GTEST_SKIP() << fp8_ok.message();
+  Rng rng;
+  SEED_TRACE(rng);
+  const DType dt = std::is_same_v<T, half> ? DType::F16 : DType::BF16;
+  const int L = 3 * cuda::kTilePiece + 17;  // the new token (position L - 1) in the fourth piece
+  for (int D : {64, 128}) {
+    SCOPED_TRACE("head_dim " + std::to_string(D));
+    const int H = 4, C = H * D, K = 256, R = 24;
+    // Two caches with the same positions [0, L - 1); every decode row is the token at L - 1.
+    Fp8Cache a(L, H, D, R, dt), b(L, H, D, R, dt);
+    Dev<T> prior(rng.normal(size_t(L) * 3 * C));
+    std::vector<int32_t> rows(size_t(L - 1), 0), pos(size_t(L - 1));
+    std::iota(pos.begin(), pos.end(), 0);
+    DevInts drows(rows), dpos(pos), lens(std::vector<int32_t>(size_t(R), L));
+    for (Fp8Cache* c : {&a, &b}) cuda::kv_cache_append<T>(c->view, prior.p(), 3 * C, drows.p(), dpos.p(), L - 1, H, D, s0);
+    // The QKV product of R rows: x [R, K], FP8 weights [3C, K] and a bias.
+    Dev<T> x(rng.normal(size_t(R) * K)), w16(rng.normal(size_t(3 * C) * K, 0.05f)), bias(rng.normal(size_t(3 * C), 0.3f));
+    cuda::DeviceBuffer w8 = cuda::device_alloc(size_t(3 * C) * K, "test", "fp8 weights");
+    Dev<float> ws(3 * C);
+    cuda::quantize_rows_fp8<T>(w8.as<uint8_t>(), ws.p(), w16.p(), 3 * C, K, s0);
+    Dev<float> partial(cuda::tile_partial_floats(R, H, D, L));
+    cuda::DeviceBuffer counters = cuda::device_alloc(size_t(R * H) * 4, "test", "counters");
+    CUDA_CHECK(cudaMemset(counters.get(), 0, counters.bytes()));
+    const cuda::DecodeWorkspace spread{partial.p(), counters.as<int32_t>(), partial.n, R * H, L};
+    ASSERT_GT(cuda::tile_decode_splits(R, H, D, spread), 1);
+    auto decode = [&](Fp8Cache& c, int rows_now, const cuda::DecodeWorkspace& w, Dev<T>& out, bool deferred) {
+      Dev<T> qkv(int64_t(R) * 3 * C);
+      cuda::Fp8Sums sums;
+      gemm.run_fp8<T>(qkv.p(), x.p(), w8.as<uint8_t>(), ws.p(), bias.p(), rows_now, K, 3 * C, cuda::GemmAct::None, s0,
+                      {}, deferred ? &sums : nullptr);
+      ASSERT_EQ(bool(sums), deferred);
+      cuda::attention_decode_paged<T>(out.p(), deferred ? nullptr : qkv.p(), c.view, lens.p(), rows_now, H, D, 1, w, s0,
+                                      sums);
+      CUDA_CHECK(cudaDeviceSynchronize());
+    };
+    // One row: the same output and the same cache (the new token's bytes and scales).
+    Dev<T> one_a(C), one_b(C);
+    decode(a, 1, {}, one_a, false);
+    decode(b, 1, {}, one_b, true);
+    EXPECT_EQ(bytes_of(one_b.p(), size_t(C) * sizeof(T)), bytes_of(one_a.p(), size_t(C) * sizeof(T)));
+    EXPECT_EQ(bytes_of(b.cache.layer(0, nullptr, 0).k, size_t(b.cache.bytes())),
+              bytes_of(a.cache.layer(0, nullptr, 0).k, size_t(a.cache.bytes())));
+    // R rows (all appending position L - 1, which none of them reads from the cache).
+    for (const cuda::DecodeWorkspace* w : {&spread, static_cast<const cuda::DecodeWorkspace*>(nullptr)}) {
+      SCOPED_TRACE(w ? "spread" : "a warp a row");
+      Dev<T> want(int64_t(R) * C), got(int64_t(R) * C);
+      decode(a, R, w ? *w : cuda::DecodeWorkspace{}, want, false);
+      decode(b, R, w ? *w : cuda::DecodeWorkspace{}, got, true);
+      const auto g = got.get();
+      for (float v : g) ASSERT_TRUE(std::isfinite(v));
+      EXPECT_EQ(bytes_of(got.p(), size_t(R) * C * sizeof(T)), bytes_of(want.p(), size_t(R) * C * sizeof(T)));
+    }
+  }
+  // Not over a cache of the dtype.
+  const int H = 1, D = 64;
+  cuda::KvCache plain("test", 1, H, D, dt, 2);
+  ASSERT_TRUE(plain.reserve(0, 4).ok());
+  const std::vector<int32_t> table(plain.pages(0).begin(), plain.pages(0).end());
+  DevInts dtable(table), lens({1});
+  Dev<T> out(D);
+  Dev<__half> sums(3 * D);
+  Dev<float> scales(3 * D);
+  const cuda::Fp8Sums fake{.sums = sums.p(), .row_scales = scales.p(), .col_scales = scales.p()};
+  EXPECT_FALSE(cuda::attention_decode_reads_sums(plain.layer(0, dtable.p(), int32_t(table.size())), D));
+  EXPECT_THROW(cuda::attention_decode_paged<T>(out.p(), nullptr, plain.layer(0, dtable.p(), int32_t(table.size())),
+                                               lens.p(), 1, H, D, 1, cuda::DecodeWorkspace{}, s0, fake),
                Error);
 }
 

@@ -683,6 +683,82 @@ TYPED_TEST(Fp8, MlpGivesTheBitsOfItsTwoProducts) {
   EXPECT_FALSE(cuda::Gemm::fp8_mlp_supported(cuda::fp8_epilogue_quantize_max_n() + 16));
 }
 
+// A product's epilogue deferred to the residual's LayerNorm (Gemm::run_fp8's `defer`, ops.h's
+// x_sums) gives the bits of the epilogue writing the product's rows and the LayerNorm reading
+// them: the residual, the LayerNorm's rows and their FP8 bytes and scales, for run_fp8 with a
+// bias (C = I) and run_fp8_mlp's FC2 (C = N), at one row and at 300. A call whose rows take several blocks
+// of the workspace does not defer: it writes its rows, with the same bits.
+TYPED_TEST(Fp8, DeferredEpilogueInTheLayerNormGivesTheSameBits) {
+  using T = TypeParam;
+  using M = Fp8Mlp<T>;
+  constexpr int64_t K = M::K, I = M::I, N = M::N;
+  cuda::Gemm gemm, blocks;
+  SKIP_WITHOUT_FP8(gemm);
+  Rng rng;
+  SEED_TRACE(rng);
+  M m(rng);
+  blocks.set_fp8_workspace(m.small.p(), m.small.n);
+  auto t_ = [](Dev<uint16_t>& d) { return reinterpret_cast<T*>(d.p()); };
+  for (bool mlp : {false, true})
+    for (int64_t rows : {int64_t(1), M::kRows}) {
+      SCOPED_TRACE(std::string(mlp ? "run_fp8_mlp" : "run_fp8") + ", rows " + std::to_string(rows));
+      const int64_t C = mlp ? N : I;
+      const size_t n = size_t(rows * C);
+      Rounded<T> res(rng.normal(n, 2.f)), g(rng.normal(size_t(C), 1.f)), b(rng.normal(size_t(C), 0.5f)),
+          bias(rng.normal(size_t(C), 0.5f));
+      Dev<uint16_t> dg(g.bits), db(b.bits), dbias(bias.bits), out(n);
+      auto product = [&](cuda::Gemm& on, cuda::Fp8Sums* defer) {
+        if (mlp)
+          on.run_fp8_mlp<T>(t_(out), m.in(), m.w18.p(), m.s1.p(), m.bias(), GemmAct::GeluTanh, m.w28.p(), m.s2.p(), rows,
+                            K, I, N, nullptr, {}, defer);
+        else
+          on.run_fp8<T>(t_(out), m.in(), m.w18.p(), m.s1.p(), m.bias(), rows, K, I, GemmAct::None, nullptr, {}, defer);
+      };
+      struct Result {
+        std::vector<uint16_t> res, ln;
+        std::vector<uint8_t> q;
+        std::vector<float> s;
+      };
+      auto layer_norm = [&](const T* x, cuda::Fp8Sums sums) {
+        Dev<uint16_t> r(res.bits), ln(n);
+        Dev<uint8_t> q(n);
+        Dev<float> sc(static_cast<size_t>(rows));
+        cuda::add_bias_residual_layernorm<T>(t_(r), t_(ln), x, reinterpret_cast<const T*>(dbias.p()),
+                                             reinterpret_cast<const T*>(dg.p()), reinterpret_cast<const T*>(db.p()),
+                                             rows, C, 1e-5f, nullptr, cuda::Fp8Rows{q.p(), sc.p()}, sums);
+        CUDA_CHECK(cudaDeviceSynchronize());
+        return Result{r.template get<uint16_t>(), ln.template get<uint16_t>(), q.template get<uint8_t>(),
+                      sc.template get<float>()};
+      };
+      product(gemm, nullptr);
+      const Result want = layer_norm(t_(out), {});
+      CUDA_CHECK(cudaMemset(out.p(), 0xff, n * 2));  // NaN: a read of out would show
+      cuda::Fp8Sums sums;
+      product(gemm, &sums);
+      ASSERT_TRUE(sums) << "one block of rows defers";
+      const Result got = layer_norm(nullptr, sums);
+      EXPECT_EQ(got.res, want.res);
+      EXPECT_EQ(got.ln, want.ln);
+      EXPECT_EQ(got.q, want.q);
+      ASSERT_EQ(std::memcmp(got.s.data(), want.s.data(), got.s.size() * 4), 0);
+      for (uint16_t bits : got.ln) ASSERT_TRUE(std::isfinite(from_bits<T>(bits)));
+      cuda::Fp8Sums none{.sums = reinterpret_cast<const __half*>(out.p())};  // overwritten below
+      product(blocks, &none);
+      EXPECT_EQ(bool(none), rows <= 70) << "a call of several blocks writes its rows";
+      const Result from_blocks = none ? layer_norm(nullptr, none) : layer_norm(t_(out), {});
+      EXPECT_EQ(from_blocks.ln, want.ln);
+      EXPECT_EQ(from_blocks.res, want.res);
+    }
+  cuda::Fp8Sums sums;
+  Dev<uint16_t> out(static_cast<size_t>(4 * I));
+  EXPECT_THROW(gemm.run_fp8<T>(t_(out), m.in(), m.w18.p(), m.s1.p(), m.bias(), 4, K, I, GemmAct::GeluTanh, nullptr, {},
+                               &sums),
+               Error);  // a deferred epilogue has no activation
+  EXPECT_THROW(cuda::add_bias_residual_layernorm<T>(t_(out), nullptr, nullptr, nullptr, nullptr, nullptr, 4, I, 1e-5f,
+                                                    nullptr),
+               Error);  // neither x nor its sums
+}
+
 TYPED_TEST(Fp8, GraphReplayGivesTheEagerBits) {
   using T = TypeParam;
   cuda::Gemm gemm;
