@@ -517,9 +517,9 @@ __device__ __forceinline__ NewTokenFp8<D> new_token_fp8(KAt k_at, VAt v_at) {
   NewTokenFp8<D> n;
   n.s[0] = kv_fp8_scale(warp_max(ak));
   n.s[1] = kv_fp8_scale(warp_max(av));
-  const float rk = n.s[0] > 0.f ? __frcp_rn(n.s[0]) : 0.f, rv = n.s[1] > 0.f ? __frcp_rn(n.s[1]) : 0.f;
+  const float rk = fp8_rcp(n.s[0]), rv = fp8_rcp(n.s[1]);
 #pragma unroll
-  for (int i = 0; i < kPer; ++i) n.k[i] = quantize_pow2(k[i], n.s[0], rk), n.v[i] = quantize_pow2(v[i], n.s[1], rv);
+  for (int i = 0; i < kPer; ++i) n.k[i] = quantize_one(k[i], rk), n.v[i] = quantize_one(v[i], rv);
   return n;
 }
 

@@ -1,5 +1,6 @@
 // The host side of fp8.h: the reference quantiser (the same IEEE fp32 operations as the
-// kernel: exact |x| and max, correctly rounded divisions, E4M3 rounding through cuda_fp8.h's
+// kernel: exact |x| and max, a correctly rounded division for the scale and its reciprocal,
+// products by the reciprocal, E4M3 rounding through cuda_fp8.h's
 // host conversion, nearest even and saturating like the device's cvt.rn.satfinite), E4M3
 // decoding, and the device check.
 #include <cuda_fp8.h>
@@ -34,9 +35,9 @@ void quantize_rows_fp8_reference(uint8_t* q, float* scales, const float* x, int6
     const float* row = x + r * K;
     float amax = 0.f;
     for (int64_t k = 0; k < K; ++k) amax = std::fmax(amax, std::fabs(row[k]));
-    const float s = amax / kFp8E4M3Max;
+    const float s = amax / kFp8E4M3Max, rs = s > 0.f ? 1.f / s : 0.f;
     scales[r] = s;
-    for (int64_t k = 0; k < K; ++k) q[r * K + k] = s > 0.f ? float_to_fp8_e4m3(row[k] / s) : 0;
+    for (int64_t k = 0; k < K; ++k) q[r * K + k] = rs > 0.f ? float_to_fp8_e4m3(row[k] * rs) : 0;
   }
 }
 

@@ -67,24 +67,25 @@ __global__ void __launch_bounds__(kFp8QuantThreads)
       amax = fmaxf(amax, fabsf(to_float(load<kPdl>(row + k))));
   }
   amax = block_max(amax, scratch);  // max is exact in any order
-  const float s = fp8_scale(amax);
+  const float s = fp8_scale(amax), rs = fp8_rcp(s);
   if (threadIdx.x == 0) scales[r] = s;
   if constexpr (kVec8) {
     for (int64_t k = int64_t(threadIdx.x) * 8; k < K; k += int64_t(kFp8QuantThreads) * 8) {
       float f[8];
       unpack8<T>(load<kPdl>(reinterpret_cast<const uint4*>(row + k)), f);
-      quantize8(qrow + k, f, s);
+      quantize8(qrow + k, f, rs);
     }
   } else {
     for (int64_t k = threadIdx.x; k < K; k += kFp8QuantThreads)
-      qrow[k] = quantize_one(to_float(load<kPdl>(row + k)), s);
+      qrow[k] = quantize_one(to_float(load<kPdl>(row + k)), rs);
   }
 }
 
 constexpr int kFp8EpilogueThreads = 256;
 
-// kVec8: N % 8 == 0, sums and out 16-byte aligned: eight columns a thread (one 16-byte load,
-// one 16-byte store); else one element a thread. unscale = 2^e, exact.
+// kVec8: N % 8 == 0, sums, out, cs and bias 16-byte aligned: eight columns a thread (one
+// 16-byte load of sums, two of column scales, one of bias, one 16-byte store); else one
+// element a thread. unscale = 2^e, exact.
 template <class T, bool kVec8, bool kPdl>
 __global__ void __launch_bounds__(kFp8EpilogueThreads)
     fp8_scale_epilogue_kernel(T* __restrict__ out, const __half* sums, float unscale, const float* rs,
@@ -97,10 +98,11 @@ __global__ void __launch_bounds__(kFp8EpilogueThreads)
     const int64_t i = g * kW, r = i / N, n = i % N;
     const float row_scale = load<kPdl>(rs + r);
     if constexpr (kVec8) {
-      float v[8];
+      float v[8], c[8], b[8];
       unpack8<__half>(load<kPdl>(reinterpret_cast<const uint4*>(sums + i)), v);
+      epilogue_columns8(c, b, cs, bias, n);
 #pragma unroll
-      for (int j = 0; j < 8; ++j) v[j] = epilogue_value(v[j], unscale, row_scale, cs, bias, n + j, act);
+      for (int j = 0; j < 8; ++j) v[j] = epilogue_value(v[j], unscale, row_scale, c[j], b[j], act);
       *reinterpret_cast<uint4*>(out + i) = pack8<T>(v);
     } else {
       out[i] = from_float<T>(epilogue_value(__half2float(load<kPdl>(sums + i)), unscale, row_scale, cs, bias, n, act));
@@ -114,7 +116,7 @@ constexpr int kFp8EpilogueQuantThreads = 512;
 // epilogue does (rounded to T), keeps them in shared memory (N x sizeof(T) bytes), takes
 // their largest magnitude, and quantises them as the quantiser does: the same operations in
 // the same order, so the same bytes and scale as the two kernels with the T row between them.
-// kVec8: N % 8 == 0 and sums 16-byte aligned.
+// kVec8: N % 8 == 0, sums, cs and bias 16-byte aligned (epilogue_columns8).
 template <class T, bool kVec8, bool kPdl>
 __global__ void __launch_bounds__(kFp8EpilogueQuantThreads)
     fp8_epilogue_quantize_kernel(uint8_t* __restrict__ q, float* __restrict__ q_scales, const __half* sums,
@@ -130,11 +132,12 @@ __global__ void __launch_bounds__(kFp8EpilogueQuantThreads)
   float amax = 0.f;
   if constexpr (kVec8) {
     for (int64_t n = int64_t(threadIdx.x) * 8; n < N; n += int64_t(kFp8EpilogueQuantThreads) * 8) {
-      float v[8];
+      float v[8], c[8], b[8];
       unpack8<__half>(load<kPdl>(reinterpret_cast<const uint4*>(row + n)), v);
+      epilogue_columns8(c, b, cs, bias, n);
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
-        const T t = from_float<T>(epilogue_value(v[j], unscale, row_scale, cs, bias, n + j, act));
+        const T t = from_float<T>(epilogue_value(v[j], unscale, row_scale, c[j], b[j], act));
         vals[n + j] = t;
         amax = fmaxf(amax, fabsf(to_float(t)));
       }
@@ -147,10 +150,18 @@ __global__ void __launch_bounds__(kFp8EpilogueQuantThreads)
     }
   }
   amax = block_max(amax, scratch);  // its barriers also order the shared writes before the reads
-  const float s = fp8_scale(amax);
+  const float s = fp8_scale(amax), rcp = fp8_rcp(s);
   if (threadIdx.x == 0) q_scales[r] = s;
   uint8_t* qrow = q + r * N;
-  for (int64_t n = threadIdx.x; n < N; n += kFp8EpilogueQuantThreads) qrow[n] = quantize_one(to_float(vals[n]), s);
+  if constexpr (kVec8) {  // eight bytes a thread
+    for (int64_t n = int64_t(threadIdx.x) * 8; n < N; n += int64_t(kFp8EpilogueQuantThreads) * 8) {
+      float f[8];
+      unpack8<T>(*reinterpret_cast<const uint4*>(vals + n), f);
+      quantize8(qrow + n, f, rcp);
+    }
+  } else {
+    for (int64_t n = threadIdx.x; n < N; n += kFp8EpilogueQuantThreads) qrow[n] = quantize_one(to_float(vals[n]), rcp);
+  }
 }
 
 // Launches kernel<..., true> with programmatic dependent launch up to kFp8PdlRows rows, else
@@ -203,7 +214,8 @@ void fp8_scale_epilogue(T* out, const __half* sums, int e, const float* row_scal
   if (e < 0 || e > 64) throw Error("fp8_scale_epilogue: exponent " + std::to_string(e) + " out of [0, 64]");
   if (rows <= 0 || N <= 0) return;
   const float unscale = std::ldexp(1.f, e);
-  const bool vec = N % 8 == 0 && detail::aligned16(sums) && detail::aligned16(out);
+  const bool vec = N % 8 == 0 && detail::aligned16(sums) && detail::aligned16(out) && detail::aligned16(col_scales) &&
+                   detail::aligned16(bias);
   const int64_t groups = rows * (vec ? N / 8 : N);
   const unsigned blocks = unsigned(std::min<int64_t>((groups + detail::kFp8EpilogueThreads - 1) /
                                                          detail::kFp8EpilogueThreads,
@@ -240,7 +252,8 @@ void fp8_epilogue_quantize(uint8_t* q, float* q_scales, const __half* sums, int 
   if (rows <= 0 || N <= 0) return;
   const float unscale = std::ldexp(1.f, e);
   const size_t smem = size_t(N) * sizeof(T);
-  const bool vec = N % 8 == 0 && detail::aligned16(sums);
+  const bool vec = N % 8 == 0 && detail::aligned16(sums) && detail::aligned16(q) && detail::aligned16(col_scales) &&
+                   detail::aligned16(bias);
   auto run = [&](auto vec8) {
     constexpr bool kVec8 = decltype(vec8)::value;
     auto early = detail::fp8_epilogue_quantize_kernel<T, kVec8, true>;

@@ -1,8 +1,11 @@
 // Internal: the device side of FP8 E4M3 quantisation, one definition for every kernel that
 // quantises (fp8.cu: activations and weights by row; paged_kv.cu and attention_tiles.cuh: the
 // K/V cache by (token, head)). A vector x of fp32 values gets the scale s = amax / 448
-// (__fdiv_rn) and the bytes q = e4m3(x / s), saturating; s == 0 (all zeros) gives zeros. The
-// value a byte stands for is dequant(q, s) = float(q) * s, rounded once.
+// (__fdiv_rn), its reciprocal r = 1 / s (__frcp_rn, once a vector) and the bytes
+// q = e4m3(x * r), saturating; s == 0 (all zeros) gives r = 0 and zeros. The value a byte
+// stands for is dequant(q, s) = float(q) * s, rounded once. (x * r, not x / s: a division an
+// element was the largest part of the quantising kernels' arithmetic, and x * r differs from
+// x / s by at most an ulp of fp32 before the rounding to E4M3's 3 bits.)
 #pragma once
 
 #include <cuda_bf16.h>
@@ -23,24 +26,21 @@ __device__ __forceinline__ uint8_t e4m3(float v) {
 
 __device__ __forceinline__ float fp8_scale(float amax) { return __fdiv_rn(amax, kFp8E4M3Max); }
 
-// q = e4m3(x / s); s == 0 (an all-zero row, or one too small to scale) gives 0. The same
-// operations as quantize_rows_fp8_reference (fp8.cc), in the same order.
-__device__ __forceinline__ uint8_t quantize_one(float x, float s) { return s > 0.f ? e4m3(__fdiv_rn(x, s)) : 0; }
+// The reciprocal the bytes are made with: RN(1 / s); 0 for s == 0 (an all-zero row, or one
+// too small to scale). For a power of two s (kv_fp8_scale's) it is exact, so x * r is x / s.
+__device__ __forceinline__ float fp8_rcp(float s) { return s > 0.f ? __frcp_rn(s) : 0.f; }
+
+// q = e4m3(x * r), r = fp8_rcp(s); r == 0 gives 0. The same operations as
+// quantize_rows_fp8_reference (fp8.cc), in the same order.
+__device__ __forceinline__ uint8_t quantize_one(float x, float r) { return r > 0.f ? e4m3(__fmul_rn(x, r)) : 0; }
 
 // Eight values quantised by quantize_one into q[0, 8) with one 8-byte store (q 8-byte aligned).
-__device__ __forceinline__ void quantize8(uint8_t* q, const float (&f)[8], float s) {
+__device__ __forceinline__ void quantize8(uint8_t* q, const float (&f)[8], float r) {
   uint2 out;
   uint8_t* b = reinterpret_cast<uint8_t*>(&out);
 #pragma unroll
-  for (int i = 0; i < 8; ++i) b[i] = quantize_one(f[i], s);
+  for (int i = 0; i < 8; ++i) b[i] = quantize_one(f[i], r);
   *reinterpret_cast<uint2*>(q) = out;
-}
-
-// quantize_one for a power-of-two s (kv_fp8_scale's), given rcp = 1 / s (exact: s is a normal
-// power of two): x * rcp and x / s are the same exact value, so the one rounding gives the
-// same float, without a division's dozen instructions.
-__device__ __forceinline__ uint8_t quantize_pow2(float x, float s, float rcp) {
-  return s > 0.f ? e4m3(__fmul_rn(x, rcp)) : 0;
 }
 
 // Exact: every E4M3 value is an fp16.
@@ -63,14 +63,32 @@ __device__ __forceinline__ float kv_fp8_scale(float amax) {
 }
 
 // Output n of a product's row in fp32, from its fp16 sum: times unscale (2^e, exact), the
-// row's and column n's scales, bias n (none when null), the activation (GemmAct's code). Every
-// FP8 epilogue uses it: fp8_scale_epilogue, fp8_epilogue_quantize, and the LayerNorm that
-// reads an Fp8Sums.
+// row's scale and column n's (col_scale), plus its bias (0 when none), then the activation
+// (GemmAct's code). Every FP8 epilogue uses it: fp8_scale_epilogue, fp8_epilogue_quantize, the
+// LayerNorm and the decode attention that read an Fp8Sums.
+__device__ __forceinline__ float epilogue_value(float sum, float unscale, float row_scale, float col_scale, float bias,
+                                                int act) {
+  return activate(__fmul_rn(__fmul_rn(sum * unscale, row_scale), col_scale) + bias, act);
+}
 template <class T>
 __device__ __forceinline__ float epilogue_value(float sum, float unscale, float row_scale, const float* cs,
                                                 const T* bias, int64_t n, int act) {
-  const float b = bias != nullptr ? to_float(bias[n]) : 0.f;
-  return activate(__fmul_rn(__fmul_rn(sum * unscale, row_scale), cs[n]) + b, act);
+  return epilogue_value(sum, unscale, row_scale, cs[n], bias != nullptr ? to_float(bias[n]) : 0.f, act);
+}
+
+// Columns n to n + 7's scales and biases (0 without one), for eight outputs at a time: two
+// 16-byte loads of cs and one of bias (cs + n and bias + n 16-byte aligned).
+template <class T>
+__device__ __forceinline__ void epilogue_columns8(float (&c)[8], float (&b)[8], const float* cs, const T* bias,
+                                                  int64_t n) {
+  const float4 lo = *reinterpret_cast<const float4*>(cs + n), hi = *reinterpret_cast<const float4*>(cs + n + 4);
+  c[0] = lo.x, c[1] = lo.y, c[2] = lo.z, c[3] = lo.w, c[4] = hi.x, c[5] = hi.y, c[6] = hi.z, c[7] = hi.w;
+  if (bias != nullptr) {
+    unpack8<T>(*reinterpret_cast<const uint4*>(bias + n), b);
+  } else {
+#pragma unroll
+    for (int j = 0; j < 8; ++j) b[j] = 0.f;
+  }
 }
 
 }  // namespace conveyor::cuda::detail

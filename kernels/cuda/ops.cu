@@ -110,11 +110,19 @@ __device__ __forceinline__ float load_ln_row(float (&v)[NPT][V], const T* in, T*
         load_items<T, V>(residual + row * C + col, r);
         if (xs.sums != nullptr) {  // x as the FP8 product's epilogue would have stored it
           load_items<__half, V>(xs.sums + row * C + col, a);
+          const T* xb = static_cast<const T*>(xs.bias);
+          if constexpr (V == 8) {
+            float c[8], b[8];
+            detail::epilogue_columns8(c, b, xs.col_scales, xb, col);
 #pragma unroll
-          for (int j = 0; j < V; ++j)
-            a[j] = to_float(from_float<T>(
-                detail::epilogue_value<T>(a[j], xs.unscale, x_row_scale, xs.col_scales,
-                                          static_cast<const T*>(xs.bias), col + j, 0)));
+            for (int j = 0; j < V; ++j)
+              a[j] = to_float(from_float<T>(detail::epilogue_value(a[j], xs.unscale, x_row_scale, c[j], b[j], 0)));
+          } else {
+#pragma unroll
+            for (int j = 0; j < V; ++j)
+              a[j] = to_float(
+                  from_float<T>(detail::epilogue_value<T>(a[j], xs.unscale, x_row_scale, xs.col_scales, xb, col + j, 0)));
+          }
         } else {
           load_items<T, V>(x + row * C + col, a);
         }
@@ -201,7 +209,7 @@ __device__ __forceinline__ void quantise_ln_row(Fp8Rows fp8, const float (&v)[NP
     if (threadIdx.x + int64_t(k) * blockDim.x < items)
 #pragma unroll
       for (int j = 0; j < V; ++j) amax = fmaxf(amax, fabsf(v[k][j]));
-  const float s = detail::fp8_scale(block_max(amax, scratch));
+  const float s = detail::fp8_scale(block_max(amax, scratch)), rs = detail::fp8_rcp(s);
   if (threadIdx.x == 0) fp8.scales[row] = s;
 #pragma unroll
   for (int k = 0; k < NPT; ++k) {
@@ -209,10 +217,10 @@ __device__ __forceinline__ void quantise_ln_row(Fp8Rows fp8, const float (&v)[NP
     if (item >= items) continue;
     uint8_t* q = fp8.q + row * C + item * V;
     if constexpr (V == 8) {
-      detail::quantize8(q, v[k], s);
+      detail::quantize8(q, v[k], rs);
     } else {
 #pragma unroll
-      for (int j = 0; j < V; ++j) q[j] = detail::quantize_one(v[k][j], s);
+      for (int j = 0; j < V; ++j) q[j] = detail::quantize_one(v[k][j], rs);
     }
   }
 }
@@ -263,7 +271,7 @@ void launch_layernorm(T* out, const T* in, const T* gamma, const T* beta, int64_
     throw Error("add_bias_residual_layernorm: FP8 sums need their row and column scales");
   const bool vec = C % kVec == 0 && aligned16(out) && aligned16(in) && aligned16(gamma) && aligned16(beta) &&
                    aligned16(residual) && aligned16(x) && aligned16(bias) && aligned16(fp8.q) &&
-                   aligned16(xs.sums);
+                   aligned16(xs.sums) && aligned16(xs.col_scales) && aligned16(xs.bias);
   const int64_t items = vec ? C / kVec : C;
   const int threads = int(std::min<int64_t>(1024, (items + 31) / 32 * 32));
   const int64_t npt = (items + threads - 1) / threads;

@@ -40,8 +40,11 @@ __global__ void kv_append_kernel(T* __restrict__ kc, T* __restrict__ vc, int64_t
 }
 
 // FP8 K/V: one block per token, one warp per (head, K or V): the head's head_dim values,
-// their scale and their bytes (fp8.cuh).
-template <class T>
+// their scale and their bytes (fp8.cuh). V4 (head_dim a multiple of 4, at most 128, the rows
+// 8-byte and the cache 4-byte aligned): four values a lane, one 8-byte load and one 4-byte
+// store, rather than a lane-strided element at a time (prefill's appends ran at a fifth of the
+// bandwidth that way: 224 us a layer for 8,192 tokens of gpt3-6.7b, H200 under ncu).
+template <class T, bool V4>
 __global__ void kv_append_fp8_kernel(uint8_t* __restrict__ kc, uint8_t* __restrict__ vc, float* __restrict__ ks,
                                      float* __restrict__ vs, int64_t page_stride, int64_t scale_page_stride,
                                      const int32_t* __restrict__ tables, int max_pages, const T* __restrict__ qkv,
@@ -58,11 +61,32 @@ __global__ void kv_append_fp8_kernel(uint8_t* __restrict__ kc, uint8_t* __restri
   for (int unit = warp; unit < 2 * n_head; unit += warps) {
     const int which = unit / n_head, h = unit % n_head;
     const T* src = qkv + r * qkv_stride + C + int64_t(which) * C + int64_t(h) * D;
-    float amax = 0.f;
-    for (int d = lane; d < D; d += 32) amax = fmaxf(amax, fabsf(to_float(src[d])));
-    const float s = kv_fp8_scale(warp_max(amax));  // max is exact in any order
     uint8_t* dst = (which == 0 ? kc : vc) + page * page_stride + (int64_t(h) * kPageTokens + t % kPageTokens) * D;
-    for (int d = lane; d < D; d += 32) dst[d] = quantize_one(to_float(src[d]), s);
+    float s;
+    if constexpr (V4) {
+      const int d = 4 * lane;
+      float f[4] = {0.f, 0.f, 0.f, 0.f};
+      if (d < D) {
+        const uint2 u = *reinterpret_cast<const uint2*>(src + d);
+        const T* e = reinterpret_cast<const T*>(&u);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) f[i] = to_float(e[i]);
+      }
+      s = kv_fp8_scale(warp_max(fmaxf(fmaxf(fabsf(f[0]), fabsf(f[1])), fmaxf(fabsf(f[2]), fabsf(f[3])))));
+      const float rs = fp8_rcp(s);
+      if (d < D) {
+        uint32_t out = 0;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) out |= uint32_t(quantize_one(f[i], rs)) << (8 * i);
+        *reinterpret_cast<uint32_t*>(dst + d) = out;
+      }
+    } else {
+      float amax = 0.f;
+      for (int d = lane; d < D; d += 32) amax = fmaxf(amax, fabsf(to_float(src[d])));
+      s = kv_fp8_scale(warp_max(amax));  // max is exact in any order
+      const float rs = fp8_rcp(s);
+      for (int d = lane; d < D; d += 32) dst[d] = quantize_one(to_float(src[d]), rs);
+    }
     if (lane == 0) (which == 0 ? ks : vs)[page * scale_page_stride + h * kPageTokens + t % kPageTokens] = s;
   }
 }
@@ -99,7 +123,11 @@ void kv_cache_append(const KvLayerView& kv, const T* qkv, int64_t qkv_stride, co
   if (num_tokens <= 0) return;
   if (kv.fp8()) {
     const int threads = int(std::min<int64_t>(256, 2 * n_head * 32));
-    LAUNCH_PDL("kv_append_fp8_kernel", kv_append_fp8_kernel<T>, dim3(unsigned(num_tokens)), dim3(threads), 0, stream,
+    const auto at = [](const void* p, uintptr_t a) { return reinterpret_cast<uintptr_t>(p) % a == 0; };
+    const bool v4 = head_dim % 4 == 0 && head_dim <= 128 && qkv_stride % 4 == 0 && kv.page_stride % 4 == 0 &&
+                    at(qkv, 8) && at(kv.k, 4) && at(kv.v, 4);
+    auto kernel = v4 ? kv_append_fp8_kernel<T, true> : kv_append_fp8_kernel<T, false>;
+    LAUNCH_PDL("kv_append_fp8_kernel", kernel, dim3(unsigned(num_tokens)), dim3(threads), 0, stream,
                static_cast<uint8_t*>(kv.k), static_cast<uint8_t*>(kv.v), kv.k_scale, kv.v_scale, kv.page_stride,
                kv.scale_page_stride, kv.block_tables, kv.max_pages, qkv, qkv_stride, token_rows, token_pos,
                int(n_head), int(head_dim));
