@@ -114,6 +114,22 @@ TEST(Fp8Host, ReferenceQuantiserScalesEachRowToItsLargestValue) {
   EXPECT_THROW(cuda::quantize_rows_fp8_reference(q.data(), s.data(), x.data(), 0, 1), Error);
 }
 
+// The bytes are made with the scale's reciprocal, x * RN(1 / s), not by a division: for this
+// row's second value, x / s lies just above a tie between two E4M3 values (136, between 128
+// and 144) and x * (1 / s) on it, so the two give different bytes, and the reference (like
+// the kernels) takes the tie's even side.
+TEST(Fp8Host, ReferenceQuantiserMultipliesByTheReciprocal) {
+  const float amax = 0x1.f1a3bap+1f, x = 0x1.2e2368p+0f;
+  const std::vector<float> row = {amax, x};
+  std::vector<uint8_t> q(2);
+  std::vector<float> s(1);
+  cuda::quantize_rows_fp8_reference(q.data(), s.data(), row.data(), 1, 2);
+  ASSERT_EQ(s[0], amax / 448.f);
+  EXPECT_EQ(q[1], cuda::float_to_fp8_e4m3(x * (1.f / s[0])));
+  EXPECT_EQ(cuda::fp8_e4m3_to_float(q[1]), 128.f);
+  EXPECT_EQ(cuda::fp8_e4m3_to_float(cuda::float_to_fp8_e4m3(x / s[0])), 144.f);
+}
+
 // The workspace of one product: the fp16 sums (2 N bytes a row), the E4M3 rows (K bytes) and
 // their scales (4 bytes), each part at a 256-byte boundary, plus 256 bytes for the base's own.
 TEST(Fp8Host, WorkspaceHoldsTheSumsTheRowsAndTheirScales) {
