@@ -5,7 +5,7 @@
 // q = e4m3(x * r), saturating; s == 0 (all zeros) gives r = 0 and zeros. The value a byte
 // stands for is dequant(q, s) = float(q) * s, rounded once. (x * r, not x / s: a division an
 // element was the largest part of the quantising kernels' arithmetic, and x * r differs from
-// x / s by at most an ulp of fp32 before the rounding to E4M3's 3 bits.)
+// x / s by an ulp or two of fp32 at most, before the rounding to E4M3's 3 bits.)
 #pragma once
 
 #include <cuda_bf16.h>
