@@ -6,10 +6,10 @@
 //
 // so x[r, k] ~ s[r] * q[r, k] (an all-zero row gets s = 0 and q = 0). The bytes are made with
 // the scale's reciprocal, rounded to fp32 once a row, not by a division an element: the same
-// E4M3 value but where x / s lies within an ulp or two of fp32 from a tie between two of E4M3's,
-// for about a tenth of the quantising arithmetic (measured: FC1's epilogue with FC2's quantiser was bound by
-// it, at a fifth of the memory bandwidth in prefill). One function serves both
-// operands of Gemm::run_fp8 (gemm.h):
+// E4M3 value but where x / s lies within an ulp or two of fp32 from a tie between two of
+// E4M3's, for about a tenth of the quantising arithmetic (measured: FC1's epilogue with FC2's
+// quantiser was bound by it, at a fifth of the memory bandwidth in prefill). One function
+// serves both operands of Gemm::run_fp8 (gemm.h):
 //   - weights [N, K] (output channels as rows): quantised once at load, a scale per channel;
 //   - activations [T, K]: quantised per row (per token) at every product, a dynamic scale per
 //     row. A row's scale and bytes depend on that row alone, never on the batch around it: no
