@@ -87,19 +87,31 @@ __device__ __forceinline__ float warp_max(float v) {
   return v;
 }
 
-// Sum over the block; every thread gets the result. `scratch` holds >= 32 floats and may
-// be reused right after the call returns (the trailing barrier protects it).
-__device__ __forceinline__ float block_sum(float v, float* scratch) {
+// block_sum of a block W times as wide, whose thread threadIdx.x + w * blockDim.x held v[w]:
+// its warps' sums in its order, so the same bits as block_sum in that block.
+template <int W>
+__device__ __forceinline__ float block_sum_virtual(const float (&v)[W], float* scratch) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int nwarps = (blockDim.x + 31) >> 5;
-  v = warp_sum(v);
-  if (lane == 0) scratch[warp] = v;
+  const int warps = (blockDim.x + 31) >> 5, nwarps = warps * W;
+#pragma unroll
+  for (int w = 0; w < W; ++w) {
+    const float s = warp_sum(v[w]);
+    if (lane == 0) scratch[warp + w * warps] = s;
+  }
   __syncthreads();
   float t = lane < nwarps ? scratch[lane] : 0.f;
   t = warp_sum(t);
   __syncthreads();
   return t;
 }
+
+// Sum over the block; every thread gets the result. `scratch` holds >= 32 floats and may
+// be reused right after the call returns (the trailing barrier protects it).
+__device__ __forceinline__ float block_sum(float v, float* scratch) {
+  const float one[1] = {v};
+  return block_sum_virtual(one, scratch);
+}
+
 __device__ __forceinline__ float block_max(float v, float* scratch) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int nwarps = (blockDim.x + 31) >> 5;

@@ -93,12 +93,14 @@ __device__ __forceinline__ void preload_ln_params(float (&g)[NPT][V], float (&b)
 }
 
 // This thread's items of row `row` into v (fused: the residual added and stored back, see
-// layernorm_kernel); returns their sum.
-template <class T, int V, int NPT, bool FUSED, bool PRE, int P>
-__device__ __forceinline__ float load_ln_row(float (&v)[NPT][V], const T* in, T* residual, const T* x,
-                                             const Fp8Sums& xs, const T* bias, const float (&bs)[P][V], int64_t row,
-                                             int64_t C, int64_t items) {
-  float sum = 0.f;
+// layernorm_kernel); sum[w]: the sum of those of its virtual thread w (items k with k % W == w,
+// layernorm_kernel says why), in item order.
+template <class T, int V, int NPT, bool FUSED, bool PRE, int P, int W>
+__device__ __forceinline__ void load_ln_row(float (&v)[NPT][V], float (&sum)[W], const T* in, T* residual,
+                                            const T* x, const Fp8Sums& xs, const T* bias, const float (&bs)[P][V],
+                                            int64_t row, int64_t C, int64_t items) {
+#pragma unroll
+  for (int w = 0; w < W; ++w) sum[w] = 0.f;
   const float x_row_scale = FUSED && xs.sums != nullptr ? xs.row_scales[row] : 0.f;
 #pragma unroll
   for (int k = 0; k < NPT; ++k) {
@@ -144,16 +146,17 @@ __device__ __forceinline__ float load_ln_row(float (&v)[NPT][V], const T* in, T*
         load_items<T, V>(in + row * C + col, v[k]);
       }
 #pragma unroll
-      for (int j = 0; j < V; ++j) sum += v[k][j];
+      for (int j = 0; j < V; ++j) sum[k % W] += v[k][j];
     }
   }
-  return sum;
 }
 
-// The sum of (v - mean)^2 over this thread's items.
-template <int V, int NPT>
-__device__ __forceinline__ float sum_squared_deviations(const float (&v)[NPT][V], float mean, int64_t items) {
-  float sq = 0.f;
+// The sums of (v - mean)^2 over this thread's items, by virtual thread as load_ln_row's.
+template <int V, int NPT, int W>
+__device__ __forceinline__ void sum_squared_deviations(float (&sq)[W], const float (&v)[NPT][V], float mean,
+                                                       int64_t items) {
+#pragma unroll
+  for (int w = 0; w < W; ++w) sq[w] = 0.f;
 #pragma unroll
   for (int k = 0; k < NPT; ++k) {
     const int64_t item = threadIdx.x + int64_t(k) * blockDim.x;
@@ -161,15 +164,15 @@ __device__ __forceinline__ float sum_squared_deviations(const float (&v)[NPT][V]
 #pragma unroll
       for (int j = 0; j < V; ++j) {
         const float d = v[k][j] - mean;
-        sq += d * d;
+        sq[k % W] += d * d;
       }
     }
   }
-  return sq;
 }
 
 // out[row] = (v - mean) * rstd * gamma + beta for this thread's items (gamma, beta preloaded
-// in g, b with PRE); v then holds the values stored (rounded to T), for quantise_ln_row.
+// in g, b with PRE); v then holds the values stored (rounded to T), for quantise_ln_row. out
+// null: the values only (the FP8 rows are the output).
 template <class T, int V, int NPT, bool PRE, int P>
 __device__ __forceinline__ void write_ln_row(T* out, float (&v)[NPT][V], const float (&g)[P][V],
                                              const float (&b)[P][V], const T* gamma, const T* beta, float mean,
@@ -190,7 +193,7 @@ __device__ __forceinline__ void write_ln_row(T* out, float (&v)[NPT][V], const f
 #pragma unroll
         for (int j = 0; j < V; ++j) o[j] = (v[k][j] - mean) * rstd * gg[j] + bb[j];
       }
-      store_items<T, V>(out + row * C + col, o);
+      if (out != nullptr) store_items<T, V>(out + row * C + col, o);
 #pragma unroll
       for (int j = 0; j < V; ++j) v[k][j] = to_float(from_float<T>(o[j]));
     }
@@ -233,11 +236,18 @@ __device__ __forceinline__ void quantise_ln_row(Fp8Rows fp8, const float (&v)[NP
 // warp walking the row serially is several times slower. With PRE (NPT = 1) the immutable
 // gamma, beta and bias are loaded before grid_dependency_wait(), overlapping the kernel
 // before. fp8 (when not empty): out's rows quantised there too (quantise_ln_row).
-template <class T, int V, int NPT, bool FUSED, bool PRE>
+//
+// W > 1 (many rows): a block of 1/W the threads, each thread W "virtual threads" of the
+// block of the row's own width (its items k, k + W, ... are virtual thread k % W's), whose
+// sums are reduced in that block's order (block_sum_virtual): the same bits for every W, so
+// the block shape may follow the row count. A prefill chunk's 8,192 rows of 512 threads ran
+// four blocks an SM at a time, latency-bound; a quarter of the threads holds more rows.
+template <class T, int V, int NPT, bool FUSED, bool PRE, int W>
 __global__ void __launch_bounds__(1024)
     layernorm_kernel(T* __restrict__ out, const T* in, const T* __restrict__ gamma, const T* __restrict__ beta,
                      int64_t C, float eps, T* residual, const T* __restrict__ x, const T* __restrict__ bias,
                      Fp8Rows fp8, Fp8Sums xs) {
+  static_assert(NPT % W == 0, "whole virtual threads");
   __shared__ float scratch[32];
   grid_dependents_launch();
   const int64_t row = blockIdx.x;
@@ -246,12 +256,12 @@ __global__ void __launch_bounds__(1024)
   float g[P][V], b[P][V], bs[P][V];
   if constexpr (PRE) preload_ln_params<T, V, NPT, FUSED>(g, b, bs, gamma, beta, bias, items);
   grid_dependency_wait();
-  float v[NPT][V];
-  const float sum = load_ln_row<T, V, NPT, FUSED, PRE>(v, in, residual, x, xs, bias, bs, row, C, items);
+  float v[NPT][V], part[W];
+  load_ln_row<T, V, NPT, FUSED, PRE, P, W>(v, part, in, residual, x, xs, bias, bs, row, C, items);
   if (gamma == nullptr) return;  // fused add only; uniform across the block
-  const float mean = block_sum(sum, scratch) / float(C);
-  const float sq = sum_squared_deviations(v, mean, items);
-  const float var = block_sum(sq, scratch) / float(C);
+  const float mean = block_sum_virtual(part, scratch) / float(C);
+  sum_squared_deviations<V, NPT, W>(part, v, mean, items);
+  const float var = block_sum_virtual(part, scratch) / float(C);
   const float rstd = 1.f / sqrtf(var + eps);
   write_ln_row<T, V, NPT, PRE>(out, v, g, b, gamma, beta, mean, rstd, row, C, items);
   if (fp8.q != nullptr) quantise_ln_row<V, NPT>(fp8, v, scratch, row, C, items);  // uniform across the block
@@ -259,6 +269,10 @@ __global__ void __launch_bounds__(1024)
 
 // Threads: one item each up to 1024, then NPT items each (vector path: C <= 1024 * 4 * 8;
 // scalar path: C <= 1024 * 8).
+// From this many rows a LayerNorm of one item a thread runs blocks of a quarter of the
+// threads (layernorm_kernel's W = 4).
+constexpr int64_t kLnNarrowRows = 1024;
+
 template <class T, bool FUSED>
 void launch_layernorm(T* out, const T* in, const T* gamma, const T* beta, int64_t rows, int64_t C,
                       float eps, T* residual, const T* x, const T* bias, cudaStream_t stream, Fp8Rows fp8,
@@ -266,6 +280,8 @@ void launch_layernorm(T* out, const T* in, const T* gamma, const T* beta, int64_
   if (rows <= 0 || C <= 0) return;
   if (fp8 && (fp8.scales == nullptr || gamma == nullptr))
     throw Error("layernorm: FP8 rows need their scales and a LayerNorm (gamma) to quantise");
+  if (gamma != nullptr && out == nullptr && !fp8)
+    throw Error("layernorm: no output: out is null and no FP8 rows are asked for");
   if (FUSED && !xs && x == nullptr) throw Error("add_bias_residual_layernorm: x is null and no FP8 sums stand for it");
   if (xs && (xs.row_scales == nullptr || xs.col_scales == nullptr))
     throw Error("add_bias_residual_layernorm: FP8 sums need their row and column scales");
@@ -275,20 +291,21 @@ void launch_layernorm(T* out, const T* in, const T* gamma, const T* beta, int64_
   const int64_t items = vec ? C / kVec : C;
   const int threads = int(std::min<int64_t>(1024, (items + 31) / 32 * 32));
   const int64_t npt = (items + threads - 1) / threads;
-  const dim3 grid{unsigned(rows)}, block{unsigned(threads)};
-#define CONVEYOR_LN(VV, N, PRE)                                                                                    \
-  LAUNCH_PDL("layernorm_kernel", layernorm_kernel<T, VV, N, FUSED, PRE>, grid, block, 0, stream, out, in, gamma, \
-             beta, C, eps, residual, x, bias, fp8, xs)
+  const dim3 grid{unsigned(rows)};
+#define CONVEYOR_LN(VV, N, PRE, W)                                                                                  \
+  LAUNCH_PDL("layernorm_kernel", layernorm_kernel<T, VV, N, FUSED, PRE, W>, grid, dim3(unsigned(threads / (W))), 0, \
+             stream, out, in, gamma, beta, C, eps, residual, x, bias, fp8, xs)
   if (vec) {
-    if (npt == 1) CONVEYOR_LN(8, 1, true);
-    else if (npt == 2) CONVEYOR_LN(8, 2, false);
-    else if (npt <= 4) CONVEYOR_LN(8, 4, false);
+    if (npt == 1 && rows >= kLnNarrowRows && threads % 128 == 0) CONVEYOR_LN(8, 4, false, 4);
+    else if (npt == 1) CONVEYOR_LN(8, 1, true, 1);
+    else if (npt == 2) CONVEYOR_LN(8, 2, false, 1);
+    else if (npt <= 4) CONVEYOR_LN(8, 4, false, 1);
     else throw Error("layernorm: C = " + std::to_string(C) + " is larger than this kernel holds (32768)");
   } else {
-    if (npt == 1) CONVEYOR_LN(1, 1, true);
-    else if (npt == 2) CONVEYOR_LN(1, 2, false);
-    else if (npt <= 4) CONVEYOR_LN(1, 4, false);
-    else if (npt <= 8) CONVEYOR_LN(1, 8, false);
+    if (npt == 1) CONVEYOR_LN(1, 1, true, 1);
+    else if (npt == 2) CONVEYOR_LN(1, 2, false, 1);
+    else if (npt <= 4) CONVEYOR_LN(1, 4, false, 1);
+    else if (npt <= 8) CONVEYOR_LN(1, 8, false, 1);
     else throw Error("layernorm: C = " + std::to_string(C) + " is larger than this kernel holds (8192 unaligned)");
   }
 #undef CONVEYOR_LN

@@ -37,7 +37,8 @@ void embedding_forward(T* out, const int32_t* ids, const int32_t* positions, int
 // out[t, :] = (in[t, :] - mean) / sqrt(var + eps) * gamma + beta (biased variance). out may
 // alias in. C <= 32768 (C % 8 == 0 and 16-byte aligned rows) or C <= 8192 (otherwise).
 // fp8 (optional): out's rows also quantised there, the bytes and scales quantize_rows_fp8
-// gives those rows (the FP8 product after the LayerNorm reads them instead of quantising).
+// gives those rows (the FP8 product after the LayerNorm reads them instead of quantising);
+// with fp8, out may be null: the quantised rows are then the only output.
 template <class T>
 void layernorm_forward(T* out, const T* in, const T* gamma, const T* beta, int64_t num_tokens,
                        int64_t C, float eps, cudaStream_t stream, Fp8Rows fp8 = {});
@@ -90,7 +91,7 @@ void token_logprob(float* out, const float* x, const int32_t* tokens, int64_t ro
 // residual[t, :] += x[t, :] + bias (bias may be null; the sum is rounded to T and stored), then,
 // when gamma is not null, ln_out[t, :] = LayerNorm(residual[t, :]) with gamma/beta. One pass:
 // the row stays in registers. ln_out may be null when gamma is null. fp8: as layernorm_forward's
-// (needs gamma). x_sums (FP8 stages): x is an FP8 product's deferred epilogue (Fp8Sums, fp8.h),
+// (needs gamma; ln_out may then be null). x_sums (FP8 stages): x is an FP8 product's deferred epilogue (Fp8Sums, fp8.h),
 // each element rounded to T as fp8_scale_epilogue would have written it, so the bits are those
 // of x = that product's output; x is then not read (may be null).
 template <class T>

@@ -99,16 +99,17 @@ Status StepRunner::layers_impl(const StepMeta& m, const KvCache* cache, int64_t 
   const SeqArrays chunks{m.q_begin + decode_seqs, m.q_len + decode_seqs, m.kv_len + decode_seqs,
                          num_seqs - decode_seqs};
 
-  // FP8: each LayerNorm before QKV and FC1 also writes its rows quantised, which the product reads;
-  // (one rank) the projection's and FC2's epilogues are left to the residual's LayerNorm, which
-  // reads their sums (Fp8Sums) instead of a T row the epilogue wrote; and QKV's, in a decode
-  // step over FP8 K/V, to the decode attention.
+  // FP8: each LayerNorm before QKV and FC1 writes its rows quantised, which the product reads,
+  // and not as T, which nothing would read; (one rank) the projection's and FC2's epilogues are
+  // left to the residual's LayerNorm, which reads their sums (Fp8Sums) instead of a T row the
+  // epilogue wrote; and QKV's, in a decode step over FP8 K/V, to the decode attention.
   const Fp8Rows ln_q = buffers_.ln_rows_fp8();
+  T* const ln_t = ln_q ? nullptr : ln;  // the LayerNorms' T rows, where a product reads them
   const bool defer = options_.fp8 && options_.tp_ranks <= 1 && Gemm::fp8_defer_pays(num_tokens);
   for (int64_t l = 0; l < L; ++l) {
     const GpuLayer w = weights_.layer(l);
     if (l == 0)
-      layernorm_forward<T>(ln, hidden, w.as<T>(LT::Ln1Gain), w.as<T>(LT::Ln1Bias), num_tokens, C, eps, stream_, ln_q);
+      layernorm_forward<T>(ln_t, hidden, w.as<T>(LT::Ln1Gain), w.as<T>(LT::Ln1Bias), num_tokens, C, eps, stream_, ln_q);
     const KvLayerView kv = cache->layer(l, m.tables, int32_t(max_pages_));
     // A step of decode rows alone over FP8 K/V: the decode attention reads QKV's sums itself.
     const bool defer_qkv =
@@ -131,7 +132,7 @@ Status StepRunner::layers_impl(const StepMeta& m, const KvCache* cache, int64_t 
     Fp8Sums sums;
     matmul<T>(proj, attn, w.at(LT::ProjWeight), w.scales(LT::ProjWeight), nullptr, num_tokens, W, C, GemmAct::None, {},
               defer ? &sums : nullptr);
-    if (Status s = reduce_residual_layernorm<T>(hidden, ln, proj, w.as<T>(LT::ProjBias), w.as<T>(LT::Ln2Gain),
+    if (Status s = reduce_residual_layernorm<T>(hidden, ln_t, proj, w.as<T>(LT::ProjBias), w.as<T>(LT::Ln2Gain),
                                                 w.as<T>(LT::Ln2Bias), num_tokens, ln_q, sums);
         !s)
       return s;
@@ -150,7 +151,9 @@ Status StepRunner::layers_impl(const StepMeta& m, const KvCache* cache, int64_t 
     const T* b = nullptr;
     if (l + 1 < L) g = weights_.layer(l + 1).as<T>(LT::Ln1Gain), b = weights_.layer(l + 1).as<T>(LT::Ln1Bias);
     else if (fuse_final_ln && shape_.holds_head()) g = lnf_g, b = lnf_b;
-    if (Status s = reduce_residual_layernorm<T>(hidden, g ? ln : nullptr, proj, w.as<T>(LT::Fc2Bias), g, b, num_tokens,
+    // (After the last layer, ln_f's rows are T, for the head, and not quantised.)
+    T* const next_ln = g == nullptr ? nullptr : l + 1 < L ? ln_t : ln;
+    if (Status s = reduce_residual_layernorm<T>(hidden, next_ln, proj, w.as<T>(LT::Fc2Bias), g, b, num_tokens,
                                                 l + 1 < L ? ln_q : Fp8Rows{}, sums);
         !s)
       return s;

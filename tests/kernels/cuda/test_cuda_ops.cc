@@ -156,6 +156,38 @@ TYPED_TEST(CudaOps, AddBiasResidualLayerNorm) {
   }
 }
 
+// A row's LayerNorm keeps its bits whatever the launch's row count: from 1,024 rows the
+// kernel runs blocks of a quarter of the threads, which reduce in the wide block's order
+// (layernorm_kernel's W). C = 4,096 (512 threads, 128 narrow), 1,024 (128, 32) and 6,144
+// (768, 192); plain and fused, the residual too.
+TYPED_TEST(CudaOps, LayerNormRowKeepsItsBitsWhateverTheRowCount) {
+  using T = TypeParam;
+  Rng rng;
+  SEED_TRACE(rng);
+  const int many = 1100, few = 3;
+  for (int C : {4096, 1024, 6144}) {
+    const size_t n = size_t(many) * C;
+    auto in = rng.normal(n, 2.f, 0.5f), x = rng.normal(n), bias = rng.normal(size_t(C), 0.1f);
+    auto g = rng.normal(size_t(C), 0.2f, 1.f), b = rng.normal(size_t(C), 0.1f);
+    round_all<T>(in), round_all<T>(x), round_all<T>(bias), round_all<T>(g), round_all<T>(b);
+    Dev<T> din(in), dx(x), dbias(bias), dg(g), db(b), res_many(in), res_few(in);
+    Dev<T> out_many{int64_t(n)}, out_few{int64_t(few) * C};
+    auto same_rows = [&](const Dev<T>& a, const Dev<T>& f, const char* what) {
+      const auto va = a.get(), vf = f.get();
+      EXPECT_EQ(0, std::memcmp(va.data(), vf.data(), size_t(few) * C * sizeof(float))) << what << ", C=" << C;
+    };
+    cuda::layernorm_forward<T>(out_many.p(), din.p(), dg.p(), db.p(), many, C, 1e-5f, s0);
+    cuda::layernorm_forward<T>(out_few.p(), din.p(), dg.p(), db.p(), few, C, 1e-5f, s0);
+    same_rows(out_many, out_few, "layernorm");
+    cuda::add_bias_residual_layernorm<T>(res_many.p(), out_many.p(), dx.p(), dbias.p(), dg.p(), db.p(), many, C,
+                                         1e-5f, s0);
+    cuda::add_bias_residual_layernorm<T>(res_few.p(), out_few.p(), dx.p(), dbias.p(), dg.p(), db.p(), few, C, 1e-5f,
+                                         s0);
+    same_rows(out_many, out_few, "fused layernorm");
+    same_rows(res_many, res_few, "fused residual");
+  }
+}
+
 TYPED_TEST(CudaOps, AddBiasGelu) {
   using T = TypeParam;
   Rng rng;

@@ -42,6 +42,7 @@ TEST(Fp8, NotBuilt) { GTEST_SKIP() << "built without the CUDA backend"; }
 #include <random>
 #include <string>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "common/status.h"
@@ -545,16 +546,17 @@ TYPED_TEST(Fp8, RowBlocksGiveTheSameBits) {
 
 // The LayerNorm's FP8 rows (ops.h) against quantize_rows_fp8 of the rows it wrote: the same
 // bytes and scales, with and without the fused residual add, for row lengths of each of the
-// kernel's paths (8 elements a thread with one, two and four items, one element a thread);
-// the LayerNorm's own output is the same bits with them as without.
+// kernel's paths (8 elements a thread with one, two and four items, one element a thread, and
+// a quarter of the threads from 1,024 rows); the LayerNorm's own output is the same bits with
+// them as without, and without it (out null) the rows are the same.
 TYPED_TEST(Fp8, LayerNormRowsQuantisedEqualTheQuantiser) {
   using T = TypeParam;
   Rng rng;
   SEED_TRACE(rng);
-  for (int64_t C : {int64_t(4096), int64_t(1600), int64_t(16384), int64_t(24576), int64_t(100)}) {
+  const std::pair<int64_t, int64_t> shapes[] = {{4096, 5}, {1600, 5}, {16384, 5}, {24576, 5}, {100, 5}, {4096, 1030}};
+  for (auto [C, rows] : shapes) {
     for (bool fused : {false, true}) {
-      SCOPED_TRACE("C " + std::to_string(C) + (fused ? " fused" : ""));
-      const int64_t rows = 5;
+      SCOPED_TRACE("C " + std::to_string(C) + " rows " + std::to_string(rows) + (fused ? " fused" : ""));
       const size_t n = size_t(rows * C);
       Rounded<T> x(rng.normal(n, 2.f)), res(rng.normal(n, 2.f)), g(rng.normal(size_t(C), 1.f)),
           b(rng.normal(size_t(C), 0.5f)), bias(rng.normal(size_t(C), 0.5f));
@@ -586,8 +588,28 @@ TYPED_TEST(Fp8, LayerNormRowsQuantisedEqualTheQuantiser) {
       ASSERT_EQ(std::memcmp(s_got.data(), s_want.data(), s_got.size() * 4), 0);
       const auto q_got = q.template get<uint8_t>(), q_want = q_ref.template get<uint8_t>();
       for (size_t i = 0; i < n; ++i) ASSERT_EQ(q_got[i], q_want[i]) << "row " << i / size_t(C) << " k " << i % size_t(C);
+      // The quantised rows alone.
+      Dev<uint16_t> res_c(res.bits);
+      Dev<uint8_t> q_only(n);
+      Dev<float> sc_only(static_cast<size_t>(rows));
+      const cuda::Fp8Rows only{q_only.p(), sc_only.p()};
+      if (fused)
+        cuda::add_bias_residual_layernorm<T>(reinterpret_cast<T*>(res_c.p()), nullptr, px, pbias, pg, pb, rows, C,
+                                             1e-5f, nullptr, only);
+      else
+        cuda::layernorm_forward<T>(nullptr, px, pg, pb, rows, C, 1e-5f, nullptr, only);
+      CUDA_CHECK(cudaDeviceSynchronize());
+      EXPECT_EQ(q_only.template get<uint8_t>(), q_got);
+      const auto s_only = sc_only.template get<float>();
+      EXPECT_EQ(std::memcmp(s_only.data(), s_got.data(), s_got.size() * 4), 0);
+      if (fused) {
+        EXPECT_EQ(res_c.template get<uint16_t>(), res_a.template get<uint16_t>());
+      }
     }
   }
+  Dev<uint16_t> x(16);
+  auto* px = reinterpret_cast<const T*>(x.p());
+  EXPECT_THROW(cuda::layernorm_forward<T>(nullptr, px, px, px, 1, 16, 1e-5f, nullptr), Error);  // no output at all
 }
 
 // The MLP the run_fp8_mlp tests run: input rows in [kRows, K], FC1 w1 [I, K] with bias b1,
