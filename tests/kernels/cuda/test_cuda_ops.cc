@@ -156,7 +156,7 @@ TYPED_TEST(CudaOps, AddBiasResidualLayerNorm) {
   }
 }
 
-// A row's LayerNorm keeps its bits whatever the launch's row count: from 1,024 rows the
+// A row's LayerNorm keeps its bits whatever the launch's row count: from 512 rows the
 // kernel runs blocks of a quarter of the threads, which reduce in the wide block's order
 // (layernorm_kernel's W). C = 4,096 (512 threads, 128 narrow), 1,024 (128, 32) and 6,144
 // (768, 192); plain and fused, the residual too.

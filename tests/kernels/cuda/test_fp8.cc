@@ -547,7 +547,7 @@ TYPED_TEST(Fp8, RowBlocksGiveTheSameBits) {
 // The LayerNorm's FP8 rows (ops.h) against quantize_rows_fp8 of the rows it wrote: the same
 // bytes and scales, with and without the fused residual add, for row lengths of each of the
 // kernel's paths (8 elements a thread with one, two and four items, one element a thread, and
-// a quarter of the threads from 1,024 rows); the LayerNorm's own output is the same bits with
+// a quarter of the threads from 512 rows); the LayerNorm's own output is the same bits with
 // them as without, and without it (out null) the rows are the same.
 TYPED_TEST(Fp8, LayerNormRowsQuantisedEqualTheQuantiser) {
   using T = TypeParam;
