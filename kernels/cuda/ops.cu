@@ -267,14 +267,14 @@ __global__ void __launch_bounds__(1024)
   if (fp8.q != nullptr) quantise_ln_row<V, NPT>(fp8, v, scratch, row, C, items);  // uniform across the block
 }
 
-// Threads: one item each up to 1024, then NPT items each (vector path: C <= 1024 * 4 * 8;
-// scalar path: C <= 1024 * 8).
 // From this many rows a LayerNorm of one item a thread runs blocks of a quarter of the
 // threads (layernorm_kernel's W = 4). gpt3-6.7b FP8 decode on an H200, two rounds: at 512
 // rows the step was 1.5% faster with W = 4 (15.76, 15.69 ms against 15.88, 16.04), at 64
 // rows 5% slower (4.55 against 4.31).
 constexpr int64_t kLnNarrowRows = 512;
 
+// Threads: one item each up to 1024, then NPT items each (vector path: C <= 1024 * 4 * 8;
+// scalar path: C <= 1024 * 8); W = 4 from kLnNarrowRows rows where a row is one item a thread.
 template <class T, bool FUSED>
 void launch_layernorm(T* out, const T* in, const T* gamma, const T* beta, int64_t rows, int64_t C,
                       float eps, T* residual, const T* x, const T* bias, cudaStream_t stream, Fp8Rows fp8,
