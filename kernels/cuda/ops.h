@@ -91,9 +91,10 @@ void token_logprob(float* out, const float* x, const int32_t* tokens, int64_t ro
 // residual[t, :] += x[t, :] + bias (bias may be null; the sum is rounded to T and stored), then,
 // when gamma is not null, ln_out[t, :] = LayerNorm(residual[t, :]) with gamma/beta. One pass:
 // the row stays in registers. ln_out may be null when gamma is null. fp8: as layernorm_forward's
-// (needs gamma; ln_out may then be null). x_sums (FP8 stages): x is an FP8 product's deferred epilogue (Fp8Sums, fp8.h),
-// each element rounded to T as fp8_scale_epilogue would have written it, so the bits are those
-// of x = that product's output; x is then not read (may be null).
+// (needs gamma; ln_out may then be null). x_sums (FP8 stages): x is an FP8 product's deferred
+// epilogue (Fp8Sums, fp8.h), each element rounded to T as fp8_scale_epilogue would have
+// written it, so the bits are those of x = that product's output; x is then not read (may be
+// null).
 template <class T>
 void add_bias_residual_layernorm(T* residual, T* ln_out, const T* x, const T* bias, const T* gamma,
                                  const T* beta, int64_t num_tokens, int64_t C, float eps,

@@ -724,8 +724,8 @@ TYPED_TEST(Fp8, MlpGivesTheBitsOfItsTwoProducts) {
 // A product's epilogue deferred to the residual's LayerNorm (Gemm::run_fp8's `defer`, ops.h's
 // x_sums) gives the bits of the epilogue writing the product's rows and the LayerNorm reading
 // them: the residual, the LayerNorm's rows and their FP8 bytes and scales, for run_fp8 with a
-// bias (C = I) and run_fp8_mlp's FC2 (C = N), at one row and at 300. A call whose rows take several blocks
-// of the workspace does not defer: it writes its rows, with the same bits.
+// bias (C = I) and run_fp8_mlp's FC2 (C = N), at one row and at 300. A call whose rows take
+// several blocks of the workspace does not defer: it writes its rows, with the same bits.
 TYPED_TEST(Fp8, DeferredEpilogueInTheLayerNormGivesTheSameBits) {
   using T = TypeParam;
   using M = Fp8Mlp<T>;
