@@ -10,8 +10,8 @@
 // (64) positions. A piece's state, fresh for each piece:
 //   S  = q K^T             mma over head_dim in 16-element steps, from zero
 //   s  = S * scale log2 e  (fp32; positions past p are -inf)
-//   m  = max s,  e = exp2(s - m),  l = sum of e (fixed order: the lane's 16 values, then
-//        the quad's butterfly),  O = rnd_T(e) V   (mma over the positions in 16-steps).
+//   m  = max s,  e = exp2(s - m),  l = sum of e (fixed order: finish_class_sum),
+//   O  = rnd_T(e) V                (mma over the positions in 16-steps).
 // The pieces merge in piece order into the running (M, L, O): the first is taken as it is,
 // then M' = max(M, m), a = exp2(M - M'), b = exp2(m - M'), L = fma(l, b, L a),
 // O = fma(O_p, b, O a); the row's output is O / L. Every step is written with explicit
@@ -21,9 +21,11 @@
 // the K/V of [0, p]: not on the batch, the other rows of a tile, the chunking of a prompt,
 // or which warp ran which piece.
 //
-// Decode: one warp per (row, head, z); warp z takes pieces z, z + Z, ... . With Z = 1 it
-// merges as it goes; with Z > 1 (a small batch spread over the GPU) each piece's state goes
-// to the workspace and the last warp of the (row, head) merges them in piece order. The new
+// Decode: one warp per (row, head, z); warp z takes pieces z, z + Z, ... . Over FP8 K/V it
+// puts the piece, not its one query row, in the mma's A operand (attention_tiles_decode.cu):
+// the same dot products in the same steps. With Z = 1 it merges as it goes; with Z > 1 (a
+// small batch spread over the GPU) each piece's state goes to the workspace and the last
+// warp of the (row, head) merges them in piece order. The new
 // token's K/V is read from qkv (warp z = 0 also writes it to the cache), so no warp reads
 // what another writes. Each warp streams its pieces through its own shared memory with
 // cp.async, the next piece's K loading while this piece's softmax and P V run.
@@ -119,10 +121,23 @@ __device__ __forceinline__ void keep_rows(float (&o)[N][2 * R], const float (&ac
     for (int e = 0; e < 2 * R; ++e) o[j][e] = acc[j][e];
 }
 
+// The sum l of a piece's e, in one order whichever way a warp's lanes hold the piece: with c_k
+// the sum of e over the positions k, k + 8, ..., k + 56 in that order (class k mod 8),
+// l = ((c0 + c1) + (c2 + c3)) + ((c4 + c5) + (c6 + c7)). part is the lane's share (c_2t +
+// c_2t+1 for scores_to_p's lane t; c_g for the FP8 decode's lane g); the butterflies over the
+// lane distances D0, 2 D0, ..., D1 finish the tree (fp32 addition commutes, so both lanes of a
+// butterfly hold the same bits).
+template <int D0, int D1>
+__device__ __forceinline__ float finish_class_sum(float part) {
+#pragma unroll
+  for (int d = D0; d <= D1; d <<= 1) part = __fadd_rn(part, __shfl_xor_sync(0xffffffffu, part, d));
+  return part;
+}
+
 // The softmax half of piece_scores(): from S (the C fragments of q K^T for the piece's 8
 // tiles of 8 positions, lane's column 8j + 2t + (e & 1)) to m, l and P (the A fragments of
 // rnd_T(e)). FP8 V: fold (null otherwise) holds a factor per position of the piece, and row
-// r's P is rnd_T(e * fold * fold_rcp[r]) (piece_values_fp8 says why); l is the sum of e as
+// r's P is rnd_T(e * fold * fold_rcp[r]) ("FP8 V's scales on P" says why); l is the sum of e as
 // always.
 template <class T, int R = 2>
 __device__ __forceinline__ void scores_to_p(float (&m)[R], float (&l)[R], uint32_t (&p)[4][4], float (&s)[8][4],
@@ -140,28 +155,25 @@ __device__ __forceinline__ void scores_to_p(float (&m)[R], float (&l)[R], uint32
       s[j][e] = key <= pos[r] ? __fmul_rn(s[j][e], scale_log2) : -INFINITY;
       mx[r] = fmaxf(mx[r], s[j][e]);
     }
-  float sum[R], base[R];
+  float sum[2 * R], base[R];  // sum[e]: the class of positions 2t + (e & 1) (mod 8)
 #pragma unroll
   for (int r = 0; r < R; ++r) {
     mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
     mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
     base[r] = mx[r] == -INFINITY ? 0.f : mx[r];
-    sum[r] = 0.f;
+    sum[2 * r] = sum[2 * r + 1] = 0.f;
   }
 #pragma unroll
   for (int j = 0; j < 8; ++j)
 #pragma unroll
     for (int e = 0; e < 2 * R; ++e) {
-      const int r = e >> 1;
-      s[j][e] = exp2f(__fsub_rn(s[j][e], base[r]));
-      sum[r] = __fadd_rn(sum[r], s[j][e]);
+      s[j][e] = exp2f(__fsub_rn(s[j][e], base[e >> 1]));
+      sum[e] = __fadd_rn(sum[e], s[j][e]);
     }
 #pragma unroll
   for (int r = 0; r < R; ++r) {
-    sum[r] = __fadd_rn(sum[r], __shfl_xor_sync(0xffffffffu, sum[r], 1));
-    sum[r] = __fadd_rn(sum[r], __shfl_xor_sync(0xffffffffu, sum[r], 2));
     m[r] = mx[r];
-    l[r] = sum[r];
+    l[r] = finish_class_sum<1, 2>(__fadd_rn(sum[2 * r], sum[2 * r + 1]));
   }
 
   if (fold) {
@@ -288,28 +300,14 @@ __device__ __forceinline__ void load_q(uint32_t (&q)[D / 16][4], const void* row
   }
 }
 
-// The element of the head at n-tile j, column n of O: 8j + n, or (FP8 K/V) fp8_element().
-template <int D>
-__device__ __forceinline__ int fp8_element(int j, int n);
-template <int D, bool FP8>
-__device__ __forceinline__ int o_element(int j, int n) {
-  if constexpr (FP8) return fp8_element<D>(j, n);
-  else return 8 * j + n;
-}
-
 // The lane's row r of the running state, divided by its sum, into out_row (elements of T).
-template <class T, int D, bool FP8 = false>
+template <class T, int D>
 __device__ __forceinline__ void store_row(T* out_row, const TileState<D>& run, int r) {
   const int t = threadIdx.x & 3;
 #pragma unroll
   for (int j = 0; j < D / 8; ++j) {
     const float a = __fdiv_rn(run.o[j][2 * r], run.l[r]), b = __fdiv_rn(run.o[j][2 * r + 1], run.l[r]);
-    if constexpr (FP8) {
-      out_row[fp8_element<D>(j, 2 * t)] = from_float<T>(a);
-      out_row[fp8_element<D>(j, 2 * t + 1)] = from_float<T>(b);
-    } else {
-      *reinterpret_cast<uint32_t*>(out_row + 8 * j + 2 * t) = pack_pair<T>(a, b);
-    }
+    *reinterpret_cast<uint32_t*>(out_row + 8 * j + 2 * t) = pack_pair<T>(a, b);
   }
 }
 
@@ -411,14 +409,14 @@ __device__ __forceinline__ void load_row(T* sK, T* sV, int r, const T* k, const 
 // ---- FP8 K/V --------------------------------------------------------------------------------
 //
 // An FP8 piece comes into shared memory as bytes and scales (cp.async). K stays bytes: the
-// scores' B fragments are converted from them in registers (two E4M3 to two halves, one
-// instruction) and each position's column of S is multiplied by its K scale after the mma
-// (a power of two: the same as scaling K first, with no rounding of q * s in the dtype). V
-// stays bytes too: V's scales ride on P, and P V's B fragments are paired from the bytes
-// (decode: piece_values_fp8) or read from the bytes widened to T (context: widen_values). So
+// scores' mma operands are converted from them in registers (two E4M3 to two halves, one
+// instruction) and each position's S is multiplied by its K scale after the mma (a power of
+// two: the same as scaling K first, with no rounding of q * s in the dtype). V stays bytes
+// too: V's scales ride on P, and P V's operands are paired from the bytes (decode,
+// attention_tiles_decode.cu) or read from the bytes widened to T (context: widen_values). So
 // after the load both kernels run the same arithmetic on the same values, and a row's bits
-// still depend on its position alone. The decode's new
-// token is quantised in the kernel exactly as kv_cache_append quantises it.
+// still depend on its position alone. The decode's new token is quantised in the kernel
+// exactly as kv_cache_append quantises it.
 
 // The FP8 cache of a layer: bytes through PagedKv<uint8_t>, one scale per (position, head).
 struct Fp8Kv {
@@ -587,16 +585,32 @@ __device__ __forceinline__ void stage_new_token(uint8_t* st, int r, const NewTok
   if (KEYS && lane == 0) fp8_stage_scales<D>(st)[r] = n.s[0], fp8_stage_scales<D>(st)[kPiece + r] = n.s[1];
 }
 
-// Two E4M3 bytes (the lower one first) as a B-fragment register of T: exact.
+// Two E4M3 bytes as an mma operand register of T (the lower byte in the lower half): exact.
+// e4m3_pair() takes them as 16 bits; e4m3_half() takes the lower or upper half of a 32-bit word
+// (one conversion reading that half, no shift before it).
+template <class T>
+__device__ __forceinline__ uint32_t halves_as(uint32_t h2) {
+  if constexpr (std::is_same_v<T, __half>) {
+    return h2;
+  } else {
+    const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&h2));
+    const __nv_bfloat162 b = __floats2bfloat162_rn(f.x, f.y);
+    return *reinterpret_cast<const uint32_t*>(&b);
+  }
+}
 template <class T>
 __device__ __forceinline__ uint32_t e4m3_pair(uint16_t bytes) {
   const __half2 h = __half2(__nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(bytes), __NV_E4M3));
-  if constexpr (std::is_same_v<T, __half>) {
-    return *reinterpret_cast<const uint32_t*>(&h);
-  } else {
-    const __nv_bfloat162 b = __floats2bfloat162_rn(__low2float(h), __high2float(h));
-    return *reinterpret_cast<const uint32_t*>(&b);
-  }
+  return halves_as<T>(*reinterpret_cast<const uint32_t*>(&h));
+}
+template <class T, bool UPPER>
+__device__ __forceinline__ uint32_t e4m3_half(uint32_t w) {
+  uint32_t h;
+  if constexpr (UPPER)
+    asm("{\n.reg .b16 lo, hi;\nmov.b32 {lo, hi}, %1;\ncvt.rn.f16x2.e4m3x2 %0, hi;\n}" : "=r"(h) : "r"(w));
+  else
+    asm("{\n.reg .b16 lo, hi;\nmov.b32 {lo, hi}, %1;\ncvt.rn.f16x2.e4m3x2 %0, lo;\n}" : "=r"(h) : "r"(w));
+  return halves_as<T>(h);
 }
 
 // O of a piece times S, row r by S[r] (a power of two: exact unless it leaves fp32's range).
@@ -653,7 +667,7 @@ __device__ __forceinline__ void piece_scores_fp8(TileState<D, R>& st_out, uint32
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
       const uint32_t w = *reinterpret_cast<const uint32_t*>(st + (8 * j + g) * KP + 16 * kk + 4 * t);
-      mma_m16n8k16<T>(s[j], q[kk], e4m3_pair<T>(uint16_t(w & 0xffffu)), e4m3_pair<T>(uint16_t(w >> 16)));
+      mma_m16n8k16<T>(s[j], q[kk], e4m3_half<T, false>(w), e4m3_half<T, true>(w));
     }
   const float* ks = fp8_stage_scales<D>(const_cast<uint8_t*>(st));
 #pragma unroll
@@ -670,85 +684,21 @@ __device__ __forceinline__ void piece_scores_fp8(TileState<D, R>& st_out, uint32
   scores_to_p<T, R>(st_out.m, st_out.l, p, s, kb, pos, scale_log2, vs, rcp);
 }
 
-// ---- FP8 V straight from its bytes --------------------------------------------------------
+// ---- FP8 V's scales on P -----------------------------------------------------------------
 //
-// P V reads the staged V bytes into B fragments (no dequantised tile). A B fragment holds
-// two positions of one element of V, which are in two rows of the staging: a lane reads four
-// bytes (four elements) of each of its positions' rows and pairs them (prmt). So that a lane
-// reads four neighbouring elements, the n-tiles of the output take the head's elements in
-// this order (fp8_element()): in a group of 32, column n of tile i (0-3) is element 4n + i;
-// a last group of 16 (head_dim 16, 80) has two tiles, column n of tile i is 2n + i.
-//
-// The bytes carry no scale, so the scale goes on P: position p's P is rnd_T(e * s_p / S),
+// The V bytes carry no scale, so the scale goes on P: position p's P is rnd_T(e * s_p / S),
 // S the largest V scale of the positions the row sees in the piece (v_scale_rows; a power of
 // two, as every s_p), and the row's O is multiplied by S after the mma. Every s_p / S is a
 // power of two at most 1, so the products are rnd_T(e) * s_p * q exactly as P times the
 // dequantised V (q * s_p) gave them, unless e * s_p / S falls below T's normal range. The
-// decode reads V this way; the context kernel reads the same values from a widened tile
-// (widen_values).
-
-// The element of the head at n-tile j, column n, in FP8 P V's order.
-template <int D>
-__device__ __forceinline__ int fp8_element(int j, int n) {
-  constexpr int kFull = D / 32;  // groups of 32
-  if (j < 4 * kFull) return 32 * (j / 4) + 4 * n + (j % 4);
-  return 32 * kFull + 2 * n + (j - 4 * kFull);
-}
-
-// N n-tiles of FP8 P V, from column `col` of the staged V bytes (Word: the N bytes of a row a
-// lane reads; four tiles for a group of 32 elements, two for a last group of 16), into
-// st_out's tiles j0..j0 + N - 1, their 16-steps in order: only these accumulators are whole
-// fragments at a time.
-template <class T, int D, int R, class Word, int N>
-__device__ __forceinline__ void values_fp8_tiles(TileState<D, R>& st_out, const uint32_t (&p)[4][4], const uint8_t* sv,
-                                                 int j0, int col) {
-  constexpr int KP = fp8_pitch<D>();
-  const int t = threadIdx.x & 3;
-  // B fragment of a pair of rows a, b (positions 2t, 2t + 1 or 2t + 8, 2t + 9) for element
-  // byte i of the words read from them.
-  auto pair = [](uint32_t a, uint32_t b, int i) -> uint32_t {
-    const uint32_t x = __byte_perm(a, b, i < 2 ? 0x5140 : 0x7362);  // a0 b0 a1 b1 | a2 b2 a3 b3
-    return (i & 1) ? x >> 16 : x & 0xffffu;
-  };
-  float o[N][4];
-  zero_fragments(o);
-#pragma unroll
-  for (int kk = 0; kk < 4; ++kk) {
-    const uint8_t* r0 = sv + (16 * kk + 2 * t) * KP;
-    const uint32_t w0 = *reinterpret_cast<const Word*>(r0 + col);
-    const uint32_t w1 = *reinterpret_cast<const Word*>(r0 + KP + col);
-    const uint32_t w8 = *reinterpret_cast<const Word*>(r0 + 8 * KP + col);
-    const uint32_t w9 = *reinterpret_cast<const Word*>(r0 + 9 * KP + col);
-#pragma unroll
-    for (int i = 0; i < N; ++i)
-      mma_m16n8k16<T>(o[i], p[kk], e4m3_pair<T>(uint16_t(pair(w0, w1, i))), e4m3_pair<T>(uint16_t(pair(w8, w9, i))));
-  }
-#pragma unroll
-  for (int i = 0; i < N; ++i)
-#pragma unroll
-    for (int e = 0; e < 2 * R; ++e) st_out.o[j0 + i][e] = o[i][e];
-}
-
-template <class T, int D, int R = 2>
-__device__ __forceinline__ void piece_values_fp8(TileState<D, R>& st_out, const uint32_t (&p)[4][4], const uint8_t* st,
-                                                 const float (&S)[R]) {
-  constexpr int kFull = D / 32;
-  static_assert(kPiece == 64 && D % 16 == 0, "four 16-steps of positions; whole 16-element tiles");
-  const int g = (threadIdx.x & 31) >> 2;
-  const uint8_t* sv = st + kPiece * fp8_pitch<D>();
-  // A group of n-tiles at a time; the rows kept go to st_out as each group ends.
-#pragma unroll
-  for (int jg = 0; jg < kFull; ++jg) values_fp8_tiles<T, D, R, uint32_t, 4>(st_out, p, sv, 4 * jg, 32 * jg + 4 * g);
-  if constexpr (D % 32 == 16)  // the last 16 elements: two bytes a row, two tiles
-    values_fp8_tiles<T, D, R, uint16_t, 2>(st_out, p, sv, 4 * kFull, 32 * kFull + 2 * g);
-  scale_values<D, R>(st_out, S);
-}
+// decode pairs V's bytes into its mma operands (attention_tiles_decode.cu); the context
+// kernel reads the same values from a widened tile.
 
 // The context kernel's P V over FP8 V: its four warps share one widening of the piece's V
-// bytes into a tile of T (exact, no scale: widen_values), which piece_values() reads in the
-// head's own element order, then O times S as above. The mma operands are the same values as
-// piece_values_fp8's, with each output column from its own column of V, so the two orders
-// give every element the same bits (FP8 decode-equals-context test).
+// bytes into a tile of T (exact, no scale: widen_values), which piece_values() reads, then O
+// times S as above. Each element of O is the same dot product as the decode's, over the same
+// values in the same 16-steps, so the two give every element the same bits (FP8
+// decode-equals-context test).
 template <class T, int D>
 __device__ __forceinline__ void widen_values(T* sV, const uint8_t* st, int i, int threads) {
   constexpr int kChunks = D / 16, KP = fp8_pitch<D>();

@@ -7,18 +7,203 @@ namespace {
 
 using namespace detail;
 
-// ---- decode ---------------------------------------------------------------------------------
+// ---- FP8: the piece as the mma's A operand ----------------------------------------------------
+//
+// The decode has one query row. Where the context kernel puts its 16 query rows in the mma's
+// A operand, the FP8 decode puts the piece there: S^T = K q^T and O^T = V^T P^T, with q (and
+// P) as column 0 of B, held by lanes 0-3. A tile then covers 16 positions (or 16 elements of
+// V), not 8: a piece takes half the mmas, every A register is converted bytes (no zero rows to
+// fill), and the softmax runs on 8 values a lane, not 16. Each element of S and O is the same
+// dot product as the context kernel's, over the same k in the same 16-steps from zero, so it
+// has the same bits (the decode-equals-context tests hold it). Column 0 of the results sits
+// on the lanes g = lane / 4 with t = lane % 4 = 0: S of positions 16j + g and 16j + g + 8
+// (registers 0 and 2 of tile j), O of the elements col_element(i, g) and (i, g + 8). The
+// other lanes compute columns 1-7 (zeros, or values never read).
 
-// Row 0's piece state (lanes 0-3 hold it) into the workspace: {m, l, O[D], pad}, O in the
-// head's element order.
-template <int D, bool FP8>
-__device__ __forceinline__ void store_partial(float* part, const TileState<D, 1>& piece) {
+// A piece's (or the running) state in the column layout: o[i][h] is O of element
+// col_element(i, g + 8h), on the lanes t = 0.
+template <int D>
+struct ColState {
+  float o[D / 16][2];
+  float m, l;
+};
+
+// The head's element at row r (0-15) of O^T's tile i. In a group of 32 elements, tiles 2k and
+// 2k + 1 take the four neighbouring bytes 4g to 4g + 3 of V's rows (one 32-bit load); a last
+// group of 16 (head_dim 16, 80) is one tile, two bytes 2g, 2g + 1.
+template <int D>
+__device__ __forceinline__ int col_element(int i, int r) {
+  constexpr int kFull = D / 32;
+  const int g = r & 7, h = r >> 3;
+  if (i < 2 * kFull) return 32 * (i / 2) + 4 * g + 2 * (i % 2) + h;
+  return 32 * kFull + 2 * g + h;
+}
+
+// S^T of the staged piece st (load_piece_fp8's layout): tile j (positions 16j to 16j + 15) over
+// the head in 16-steps from zero. A's rows g and g + 8 are four bytes each of positions 16j + g
+// and 16j + g + 8 (elements 4t to 4t + 3 of the step, load_q<D, true>'s order); qb[kk]: q's B
+// fragment of step kk (load_q's registers 0 and 2).
+template <class T, int D>
+__device__ __forceinline__ void col_scores(float (&s)[4][4], const uint32_t (&qb)[D / 16][2], const uint8_t* st) {
+  constexpr int KP = fp8_pitch<D>();
+  const int lane = threadIdx.x & 31, t = lane & 3, g = lane >> 2;
+  zero_fragments(s);
+#pragma unroll
+  for (int kk = 0; kk < D / 16; ++kk)
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const uint8_t* r = st + (16 * j + g) * KP + 16 * kk + 4 * t;
+      const uint32_t w0 = *reinterpret_cast<const uint32_t*>(r), w8 = *reinterpret_cast<const uint32_t*>(r + 8 * KP);
+      const uint32_t a[4] = {e4m3_half<T, false>(w0), e4m3_half<T, false>(w8), e4m3_half<T, true>(w0),
+                             e4m3_half<T, true>(w8)};
+      mma_m16n8k16<T>(s[j], a, qb[kk][0], qb[kk][1]);
+    }
+}
+
+// The softmax of scores_to_p() on the column layout (the same operations on each value, the
+// sum in finish_class_sum's order: the lane's class g, then the lanes 4, 8 and 16 apart), and
+// P as B fragments: pb[j] holds positions 16j + 2t, + 1 and 16j + 2t + 8, + 9 on lanes 0-3.
+// S: the row's V scale (v_scale_rows).
+template <class T, int D>
+__device__ __forceinline__ void col_softmax(ColState<D>& out, uint32_t (&pb)[4][2], float (&s)[4][4], const uint8_t* st,
+                                            int kb, int pos, float scale_log2, float S) {
+  const int lane = threadIdx.x & 31, t = lane & 3, g = lane >> 2;
+  const float* ks = fp8_stage_scales<D>(const_cast<uint8_t*>(st));
+  const float* vs = ks + kPiece;
+  float mx = -INFINITY;
+#pragma unroll
+  for (int j = 0; j < 4; ++j)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int i = 16 * j + 8 * h + g;
+      const float x = __fmul_rn(s[j][2 * h], ks[i]);
+      s[j][2 * h] = kb + i <= pos ? __fmul_rn(x, scale_log2) : -INFINITY;
+      mx = fmaxf(mx, s[j][2 * h]);
+    }
+  mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 4));
+  mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 8));
+  mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 16));
+  const float base = mx == -INFINITY ? 0.f : mx;
+  float sum = 0.f;
+#pragma unroll
+  for (int j = 0; j < 4; ++j)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {  // positions g, g + 8, g + 16, ...: class g in order
+      s[j][2 * h] = exp2f(__fsub_rn(s[j][2 * h], base));
+      sum = __fadd_rn(sum, s[j][2 * h]);
+    }
+  out.m = mx;
+  out.l = finish_class_sum<4, 16>(sum);
+  const float rcp = __frcp_rn(S);
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const float e0 = __fmul_rn(s[j][0], __fmul_rn(vs[16 * j + g], rcp));
+    const float e8 = __fmul_rn(s[j][2], __fmul_rn(vs[16 * j + g + 8], rcp));
+    const uint32_t mine = pack_pair<T>(e0, e8);  // positions g, g + 8
+    const uint32_t a = __shfl_sync(0xffffffffu, mine, 8 * t), b = __shfl_sync(0xffffffffu, mine, 8 * t + 4);
+    pb[j][0] = __byte_perm(a, b, 0x5410);  // positions 2t, 2t + 1
+    pb[j][1] = __byte_perm(a, b, 0x7632);  // 2t + 8, 2t + 9
+  }
+}
+
+// O^T's tiles I and I + 1 (a group of 32 elements at V's byte column col; W: uint32_t) or tile I
+// alone (a last group of 16; W: uint16_t) over the piece's four 16-steps of positions, times S,
+// into out.o. A lane reads W of V's rows 2t, 2t + 1, 2t + 8, 2t + 9 of each step and pairs
+// the positions' bytes (prmt): one element of two positions a register.
+template <class T, int D, class W>
+__device__ __forceinline__ void col_values_group(ColState<D>& out, const uint32_t (&pb)[4][2], const uint8_t* sv, int I,
+                                                 int col, float S) {
+  constexpr int KP = fp8_pitch<D>(), N = sizeof(W) == 4 ? 2 : 1;
+  const int t = threadIdx.x & 3;
+  float o[N][4];
+  zero_fragments(o);
+#pragma unroll
+  for (int kk = 0; kk < 4; ++kk) {
+    const uint8_t* r = sv + (16 * kk + 2 * t) * KP + col;
+    const uint32_t w0 = *reinterpret_cast<const W*>(r), w1 = *reinterpret_cast<const W*>(r + KP);
+    const uint32_t w8 = *reinterpret_cast<const W*>(r + 8 * KP), w9 = *reinterpret_cast<const W*>(r + 9 * KP);
+#pragma unroll
+    for (int n = 0; n < N; ++n) {  // bytes 2n (rows g) and 2n + 1 (rows g + 8) of the words
+      const uint32_t lo = __byte_perm(w0, w1, n == 0 ? 0x5140 : 0x7362);
+      const uint32_t hi = __byte_perm(w8, w9, n == 0 ? 0x5140 : 0x7362);
+      const uint32_t a[4] = {e4m3_half<T, false>(lo), e4m3_half<T, true>(lo), e4m3_half<T, false>(hi),
+                             e4m3_half<T, true>(hi)};
+      mma_m16n8k16<T>(o[n], a, pb[kk][0], pb[kk][1]);
+    }
+  }
+#pragma unroll
+  for (int n = 0; n < N; ++n) out.o[I + n][0] = __fmul_rn(o[n][0], S), out.o[I + n][1] = __fmul_rn(o[n][2], S);
+}
+
+template <class T, int D>
+__device__ __forceinline__ void col_values(ColState<D>& out, const uint32_t (&pb)[4][2], const uint8_t* st, float S) {
+  constexpr int kFull = D / 32;
+  static_assert(kPiece == 64 && D % 16 == 0, "four 16-steps of positions; whole 16-element tiles");
+  const int g = (threadIdx.x & 31) >> 2;
+  const uint8_t* sv = st + kPiece * fp8_pitch<D>();
+#pragma unroll
+  for (int k = 0; k < kFull; ++k) col_values_group<T, D, uint32_t>(out, pb, sv, 2 * k, 32 * k + 4 * g, S);
+  if constexpr (D % 32 == 16) col_values_group<T, D, uint16_t>(out, pb, sv, 2 * kFull, 32 * kFull + 2 * g, S);
+}
+
+// merge() for the column layout.
+template <int D>
+__device__ __forceinline__ void col_merge(ColState<D>& run, const ColState<D>& piece, bool first) {
+  if (first) {
+    run = piece;
+    return;
+  }
+  const MergeFactors f = merge_factors(run.m, piece.m);
+  run.m = f.M;
+  run.l = merge_value(run.l, piece.l, f);
+#pragma unroll
+  for (int i = 0; i < D / 16; ++i)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) run.o[i][h] = merge_value(run.o[i][h], piece.o[i][h], f);
+}
+
+// The lanes holding the state's O (t = 0) call put(element, value) for each of their elements.
+template <int D, class Put>
+__device__ __forceinline__ void for_each_element(const ColState<D>& st, Put put) {
+  const int lane = threadIdx.x & 31, g = lane >> 2;
+  if ((lane & 3) != 0) return;
+#pragma unroll
+  for (int i = 0; i < D / 16; ++i)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) put(col_element<D>(i, g + 8 * h), st.o[i][h]);
+}
+template <int D, class Put>
+__device__ __forceinline__ void for_each_element(const TileState<D, 1>& st, Put put) {
   const int lane = threadIdx.x & 31;
   if (lane >= 4) return;
-  if (lane == 0) part[0] = piece.m[0], part[1] = piece.l[0];
 #pragma unroll
-  for (int j = 0; j < D / 8; ++j)
-    part[2 + o_element<D, FP8>(j, 2 * lane)] = piece.o[j][0], part[2 + o_element<D, FP8>(j, 2 * lane + 1)] = piece.o[j][1];
+  for (int j = 0; j < D / 8; ++j) put(8 * j + 2 * lane, st.o[j][0]), put(8 * j + 2 * lane + 1, st.o[j][1]);
+}
+template <int D>
+__device__ __forceinline__ float row_sum(const TileState<D, 1>& st) {
+  return st.l[0];
+}
+template <int D>
+__device__ __forceinline__ float row_sum(const ColState<D>& st) {
+  return st.l;
+}
+template <int D>
+__device__ __forceinline__ float row_max(const TileState<D, 1>& st) {
+  return st.m[0];
+}
+template <int D>
+__device__ __forceinline__ float row_max(const ColState<D>& st) {
+  return st.m;
+}
+
+// ---- decode ---------------------------------------------------------------------------------
+
+// The row's piece state (TileState<D, 1> or ColState<D>) into the workspace: {m, l, O[D],
+// pad}, O in the head's element order.
+template <int D, class State>
+__device__ __forceinline__ void store_partial(float* part, const State& piece) {
+  if ((threadIdx.x & 31) == 0) part[0] = row_max(piece), part[1] = row_sum(piece);
+  for_each_element(piece, [&](int d, float v) { part[2 + d] = v; });
 }
 
 // A spread row's end: the last warp of the (row, head) to finish merges the pieces' states in
@@ -115,18 +300,14 @@ __device__ __forceinline__ void append_new_token(PagedKv<T> kv, Fp8Kv f8, const 
   }
 }
 
-// The row's output: O / L, lane by lane over the head's elements. Lanes 0-3 hold the row
-// (run, tile row 0); they put O and L in `scratch` (the warp's shared memory, free now), so
-// that every lane takes its share of the divisions.
-template <class T, int D, bool FP8>
-__device__ __forceinline__ void store_decode_row(T* o, const TileState<D, 1>& run, float* scratch, int lane) {
+// The row's output: O / L, lane by lane over the head's elements. The lanes holding the row
+// (run) put O and L in `scratch` (the warp's shared memory, free now), so that every lane
+// takes its share of the divisions.
+template <class T, int D, class State>
+__device__ __forceinline__ void store_decode_row(T* o, const State& run, float* scratch, int lane) {
   __syncwarp();  // every lane is done with the staged pieces
-  if (lane < 4) {
-#pragma unroll
-    for (int j = 0; j < D / 8; ++j)
-      scratch[o_element<D, FP8>(j, 2 * lane)] = run.o[j][0], scratch[o_element<D, FP8>(j, 2 * lane + 1)] = run.o[j][1];
-    if (lane == 0) scratch[D] = run.l[0];
-  }
+  for_each_element(run, [&](int d, float v) { scratch[d] = v; });
+  if (lane == 0) scratch[D] = row_sum(run);
   __syncwarp();
   const float L = scratch[D];
   for (int d = lane; d < D; d += 32) o[d] = from_float<T>(__fdiv_rn(scratch[d], L));
@@ -171,7 +352,7 @@ __device__ __forceinline__ void decode_pieces(TileState<D, 1>& run, float* parts
     }
     cp_async_commit();
     cp_async_commit();
-    if (spread) store_partial<D, false>(parts + int64_t(pc) * kStride, piece);
+    if (spread) store_partial<D>(parts + int64_t(pc) * kStride, piece);
     else merge<D>(run, piece, 0, pc == 0);
   }
 }
@@ -182,14 +363,14 @@ __device__ __forceinline__ void decode_pieces(TileState<D, 1>& run, float* parts
 // values stream while the next scores run. (The kernel loaded the first piece.) The new token
 // is put among its piece's staged positions first, each part once it is in.
 template <class T, int D>
-__device__ __forceinline__ void decode_pieces_fp8(TileState<D, 1>& run, float* parts, bool spread, uint8_t* st,
+__device__ __forceinline__ void decode_pieces_fp8(ColState<D>& run, float* parts, bool spread, uint8_t* st,
                                                   const Fp8Kv& f8, const DecodeRow<T>& row,
-                                                  const uint32_t (&q)[D / 16][4], const int (&pos)[1],
-                                                  const NewTokenFp8<D>& n, int z, int Z, int pieces, int lane,
-                                                  float scale_log2) {
+                                                  const uint32_t (&qb)[D / 16][2], const NewTokenFp8<D>& n, int z,
+                                                  int Z, int pieces, int lane, float scale_log2) {
   constexpr int kStride = D + 4;  // floats per piece state {m, l, O[D], pad}: 16-byte aligned
   const int t_new = row.t_new;
-  TileState<D, 1> piece;
+  const int pos[1] = {t_new};
+  ColState<D> piece;
   for (int pc = z; pc < pieces; pc += Z) {
     const int next = pc + Z < pieces ? pc + Z : -1;
     const bool has_new = t_new / kPiece == pc;
@@ -199,10 +380,11 @@ __device__ __forceinline__ void decode_pieces_fp8(TileState<D, 1>& run, float* p
       stage_new_token<D, true>(st, t_new - pc * kPiece, n);
       __syncwarp();
     }
-    uint32_t p[4][4];
-    float S[1];
+    uint32_t pb[4][2];
+    float S[1], s[4][4];
     v_scale_rows<D>(S, st, pc * kPiece, pos);
-    piece_scores_fp8<T, D>(piece, p, q, st, pc * kPiece, pos, scale_log2, S);
+    col_scores<T, D>(s, qb, st);
+    col_softmax<T, D>(piece, pb, s, st, pc * kPiece, t_new, scale_log2, S[0]);
     __syncwarp();  // the keys and scales are free
     Fp8PieceRows next_rows{};
     if (next >= 0) {
@@ -216,12 +398,12 @@ __device__ __forceinline__ void decode_pieces_fp8(TileState<D, 1>& run, float* p
       stage_new_token<D, false>(st, t_new - pc * kPiece, n);
       __syncwarp();
     }
-    piece_values_fp8<T, D>(piece, p, st, S);
+    col_values<T, D>(piece, pb, st, S[0]);
     __syncwarp();  // the values are free
     if (next >= 0) load_piece_fp8_values<D, 32>(st, f8, row.h, next_rows, lane);
     cp_async_commit();
-    if (spread) store_partial<D, true>(parts + int64_t(pc) * kStride, piece);
-    else merge<D>(run, piece, 0, pc == z);
+    if (spread) store_partial<D>(parts + int64_t(pc) * kStride, piece);
+    else col_merge<D>(run, piece, pc == z);
   }
 }
 
@@ -293,17 +475,23 @@ __global__ void __launch_bounds__(kDecodeWarps * 32)
   } else {
     load_q<D, FP8>(q, (lane >> 2) == 0 ? q_row : nullptr, nullptr);
   }
-  const int pos[1] = {(lane >> 2) == 0 ? t_new : -1};
   const bool spread = Zr > 1 && pieces > 1;
   constexpr int kStride = D + 4;  // floats per piece state {m, l, O[D], pad}: 16-byte aligned
   float* parts = partial + (int64_t(s) * n_head + h) * max_pieces * kStride;
-  TileState<D, 1> run;
-  if constexpr (FP8) decode_pieces_fp8<T, D>(run, parts, spread, st, f8, row, q, pos, n, z, Zr, pieces, lane, scale_log2);
-  else decode_pieces<T, D>(run, parts, spread, sK, sV, kv, row, q, pos, z, Zr, pieces, lane, scale_log2);
+  std::conditional_t<FP8, ColState<D>, TileState<D, 1>> run;
+  if constexpr (FP8) {
+    uint32_t qb[D / 16][2];
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) qb[kk][0] = q[kk][0], qb[kk][1] = q[kk][2];
+    decode_pieces_fp8<T, D>(run, parts, spread, st, f8, row, qb, n, z, Zr, pieces, lane, scale_log2);
+  } else {
+    const int pos[1] = {(lane >> 2) == 0 ? t_new : -1};
+    decode_pieces<T, D>(run, parts, spread, sK, sV, kv, row, q, pos, z, Zr, pieces, lane, scale_log2);
+  }
   cp_async_wait<0>();
   T* o = out + int64_t(s) * C + int64_t(h) * D;
   if (!spread) {
-    store_decode_row<T, D, FP8>(o, run, reinterpret_cast<float*>(mine), lane);
+    store_decode_row<T, D>(o, run, reinterpret_cast<float*>(mine), lane);
     return;
   }
   merge_spread<T, D>(o, parts, pieces, min(Zr, pieces), counters + int64_t(s) * n_head + h,
