@@ -156,19 +156,25 @@ std::string shape_text(int64_t T_, int64_t K, int64_t N) {
   return "T=" + std::to_string(T_) + " K=" + std::to_string(K) + " N=" + std::to_string(N);
 }
 
-// Throws unless run_fp8 can run the problem: no null pointer, T, K and N in range, cuBLASLt's
+// Throws unless run_fp8 can run the problem: no null pointer (in may be null where its rows
+// come quantised, rows_given: the product reads in_q instead), T, K and N in range, cuBLASLt's
 // FP8 multiples of 16 and 16-byte alignment.
 void check_fp8_arguments(const void* out, const void* in, const void* w, const void* w_scales, int64_t T_, int64_t K,
-                         int64_t N) {
+                         int64_t N, bool rows_given) {
   std::string missing;
-  for (auto [p, name] : {std::pair<const void*, const char*>{out, "out"}, {in, "in"}, {w, "w"}, {w_scales, "w_scales"}})
+  auto need = [&](const void* p, const char* name) {
     if (p == nullptr) missing += std::string(missing.empty() ? "" : ", ") + name;
+  };
+  need(out, "out");
+  if (!rows_given) need(in, "in");
+  need(w, "w");
+  need(w_scales, "w_scales");
   if (!missing.empty()) throw Error("fp8 gemm: null pointer (" + missing + ")");
   if (T_ <= 0 || K <= 0 || N <= 0 || T_ > (int64_t(1) << 30) || K > (int64_t(1) << 30) || N > (int64_t(1) << 30))
     throw Error("fp8 gemm: T, K and N must be positive and below 2^30 (" + shape_text(T_, K, N) + ")");
   if (K % 16 != 0 || N % 16 != 0)
     throw Error("fp8 gemm: K and N must be multiples of 16 for cuBLASLt's FP8 products (" + shape_text(T_, K, N) + ")");
-  if (lt_alignment(out) < 16 || lt_alignment(w) < 16 || lt_alignment(in) < 16)
+  if (lt_alignment(out) < 16 || lt_alignment(w) < 16 || (in != nullptr && lt_alignment(in) < 16))
     throw Error("fp8 gemm: out, in and w must be 16-byte aligned");
 }
 
@@ -451,7 +457,7 @@ template <class T>
 void Gemm::run_fp8(T* out, const T* in, const uint8_t* w, const float* w_scales, const T* bias, int64_t T_, int64_t K,
                    int64_t N, GemmAct act, cudaStream_t stream, Fp8Rows in_q, Fp8Sums* defer) {
   static_assert(std::is_same_v<T, __half> || std::is_same_v<T, __nv_bfloat16>, "T is __half or __nv_bfloat16");
-  check_fp8_arguments(out, in, w, w_scales, T_, K, N);
+  check_fp8_arguments(out, in, w, w_scales, T_, K, N, bool(in_q));
   check_quantised_input(in_q);
   if (defer && act != GemmAct::None)
     throw Error("fp8 gemm: a deferred epilogue applies the scales and the bias only (no activation)");
@@ -494,8 +500,8 @@ void Gemm::run_fp8_mlp(T* out, const T* in, const uint8_t* w1, const float* w1_s
                        const uint8_t* w2, const float* w2_scales, int64_t T_, int64_t K, int64_t I, int64_t N,
                        cudaStream_t stream, Fp8Rows in_q, Fp8Sums* defer) {
   static_assert(std::is_same_v<T, __half> || std::is_same_v<T, __nv_bfloat16>, "T is __half or __nv_bfloat16");
-  check_fp8_arguments(out, in, w1, w1_scales, T_, K, I);
-  check_fp8_arguments(out, in, w2, w2_scales, T_, I, N);
+  check_fp8_arguments(out, in, w1, w1_scales, T_, K, I, bool(in_q));
+  check_fp8_arguments(out, nullptr, w2, w2_scales, T_, I, N, true);  // FC2's rows are FC1's, quantised
   check_quantised_input(in_q);
   if (defer) *defer = {};
   if (!fp8_mlp_supported(I))

@@ -109,7 +109,8 @@ class Gemm {
   // on cuBLASLt's fast FP8 accumulation (no periodic promotion to fp32: faster, less exact;
   // still the same bits for every T, but not the default's bits).
   // in_q (optional): in's rows already quantised (layernorm_forward's fp8 rows: exactly
-  // quantize_rows_fp8 of in), read instead of quantising in again.
+  // quantize_rows_fp8 of in), read instead of quantising in again; in is then never read and
+  // may be null.
   // defer (optional; no activation): the epilogue is left to the kernel after the product
   // (add_bias_residual_layernorm's x_sums, attention_decode_paged's qkv_sums), which reads the
   // sums where *defer says (Fp8Sums, fp8.h, the bias with them) before the next FP8 product

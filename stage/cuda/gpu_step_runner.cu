@@ -104,7 +104,7 @@ Status StepRunner::layers_impl(const StepMeta& m, const KvCache* cache, int64_t 
   // left to the residual's LayerNorm, which reads their sums (Fp8Sums) instead of a T row the
   // epilogue wrote; and QKV's, in a decode step over FP8 K/V, to the decode attention.
   const Fp8Rows ln_q = buffers_.ln_rows_fp8();
-  T* const ln_t = ln_q ? nullptr : ln;  // the LayerNorms' T rows, where a product reads them
+  T* const ln_t = ln_q ? nullptr : ln;  // the LayerNorms' T rows, where a product reads them (FP8: none)
   const bool defer = options_.fp8 && options_.tp_ranks <= 1 && Gemm::fp8_defer_pays(num_tokens);
   for (int64_t l = 0; l < L; ++l) {
     const GpuLayer w = weights_.layer(l);
@@ -115,7 +115,7 @@ Status StepRunner::layers_impl(const StepMeta& m, const KvCache* cache, int64_t 
     const bool defer_qkv =
         options_.fp8 && Gemm::fp8_defer_pays(num_tokens) && chunks.num_seqs == 0 && attention_decode_reads_sums(kv, D);
     Fp8Sums qkv_sums;
-    matmul<T>(qkv, ln, w.at(LT::QkvWeight), w.scales(LT::QkvWeight), w.at(LT::QkvBias), num_tokens, C, 3 * W,
+    matmul<T>(qkv, ln_t, w.at(LT::QkvWeight), w.scales(LT::QkvWeight), w.at(LT::QkvBias), num_tokens, C, 3 * W,
               GemmAct::None, ln_q, defer_qkv ? &qkv_sums : nullptr);
     if (decode_seqs > 0)
       attention_decode_paged<T>(attn, qkv, kv, m.kv_len, decode_seqs, H, D, splits, ws, stream_, qkv_sums);
@@ -137,12 +137,12 @@ Status StepRunner::layers_impl(const StepMeta& m, const KvCache* cache, int64_t 
         !s)
       return s;
     if (options_.fp8 && Gemm::fp8_mlp_pays(num_tokens, I)) {  // FC1's rows go to FC2 quantised, never as T
-      gemm_.run_fp8_mlp<T>(proj, ln, static_cast<const uint8_t*>(w.at(LT::FcWeight)), w.scales(LT::FcWeight),
+      gemm_.run_fp8_mlp<T>(proj, ln_t, static_cast<const uint8_t*>(w.at(LT::FcWeight)), w.scales(LT::FcWeight),
                            static_cast<const T*>(w.at(LT::FcBias)), act,
                            static_cast<const uint8_t*>(w.at(LT::Fc2Weight)), w.scales(LT::Fc2Weight), num_tokens, C,
                            I, C, stream_, ln_q, defer ? &sums : nullptr);
     } else {
-      matmul<T>(fc, ln, w.at(LT::FcWeight), w.scales(LT::FcWeight), w.at(LT::FcBias), num_tokens, C, I, act, ln_q);
+      matmul<T>(fc, ln_t, w.at(LT::FcWeight), w.scales(LT::FcWeight), w.at(LT::FcBias), num_tokens, C, I, act, ln_q);
       matmul<T>(proj, fc, w.at(LT::Fc2Weight), w.scales(LT::Fc2Weight), nullptr, num_tokens, I, C, GemmAct::None, {},
                 defer ? &sums : nullptr);
     }
