@@ -40,6 +40,7 @@
 #include <cmath>
 #include <mutex>
 #include <set>
+#include <type_traits>
 #include <utility>
 
 #include "kernels/cuda/attention.h"
@@ -264,19 +265,22 @@ __device__ __forceinline__ MergeFactors merge_factors(float M, float m) {
 __device__ __forceinline__ float merge_value(float run, float piece, const MergeFactors& f) {
   return __fmaf_rn(piece, f.b, f.a == 1.f ? run : __fmul_rn(run, f.a));  // run * 1 is run: same bits
 }
-template <int D, int R = 2>
-__device__ __forceinline__ void merge(TileState<D, R>& run, const TileState<D, R>& piece, int r, bool first) {
+// State: TileState, or the FP8 decode's ColState (attention_tiles_decode.cu): o[n][2R], m[R],
+// l[R], the lane's values of row r at o[j][2r], o[j][2r + 1].
+template <class State>
+__device__ __forceinline__ void merge(State& run, const State& piece, int r, bool first) {
+  constexpr int N = int(std::extent_v<decltype(State::o)>);
   if (first) {
     run.m[r] = piece.m[r], run.l[r] = piece.l[r];
 #pragma unroll
-    for (int j = 0; j < D / 8; ++j) run.o[j][2 * r] = piece.o[j][2 * r], run.o[j][2 * r + 1] = piece.o[j][2 * r + 1];
+    for (int j = 0; j < N; ++j) run.o[j][2 * r] = piece.o[j][2 * r], run.o[j][2 * r + 1] = piece.o[j][2 * r + 1];
     return;
   }
   const MergeFactors f = merge_factors(run.m[r], piece.m[r]);
   run.m[r] = f.M;
   run.l[r] = merge_value(run.l[r], piece.l[r], f);
 #pragma unroll
-  for (int j = 0; j < D / 8; ++j) {
+  for (int j = 0; j < N; ++j) {
     run.o[j][2 * r] = merge_value(run.o[j][2 * r], piece.o[j][2 * r], f);
     run.o[j][2 * r + 1] = merge_value(run.o[j][2 * r + 1], piece.o[j][2 * r + 1], f);
   }

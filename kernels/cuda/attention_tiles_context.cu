@@ -91,7 +91,7 @@ __global__ void __launch_bounds__(kContextWarps * 32)
         piece_state<T, D>(piece, q, sK, sK + kPiece * pitch<D>(), kb, pos, scale_log2);
       }
       for (int r = 0; r < 2; ++r)
-        if (kb <= pos[r]) merge<D>(run, piece, r, pc == 0);
+        if (kb <= pos[r]) merge(run, piece, r, pc == 0);
     }
     __syncthreads();  // the stage (the tile) is free for the piece after next (the next)
   }

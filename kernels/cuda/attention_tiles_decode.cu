@@ -21,11 +21,12 @@ using namespace detail;
 // other lanes compute columns 1-7 (zeros, or values never read).
 
 // A piece's (or the running) state in the column layout: o[i][h] is O of element
-// col_element(i, g + 8h), on the lanes t = 0.
+// col_element(i, g + 8h), on the lanes t = 0; m and l as TileState<D, 1>'s (merge() takes
+// either).
 template <int D>
 struct ColState {
   float o[D / 16][2];
-  float m, l;
+  float m[1], l[1];
 };
 
 // The head's element at row r (0-15) of O^T's tile i. In a group of 32 elements, tiles 2k and
@@ -92,8 +93,8 @@ __device__ __forceinline__ void col_softmax(ColState<D>& out, uint32_t (&pb)[4][
       s[j][2 * h] = exp2f(__fsub_rn(s[j][2 * h], base));
       sum = __fadd_rn(sum, s[j][2 * h]);
     }
-  out.m = mx;
-  out.l = finish_class_sum<4, 16>(sum);
+  out.m[0] = mx;
+  out.l[0] = finish_class_sum<4, 16>(sum);
   const float rcp = __frcp_rn(S);
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
@@ -146,22 +147,6 @@ __device__ __forceinline__ void col_values(ColState<D>& out, const uint32_t (&pb
   if constexpr (D % 32 == 16) col_values_group<T, D, uint16_t>(out, pb, sv, 2 * kFull, 32 * kFull + 2 * g, S);
 }
 
-// merge() for the column layout.
-template <int D>
-__device__ __forceinline__ void col_merge(ColState<D>& run, const ColState<D>& piece, bool first) {
-  if (first) {
-    run = piece;
-    return;
-  }
-  const MergeFactors f = merge_factors(run.m, piece.m);
-  run.m = f.M;
-  run.l = merge_value(run.l, piece.l, f);
-#pragma unroll
-  for (int i = 0; i < D / 16; ++i)
-#pragma unroll
-    for (int h = 0; h < 2; ++h) run.o[i][h] = merge_value(run.o[i][h], piece.o[i][h], f);
-}
-
 // The lanes holding the state's O (t = 0) call put(element, value) for each of their elements.
 template <int D, class Put>
 __device__ __forceinline__ void for_each_element(const ColState<D>& st, Put put) {
@@ -179,22 +164,6 @@ __device__ __forceinline__ void for_each_element(const TileState<D, 1>& st, Put 
 #pragma unroll
   for (int j = 0; j < D / 8; ++j) put(8 * j + 2 * lane, st.o[j][0]), put(8 * j + 2 * lane + 1, st.o[j][1]);
 }
-template <int D>
-__device__ __forceinline__ float row_sum(const TileState<D, 1>& st) {
-  return st.l[0];
-}
-template <int D>
-__device__ __forceinline__ float row_sum(const ColState<D>& st) {
-  return st.l;
-}
-template <int D>
-__device__ __forceinline__ float row_max(const TileState<D, 1>& st) {
-  return st.m[0];
-}
-template <int D>
-__device__ __forceinline__ float row_max(const ColState<D>& st) {
-  return st.m;
-}
 
 // ---- decode ---------------------------------------------------------------------------------
 
@@ -202,7 +171,7 @@ __device__ __forceinline__ float row_max(const ColState<D>& st) {
 // pad}, O in the head's element order.
 template <int D, class State>
 __device__ __forceinline__ void store_partial(float* part, const State& piece) {
-  if ((threadIdx.x & 31) == 0) part[0] = row_max(piece), part[1] = row_sum(piece);
+  if ((threadIdx.x & 31) == 0) part[0] = piece.m[0], part[1] = piece.l[0];
   for_each_element(piece, [&](int d, float v) { part[2 + d] = v; });
 }
 
@@ -307,7 +276,7 @@ template <class T, int D, class State>
 __device__ __forceinline__ void store_decode_row(T* o, const State& run, float* scratch, int lane) {
   __syncwarp();  // every lane is done with the staged pieces
   for_each_element(run, [&](int d, float v) { scratch[d] = v; });
-  if (lane == 0) scratch[D] = row_sum(run);
+  if (lane == 0) scratch[D] = run.l[0];
   __syncwarp();
   const float L = scratch[D];
   for (int d = lane; d < D; d += 32) o[d] = from_float<T>(__fdiv_rn(scratch[d], L));
@@ -353,7 +322,7 @@ __device__ __forceinline__ void decode_pieces(TileState<D, 1>& run, float* parts
     cp_async_commit();
     cp_async_commit();
     if (spread) store_partial<D>(parts + int64_t(pc) * kStride, piece);
-    else merge<D>(run, piece, 0, pc == 0);
+    else merge(run, piece, 0, pc == 0);
   }
 }
 
@@ -403,7 +372,7 @@ __device__ __forceinline__ void decode_pieces_fp8(ColState<D>& run, float* parts
     if (next >= 0) load_piece_fp8_values<D, 32>(st, f8, row.h, next_rows, lane);
     cp_async_commit();
     if (spread) store_partial<D>(parts + int64_t(pc) * kStride, piece);
-    else col_merge<D>(run, piece, pc == z);
+    else merge(run, piece, 0, pc == z);
   }
 }
 
