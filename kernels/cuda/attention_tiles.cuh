@@ -21,9 +21,9 @@
 // the K/V of [0, p]: not on the batch, the other rows of a tile, the chunking of a prompt,
 // or which warp ran which piece.
 //
-// Decode: one warp per (row, head, z); warp z takes pieces z, z + Z, ... . Over FP8 K/V it
-// puts the piece, not its one query row, in the mma's A operand (attention_tiles_decode.cu):
-// the same dot products in the same steps. With Z = 1 it merges as it goes; with Z > 1 (a
+// Decode: one warp per (row, head, z); warp z takes pieces z, z + Z, ... . It puts the piece,
+// not its one query row, in the mma's A operand (attention_tiles_decode.cu): the same dot
+// products in the same steps. With Z = 1 it merges as it goes; with Z > 1 (a
 // small batch spread over the GPU) each piece's state goes to the workspace and the last
 // warp of the (row, head) merges them in piece order. The new
 // token's K/V is read from qkv (warp z = 0 also writes it to the cache), so no warp reads

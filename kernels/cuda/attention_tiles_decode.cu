@@ -7,22 +7,23 @@ namespace {
 
 using namespace detail;
 
-// ---- FP8: the piece as the mma's A operand ----------------------------------------------------
+// ---- the piece as the mma's A operand ---------------------------------------------------------
 //
 // The decode has one query row. Where the context kernel puts its 16 query rows in the mma's
-// A operand, the FP8 decode puts the piece there: S^T = K q^T and O^T = V^T P^T, with q (and
+// A operand, the decode puts the piece there: S^T = K q^T and O^T = V^T P^T, with q (and
 // P) as column 0 of B, held by lanes 0-3. A tile then covers 16 positions (or 16 elements of
 // V), not 8: a piece takes half the mmas, every A register is converted bytes (no zero rows to
 // fill), and the softmax runs on 8 values a lane, not 16. Each element of S and O is the same
 // dot product as the context kernel's, over the same k in the same 16-steps from zero, so it
 // has the same bits (the decode-equals-context tests hold it). Column 0 of the results sits
 // on the lanes g = lane / 4 with t = lane % 4 = 0: S of positions 16j + g and 16j + g + 8
-// (registers 0 and 2 of tile j), O of the elements col_element(i, g) and (i, g + 8). The
-// other lanes compute columns 1-7 (zeros, or values never read).
+// (registers 0 and 2 of tile j), O of the elements col_element(i, g) and (i, g + 8) over FP8
+// K/V, 16i + g and 16i + g + 8 over bf16/fp16. The other lanes compute columns 1-7 (zeros, or
+// values never read).
 
 // A piece's (or the running) state in the column layout: o[i][h] is O of element
-// col_element(i, g + 8h), on the lanes t = 0; m and l as TileState<D, 1>'s (merge() takes
-// either).
+// col_element(i, g + 8h) (FP8) or 16i + g + 8h (bf16/fp16), on the lanes t = 0; m and l as
+// TileState<D, 1>'s (merge() takes either).
 template <int D>
 struct ColState {
   float o[D / 16][2];
@@ -64,20 +65,21 @@ __device__ __forceinline__ void col_scores(float (&s)[4][4], const uint32_t (&qb
 // The softmax of scores_to_p() on the column layout (the same operations on each value, the
 // sum in finish_class_sum's order: the lane's class g, then the lanes 4, 8 and 16 apart), and
 // P as B fragments: pb[j] holds positions 16j + 2t, + 1 and 16j + 2t + 8, + 9 on lanes 0-3.
-// S: the row's V scale (v_scale_rows).
-template <class T, int D>
+// FP8 (st, a staged piece: its scales): S times each position's K scale first, and P's fold
+// by the V scales over S, the row's V scale (v_scale_rows); bf16/fp16 (st null): neither.
+template <class T, int D, bool FP8 = true>
 __device__ __forceinline__ void col_softmax(ColState<D>& out, uint32_t (&pb)[4][2], float (&s)[4][4], const uint8_t* st,
                                             int kb, int pos, float scale_log2, float S) {
   const int lane = threadIdx.x & 31, t = lane & 3, g = lane >> 2;
-  const float* ks = fp8_stage_scales<D>(const_cast<uint8_t*>(st));
-  const float* vs = ks + kPiece;
+  const float* ks = FP8 ? fp8_stage_scales<D>(const_cast<uint8_t*>(st)) : nullptr;
+  const float* vs = FP8 ? ks + kPiece : nullptr;
   float mx = -INFINITY;
 #pragma unroll
   for (int j = 0; j < 4; ++j)
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int i = 16 * j + 8 * h + g;
-      const float x = __fmul_rn(s[j][2 * h], ks[i]);
+      const float x = FP8 ? __fmul_rn(s[j][2 * h], ks[i]) : s[j][2 * h];
       s[j][2 * h] = kb + i <= pos ? __fmul_rn(x, scale_log2) : -INFINITY;
       mx = fmaxf(mx, s[j][2 * h]);
     }
@@ -98,8 +100,8 @@ __device__ __forceinline__ void col_softmax(ColState<D>& out, uint32_t (&pb)[4][
   const float rcp = __frcp_rn(S);
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
-    const float e0 = __fmul_rn(s[j][0], __fmul_rn(vs[16 * j + g], rcp));
-    const float e8 = __fmul_rn(s[j][2], __fmul_rn(vs[16 * j + g + 8], rcp));
+    const float e0 = FP8 ? __fmul_rn(s[j][0], __fmul_rn(vs[16 * j + g], rcp)) : s[j][0];
+    const float e8 = FP8 ? __fmul_rn(s[j][2], __fmul_rn(vs[16 * j + g + 8], rcp)) : s[j][2];
     const uint32_t mine = pack_pair<T>(e0, e8);  // positions g, g + 8
     const uint32_t a = __shfl_sync(0xffffffffu, mine, 8 * t), b = __shfl_sync(0xffffffffu, mine, 8 * t + 4);
     pb[j][0] = __byte_perm(a, b, 0x5410);  // positions 2t, 2t + 1
@@ -147,32 +149,62 @@ __device__ __forceinline__ void col_values(ColState<D>& out, const uint32_t (&pb
   if constexpr (D % 32 == 16) col_values_group<T, D, uint16_t>(out, pb, sv, 2 * kFull, 32 * kFull + 2 * g, S);
 }
 
+// bf16/fp16 K/V in the column layout: the same ldmatrix loads as piece_scores() and
+// piece_values() (the row-major fragments of a K or V^T tile are those of B there), the
+// registers taken as A: S^T tile j over the head's 16-steps from zero, O^T tile i (elements
+// 16i to 16i + 15) over the piece's four 16-steps of positions.
+template <class T, int D>
+__device__ __forceinline__ void col_scores_dtype(float (&s)[4][4], const uint32_t (&qb)[D / 16][2], const T* sK) {
+  constexpr int P = pitch<D>();
+  const int lane = threadIdx.x & 31, mtx = lane >> 3;
+  zero_fragments(s);
+#pragma unroll
+  for (int kk = 0; kk < D / 16; ++kk)
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      uint32_t b[4];
+      ldsm_x4(b, sK + (16 * j + (lane & 7) + (mtx >> 1) * 8) * P + 16 * kk + (mtx & 1) * 8);
+      const uint32_t a[4] = {b[0], b[2], b[1], b[3]};
+      mma_m16n8k16<T>(s[j], a, qb[kk][0], qb[kk][1]);
+    }
+}
+template <class T, int D>
+__device__ __forceinline__ void col_values_dtype(ColState<D>& out, const uint32_t (&pb)[4][2], const T* sV) {
+  constexpr int P = pitch<D>();
+  const int lane = threadIdx.x & 31, mtx = lane >> 3;
+  float o[D / 16][4];
+  zero_fragments(o);
+#pragma unroll
+  for (int kk = 0; kk < 4; ++kk)
+#pragma unroll
+    for (int i = 0; i < D / 16; ++i) {
+      uint32_t b[4];
+      ldsm_x4_trans(b, sV + (16 * kk + (lane & 7) + (mtx & 1) * 8) * P + 16 * i + (mtx >> 1) * 8);
+      const uint32_t a[4] = {b[0], b[2], b[1], b[3]};
+      mma_m16n8k16<T>(o[i], a, pb[kk][0], pb[kk][1]);
+    }
+#pragma unroll
+  for (int i = 0; i < D / 16; ++i) out.o[i][0] = o[i][0], out.o[i][1] = o[i][2];
+}
+
 // The lanes holding the state's O (t = 0) call put(element, value) for each of their elements.
-template <int D, class Put>
+template <int D, bool FP8, class Put>
 __device__ __forceinline__ void for_each_element(const ColState<D>& st, Put put) {
   const int lane = threadIdx.x & 31, g = lane >> 2;
   if ((lane & 3) != 0) return;
 #pragma unroll
   for (int i = 0; i < D / 16; ++i)
 #pragma unroll
-    for (int h = 0; h < 2; ++h) put(col_element<D>(i, g + 8 * h), st.o[i][h]);
-}
-template <int D, class Put>
-__device__ __forceinline__ void for_each_element(const TileState<D, 1>& st, Put put) {
-  const int lane = threadIdx.x & 31;
-  if (lane >= 4) return;
-#pragma unroll
-  for (int j = 0; j < D / 8; ++j) put(8 * j + 2 * lane, st.o[j][0]), put(8 * j + 2 * lane + 1, st.o[j][1]);
+    for (int h = 0; h < 2; ++h) put(FP8 ? col_element<D>(i, g + 8 * h) : 16 * i + g + 8 * h, st.o[i][h]);
 }
 
 // ---- decode ---------------------------------------------------------------------------------
 
-// The row's piece state (TileState<D, 1> or ColState<D>) into the workspace: {m, l, O[D],
-// pad}, O in the head's element order.
-template <int D, class State>
-__device__ __forceinline__ void store_partial(float* part, const State& piece) {
+// The row's piece state into the workspace: {m, l, O[D], pad}, O in the head's element order.
+template <int D, bool FP8>
+__device__ __forceinline__ void store_partial(float* part, const ColState<D>& piece) {
   if ((threadIdx.x & 31) == 0) part[0] = piece.m[0], part[1] = piece.l[0];
-  for_each_element(piece, [&](int d, float v) { part[2 + d] = v; });
+  for_each_element<D, FP8>(piece, [&](int d, float v) { part[2 + d] = v; });
 }
 
 // A spread row's end: the last warp of the (row, head) to finish merges the pieces' states in
@@ -272,10 +304,10 @@ __device__ __forceinline__ void append_new_token(PagedKv<T> kv, Fp8Kv f8, const 
 // The row's output: O / L, lane by lane over the head's elements. The lanes holding the row
 // (run) put O and L in `scratch` (the warp's shared memory, free now), so that every lane
 // takes its share of the divisions.
-template <class T, int D, class State>
-__device__ __forceinline__ void store_decode_row(T* o, const State& run, float* scratch, int lane) {
+template <class T, int D, bool FP8>
+__device__ __forceinline__ void store_decode_row(T* o, const ColState<D>& run, float* scratch, int lane) {
   __syncwarp();  // every lane is done with the staged pieces
-  for_each_element(run, [&](int d, float v) { scratch[d] = v; });
+  for_each_element<D, FP8>(run, [&](int d, float v) { scratch[d] = v; });
   if (lane == 0) scratch[D] = run.l[0];
   __syncwarp();
   const float L = scratch[D];
@@ -303,17 +335,24 @@ __device__ __forceinline__ int row_spread(int Z, int pieces, int64_t row_warps, 
 // measured slower on the H100: 89% of the floor against 96% at batch 256.) The new token's
 // K and V come from qkv, not the cache.
 template <class T, int D>
-__device__ __forceinline__ void decode_pieces(TileState<D, 1>& run, float* parts, bool spread, T* sK, T* sV,
-                                              const PagedKv<T>& kv, const DecodeRow<T>& row, const uint32_t (&q)[D / 16][4],
-                                              const int (&pos)[1], int z, int Z, int pieces, int lane, float scale_log2) {
+__device__ __forceinline__ void decode_pieces(ColState<D>& run, float* parts, bool spread, T* sK, T* sV,
+                                              const PagedKv<T>& kv, const DecodeRow<T>& row,
+                                              const uint32_t (&qb)[D / 16][2], int z, int Z, int pieces, int lane,
+                                              float scale_log2) {
   constexpr int kStride = D + 4;  // floats per piece state {m, l, O[D], pad}: 16-byte aligned
   const int s = row.s, h = row.h, kv_len = row.kv_len, t_new = row.t_new;
-  TileState<D, 1> piece;
+  ColState<D> piece;
   for (int pc = z; pc < pieces; pc += Z) {
     const int next = pc + Z < pieces ? pc + Z : -1;
     cp_async_wait<1>();  // all but the newest group: this piece's (the newest is empty)
     __syncwarp();
-    piece_state<T, D>(piece, q, sK, sV, pc * kPiece, pos, scale_log2);
+    {
+      uint32_t pb[4][2];
+      float sc[4][4];
+      col_scores_dtype<T, D>(sc, qb, sK);
+      col_softmax<T, D, false>(piece, pb, sc, nullptr, pc * kPiece, t_new, scale_log2, 1.f);
+      col_values_dtype<T, D>(piece, pb, sV);
+    }
     __syncwarp();  // every lane is done with this piece's K and V
     if (next >= 0) {
       load_piece<T, D, 32>(sK, sV, kv, s, h, next * kPiece, kv_len, t_new, lane);
@@ -321,7 +360,7 @@ __device__ __forceinline__ void decode_pieces(TileState<D, 1>& run, float* parts
     }
     cp_async_commit();
     cp_async_commit();
-    if (spread) store_partial<D>(parts + int64_t(pc) * kStride, piece);
+    if (spread) store_partial<D, false>(parts + int64_t(pc) * kStride, piece);
     else merge(run, piece, 0, pc == 0);
   }
 }
@@ -371,7 +410,7 @@ __device__ __forceinline__ void decode_pieces_fp8(ColState<D>& run, float* parts
     __syncwarp();  // the values are free
     if (next >= 0) load_piece_fp8_values<D, 32>(st, f8, row.h, next_rows, lane);
     cp_async_commit();
-    if (spread) store_partial<D>(parts + int64_t(pc) * kStride, piece);
+    if (spread) store_partial<D, true>(parts + int64_t(pc) * kStride, piece);
     else merge(run, piece, 0, pc == z);
   }
 }
@@ -447,20 +486,16 @@ __global__ void __launch_bounds__(kDecodeWarps * 32)
   const bool spread = Zr > 1 && pieces > 1;
   constexpr int kStride = D + 4;  // floats per piece state {m, l, O[D], pad}: 16-byte aligned
   float* parts = partial + (int64_t(s) * n_head + h) * max_pieces * kStride;
-  std::conditional_t<FP8, ColState<D>, TileState<D, 1>> run;
-  if constexpr (FP8) {
-    uint32_t qb[D / 16][2];
+  ColState<D> run;
+  uint32_t qb[D / 16][2];  // q as B (load_q's registers 0 and 2)
 #pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) qb[kk][0] = q[kk][0], qb[kk][1] = q[kk][2];
-    decode_pieces_fp8<T, D>(run, parts, spread, st, f8, row, qb, n, z, Zr, pieces, lane, scale_log2);
-  } else {
-    const int pos[1] = {(lane >> 2) == 0 ? t_new : -1};
-    decode_pieces<T, D>(run, parts, spread, sK, sV, kv, row, q, pos, z, Zr, pieces, lane, scale_log2);
-  }
+  for (int kk = 0; kk < D / 16; ++kk) qb[kk][0] = q[kk][0], qb[kk][1] = q[kk][2];
+  if constexpr (FP8) decode_pieces_fp8<T, D>(run, parts, spread, st, f8, row, qb, n, z, Zr, pieces, lane, scale_log2);
+  else decode_pieces<T, D>(run, parts, spread, sK, sV, kv, row, qb, z, Zr, pieces, lane, scale_log2);
   cp_async_wait<0>();
   T* o = out + int64_t(s) * C + int64_t(h) * D;
   if (!spread) {
-    store_decode_row<T, D>(o, run, reinterpret_cast<float*>(mine), lane);
+    store_decode_row<T, D, FP8>(o, run, reinterpret_cast<float*>(mine), lane);
     return;
   }
   merge_spread<T, D>(o, parts, pieces, min(Zr, pieces), counters + int64_t(s) * n_head + h,
