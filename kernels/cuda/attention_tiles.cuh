@@ -15,8 +15,8 @@
 // The pieces merge in piece order into the running (M, L, O): the first is taken as it is,
 // then M' = max(M, m), a = exp2(M - M'), b = exp2(m - M'), L = fma(l, b, L a),
 // O = fma(O_p, b, O a); the row's output is O / L. Every step is written with explicit
-// roundings, so the decode and the context kernel, which share piece_state() and merge(),
-// compile to the same arithmetic. An mma's row depends on its own operands only, and the
+// roundings, so the decode and the context kernel, which share merge() and every step's
+// arithmetic, compute the same numbers. An mma's row depends on its own operands only, and the
 // positions a row does not see add exact zeros, so the result depends on p, the row's q and
 // the K/V of [0, p]: not on the batch, the other rows of a tile, the chunking of a prompt,
 // or which warp ran which piece.
@@ -102,25 +102,13 @@ __device__ __forceinline__ void zero_fragments(float (&a)[N][E]) {
     for (int e = 0; e < E; ++e) a[j][e] = 0.f;
 }
 
-// A lane's share of one piece (or of the running state) for its R rows, g = lane / 4 and
-// (R = 2) g + 8: o[j][2r + c] is row (g + 8r), element 8j + 2(lane % 4) + c. The decode has
-// one query row, tile row 0: it keeps R = 1, so the rows g + 8 of the mma fragments (zeros
-// in A, dropped from D) cost no registers between the mmas and no arithmetic. An mma's row
-// depends on its own operands only, so the rows kept have the same bits either way.
-template <int D, int R = 2>
+// A lane's share of one piece (or of the running state) for its two rows g = lane / 4 and
+// g + 8: o[j][2r + c] is row (g + 8r), element 8j + 2(lane % 4) + c.
+template <int D>
 struct TileState {
-  float o[D / 8][2 * R];
-  float m[R], l[R];
+  float o[D / 8][4];
+  float m[2], l[2];
 };
-
-// The lane's R rows of accumulator fragments acc into o (R = 2: all of them).
-template <int N, int R>
-__device__ __forceinline__ void keep_rows(float (&o)[N][2 * R], const float (&acc)[N][4]) {
-#pragma unroll
-  for (int j = 0; j < N; ++j)
-#pragma unroll
-    for (int e = 0; e < 2 * R; ++e) o[j][e] = acc[j][e];
-}
 
 // The sum l of a piece's e, in one order whichever way a warp's lanes hold the piece: with c_k
 // the sum of e over the positions k, k + 8, ..., k + 56 in that order (class k mod 8),
@@ -140,25 +128,25 @@ __device__ __forceinline__ float finish_class_sum(float part) {
 // rnd_T(e)). FP8 V: fold (null otherwise) holds a factor per position of the piece, and row
 // r's P is rnd_T(e * fold * fold_rcp[r]) ("FP8 V's scales on P" says why); l is the sum of e as
 // always.
-template <class T, int R = 2>
-__device__ __forceinline__ void scores_to_p(float (&m)[R], float (&l)[R], uint32_t (&p)[4][4], float (&s)[8][4],
-                                            int kb, const int (&pos)[R], float scale_log2,
+template <class T>
+__device__ __forceinline__ void scores_to_p(float (&m)[2], float (&l)[2], uint32_t (&p)[4][4], float (&s)[8][4],
+                                            int kb, const int (&pos)[2], float scale_log2,
                                             const float* fold = nullptr, const float* fold_rcp = nullptr) {
   const int t = threadIdx.x & 3;
-  float mx[R];
+  float mx[2];
 #pragma unroll
-  for (int r = 0; r < R; ++r) mx[r] = -INFINITY;
+  for (int r = 0; r < 2; ++r) mx[r] = -INFINITY;
 #pragma unroll
   for (int j = 0; j < 8; ++j)
 #pragma unroll
-    for (int e = 0; e < 2 * R; ++e) {
+    for (int e = 0; e < 4; ++e) {
       const int r = e >> 1, key = kb + 8 * j + 2 * t + (e & 1);
       s[j][e] = key <= pos[r] ? __fmul_rn(s[j][e], scale_log2) : -INFINITY;
       mx[r] = fmaxf(mx[r], s[j][e]);
     }
-  float sum[2 * R], base[R];  // sum[e]: the class of positions 2t + (e & 1) (mod 8)
+  float sum[4], base[2];  // sum[e]: the class of positions 2t + (e & 1) (mod 8)
 #pragma unroll
-  for (int r = 0; r < R; ++r) {
+  for (int r = 0; r < 2; ++r) {
     mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
     mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
     base[r] = mx[r] == -INFINITY ? 0.f : mx[r];
@@ -167,12 +155,12 @@ __device__ __forceinline__ void scores_to_p(float (&m)[R], float (&l)[R], uint32
 #pragma unroll
   for (int j = 0; j < 8; ++j)
 #pragma unroll
-    for (int e = 0; e < 2 * R; ++e) {
+    for (int e = 0; e < 4; ++e) {
       s[j][e] = exp2f(__fsub_rn(s[j][e], base[e >> 1]));
       sum[e] = __fadd_rn(sum[e], s[j][e]);
     }
 #pragma unroll
-  for (int r = 0; r < R; ++r) {
+  for (int r = 0; r < 2; ++r) {
     m[r] = mx[r];
     l[r] = finish_class_sum<1, 2>(__fadd_rn(sum[2 * r], sum[2 * r + 1]));
   }
@@ -182,29 +170,28 @@ __device__ __forceinline__ void scores_to_p(float (&m)[R], float (&l)[R], uint32
     for (int j = 0; j < 8; ++j) {
       const float2 f = *reinterpret_cast<const float2*>(fold + 8 * j + 2 * t);
 #pragma unroll
-      for (int r = 0; r < R; ++r) {
+      for (int r = 0; r < 2; ++r) {
         s[j][2 * r] = __fmul_rn(s[j][2 * r], __fmul_rn(f.x, fold_rcp[r]));
         s[j][2 * r + 1] = __fmul_rn(s[j][2 * r + 1], __fmul_rn(f.y, fold_rcp[r]));
       }
     }
   }
-  // The C fragments of S tiles 2kk, 2kk + 1 are the A fragment of P's 16-step kk (rows g + 8
-  // zeros when R = 1).
+  // The C fragments of S tiles 2kk, 2kk + 1 are the A fragment of P's 16-step kk.
 #pragma unroll
   for (int kk = 0; kk < 4; ++kk) {
     p[kk][0] = pack_pair<T>(s[2 * kk][0], s[2 * kk][1]);
-    p[kk][1] = R == 2 ? pack_pair<T>(s[2 * kk][2], s[2 * kk][3]) : 0u;
+    p[kk][1] = pack_pair<T>(s[2 * kk][2], s[2 * kk][3]);
     p[kk][2] = pack_pair<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-    p[kk][3] = R == 2 ? pack_pair<T>(s[2 * kk + 1][2], s[2 * kk + 1][3]) : 0u;
+    p[kk][3] = pack_pair<T>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
   }
 }
 
 // The state of the piece at kb (its K and V in sK, sV) for the warp's 16 rows; pos[r]: the
 // position of the lane's row g + 8r (-1: none). q: the rows' A fragments, one per 16-step.
 // In two halves: piece_scores() reads sK and leaves m, l and P; piece_values() reads sV.
-template <class T, int D, int R = 2>
-__device__ __forceinline__ void piece_scores(TileState<D, R>& st, uint32_t (&p)[4][4], const uint32_t (&q)[D / 16][4],
-                                             const T* sK, int kb, const int (&pos)[R], float scale_log2) {
+template <class T, int D>
+__device__ __forceinline__ void piece_scores(TileState<D>& st, uint32_t (&p)[4][4], const uint32_t (&q)[D / 16][4],
+                                             const T* sK, int kb, const int (&pos)[2], float scale_log2) {
   constexpr int P = pitch<D>();
   const int lane = threadIdx.x & 31, mtx = lane >> 3;
   float s[8][4];
@@ -218,7 +205,7 @@ __device__ __forceinline__ void piece_scores(TileState<D, R>& st, uint32_t (&p)[
       mma_m16n8k16<T>(s[2 * jj], q[kk], b[0], b[1]);
       mma_m16n8k16<T>(s[2 * jj + 1], q[kk], b[2], b[3]);
     }
-  scores_to_p<T, R>(st.m, st.l, p, s, kb, pos, scale_log2);
+  scores_to_p<T>(st.m, st.l, p, s, kb, pos, scale_log2);
 }
 
 // P V's 16-steps KK0..KK1-1 added to the accumulators o in order, sV holding positions 16 KK0
@@ -237,20 +224,18 @@ __device__ __forceinline__ void piece_values_steps(float (&o)[D / 8][4], const u
       mma_m16n8k16<T>(o[2 * dd + 1], p[kk], b[2], b[3]);
     }
 }
-template <class T, int D, int R = 2>
-__device__ __forceinline__ void piece_values(TileState<D, R>& st, const uint32_t (&p)[4][4], const T* sV) {
-  float o[D / 8][4];
-  zero_fragments(o);
-  piece_values_steps<T, D, 0, 4>(o, p, sV);
-  keep_rows<D / 8, R>(st.o, o);
+template <class T, int D>
+__device__ __forceinline__ void piece_values(TileState<D>& st, const uint32_t (&p)[4][4], const T* sV) {
+  zero_fragments(st.o);
+  piece_values_steps<T, D, 0, 4>(st.o, p, sV);
 }
 
-template <class T, int D, int R = 2>
-__device__ __forceinline__ void piece_state(TileState<D, R>& st, const uint32_t (&q)[D / 16][4], const T* sK,
-                                            const T* sV, int kb, const int (&pos)[R], float scale_log2) {
+template <class T, int D>
+__device__ __forceinline__ void piece_state(TileState<D>& st, const uint32_t (&q)[D / 16][4], const T* sK,
+                                            const T* sV, int kb, const int (&pos)[2], float scale_log2) {
   uint32_t p[4][4];
-  piece_scores<T, D, R>(st, p, q, sK, kb, pos, scale_log2);
-  piece_values<T, D, R>(st, p, sV);
+  piece_scores<T, D>(st, p, q, sK, kb, pos, scale_log2);
+  piece_values<T, D>(st, p, sV);
 }
 
 // The merge of one piece into the running state, for one value (factor a on the running
@@ -265,8 +250,8 @@ __device__ __forceinline__ MergeFactors merge_factors(float M, float m) {
 __device__ __forceinline__ float merge_value(float run, float piece, const MergeFactors& f) {
   return __fmaf_rn(piece, f.b, f.a == 1.f ? run : __fmul_rn(run, f.a));  // run * 1 is run: same bits
 }
-// State: TileState, or the FP8 decode's ColState (attention_tiles_decode.cu): o[n][2R], m[R],
-// l[R], the lane's values of row r at o[j][2r], o[j][2r + 1].
+// State: TileState (two rows), or the decode's ColState (attention_tiles_decode.cu: one): o[n][2R],
+// m[R], l[R], the lane's values of row r at o[j][2r], o[j][2r + 1].
 template <class State>
 __device__ __forceinline__ void merge(State& run, const State& piece, int r, bool first) {
   constexpr int N = int(std::extent_v<decltype(State::o)>);
@@ -618,12 +603,12 @@ __device__ __forceinline__ uint32_t e4m3_half(uint32_t w) {
 }
 
 // O of a piece times S, row r by S[r] (a power of two: exact unless it leaves fp32's range).
-template <int D, int R = 2>
-__device__ __forceinline__ void scale_values(TileState<D, R>& st_out, const float (&S)[R]) {
+template <int D>
+__device__ __forceinline__ void scale_values(TileState<D>& st_out, const float (&S)[2]) {
 #pragma unroll
   for (int j = 0; j < D / 8; ++j)
 #pragma unroll
-    for (int e = 0; e < 2 * R; ++e) st_out.o[j][e] = __fmul_rn(st_out.o[j][e], S[e >> 1]);
+    for (int e = 0; e < 4; ++e) st_out.o[j][e] = __fmul_rn(st_out.o[j][e], S[e >> 1]);
 }
 
 // S of the lane's rows g and g + 8 (at positions pos[0], pos[1]): the largest V scale of the
@@ -658,10 +643,10 @@ __device__ __forceinline__ void v_scale_rows(float (&S)[R], const uint8_t* st, i
 // times the position's K scale. A lane's B fragment of a 16-step is four neighbouring bytes of
 // its position 8j + g (elements 4t to 4t + 3 of the step: one 32-bit load), so the step's
 // elements go in load_q<D, true>'s order. S: v_scale_rows() of the piece.
-template <class T, int D, int R = 2>
-__device__ __forceinline__ void piece_scores_fp8(TileState<D, R>& st_out, uint32_t (&p)[4][4],
+template <class T, int D>
+__device__ __forceinline__ void piece_scores_fp8(TileState<D>& st_out, uint32_t (&p)[4][4],
                                                  const uint32_t (&q)[D / 16][4], const uint8_t* st, int kb,
-                                                 const int (&pos)[R], float scale_log2, const float (&S)[R]) {
+                                                 const int (&pos)[2], float scale_log2, const float (&S)[2]) {
   constexpr int KP = fp8_pitch<D>();
   const int lane = threadIdx.x & 31, t = lane & 3, g = lane >> 2;
   float s[8][4];
@@ -678,14 +663,12 @@ __device__ __forceinline__ void piece_scores_fp8(TileState<D, R>& st_out, uint32
   for (int j = 0; j < 8; ++j) {
     const float2 sc = *reinterpret_cast<const float2*>(ks + 8 * j + 2 * t);
 #pragma unroll
-    for (int r = 0; r < R; ++r)
+    for (int r = 0; r < 2; ++r)
       s[j][2 * r] = __fmul_rn(s[j][2 * r], sc.x), s[j][2 * r + 1] = __fmul_rn(s[j][2 * r + 1], sc.y);
   }
   const float* vs = ks + kPiece;
-  float rcp[R];
-#pragma unroll
-  for (int r = 0; r < R; ++r) rcp[r] = __frcp_rn(S[r]);
-  scores_to_p<T, R>(st_out.m, st_out.l, p, s, kb, pos, scale_log2, vs, rcp);
+  const float rcp[2] = {__frcp_rn(S[0]), __frcp_rn(S[1])};
+  scores_to_p<T>(st_out.m, st_out.l, p, s, kb, pos, scale_log2, vs, rcp);
 }
 
 // ---- FP8 V's scales on P -----------------------------------------------------------------

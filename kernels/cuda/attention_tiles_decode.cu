@@ -22,8 +22,8 @@ using namespace detail;
 // values never read).
 
 // A piece's (or the running) state in the column layout: o[i][h] is O of element
-// col_element(i, g + 8h) (FP8) or 16i + g + 8h (bf16/fp16), on the lanes t = 0; m and l as
-// TileState<D, 1>'s (merge() takes either).
+// col_element(i, g + 8h) (FP8) or 16i + g + 8h (bf16/fp16), on the lanes t = 0; m and l of
+// the one row (merge() takes this or TileState).
 template <int D>
 struct ColState {
   float o[D / 16][2];
