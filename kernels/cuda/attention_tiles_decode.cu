@@ -452,7 +452,6 @@ __global__ void __launch_bounds__(kDecodeWarps * 32)
   // The first pieces' cached positions stream before the wait (written by earlier steps);
   // q and the new token are the QKV projection's output. (FP8 loads the new token's slot
   // too, and replaces it in shared memory once its piece is in.)
-  NewTokenFp8<D> n{};
   if constexpr (FP8) {
     const Fp8PieceRows first = fp8_piece_rows(f8, s, z * kPiece, kv_len);  // z < pieces
     load_piece_fp8_keys<D, 32>(st, f8, h, first, lane);
@@ -460,13 +459,6 @@ __global__ void __launch_bounds__(kDecodeWarps * 32)
     load_piece_fp8_values<D, 32>(st, f8, h, first, lane);
     cp_async_commit();  // two groups a piece: keys, then values
     grid_dependency_wait();
-    if constexpr (SUMS) {
-      const QkvSumsRow<T> sums(qkv_sums, s, 3 * C);
-      n = new_token_fp8<D>([&](int d) { return sums.at(C + q_col + d); },
-                           [&](int d) { return sums.at(2 * C + q_col + d); });
-    } else {
-      n = new_token_fp8<T, D>(new_k, new_v);
-    }
   } else {
     load_piece<T, D, 32>(sK, sV, kv, s, h, z * kPiece, kv_len, t_new, lane);
     grid_dependency_wait();
@@ -474,15 +466,19 @@ __global__ void __launch_bounds__(kDecodeWarps * 32)
     cp_async_commit();
     cp_async_commit();  // an empty group: one group per piece, the newest always empty at a wait
   }
-  if (z == 0) append_new_token<T, D, FP8>(kv, f8, row, n, lane);
-
+  // q, and the new token quantised (FP8), from qkv or from the deferred epilogue's sums.
+  NewTokenFp8<D> n{};
   uint32_t q[D / 16][4];
   if constexpr (SUMS) {
     const QkvSumsRow<T> sums(qkv_sums, s, 3 * C);
+    n = new_token_fp8<D>([&](int d) { return sums.at(C + q_col + d); },
+                         [&](int d) { return sums.at(2 * C + q_col + d); });
     load_q_sums<T, D>(q, sums, q_col);
   } else {
+    if constexpr (FP8) n = new_token_fp8<T, D>(new_k, new_v);
     load_q<D, FP8>(q, (lane >> 2) == 0 ? q_row : nullptr, nullptr);
   }
+  if (z == 0) append_new_token<T, D, FP8>(kv, f8, row, n, lane);
   const bool spread = Zr > 1 && pieces > 1;
   constexpr int kStride = D + 4;  // floats per piece state {m, l, O[D], pad}: 16-byte aligned
   float* parts = partial + (int64_t(s) * n_head + h) * max_pieces * kStride;
