@@ -494,19 +494,15 @@ template <int D, class KAt, class VAt>
 __device__ __forceinline__ NewTokenFp8<D> new_token_fp8(KAt k_at, VAt v_at) {
   constexpr int kPer = NewTokenFp8<D>::kPer;
   const int lane = threadIdx.x & 31;
-  float k[kPer], v[kPer], ak = 0.f, av = 0.f;
+  float k[kPer], v[kPer];
 #pragma unroll
   for (int i = 0; i < kPer; ++i) {
     const int d = lane + 32 * i;
     k[i] = d < D ? k_at(d) : 0.f, v[i] = d < D ? v_at(d) : 0.f;
-    ak = fmaxf(ak, fabsf(k[i])), av = fmaxf(av, fabsf(v[i]));
   }
   NewTokenFp8<D> n;
-  n.s[0] = kv_fp8_scale(warp_max(ak));
-  n.s[1] = kv_fp8_scale(warp_max(av));
-  const float rk = fp8_rcp(n.s[0]), rv = fp8_rcp(n.s[1]);
-#pragma unroll
-  for (int i = 0; i < kPer; ++i) n.k[i] = quantize_one(k[i], rk), n.v[i] = quantize_one(v[i], rv);
+  n.s[0] = quantize_kv_head(k, n.k);
+  n.s[1] = quantize_kv_head(v, n.v);
   return n;
 }
 

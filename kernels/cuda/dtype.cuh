@@ -76,52 +76,53 @@ __host__ __device__ __forceinline__ bool aligned16(const void* p) {
   return (reinterpret_cast<uintptr_t>(p) & 15u) == 0;
 }
 
-__device__ __forceinline__ float warp_sum(float v) {
+// A warp's lanes' values combined by op over the butterflies 16, 8, 4, 2, 1: every lane gets
+// the result. op(v, the other lane's v): a + b for warp_sum, fmaxf for warp_max.
+template <class Op>
+__device__ __forceinline__ float warp_reduce(float v, Op op) {
 #pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  for (int o = 16; o > 0; o >>= 1) v = op(v, __shfl_xor_sync(0xffffffffu, v, o));
   return v;
 }
-__device__ __forceinline__ float warp_max(float v) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
-  return v;
-}
+struct AddOp {
+  __device__ float operator()(float a, float b) const { return a + b; }
+};
+struct MaxOp {
+  __device__ float operator()(float a, float b) const { return fmaxf(a, b); }
+};
+__device__ __forceinline__ float warp_sum(float v) { return warp_reduce(v, AddOp{}); }
+__device__ __forceinline__ float warp_max(float v) { return warp_reduce(v, MaxOp{}); }
 
-// block_sum of a block W times as wide, whose thread threadIdx.x + w * blockDim.x held v[w]:
-// its warps' sums in its order, so the same bits as block_sum in that block.
-template <int W>
-__device__ __forceinline__ float block_sum_virtual(const float (&v)[W], float* scratch) {
+// The reduction of a block W times as wide, whose thread threadIdx.x + w * blockDim.x held
+// v[w]: each warp's, then the warps' in its order (identity past the last), so the same bits
+// as W = 1 in that block. Every thread gets the result; `scratch` holds >= 32 floats and may be
+// reused right after the call returns (the trailing barrier protects it).
+template <int W, class Op>
+__device__ __forceinline__ float block_reduce_virtual(const float (&v)[W], float* scratch, float identity, Op op) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int warps = (blockDim.x + 31) >> 5, nwarps = warps * W;
 #pragma unroll
   for (int w = 0; w < W; ++w) {
-    const float s = warp_sum(v[w]);
+    const float s = warp_reduce(v[w], op);
     if (lane == 0) scratch[warp + w * warps] = s;
   }
   __syncthreads();
-  float t = lane < nwarps ? scratch[lane] : 0.f;
-  t = warp_sum(t);
+  float t = lane < nwarps ? scratch[lane] : identity;
+  t = warp_reduce(t, op);
   __syncthreads();
   return t;
 }
-
-// Sum over the block; every thread gets the result. `scratch` holds >= 32 floats and may
-// be reused right after the call returns (the trailing barrier protects it).
+template <int W>
+__device__ __forceinline__ float block_sum_virtual(const float (&v)[W], float* scratch) {
+  return block_reduce_virtual(v, scratch, 0.f, AddOp{});
+}
 __device__ __forceinline__ float block_sum(float v, float* scratch) {
   const float one[1] = {v};
   return block_sum_virtual(one, scratch);
 }
-
 __device__ __forceinline__ float block_max(float v, float* scratch) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int nwarps = (blockDim.x + 31) >> 5;
-  v = warp_max(v);
-  if (lane == 0) scratch[warp] = v;
-  __syncthreads();
-  float t = lane < nwarps ? scratch[lane] : -INFINITY;
-  t = warp_max(t);
-  __syncthreads();
-  return t;
+  const float one[1] = {v};
+  return block_reduce_virtual(one, scratch, -INFINITY, MaxOp{});
 }
 
 // GeLU, tanh form (HF gelu_new) and erf form (HF gelu), in fp32.

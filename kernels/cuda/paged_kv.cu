@@ -72,12 +72,12 @@ __global__ void kv_append_fp8_kernel(uint8_t* __restrict__ kc, uint8_t* __restri
 #pragma unroll
         for (int i = 0; i < 4; ++i) f[i] = to_float(e[i]);
       }
-      s = kv_fp8_scale(warp_max(fmaxf(fmaxf(fabsf(f[0]), fabsf(f[1])), fmaxf(fabsf(f[2]), fabsf(f[3])))));
-      const float rs = fp8_rcp(s);
+      uint8_t q[4];
+      s = quantize_kv_head(f, q);
       if (d < D) {
         uint32_t out = 0;
 #pragma unroll
-        for (int i = 0; i < 4; ++i) out |= uint32_t(quantize_one(f[i], rs)) << (8 * i);
+        for (int i = 0; i < 4; ++i) out |= uint32_t(q[i]) << (8 * i);
         *reinterpret_cast<uint32_t*>(dst + d) = out;
       }
     } else {
