@@ -4,8 +4,9 @@
 // of the running sequences, joined now and then by a new request's prefill chunk:
 //
 //   decode         B sequences, one token each (the CUDA-graph path)
-//   mixed P        the same B tokens plus one new sequence's first P prompt tokens (the
-//                  ordinary forward: a graph cannot take a prefill chunk)
+//   mixed P        the same B tokens plus N new sequences' first P prompt tokens each
+//                  (--new-seqs N, default 1; the ordinary forward: a graph cannot take a
+//                  prefill chunk)
 //   mixed 1..64    P cycling 1..64, first pass (every new token count is a new GEMM
 //                  shape: its plan is timed on first use) and second pass (all planned)
 //
@@ -14,7 +15,12 @@
 // temperature 0.8 and top-k 40, as conveyor-bench-cluster's requests do (--greedy: argmax).
 //
 //   conveyor-bench-stage-step [--shape L,C,H] [--vocab V] [--stage whole|first|last]
-//       [--batch B] [--prompt N] [--prefill P] [--steps N] [--int8] [--fp8] [--no-graphs] [--greedy]
+//       [--batch B] [--prompt N] [--prefill P] [--new-seqs N] [--steps N] [--int8] [--fp8]
+//       [--kv-dtype auto|fp8] [--kv-cache-gb G] [--no-graphs] [--greedy]
+//
+// A serving step at 512 clients of FP8 gpt3-6.7b, say: --shape gpt3-6.7b --fp8 --kv-dtype fp8
+// --batch 448 --prompt 192 --prefill 128 --new-seqs 3 (what the worker's step trace reports
+// under that load: 445 decode rows and 400 prompt rows a step).
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -115,16 +121,22 @@ double mean(const std::vector<double>& v) { return std::accumulate(v.begin(), v.
 int main(int argc, char** argv) {
   std::string shape = "16,2048,16", stage = "whole";
   int64_t vocab = 4096;
-  int batch = 64, prompt = 16, prefill = 8, steps = 50;
+  int batch = 64, prompt = 16, prefill = 8, new_seqs = 1, steps = 50;
+  double kv_gb = 8;
+  std::string kv_dtype = "auto";
   bool int8 = false, fp8 = false, no_graphs = false;
   CLI::App app{"conveyor-bench-stage-step: a GPU stage worker's step time by kind of micro-batch"};
   app.add_option("--shape", shape, "L,C,H: layers, width, heads");
   app.add_option("--vocab", vocab, "vocabulary size")->check(CLI::Range(2, 1 << 20));
   app.add_option("--stage", stage, "whole model, its first half or its last half")
       ->check(CLI::IsMember({"whole", "first", "last"}));
-  app.add_option("--batch", batch, "decoding sequences per micro-batch")->check(CLI::Range(1, 128));
-  app.add_option("--prompt", prompt, "their prompt length")->check(CLI::Range(1, 1024));
-  app.add_option("--prefill", prefill, "the new sequence's chunk in a mixed step")->check(CLI::Range(1, 64));
+  app.add_option("--batch", batch, "decoding sequences per micro-batch")->check(CLI::Range(1, 1024));
+  app.add_option("--prompt", prompt, "their prompt length")->check(CLI::Range(1, 4096));
+  app.add_option("--prefill", prefill, "each new sequence's chunk in a mixed step")->check(CLI::Range(1, 4096));
+  app.add_option("--new-seqs", new_seqs, "new sequences in a mixed step")->check(CLI::Range(1, 64));
+  app.add_option("--kv-dtype", kv_dtype, "the K/V cache's type: the activations' (auto) or FP8 E4M3 (Hopper)")
+      ->check(CLI::IsMember({"auto", "fp8"}));
+  app.add_option("--kv-cache-gb", kv_gb, "cap on the K/V cache, GB")->check(CLI::Range(0.1, 1024.0));
   app.add_option("--steps", steps, "steps per kind")->check(CLI::Range(1, 10000));
   app.add_flag("--int8", int8, "int8 weight-only layer matrices");
   app.add_flag("--fp8", fp8, "FP8 E4M3 layer matrices and activations (Hopper)");
@@ -146,16 +158,20 @@ int main(int argc, char** argv) {
   o.int8_weights = int8;
   o.fp8 = fp8;
   o.cuda_graphs = !no_graphs;
-  o.kv_cache_max_bytes = int64_t(8) << 30;
+  o.kv_fp8 = kv_dtype == "fp8";
+  o.kv_cache_max_bytes = int64_t(kv_gb * double(int64_t(1) << 30));
+  o.max_seqs = std::max<int64_t>(o.max_seqs, batch + new_seqs);
+  o.max_tokens = std::max<int64_t>(o.max_tokens, int64_t(batch) + int64_t(new_seqs) * prefill);
   auto backend = cuda::GpuStageBackend::create(random_stage_weights(*cfg, b, e, 1), {0}, o);
   if (!backend) {
     std::fprintf(stderr, "%s\n", backend.error().c_str());
     return 1;
   }
   Bench bench(StageExecutor(std::move(backend).value()), cfg->n_embd, int32_t(vocab));
-  std::printf("# %s, layers [%ld, %ld) of %ld, width %ld, vocab %ld, %s%s; batch %d, prompt %d, %s\n",
+  std::printf("# %s, layers [%ld, %ld) of %ld, width %ld, vocab %ld, %s weights, %s K/V%s; batch %d, prompt %d, %s\n",
               bench.ex.backend().describe().c_str(), long(b), long(e), long(L), long(cfg->n_embd), long(vocab),
-              int8 ? "int8 weights" : "fp16 weights", no_graphs ? ", no graphs" : "", batch, prompt,
+              int8 ? "int8" : fp8 ? "FP8" : "fp16", o.kv_fp8 ? "FP8" : "fp16", no_graphs ? ", no graphs" : "", batch,
+              prompt,
               g_greedy ? "greedy" : "temperature 0.8, top-k 40");
 
   // Every kind starts from the same state: B fresh sequences prefilled with `prompt` tokens
@@ -187,13 +203,16 @@ int main(int argc, char** argv) {
     for (int i = 0; i < batch; ++i) mb.seqs.push_back(work(ids[size_t(i)], len[size_t(i)]++, 1));
     return mb;
   };
-  auto mixed_batch = [&](int p) {  // plus a newcomer's first p tokens; freed in the next step
+  auto mixed_batch = [&](int p, int n) {  // plus n newcomers' first p tokens; freed in the next step
     MicroBatch mb = decode_batch();
-    const uint64_t id = next_id++;
-    mb.seqs.push_back(work(id, 0, p));
-    const Admission a = admission(id, 64);
-    mb.admissions = encode_admissions(std::span(&a, 1));
-    to_free.push_back(id);
+    std::vector<Admission> admitted;
+    for (int k = 0; k < n; ++k) {
+      const uint64_t id = next_id++;
+      mb.seqs.push_back(work(id, 0, p));
+      admitted.push_back(admission(id, std::max(p, 64)));
+      to_free.push_back(id);
+    }
+    mb.admissions = encode_admissions(admitted);
     return mb;
   };
   auto run = [&](const char* what, int n, auto&& make) {
@@ -209,12 +228,13 @@ int main(int argc, char** argv) {
     return mean(t);
   };
   run("warm-up decode", 3, [&](int) { return decode_batch(); });
-  run("warm-up mixed", 3, [&](int) { return mixed_batch(prefill); });
+  run("warm-up mixed", 3, [&](int) { return mixed_batch(prefill, new_seqs); });
   const double d = run("decode", steps, [&](int) { return decode_batch(); });
-  const std::string mixed_name = "mixed " + std::to_string(prefill);
-  const double m = run(mixed_name.c_str(), steps, [&](int) { return mixed_batch(prefill); });
-  const double first = run("mixed 1..64, first pass", 64, [&](int i) { return mixed_batch(1 + i); });
-  const double second = run("mixed 1..64, second pass", 64, [&](int i) { return mixed_batch(1 + i); });
+  const std::string mixed_name =
+      "mixed " + (new_seqs > 1 ? std::to_string(new_seqs) + " x " : std::string()) + std::to_string(prefill);
+  const double m = run(mixed_name.c_str(), steps, [&](int) { return mixed_batch(prefill, new_seqs); });
+  const double first = run("mixed 1..64, first pass", 64, [&](int i) { return mixed_batch(1 + i, 1); });
+  const double second = run("mixed 1..64, second pass", 64, [&](int i) { return mixed_batch(1 + i, 1); });
   std::printf("mixed / decode: %.2fx; first pass / second pass: %.2fx\n", m / d, first / second);
   return 0;
 }
