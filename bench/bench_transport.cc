@@ -12,7 +12,9 @@
 //    each burst's last message; bytes / elapsed time of the median burst.
 // Receive-side costs are included: the receiver allocates a fresh buffer per message.
 // UCX_TLS in the environment overrides --transports. --spin-us N sets both channels'
-// spin_while_pending (ucx_channel.h; 0: the progress threads sleep whenever idle).
+// spin_while_pending (ucx_channel.h; 0: the progress threads sleep whenever idle), and
+// --idle-spin-us N their spin_when_idle (the progress threads poll for N us after their last
+// progress even with nothing under way; 0, the default: they sleep).
 //
 // --auth: the channels without a secret (off, the default), with one as the daemons have
 // theirs (on: the handshake at connect, a MAC on every envelope, transport/data_auth.h), or
@@ -107,19 +109,40 @@ PeerId register_with_parent(const std::string& endpoint, UcxChannel& ch) {
 // Both ends of an authenticated pair know it, as a cluster's members know its join token.
 constexpr const char* kBenchSecret = "conveyor-bench-transport";
 
+struct Args {
+  std::string transports;
+  std::size_t min_bytes = 4096;
+  std::size_t max_bytes = 64u << 20;
+  double seconds = 0.5;  // per size and measurement
+  bool handoff = false;  // --handoff: the GPU stage handoff, staged and direct
+  int device = 0;
+  int peer_device = -1;  // --handoff: the peer process's GPU (-1: --device's)
+  long spin_us = -1;     // --spin-us: both channels' spin_while_pending (-1: the default)
+  long idle_spin_us = 0;  // --idle-spin-us: both channels' spin_when_idle
+  std::string path;      // the handoff peer's path: "staged" or "direct"
+  std::string auth = "off";  // off, on or both (the A/B)
+
+  // The options both processes pass on to their peer: transports and spins.
+  std::vector<std::string> peer_args() const {
+    return {"--transports", transports, "--spin-us", std::to_string(spin_us), "--idle-spin-us",
+            std::to_string(idle_spin_us)};
+  }
+};
+
 // A channel's options as both processes of the bench set them; spin_us < 0: the default
 // spin_while_pending.
-UcxChannelOptions channel_options(const std::string& name, const std::string& transports, bool auth, long spin_us) {
+UcxChannelOptions channel_options(const std::string& name, const Args& args, bool auth) {
   UcxChannelOptions options;
   options.name = name;
-  options.transports = transports;
+  options.transports = args.transports;
   if (auth) options.auth_secret = kBenchSecret;
-  if (spin_us >= 0) options.spin_while_pending = std::chrono::microseconds(spin_us);
+  if (args.spin_us >= 0) options.spin_while_pending = std::chrono::microseconds(args.spin_us);
+  options.spin_when_idle = std::chrono::microseconds(std::max(0L, args.idle_spin_us));
   return options;
 }
 
-int run_peer(const std::string& endpoint, const std::string& transports, bool auth, long spin_us) {
-  auto ch = check(UcxChannel::create(channel_options("bench-peer", transports, auth, spin_us)), "create channel");
+int run_peer(const std::string& endpoint, const Args& args, bool auth) {
+  auto ch = check(UcxChannel::create(channel_options("bench-peer", args, auth)), "create channel");
   const PeerId parent = register_with_parent(endpoint, *ch);
   for (;;) {
     Message m = recv_message(*ch);
@@ -133,19 +156,6 @@ int run_peer(const std::string& endpoint, const std::string& transports, bool au
     }
   }
 }
-
-struct Args {
-  std::string transports;
-  std::size_t min_bytes = 4096;
-  std::size_t max_bytes = 64u << 20;
-  double seconds = 0.5;  // per size and measurement
-  bool handoff = false;  // --handoff: the GPU stage handoff, staged and direct
-  int device = 0;
-  int peer_device = -1;  // --handoff: the peer process's GPU (-1: --device's)
-  long spin_us = -1;     // --spin-us: both channels' spin_while_pending (-1: the default)
-  std::string path;      // the handoff peer's path: "staged" or "direct"
-  std::string auth = "off";  // off, on or both (the A/B)
-};
 
 double percentile(std::vector<double> v, double p) {
   std::sort(v.begin(), v.end());
@@ -336,11 +346,10 @@ int run_bench(const Args& args, const char* self) {
   std::vector<Side> sides;
   for (bool auth : auth_of) {
     Side s;
-    s.ch = check(UcxChannel::create(channel_options("bench", args.transports, auth, args.spin_us)), "create channel");
-    s.peer = start_peer(self, *server, *s.ch,
-                        {"--peer", server->endpoint(), "--transports", args.transports, "--auth", auth ? "on" : "off",
-                         "--spin-us", std::to_string(args.spin_us)},
-                        20s);
+    s.ch = check(UcxChannel::create(channel_options("bench", args, auth)), "create channel");
+    std::vector<std::string> peer_args = {"--peer", server->endpoint(), "--auth", auth ? "on" : "off"};
+    for (auto& a : args.peer_args()) peer_args.push_back(a);
+    s.peer = start_peer(self, *server, *s.ch, peer_args, 20s);
     sides.push_back(std::move(s));
   }
   auto info = check(sides[0].ch->transport_info(sides[0].peer.id), "transport info");
@@ -410,7 +419,7 @@ struct GpuEnd {
 // A channel as a GPU worker's: page-locked receive buffers; on the direct path device receive
 // buffers too, with the GPU current on the progress thread.
 UcxChannelOptions gpu_channel_options(const std::string& name, const Args& args, bool direct) {
-  UcxChannelOptions o = channel_options(name, args.transports, /*auth=*/false, args.spin_us);
+  UcxChannelOptions o = channel_options(name, args, /*auth=*/false);
   const int device = args.device;
   o.receive_allocator.allocate = [device](std::size_t n) -> void* {
     void* p = nullptr;
@@ -458,11 +467,11 @@ std::vector<HandoffRow> measure_handoff(const Args& args, const char* self, bool
     std::printf("direct path: this UCX cannot move CUDA memory (ucp_context_query), so it is not measured\n");
     return {};
   }
-  const Peer started = start_peer(self, *server, *ch,
-                                  {"--peer", server->endpoint(), "--transports", args.transports, "--spin-us", std::to_string(args.spin_us), "--handoff", "--path",
-                                   direct ? "direct" : "staged", "--device", std::to_string(args.peer_device), "--max",
-                                   std::to_string(args.max_bytes)},
-                                  30s);
+  std::vector<std::string> peer_args = {"--peer", server->endpoint(), "--handoff", "--path", direct ? "direct" : "staged",
+                                        "--device", std::to_string(args.peer_device), "--max",
+                                        std::to_string(args.max_bytes)};
+  for (auto& a : args.peer_args()) peer_args.push_back(a);
+  const Peer started = start_peer(self, *server, *ch, peer_args, 30s);
   const pid_t pid = started.pid;
   const PeerId peer = started.id;
   if (direct && !ch->peer_takes_device_memory(peer)) die("the direct peer does not take device memory");
@@ -570,6 +579,8 @@ int main(int argc, char** argv) {
       args.device = std::stoi(next());
     else if (a == "--spin-us")
       args.spin_us = std::stol(next());
+    else if (a == "--idle-spin-us")
+      args.idle_spin_us = std::stol(next());
     else if (a == "--peer-device")
       args.peer_device = std::stoi(next());
     else if (a == "--path")
@@ -590,6 +601,6 @@ int main(int argc, char** argv) {
   }
   if (args.auth != "off" && args.auth != "on" && args.auth != "both")
     die("--auth must be off, on or both, not '" + args.auth + "'");
-  if (!peer_endpoint.empty()) return run_peer(peer_endpoint, args.transports, args.auth == "on", args.spin_us);
+  if (!peer_endpoint.empty()) return run_peer(peer_endpoint, args, args.auth == "on");
   return run_bench(args, self.c_str());
 }

@@ -76,6 +76,11 @@ struct UcxChannelOptions {
   // limit takes a rendezvous (several messages each way), and a sleeping thread pays a
   // wake-up for each. 0: sleep whenever there is nothing to do.
   std::chrono::microseconds spin_while_pending{200};
+  // The progress thread polls UCX instead of sleeping for this long after it last made
+  // progress, even with nothing under way: a reply that comes back within it (a pipeline's next
+  // micro-batch, a ping-pong's answer) is taken without the epoll wake-up. It costs a core
+  // while it spins. 0: sleep as soon as nothing is under way.
+  std::chrono::microseconds spin_when_idle{0};
   std::chrono::milliseconds close_timeout{2000};  // bound on the destructor's clean-up
 };
 

@@ -48,7 +48,9 @@ void UcxChannel::Impl::loop() {
     }
     // A send or a receive under way: its next step (a rendezvous' reply, the data) is
     // microseconds off; polling for it costs less than a wake-up from epoll.
-    if (operations_under_way() && Clock::now() - last_progress < opt.spin_while_pending) continue;
+    const auto since = Clock::now() - last_progress;
+    if (operations_under_way() && since < opt.spin_while_pending) continue;
+    if (since < opt.spin_when_idle) continue;  // an answer may be microseconds off
 
     // Nothing to do: sleep until UCX or a caller has something, or the idle tick.
     int wait_ms = static_cast<int>(opt.idle_tick.count());

@@ -283,6 +283,36 @@ TEST_P(UcxChannelTest, RecvTimesOutAndIdleChannelSleeps) {
   EXPECT_LT(cpu_s, 0.2) << "an idle channel burned " << cpu_s << " s of CPU in 0.5 s";
 }
 
+// spin_when_idle: the progress threads poll for a while after their last progress (a
+// ping-pong's answer is taken without a wake-up), and sleep once it has passed: an exchange
+// goes through, and the half second after it costs far less than a busy core.
+TEST_P(UcxChannelTest, IdleSpinPollsAfterProgressThenSleeps) {
+  UcxChannelOptions spin;
+  spin.spin_when_idle = 20ms;
+  auto a = make_channel(transports(), "a", spin);
+  auto b = make_channel(transports(), "b", spin);
+  ASSERT_TRUE(a && b);
+  auto to_a = b->connect(a->address(), "a");
+  ASSERT_TRUE(to_a.ok()) << to_a.error();
+  auto to_b = a->connect(b->address(), "b");
+  ASSERT_TRUE(to_b.ok()) << to_b.error();
+  for (int i = 0; i < 20; ++i) {
+    const std::string header = "ping " + std::to_string(i);
+    ASSERT_TRUE(b->send(*to_a, as_bytes(header), {}, 10s).ok());
+    Message m = recv_one(*a);
+    EXPECT_EQ(as_string_view(m.header), header);
+    ASSERT_TRUE(a->send(*to_b, as_bytes("pong"), {}, 10s).ok());
+    EXPECT_EQ(as_string_view(recv_one(*b).header), "pong");
+  }
+  const std::clock_t cpu0 = std::clock();
+  auto r = a->recv(500ms);
+  const double cpu_s = double(std::clock() - cpu0) / CLOCKS_PER_SEC;
+  ASSERT_TRUE(r.ok()) << r.error();
+  EXPECT_FALSE(r->has_value());
+  // Two progress threads spin 20 ms each, then sleep in epoll.
+  EXPECT_LT(cpu_s, 0.2) << "the idle channels burned " << cpu_s << " s of CPU in 0.5 s";
+}
+
 // interrupt() wakes a recv() that waits (the coordinator's engine wakes so on a submitted
 // request or a new cluster snapshot), and is kept for the next recv() when none waits: a
 // wake-up made just before the receiver starts waiting is not lost. It is consumed by the
