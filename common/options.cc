@@ -180,6 +180,14 @@ void add_daemon_options(std::vector<OptionSpec>& s) {
                       .values = "a whole number of bytes, 0 or more",
                       .scope = kWorkerScope},
                      [](auto& o) -> auto& { return o.direct_min_bytes; }, 0, INT64_MAX));
+  s.push_back(number({.name = "data_plane.idle_spin_us",
+                      .variable = "CONVEYOR_DATA_IDLE_SPIN_US",
+                      .meaning = "microseconds the data plane's progress thread keeps polling after its last "
+                                 "progress instead of sleeping: an answer within them costs no wake-up, at a "
+                                 "core's cost (0: it sleeps)",
+                      .values = "0 to 1000000",
+                      .scope = kBoth},
+                     [](auto& o) -> auto& { return o.data_idle_spin_us; }, 0, 1000000));
 }
 
 // The kernels' (KernelOptions): a worker passes them down; kernels never read the environment.

@@ -6,6 +6,7 @@
 
 #include <spdlog/spdlog.h>
 
+#include "common/options.h"
 #include "coordinator/cluster_manager.h"
 #include "coordinator/engine.h"
 #include "transport/net_interface.h"
@@ -45,6 +46,7 @@ Expected<std::unique_ptr<Coordinator>> Coordinator::start(ClusterConfig config,
   uopt.net_devices = iface->net_devices;
   spdlog::info("coordinator: data plane on {} ({})", iface->shown, iface->source);
   uopt.auth_secret = config.join_token;  // only channels that prove they know it may send (data_auth.h)
+  uopt.spin_when_idle = std::chrono::microseconds(process_options().data_idle_spin_us);
   auto ch = transport::UcxChannel::create(uopt);
   if (!ch) return Status::error("coordinator: cannot create the UCX data plane: " + ch.error());
   impl->control = std::move(server).value();

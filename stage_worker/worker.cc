@@ -460,6 +460,7 @@ Expected<std::unique_ptr<Worker>> Worker::create(WorkerOptions options) {
   impl->device = device_memory(options.stage);
   uopt.device_allocator = impl->device.allocator;
   uopt.progress_thread_init = impl->device.bind_thread;
+  uopt.spin_when_idle = std::chrono::microseconds(options.data_idle_spin_us);
   auto ch = transport::UcxChannel::create(uopt);
   if (!ch) return Status::error("worker: cannot create the UCX data plane: " + ch.error());
   impl->coordinator_at = *coordinator;

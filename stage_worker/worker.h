@@ -53,6 +53,8 @@ struct WorkerOptions {
   // Micro-batches smaller than this go staged even where the direct GPU path is open
   // (CONVEYOR_DIRECT_MIN_BYTES; worker.cc says why 1 MiB).
   int64_t direct_min_bytes = Options{}.direct_min_bytes;
+  // The data plane's polling after progress (CONVEYOR_DATA_IDLE_SPIN_US), microseconds.
+  int64_t data_idle_spin_us = Options{}.data_idle_spin_us;
 };
 
 class Worker {

@@ -67,7 +67,8 @@ TEST(Options, EveryDeclarationIsWholeAndUnique) {
                         "CONVEYOR_DETERMINISTIC", "CONVEYOR_FP8_FAST_ACCUM", "CONVEYOR_PDL", "CONVEYOR_INT8_GEMV_KSPLIT",
                         "CONVEYOR_CPU_THREADS", "CONVEYOR_TRACE_DIR", "UCX_TLS", "UCX_NET_DEVICES",
                         "UCX_KEEPALIVE_INTERVAL", "CONVEYOR_LOG_LEVEL", "CONVEYOR_JOIN_TOKEN", "CONVEYOR_API_KEY",
-                        "CONVEYOR_DIRECT_MIN_BYTES", "UCX_TCP_CONN_NB", "UCX_TCP_MAX_POLL"})
+                        "CONVEYOR_DIRECT_MIN_BYTES", "CONVEYOR_DATA_IDLE_SPIN_US", "UCX_TCP_CONN_NB",
+                        "UCX_TCP_MAX_POLL"})
     EXPECT_NE(find_option(v), nullptr) << v << " is not declared";
   for (const char* v : {"UCX_TLS", "UCX_NET_DEVICES", "UCX_KEEPALIVE_INTERVAL", "UCX_TCP_CONN_NB", "UCX_TCP_MAX_POLL"})
     EXPECT_TRUE(find_option(v)->ucx) << v;
@@ -92,6 +93,7 @@ TEST(Options, DefaultsAreTodaysBehaviour) {
   EXPECT_EQ(o.join_token, "");
   EXPECT_EQ(o.api_key, "");
   EXPECT_EQ(o.direct_min_bytes, int64_t(1) << 20);
+  EXPECT_EQ(o.data_idle_spin_us, 0);
   EXPECT_EQ(o.ucx_tls, "");
   // An empty variable counts as unset, as it did.
   const Options empty = read_ok({{"CONVEYOR_GEMM_TUNE", ""}, {"CONVEYOR_TRACE_DIR", ""}, {"UCX_TLS", ""}});
@@ -115,6 +117,7 @@ TEST(Options, EachKindParses) {
                              {"CONVEYOR_JOIN_TOKEN", "s3cret"},
                              {"CONVEYOR_API_KEY", "k"},
                              {"CONVEYOR_DIRECT_MIN_BYTES", "0"},
+                             {"CONVEYOR_DATA_IDLE_SPIN_US", "300"},
                              {"UCX_TLS", "tcp,self"},
                              {"UCX_NET_DEVICES", "lo"},
                              {"UCX_KEEPALIVE_INTERVAL", "2s"},
@@ -136,6 +139,7 @@ TEST(Options, EachKindParses) {
   EXPECT_EQ(o.join_token, "s3cret");
   EXPECT_EQ(o.api_key, "k");
   EXPECT_EQ(o.direct_min_bytes, 0);
+  EXPECT_EQ(o.data_idle_spin_us, 300);
   EXPECT_EQ(o.ucx_tls, "tcp,self");
   EXPECT_EQ(o.ucx_net_devices, "lo");
   EXPECT_EQ(o.ucx_keepalive_interval, "2s");
@@ -182,6 +186,8 @@ TEST(Options, ABadValueNamesTheVariableAndTheValue) {
             "bad environment: CONVEYOR_LOG_LEVEL='verbose': expected trace, debug, info, warn, error, critical or off");
   EXPECT_NE(read_error({{"CONVEYOR_DIRECT_MIN_BYTES", "1MiB"}}).find("CONVEYOR_DIRECT_MIN_BYTES='1MiB'"),
             std::string::npos);
+  EXPECT_EQ(read_error({{"CONVEYOR_DATA_IDLE_SPIN_US", "2000000"}}),
+            "bad environment: CONVEYOR_DATA_IDLE_SPIN_US='2000000': expected a whole number from 0 to 1000000");
   // Every bad variable at once, so one restart fixes them all.
   const std::string both = read_error({{"CONVEYOR_PDL", "2"}, {"CONVEYOR_DETERMINISTIC", "maybe"}});
   EXPECT_NE(both.find("CONVEYOR_PDL='2'"), std::string::npos) << both;
