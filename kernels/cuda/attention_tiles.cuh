@@ -186,14 +186,27 @@ __device__ __forceinline__ void scores_to_p(float (&m)[2], float (&l)[2], uint32
   }
 }
 
+// The four ldmatrix registers of a 16 x 16 tile of a staged bf16/fp16 piece, positions 16 pj
+// on and head elements 16 ek on: K's (the B fragments of S's n-tiles 2 pj and 2 pj + 1) and
+// V's transposed (those of O's n-tiles 2 ek and 2 ek + 1). The decode takes the same
+// registers as A (attention_tiles_decode.cu), so both kernels multiply the same values.
+template <class T, int D>
+__device__ __forceinline__ void load_k_tile(uint32_t (&b)[4], const T* sK, int pj, int ek) {
+  const int lane = threadIdx.x & 31, mtx = lane >> 3;
+  ldsm_x4(b, sK + (16 * pj + (lane & 7) + (mtx >> 1) * 8) * pitch<D>() + 16 * ek + (mtx & 1) * 8);
+}
+template <class T, int D>
+__device__ __forceinline__ void load_vt_tile(uint32_t (&b)[4], const T* sV, int pj, int ek) {
+  const int lane = threadIdx.x & 31, mtx = lane >> 3;
+  ldsm_x4_trans(b, sV + (16 * pj + (lane & 7) + (mtx & 1) * 8) * pitch<D>() + 16 * ek + (mtx >> 1) * 8);
+}
+
 // The state of the piece at kb (its K and V in sK, sV) for the warp's 16 rows; pos[r]: the
 // position of the lane's row g + 8r (-1: none). q: the rows' A fragments, one per 16-step.
 // In two halves: piece_scores() reads sK and leaves m, l and P; piece_values() reads sV.
 template <class T, int D>
 __device__ __forceinline__ void piece_scores(TileState<D>& st, uint32_t (&p)[4][4], const uint32_t (&q)[D / 16][4],
                                              const T* sK, int kb, const int (&pos)[2], float scale_log2) {
-  constexpr int P = pitch<D>();
-  const int lane = threadIdx.x & 31, mtx = lane >> 3;
   float s[8][4];
   zero_fragments(s);
 #pragma unroll
@@ -201,7 +214,7 @@ __device__ __forceinline__ void piece_scores(TileState<D>& st, uint32_t (&p)[4][
 #pragma unroll
     for (int jj = 0; jj < 4; ++jj) {
       uint32_t b[4];
-      ldsm_x4(b, sK + (16 * jj + (lane & 7) + (mtx >> 1) * 8) * P + 16 * kk + (mtx & 1) * 8);
+      load_k_tile<T, D>(b, sK, jj, kk);
       mma_m16n8k16<T>(s[2 * jj], q[kk], b[0], b[1]);
       mma_m16n8k16<T>(s[2 * jj + 1], q[kk], b[2], b[3]);
     }
@@ -212,14 +225,12 @@ __device__ __forceinline__ void piece_scores(TileState<D>& st, uint32_t (&p)[4][
 // on (a whole piece's V, or part of one: the sums are the same whichever way the steps are cut).
 template <class T, int D, int KK0, int KK1>
 __device__ __forceinline__ void piece_values_steps(float (&o)[D / 8][4], const uint32_t (&p)[4][4], const T* sV) {
-  constexpr int P = pitch<D>();
-  const int lane = threadIdx.x & 31, mtx = lane >> 3;
 #pragma unroll
   for (int kk = KK0; kk < KK1; ++kk)
 #pragma unroll
     for (int dd = 0; dd < D / 16; ++dd) {
       uint32_t b[4];
-      ldsm_x4_trans(b, sV + (16 * (kk - KK0) + (lane & 7) + (mtx & 1) * 8) * P + 16 * dd + (mtx >> 1) * 8);
+      load_vt_tile<T, D>(b, sV, kk - KK0, dd);
       mma_m16n8k16<T>(o[2 * dd], p[kk], b[0], b[1]);
       mma_m16n8k16<T>(o[2 * dd + 1], p[kk], b[2], b[3]);
     }

@@ -150,28 +150,24 @@ __device__ __forceinline__ void col_values(ColState<D>& out, const uint32_t (&pb
 }
 
 // bf16/fp16 K/V in the column layout: the same ldmatrix loads as piece_scores() and
-// piece_values() (the row-major fragments of a K or V^T tile are those of B there), the
-// registers taken as A: S^T tile j over the head's 16-steps from zero, O^T tile i (elements
-// 16i to 16i + 15) over the piece's four 16-steps of positions.
+// piece_values() (load_k_tile, load_vt_tile: the row-major fragments of a K or V^T tile are
+// those of B there), the registers taken as A: S^T tile j over the head's 16-steps from zero,
+// O^T tile i (elements 16i to 16i + 15) over the piece's four 16-steps of positions.
 template <class T, int D>
 __device__ __forceinline__ void col_scores_dtype(float (&s)[4][4], const uint32_t (&qb)[D / 16][2], const T* sK) {
-  constexpr int P = pitch<D>();
-  const int lane = threadIdx.x & 31, mtx = lane >> 3;
   zero_fragments(s);
 #pragma unroll
   for (int kk = 0; kk < D / 16; ++kk)
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
       uint32_t b[4];
-      ldsm_x4(b, sK + (16 * j + (lane & 7) + (mtx >> 1) * 8) * P + 16 * kk + (mtx & 1) * 8);
+      load_k_tile<T, D>(b, sK, j, kk);
       const uint32_t a[4] = {b[0], b[2], b[1], b[3]};
       mma_m16n8k16<T>(s[j], a, qb[kk][0], qb[kk][1]);
     }
 }
 template <class T, int D>
 __device__ __forceinline__ void col_values_dtype(ColState<D>& out, const uint32_t (&pb)[4][2], const T* sV) {
-  constexpr int P = pitch<D>();
-  const int lane = threadIdx.x & 31, mtx = lane >> 3;
   float o[D / 16][4];
   zero_fragments(o);
 #pragma unroll
@@ -179,7 +175,7 @@ __device__ __forceinline__ void col_values_dtype(ColState<D>& out, const uint32_
 #pragma unroll
     for (int i = 0; i < D / 16; ++i) {
       uint32_t b[4];
-      ldsm_x4_trans(b, sV + (16 * kk + (lane & 7) + (mtx & 1) * 8) * P + 16 * i + (mtx >> 1) * 8);
+      load_vt_tile<T, D>(b, sV, kk, i);
       const uint32_t a[4] = {b[0], b[2], b[1], b[3]};
       mma_m16n8k16<T>(o[i], a, pb[kk][0], pb[kk][1]);
     }
