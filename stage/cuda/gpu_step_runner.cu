@@ -14,6 +14,7 @@
 #include <string>
 
 #include "kernels/cuda/attention.h"
+#include "kernels/cuda/fp8.h"
 #include "kernels/cuda/ops.h"
 #include "stage/cuda/dtype_dispatch.h"
 #include "stage/cuda/tp_all_reduce.h"
@@ -111,12 +112,20 @@ Status StepRunner::layers_impl(const StepMeta& m, const KvCache* cache, int64_t 
     if (l == 0)
       layernorm_forward<T>(ln_t, hidden, w.as<T>(LT::Ln1Gain), w.as<T>(LT::Ln1Bias), num_tokens, C, eps, stream_, ln_q);
     const KvLayerView kv = cache->layer(l, m.tables, int32_t(max_pages_));
-    // A step of decode rows alone over FP8 K/V: the decode attention reads QKV's sums itself.
+    // Decode rows over FP8 K/V: the decode attention reads QKV's sums itself. A mixed step's
+    // prompt chunks take their T rows (for their append and the context attention) from the
+    // epilogue run over their rows alone, the same function run_fp8 would have run on them.
     const bool defer_qkv =
-        options_.fp8 && Gemm::fp8_defer_pays(num_tokens) && chunks.num_seqs == 0 && attention_decode_reads_sums(kv, D);
+        options_.fp8 && Gemm::fp8_defer_pays(num_tokens) && decode_seqs > 0 && attention_decode_reads_sums(kv, D);
     Fp8Sums qkv_sums;
     matmul<T>(qkv, ln_t, w.at(LT::QkvWeight), w.scales(LT::QkvWeight), w.at(LT::QkvBias), num_tokens, C, 3 * W,
               GemmAct::None, ln_q, defer_qkv ? &qkv_sums : nullptr);
+    if (defer_qkv && chunks.num_seqs > 0) {
+      const int64_t N = 3 * W, r0 = first_chunk_row;
+      fp8_scale_epilogue<T>(qkv + r0 * N, qkv_sums.sums + r0 * N, fp8_sum_exponent(C), qkv_sums.row_scales + r0,
+                            qkv_sums.col_scales, static_cast<const T*>(qkv_sums.bias), num_tokens - r0, N,
+                            int(GemmAct::None), stream_);
+    }
     if (decode_seqs > 0)
       attention_decode_paged<T>(attn, qkv, kv, m.kv_len, decode_seqs, H, D, splits, ws, stream_, qkv_sums);
     if (chunks.num_seqs > 0) {
