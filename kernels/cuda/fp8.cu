@@ -110,6 +110,60 @@ __global__ void __launch_bounds__(kFp8EpilogueThreads)
   }
 }
 
+// fp8_scale_epilogue_kv: QKV's epilogue over rows [q | k | v] (C = n_head * D columns each)
+// whose K and V go straight into an FP8 K/V cache. Eight columns a thread, as the vectorised
+// epilogue; a head's D columns are D / 8 neighbouring lanes (D / 8 divides 32). q's columns
+// are written to out; a K or V head's values, rounded to T as the epilogue writes them, are
+// quantised as kv_cache_append quantises them (quantize_kv_head: the head's largest magnitude,
+// kv_fp8_scale, the bytes) and written to the cache. The loop runs whole warps (the shuffles).
+template <class T, int D>
+__global__ void __launch_bounds__(kFp8EpilogueThreads)
+    fp8_scale_epilogue_kv_kernel(T* __restrict__ out, const __half* sums, float unscale, const float* rs,
+                                 const float* __restrict__ cs, const T* __restrict__ bias, int64_t rows, int64_t C,
+                                 KvLayerView kv, const int32_t* __restrict__ token_rows,
+                                 const int32_t* __restrict__ token_pos) {
+  constexpr int kLanes = D / 8;  // a head's lanes
+  static_assert(D % 8 == 0 && 32 % kLanes == 0, "a head's columns are D / 8 lanes of one warp");
+  const int64_t N = 3 * C, groups = rows * (N / 8);
+  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
+  for (int64_t base = int64_t(blockIdx.x) * blockDim.x; base < groups; base += stride) {
+    const int64_t g = base + threadIdx.x;  // whole warps: groups and the stride are multiples of 32 apart
+    const bool live = g < groups;
+    const int64_t i = live ? g * 8 : 0, r = i / N, n = i % N;
+    float v[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+    if (live) {
+      float c[8], b[8];
+      unpack8<__half>(__ldg(reinterpret_cast<const uint4*>(sums + i)), v);
+      epilogue_columns8(c, b, cs, bias, n);
+      const float row_scale = __ldg(rs + r);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) v[j] = to_float(from_float<T>(epilogue_value(v[j], unscale, row_scale, c[j], b[j], 0)));
+    }
+    // q: as fp8_scale_epilogue writes it. K and V: a head's lanes agree on its scale.
+    const bool kv_col = n >= C;
+    if (live && !kv_col) *reinterpret_cast<uint4*>(out + i) = pack8<T>(v);
+    float amax = 0.f;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) amax = fmaxf(amax, fabsf(v[j]));
+#pragma unroll
+    for (int o = kLanes / 2; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+    if (!live || !kv_col) continue;
+    const int row = token_rows[r], t = token_pos[r];
+    if (row < 0 || t < 0) continue;  // padding token
+    const float s = kv_fp8_scale(amax), rcp = fp8_rcp(s);
+    const int64_t j = n - C, which = j / C, h = (j % C) / D, d = j % D;
+    const int64_t page = kv.block_tables[int64_t(row) * kv.max_pages + t / kPageTokens];
+    uint8_t* dst = static_cast<uint8_t*>(which == 0 ? kv.k : kv.v) + page * kv.page_stride +
+                   (h * kPageTokens + t % kPageTokens) * D + d;
+    uint2 q;
+    uint8_t* qb = reinterpret_cast<uint8_t*>(&q);
+#pragma unroll
+    for (int k = 0; k < 8; ++k) qb[k] = quantize_one(v[k], rcp);
+    *reinterpret_cast<uint2*>(dst) = q;
+    if (d == 0) (which == 0 ? kv.k_scale : kv.v_scale)[page * kv.scale_page_stride + h * kPageTokens + t % kPageTokens] = s;
+  }
+}
+
 constexpr int kFp8EpilogueQuantThreads = 512;
 
 // fp8_scale_epilogue and quantize_rows_fp8 in one: block r computes row r's outputs as the
@@ -248,6 +302,52 @@ template void fp8_scale_epilogue<__half>(__half*, const __half*, int, const floa
                                          int64_t, int64_t, int, cudaStream_t);
 template void fp8_scale_epilogue<__nv_bfloat16>(__nv_bfloat16*, const __half*, int, const float*, const float*,
                                                 const __nv_bfloat16*, int64_t, int64_t, int, cudaStream_t);
+
+bool fp8_scale_epilogue_kv_supported(const KvLayerView& kv, int64_t head_dim) {
+  return kv.fp8() && (head_dim == 16 || head_dim == 32 || head_dim == 64 || head_dim == 128);
+}
+
+template <class T>
+void fp8_scale_epilogue_kv(T* out, const __half* sums, int e, const float* row_scales, const float* col_scales,
+                           const T* bias, int64_t rows, int64_t n_head, int64_t head_dim, const KvLayerView& kv,
+                           const int32_t* token_rows, const int32_t* token_pos, cudaStream_t stream) {
+  if (out == nullptr || sums == nullptr || row_scales == nullptr || col_scales == nullptr || token_rows == nullptr ||
+      token_pos == nullptr)
+    throw Error("fp8_scale_epilogue_kv: null pointer (out, sums, row_scales, col_scales, token_rows and token_pos "
+                "are required)");
+  if (!fp8_scale_epilogue_kv_supported(kv, head_dim))
+    throw Error("fp8_scale_epilogue_kv: an FP8 K/V cache and head_dim 16, 32, 64 or 128 are required (head_dim " +
+                std::to_string(head_dim) + ")");
+  if (e < 0 || e > 64) throw Error("fp8_scale_epilogue_kv: exponent " + std::to_string(e) + " out of [0, 64]");
+  if (rows <= 0 || n_head <= 0) return;
+  const int64_t C = n_head * head_dim;
+  if (!detail::aligned16(sums) || !detail::aligned16(out) || !detail::aligned16(col_scales) ||
+      !detail::aligned16(bias))
+    throw Error("fp8_scale_epilogue_kv: sums, out, col_scales and bias must be 16-byte aligned");
+  const float unscale = std::ldexp(1.f, e);
+  const int64_t groups = rows * (3 * C / 8);
+  const unsigned blocks = unsigned(std::min<int64_t>(
+      (groups + detail::kFp8EpilogueThreads - 1) / detail::kFp8EpilogueThreads, int64_t(1) << 16));
+  auto run = [&](auto d) {
+    constexpr int D = decltype(d)::value;
+    detail::fp8_scale_epilogue_kv_kernel<T, D><<<blocks, detail::kFp8EpilogueThreads, 0, stream>>>(
+        out, sums, unscale, row_scales, col_scales, bias, rows, C, kv, token_rows, token_pos);
+    CUDA_CHECK(cudaGetLastError());
+  };
+  switch (head_dim) {
+    case 16: run(std::integral_constant<int, 16>{}); break;
+    case 32: run(std::integral_constant<int, 32>{}); break;
+    case 64: run(std::integral_constant<int, 64>{}); break;
+    default: run(std::integral_constant<int, 128>{}); break;
+  }
+}
+
+template void fp8_scale_epilogue_kv<__half>(__half*, const __half*, int, const float*, const float*, const __half*,
+                                            int64_t, int64_t, int64_t, const KvLayerView&, const int32_t*,
+                                            const int32_t*, cudaStream_t);
+template void fp8_scale_epilogue_kv<__nv_bfloat16>(__nv_bfloat16*, const __half*, int, const float*, const float*,
+                                                   const __nv_bfloat16*, int64_t, int64_t, int64_t,
+                                                   const KvLayerView&, const int32_t*, const int32_t*, cudaStream_t);
 
 int64_t fp8_epilogue_quantize_max_n() { return int64_t(96 * 1024) / 2; }
 

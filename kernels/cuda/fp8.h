@@ -48,6 +48,7 @@
 #include <string>
 
 #include "common/status.h"
+#include "kernels/cuda/paged_kv.h"
 
 namespace conveyor::cuda {
 
@@ -100,6 +101,20 @@ int fp8_sum_exponent(int64_t K);
 template <class T>
 void fp8_scale_epilogue(T* out, const __half* sums, int e, const float* row_scales, const float* col_scales,
                         const T* bias, int64_t rows, int64_t N, int act, cudaStream_t stream);
+
+// QKV's epilogue for prompt rows whose K and V go straight into an FP8 K/V cache: rows of
+// [q | k | v] (n_head * head_dim columns each). q's columns are written to out as
+// fp8_scale_epilogue writes them (no activation); K's and V's are not: each (token, head) is
+// rounded to T as the epilogue would, quantised as kv_cache_append quantises it, and written
+// to the cache at block-table row token_rows[r], position token_pos[r] (negative: padding).
+// The same bytes and scales as fp8_scale_epilogue then kv_cache_append, without the T rows of
+// K and V in memory. sums, out, col_scales and bias 16-byte aligned; head_dim 16, 32, 64 or 128
+// (fp8_scale_epilogue_kv_supported). Throws conveyor::Error otherwise.
+bool fp8_scale_epilogue_kv_supported(const KvLayerView& kv, int64_t head_dim);
+template <class T>
+void fp8_scale_epilogue_kv(T* out, const __half* sums, int e, const float* row_scales, const float* col_scales,
+                           const T* bias, int64_t rows, int64_t n_head, int64_t head_dim, const KvLayerView& kv,
+                           const int32_t* token_rows, const int32_t* token_pos, cudaStream_t stream);
 
 // fp8_scale_epilogue into a T row, then quantize_rows_fp8 of that row, in one kernel without
 // the T row in memory: q [rows, N] (E4M3) and q_scales [rows] are the bytes and scales the two

@@ -112,25 +112,33 @@ Status StepRunner::layers_impl(const StepMeta& m, const KvCache* cache, int64_t 
     if (l == 0)
       layernorm_forward<T>(ln_t, hidden, w.as<T>(LT::Ln1Gain), w.as<T>(LT::Ln1Bias), num_tokens, C, eps, stream_, ln_q);
     const KvLayerView kv = cache->layer(l, m.tables, int32_t(max_pages_));
-    // Decode rows over FP8 K/V: the decode attention reads QKV's sums itself. A mixed step's
-    // prompt chunks take their T rows (for their append and the context attention) from the
-    // epilogue run over their rows alone, the same function run_fp8 would have run on them.
-    const bool defer_qkv =
-        options_.fp8 && Gemm::fp8_defer_pays(num_tokens) && decode_seqs > 0 && attention_decode_reads_sums(kv, D);
+    // FP8 weights and K/V, QKV's epilogue deferred: the decode rows' attention reads the sums
+    // itself, and the prompt chunks' rows take theirs from an epilogue over their rows alone,
+    // which (head_dim 16-128) also puts their K and V in the cache, in place of the append.
+    // The same functions on the same sums, so the same bits.
+    const bool fp8_sums = options_.fp8 && Gemm::fp8_defer_pays(num_tokens) && attention_decode_reads_sums(kv, D);
+    const bool fuse_append = fp8_sums && chunks.num_seqs > 0 && fp8_scale_epilogue_kv_supported(kv, D);
+    const bool defer_qkv = fp8_sums && (decode_seqs > 0 || fuse_append);
     Fp8Sums qkv_sums;
     matmul<T>(qkv, ln_t, w.at(LT::QkvWeight), w.scales(LT::QkvWeight), w.at(LT::QkvBias), num_tokens, C, 3 * W,
               GemmAct::None, ln_q, defer_qkv ? &qkv_sums : nullptr);
     if (defer_qkv && chunks.num_seqs > 0) {
       const int64_t N = 3 * W, r0 = first_chunk_row;
-      fp8_scale_epilogue<T>(qkv + r0 * N, qkv_sums.sums + r0 * N, fp8_sum_exponent(C), qkv_sums.row_scales + r0,
-                            qkv_sums.col_scales, static_cast<const T*>(qkv_sums.bias), num_tokens - r0, N,
-                            int(GemmAct::None), stream_);
+      const T* bias = static_cast<const T*>(qkv_sums.bias);
+      if (fuse_append)
+        fp8_scale_epilogue_kv<T>(qkv + r0 * N, qkv_sums.sums + r0 * N, fp8_sum_exponent(C), qkv_sums.row_scales + r0,
+                                 qkv_sums.col_scales, bias, num_tokens - r0, H, D, kv, m.token_row + r0, m.pos + r0,
+                                 stream_);
+      else
+        fp8_scale_epilogue<T>(qkv + r0 * N, qkv_sums.sums + r0 * N, fp8_sum_exponent(C), qkv_sums.row_scales + r0,
+                              qkv_sums.col_scales, bias, num_tokens - r0, N, int(GemmAct::None), stream_);
     }
     if (decode_seqs > 0)
       attention_decode_paged<T>(attn, qkv, kv, m.kv_len, decode_seqs, H, D, splits, ws, stream_, qkv_sums);
     if (chunks.num_seqs > 0) {
-      kv_cache_append<T>(kv, qkv + first_chunk_row * 3 * W, 3 * W, m.token_row + first_chunk_row,
-                         m.pos + first_chunk_row, num_tokens - first_chunk_row, H, D, stream_);
+      if (!fuse_append)
+        kv_cache_append<T>(kv, qkv + first_chunk_row * 3 * W, 3 * W, m.token_row + first_chunk_row,
+                           m.pos + first_chunk_row, num_tokens - first_chunk_row, H, D, stream_);
       KvLayerView chunk_kv = kv;
       chunk_kv.block_tables += decode_seqs * max_pages_;
       if (options_.deterministic)

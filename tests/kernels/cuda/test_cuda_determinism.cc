@@ -415,6 +415,51 @@ struct Fp8Cache {
   }
 };
 
+// QKV's prompt epilogue with the FP8 append in it (fp8_scale_epilogue_kv) against
+// fp8_scale_epilogue then kv_cache_append: q's T columns and the whole cache (bytes and
+// scales) the same bits, a padding token (row -1) writing nothing, at every head size it takes.
+TYPED_TEST(CudaOps, Fp8EpilogueWithTheAppendEqualsBoth) {
+  using T = TypeParam;
+  Rng rng;
+  SEED_TRACE(rng);
+  const DType dt = std::is_same_v<T, half> ? DType::F16 : DType::BF16;
+  for (int D : {16, 32, 64, 128}) {
+    SCOPED_TRACE("head_dim " + std::to_string(D));
+    const int H = 3, L = 40, C = H * D, N = 3 * C, e = 12;
+    Fp8Cache a(L, H, D, 1, dt), b(L, H, D, 1, dt);
+    std::vector<float> sums = rng.normal(size_t(L) * N, 3000.f);
+    for (float& v : sums) v = std::ldexp(v, -e);
+    Dev<half> dsums(sums);
+    Dev<float> rs(rng.normal(size_t(L), 0.01f)), cs(rng.normal(size_t(N), 0.03f));
+    Dev<T> bias(rng.normal(size_t(N), 0.5f)), qkv_a(int64_t(L) * N), qkv_b(int64_t(L) * N);
+    std::vector<int32_t> rows(static_cast<size_t>(L), 0), pos(static_cast<size_t>(L));
+    std::iota(pos.begin(), pos.end(), 0);
+    rows[5] = -1;  // a padding token
+    DevInts drows(rows), dpos(pos);
+    const auto* hs = reinterpret_cast<const __half*>(dsums.p());
+    cuda::fp8_scale_epilogue<T>(qkv_a.p(), hs, e, rs.p(), cs.p(), bias.p(), L, N, 0, nullptr);
+    cuda::kv_cache_append<T>(a.view, qkv_a.p(), N, drows.p(), dpos.p(), L, H, D, nullptr);
+    cuda::fp8_scale_epilogue_kv<T>(qkv_b.p(), hs, e, rs.p(), cs.p(), bias.p(), L, H, D, b.view, drows.p(), dpos.p(),
+                                   nullptr);
+    CUDA_CHECK(cudaDeviceSynchronize());
+    const auto got_a = bytes_of(qkv_a.p(), size_t(L) * N * sizeof(T)), got_b = bytes_of(qkv_b.p(), size_t(L) * N * sizeof(T));
+    for (int r = 0; r < L; ++r)
+      ASSERT_EQ(std::memcmp(got_a.data() + size_t(r) * N * sizeof(T), got_b.data() + size_t(r) * N * sizeof(T),
+                            size_t(C) * sizeof(T)),
+                0)
+          << "q of row " << r;
+    EXPECT_EQ(bytes_of(a.view.k, size_t(a.cache.bytes())), bytes_of(b.view.k, size_t(b.cache.bytes())))
+        << "the caches differ";
+  }
+  Fp8Cache c(16, 2, 80, 1, dt);
+  EXPECT_FALSE(cuda::fp8_scale_epilogue_kv_supported(c.view, 80));
+  Dev<float> x(64);
+  EXPECT_THROW(cuda::fp8_scale_epilogue_kv<T>(reinterpret_cast<T*>(x.p()), reinterpret_cast<const __half*>(x.p()), 0,
+                                              x.p(), x.p(), nullptr, 1, 2, 80, c.view, reinterpret_cast<const int32_t*>(x.p()),
+                                              reinterpret_cast<const int32_t*>(x.p()), nullptr),
+               Error);
+}
+
 TYPED_TEST(CudaOps, DecodeAttentionEqualsContextRowBitForBit) {
   using T = TypeParam;
   Rng rng;
