@@ -17,11 +17,21 @@
 #include <vector>
 
 #include "common/dtype.h"
+#include "common/options.h"
 #include "kernels/cuda/check.h"
 #include "stage/cpu/cpu_stage.h"
 #include "tests/test_util.h"
 
 namespace conveyor::testing {
+
+// CONVEYOR_PDL (common/options.h) as a worker applies it, before the first test: a program
+// that includes this header runs with programmatic dependent launch off under CONVEYOR_PDL=0.
+class KernelOptionsEnvironment : public ::testing::Environment {
+ public:
+  void SetUp() override { cuda::set_pdl(process_options().kernels.pdl); }
+};
+inline ::testing::Environment* const kKernelOptions =
+    ::testing::AddGlobalTestEnvironment(new KernelOptionsEnvironment);
 
 inline int gpu_count() {
   int n = 0;

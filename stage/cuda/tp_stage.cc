@@ -7,12 +7,15 @@
 #include <sstream>
 #include <utility>
 
+#include <spdlog/spdlog.h>
+
 #include "stage/cuda/guard.h"
 
 namespace conveyor::cuda {
 
 template <class F>
 Status TpStage::on_ranks(F&& fn) {
+  if (!broken_.empty()) return Status::error(broken_);
   std::vector<Status> status(ranks_.size());
   threads_->run([&](int r) {
     status[size_t(r)] = guard("", [&] {
@@ -20,9 +23,20 @@ Status TpStage::on_ranks(F&& fn) {
       return fn(r);
     });
   });
-  for (const Status& s : status)
-    if (!s) return s;
-  return ok_status();
+  size_t failed = 0, first = status.size();
+  for (size_t r = 0; r < status.size(); ++r)
+    if (!status[r]) failed++, first = std::min(first, r);
+  if (failed == 0) return ok_status();
+  if (failed < status.size()) {
+    // The ranks that went on may have queued all-reduces the failed rank never will: their
+    // kernels wait for it on the GPU, and the next synchronisation there (a free, a copy back)
+    // waits for them. Said now, before anything can block, and no call runs again.
+    broken_ = name_ + ": rank " + std::to_string(first) + " failed a call (" + status[first].message() + ") that " +
+              std::to_string(status.size() - failed) + " of the " + std::to_string(status.size()) +
+              " ranks completed; their all-reduces no longer pair up, so the stage takes no more calls";
+    spdlog::error("{}", broken_);
+  }
+  return status[first];
 }
 
 template <class Make>

@@ -18,7 +18,9 @@
 //
 // Errors: every call returns Status or Expected. The ranks' calls return theirs (GpuStage
 // guards its own entries); the rank threads' own CUDA calls (making the rank's GPU current)
-// go through guard() in on_ranks, the one place a fault is caught here.
+// go through guard() in on_ranks, the one place a fault is caught here. A call that fails on
+// some ranks only is logged when it returns, and the stage refuses every call after it: the
+// ranks that went on may wait in an all-reduce for one that never comes.
 //
 // Not thread-safe: one caller at a time (the stage worker's engine thread).
 #pragma once
@@ -112,7 +114,8 @@ class TpStage {
   // some rank has not planned these rows yet.
   Status plan_products(int64_t rows, bool with_head);
   // fn(rank) -> Status on every rank's thread with its GPU current; the first failure (in rank
-  // order) is returned.
+  // order) is returned. A call that fails on some ranks and not on others leaves the ranks'
+  // all-reduce calls out of step: it is logged at once and every later call fails (broken_).
   template <class F>
   Status on_ranks(F&& fn);
 
@@ -121,6 +124,7 @@ class TpStage {
   std::unique_ptr<TpAllReduce> all_reduce_;  // null with one rank
   std::vector<std::unique_ptr<GpuStage>> ranks_;
   std::unique_ptr<TpGroup> threads_;
+  std::string broken_;  // why no call runs any more (on_ranks); empty while the ranks agree
 };
 
 }  // namespace conveyor::cuda
