@@ -571,13 +571,10 @@ void attention_decode_tiles(T* out, const T* qkv, const KvLayerView& view, const
   with_head_dim(head_dim, [&]<int D>() {
     auto launch = [&]<bool FP8, bool SUMS>() {
       const size_t natural = kDecodeWarps * decode_warp_smem<T, D, FP8>();
-      static const int per_sm = [&] {  // blocks of this kernel an SM holds at once
-        int n = 0;
-        allow_smem(decode_tiles_kernel<T, D, FP8, SUMS>, natural + spread_pad(1, natural));  // any b below
-        CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, decode_tiles_kernel<T, D, FP8, SUMS>,
-                                                                 kDecodeWarps * 32, natural));
-        return std::max(1, n);
-      }();
+      // Both per kernel and device (launch.cuh): the first GPU's alone left a second GPU of the
+      // process without the shared memory limit, and its launch failed (tensor parallel hung).
+      allow_smem(decode_tiles_kernel<T, D, FP8, SUMS>, natural + spread_pad(1, natural));  // any b below
+      const int per_sm = blocks_per_sm(decode_tiles_kernel<T, D, FP8, SUMS>, kDecodeWarps * 32, natural);
       const int b = decode_blocks_per_sm(blocks, per_sm);
       const size_t smem = natural + (b == per_sm ? 0 : spread_pad(int64_t(b) * sm_count(), natural));
       const int resident = b * kDecodeWarps * sm_count();  // warps the current GPU holds at once

@@ -17,6 +17,7 @@
 
 #include <cuda_runtime.h>
 
+#include <map>
 #include <mutex>
 #include <set>
 #include <utility>
@@ -73,6 +74,27 @@ void allow_smem(void (*kernel)(A...), size_t bytes) {
   CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)));
   std::lock_guard lk(mu);
   done.insert(key);
+}
+
+// The blocks of `kernel` (`threads` a block, `smem` bytes of dynamic shared memory, its
+// limit raised first where over 48 KB: allow_smem) an SM of the current device holds at once,
+// at least 1; asked once per kernel and device, as allow_smem (no lock across the CUDA call).
+// A kernel is asked about one block shape.
+template <class... A>
+int blocks_per_sm(void (*kernel)(A...), int threads, size_t smem) {
+  static std::mutex mu;
+  static std::map<std::pair<const void*, int>, int> known;
+  int dev = 0;
+  CUDA_CHECK(cudaGetDevice(&dev));
+  const std::pair<const void*, int> key{reinterpret_cast<const void*>(kernel), dev};
+  {
+    std::lock_guard lk(mu);
+    if (auto it = known.find(key); it != known.end()) return it->second;
+  }
+  int n = 0;
+  CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, threads, smem));
+  std::lock_guard lk(mu);
+  return known.emplace(key, n > 0 ? n : 1).first->second;
 }
 
 }  // namespace conveyor::cuda::detail

@@ -460,26 +460,53 @@ TYPED_TEST(CudaOps, Fp8EpilogueWithTheAppendEqualsBoth) {
                Error);
 }
 
+// expect_decode_equals_context over a cache in T (kDecodePiece * 2 + 88 positions: three pieces
+// of the CUDA-core order, ten of the tile order).
+template <class T>
+void expect_paged_decode_equals_context(Rng& rng, int D) {
+  SCOPED_TRACE("head_dim " + std::to_string(D));
+  const int L = 2 * cuda::kDecodePiece + 88, H = 3, R = 40;
+  const DType dt = std::is_same_v<T, half> ? DType::F16 : DType::BF16;
+  const int max_pages = (L + cuda::kPageTokens - 1) / cuda::kPageTokens;
+  cuda::KvCache cache("test", /*layers=*/1, H, D, dt, /*pages=*/max_pages + 2);
+  ASSERT_TRUE(cache.reserve(0, L).ok());
+  std::vector<int32_t> table(cache.pages(0).begin(), cache.pages(0).end());
+  table.resize(size_t(max_pages), 0);
+  // Every decode row is this sequence at some position: each has the same table.
+  std::vector<int32_t> tables(static_cast<size_t>(R) * max_pages);
+  for (int r = 0; r < R; ++r) std::copy(table.begin(), table.end(), tables.begin() + int64_t(r) * max_pages);
+  DevInts dtables(tables);
+  expect_decode_equals_context<T>(rng, L, H, D, R, cache.layer(0, dtables.p(), max_pages));
+}
+
 TYPED_TEST(CudaOps, DecodeAttentionEqualsContextRowBitForBit) {
-  using T = TypeParam;
   Rng rng;
   SEED_TRACE(rng);
-  const int L = 2 * cuda::kDecodePiece + 88;  // three pieces of the CUDA-core order, ten of the tile order
-  for (int D : {64, 128, 16, 40}) {         // 40: the CUDA-core order's scalar (not 16-byte) path
-    SCOPED_TRACE("head_dim " + std::to_string(D));
-    const int H = 3, R = 40;
-    const DType dt = std::is_same_v<T, half> ? DType::F16 : DType::BF16;
-    const int max_pages = (L + cuda::kPageTokens - 1) / cuda::kPageTokens;
-    cuda::KvCache cache("test", /*layers=*/1, H, D, dt, /*pages=*/max_pages + 2);
-    ASSERT_TRUE(cache.reserve(0, L).ok());
-    std::vector<int32_t> table(cache.pages(0).begin(), cache.pages(0).end());
-    table.resize(size_t(max_pages), 0);
-    // Every decode row is this sequence at some position: each has the same table.
-    std::vector<int32_t> tables(static_cast<size_t>(R) * max_pages);
-    for (int r = 0; r < R; ++r) std::copy(table.begin(), table.end(), tables.begin() + int64_t(r) * max_pages);
-    DevInts dtables(tables);
-    expect_decode_equals_context<T>(rng, L, H, D, R, cache.layer(0, dtables.p(), max_pages));
+  for (int D : {64, 128, 16, 40}) expect_paged_decode_equals_context<TypeParam>(rng, D);  // 40: the scalar path
+}
+
+// The same on every GPU of the process in turn, over T and over FP8 K/V: what a kernel sets up
+// once (its shared memory limit, its blocks an SM) is set up for each device. Two H200s of one
+// process ran tensor parallel into a hang when the decode did so for the first GPU alone: the
+// second rank's launch failed, the first waited for it in the all-reduce (2026-11-28).
+TYPED_TEST(CudaOps, DecodeAttentionOnEveryGpu) {
+  using T = TypeParam;
+  const int gpus = testing::gpu_count();
+  if (gpus < 2) GTEST_SKIP() << "one GPU";
+  const DType dt = std::is_same_v<T, half> ? DType::F16 : DType::BF16;
+  for (int g = 0; g < gpus; ++g) {
+    SCOPED_TRACE("GPU " + std::to_string(g));
+    CUDA_CHECK(cudaSetDevice(g));
+    Rng rng;
+    SEED_TRACE(rng);
+    for (int D : {64, 128}) {
+      expect_paged_decode_equals_context<T>(rng, D);
+      const int L = 2 * cuda::kDecodePiece + 88, H = 3, R = 40;
+      Fp8Cache fp8(L, H, D, R, dt);
+      expect_decode_equals_context<T>(rng, L, H, D, R, fp8.view);
+    }
   }
+  CUDA_CHECK(cudaSetDevice(0));
 }
 
 // FP8 K/V: the same property (its own order: the bytes in the tile order, V's element order
