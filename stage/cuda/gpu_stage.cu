@@ -231,29 +231,11 @@ Status GpuStage::decode(std::span<const SeqSlice> slices, const int32_t* token_i
                         int32_t* tokens, float* logprobs) {
   return guard(options_.name, [&]() -> Status {
     DeviceGuard on(shape_.device);
-    if (Status s = check_slices(slices, true); !s) return s;
+    if (Status s = check_decode(slices, token_ids, sampling, tokens); !s) return s;
     const int64_t S = int64_t(slices.size());
-    for (const SeqSlice& s : slices)
-      if (s.num_tokens != 1)
-        return Status::error(seq_name(s.seq_id) + ": decode takes one token per sequence, got " +
-                             std::to_string(s.num_tokens));
-    if (has_embedding()) {
-      if (token_ids == nullptr) return Status::error(options_.name + ": decode on the first stage needs token ids");
-      for (int64_t i = 0; i < S; ++i)
-        if (token_ids[i] < 0 || token_ids[i] >= config_.vocab_size)
-          return Status::error(seq_name(slices[size_t(i)].seq_id) + ": token id " + std::to_string(token_ids[i]) +
-                               " is outside the vocabulary [0, " + std::to_string(config_.vocab_size) + ")");
-    }
     bool full = false;
-    if (holds_head()) {
-      if (int64_t(sampling.size()) != S || tokens == nullptr)
-        return Status::error(options_.name +
-                             ": decode on the last stage needs one sampling row per sequence and `tokens`");
-      for (const SampleRow& r : sampling) {
-        if (r.params == nullptr) return Status::error(options_.name + ": a sample row has no parameters");
-        full = full || GpuSampler::needs_sampler(*r.params, r.generated.size());
-      }
-    }
+    if (holds_head())
+      for (const SampleRow& r : sampling) full = full || GpuSampler::needs_sampler(*r.params, r.generated.size());
     if (Status s = reserve(slices); !s) return s;
 
     const bool graph = options_.cuda_graphs && S <= kMaxGraphRows;
@@ -270,6 +252,30 @@ Status GpuStage::decode(std::span<const SeqSlice> slices, const int32_t* token_i
     if (holds_head()) runner_->choose_tokens(sampling, full, true, tokens, logprobs);  // the step left the argmax
     return ok_status();
   });
+}
+
+Status GpuStage::check_decode(std::span<const SeqSlice> slices, const int32_t* token_ids,
+                              std::span<const SampleRow> sampling, const int32_t* tokens) const {
+  if (Status s = check_slices(slices, true); !s) return s;
+  const int64_t S = int64_t(slices.size());
+  for (const SeqSlice& s : slices)
+    if (s.num_tokens != 1)
+      return Status::error(seq_name(s.seq_id) + ": decode takes one token per sequence, got " +
+                           std::to_string(s.num_tokens));
+  if (has_embedding()) {
+    if (token_ids == nullptr) return Status::error(options_.name + ": decode on the first stage needs token ids");
+    for (int64_t i = 0; i < S; ++i)
+      if (token_ids[i] < 0 || token_ids[i] >= config_.vocab_size)
+        return Status::error(seq_name(slices[size_t(i)].seq_id) + ": token id " + std::to_string(token_ids[i]) +
+                             " is outside the vocabulary [0, " + std::to_string(config_.vocab_size) + ")");
+  }
+  if (holds_head()) {
+    if (int64_t(sampling.size()) != S || tokens == nullptr)
+      return Status::error(options_.name + ": decode on the last stage needs one sampling row per sequence and `tokens`");
+    for (const SampleRow& r : sampling)
+      if (r.params == nullptr) return Status::error(options_.name + ": a sample row has no parameters");
+  }
+  return ok_status();
 }
 
 Status GpuStage::capture_decode_graph(int64_t seqs) {

@@ -138,6 +138,10 @@ class GpuStage {
   // sample() gives; other stages leave the output in hidden_device() and do not synchronise.
   Status decode(std::span<const SeqSlice> slices, const int32_t* token_ids,
                 std::span<const SampleRow> sampling, int32_t* tokens, float* logprobs = nullptr);
+  // decode()'s checks of its arguments alone, before anything runs (TpStage checks rank 0's,
+  // the one with the sampling rows, before any rank starts the step).
+  Status check_decode(std::span<const SeqSlice> slices, const int32_t* token_ids, std::span<const SampleRow> sampling,
+                      const int32_t* tokens) const;
 
   // The checks forward() and decode() make of a micro-batch before they change anything:
   // sizes, positions, no sequence twice, and (need_cached_match) each slice continuing its

@@ -202,6 +202,9 @@ Status TpStage::sample(std::span<const SampleRow> rows, int32_t* tokens, float* 
 
 Status TpStage::decode(std::span<const SeqSlice> slices, const int32_t* token_ids, std::span<const SampleRow> sampling,
                        int32_t* tokens, float* logprobs) {
+  // Rank 0 alone takes the sampling rows: refused there after the others had started, the
+  // step would leave them waiting in its all-reduces.
+  if (Status s = lead().check_decode(slices, token_ids, sampling, tokens); !s) return s;
   if (Status s = plan_products(lead().decode_rows(int64_t(slices.size())), true); !s) return s;
   return on_ranks([&](int r) {
     return r == 0 ? rank(r).decode(slices, token_ids, sampling, tokens, logprobs)

@@ -260,6 +260,35 @@ TEST(TpStage, RanksShareTheSmallestKvCapacityAndRefuseBadSplits) {
   EXPECT_NE(five.error().find("heads"), std::string::npos) << five.error();
 }
 
+// A decode whose sampling rows (rank 0's alone) are wrong is refused before any rank starts:
+// had rank 1 run the step, it would wait in the step's all-reduces for rank 0 forever. The
+// stage then decodes as before.
+TEST(TpStage, DecodeRefusedForRankZerosRowsLeavesTheRanksInStep) {
+  if (!can_place(2)) GTEST_SKIP() << kNoPlace;
+  const ModelConfig cfg = tp_config();
+  const StageWeights w = random_stage_weights(cfg, 0, cfg.n_layer, 9);
+  auto tp = TpStage::create(w, devices_for(2), options(DType::F16)).value();
+  const std::vector<int32_t> prompt = {5, 6, 7, 8};
+  ASSERT_TRUE(tp->embed(std::vector<SeqSlice>{{1, 0, 4}}, prompt.data()).ok());
+  ASSERT_TRUE(tp->forward(std::vector<SeqSlice>{{1, 0, 4}}).ok());
+  SamplingParams greedy;
+  greedy.temperature = 0;
+  const std::vector<SeqSlice> step = {{1, 4, 1}};
+  const int32_t next = 9;
+  int32_t got = -1;
+  const std::vector<cuda::SampleRow> none;
+  Status refused = tp->decode(step, &next, none, &got);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_NE(refused.message().find("sampling row"), std::string::npos) << refused.message();
+  const std::vector<cuda::SampleRow> rows(1, cuda::SampleRow{&greedy, {}, {}, 0});
+  for (int r = 0; r < 2; ++r) EXPECT_EQ(tp->rank(r).cached_tokens(1), 4) << "rank " << r;
+  Status st = tp->decode(step, &next, rows, &got);
+  ASSERT_TRUE(st.ok()) << st.message();
+  EXPECT_GE(got, 0);
+  EXPECT_LT(got, cfg.vocab_size);
+  for (int r = 0; r < 2; ++r) EXPECT_EQ(tp->rank(r).cached_tokens(1), 5) << "rank " << r;
+}
+
 }  // namespace
 }  // namespace conveyor
 
