@@ -183,8 +183,8 @@ void add_daemon_options(std::vector<OptionSpec>& s) {
   s.push_back(number({.name = "data_plane.idle_spin_us",
                       .variable = "CONVEYOR_DATA_IDLE_SPIN_US",
                       .meaning = "microseconds the data plane's progress thread keeps polling after its last "
-                                 "progress instead of sleeping: an answer within them costs no wake-up, at a "
-                                 "core's cost (0: it sleeps)",
+                                 "progress, and a send or a receive for its result, instead of sleeping: an "
+                                 "answer within them costs no wake-up, at a core's cost (0: they sleep)",
                       .values = "0 to 1000000",
                       .scope = kBoth},
                      [](auto& o) -> auto& { return o.data_idle_spin_us; }, 0, 1000000));

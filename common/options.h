@@ -40,7 +40,8 @@ struct Options {
   // direct GPU path is open (stage_worker/worker.cc says why 1 MiB).
   int64_t direct_min_bytes = int64_t(1) << 20;
   // The data plane's progress thread keeps polling this many microseconds after its last
-  // progress instead of sleeping (UcxChannelOptions::spin_when_idle; 0: it sleeps).
+  // progress, and a send or a receive as long for its result, instead of sleeping
+  // (UcxChannelOptions::spin_when_idle and spin_in_calls; 0: they sleep).
   int64_t data_idle_spin_us = 0;
   // UCX's own variables as the environment had them at start-up ("": unset, UCX's default).
   std::string ucx_tls, ucx_net_devices, ucx_keepalive_interval, ucx_tcp_conn_nb, ucx_tcp_max_poll;

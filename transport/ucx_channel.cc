@@ -24,6 +24,19 @@ using namespace ucx_detail;
 
 namespace {
 
+// Polls `ready` for up to `window` (UcxChannelOptions::spin_in_calls) before a caller takes
+// its lock and blocks, if it still must.
+template <class F>
+void spin_until(std::chrono::microseconds window, F&& ready) {
+  if (window.count() <= 0) return;
+  const auto until = Clock::now() + window;
+  while (!ready() && Clock::now() < until) {
+#if defined(__x86_64__)
+    __builtin_ia32_pause();
+#endif
+  }
+}
+
 // UCX's configuration from the channel's options. The operator's UCX_* (declared in
 // common/options.h as UCX's own) win over these choices.
 Status configure(ucp_config_t* config, const UcxChannelOptions& opt) {
@@ -176,6 +189,7 @@ UcxChannel::Impl::~Impl() {
     if (op->status.ok()) op->status = Status::error("channel closed");
     std::lock_guard lock(op->mu);
     op->done = true;
+    op->finished.store(true, std::memory_order_release);
     op->cv.notify_all();
   }
   incoming.clear();
@@ -363,6 +377,7 @@ Status UcxChannel::send(PeerId peer, std::span<const std::byte> header, PayloadV
   // The progress thread completes every send by its deadline (a forced endpoint close
   // cancels what the peer does not take), so this wait is bounded by `timeout` plus the
   // time UCX needs to cancel.
+  spin_until(impl->opt.spin_in_calls, [&] { return op->finished.load(std::memory_order_acquire); });
   std::unique_lock lock(op->mu);
   op->cv.wait(lock, [&] { return op->done; });
   return op->status;
@@ -371,6 +386,8 @@ Status UcxChannel::send(PeerId peer, std::span<const std::byte> header, PayloadV
 Expected<std::optional<Message>> UcxChannel::recv(std::chrono::milliseconds timeout) {
   Impl& impl = *impl_;
   Impl::InboxItem item;
+  spin_until(std::min<std::chrono::microseconds>(impl.opt.spin_in_calls, timeout),
+             [&] { return impl.inbox_size.load(std::memory_order_acquire) > 0; });
   {
     std::unique_lock lock(impl.mu);
     const bool ready = impl.inbox_cv.wait_for(lock, timeout, [&] { return !impl.inbox.empty() || interrupted_; });
@@ -378,6 +395,7 @@ Expected<std::optional<Message>> UcxChannel::recv(std::chrono::milliseconds time
     if (!ready || impl.inbox.empty()) return std::optional<Message>();
     item = std::move(impl.inbox.front());
     impl.inbox.pop_front();
+    impl.inbox_size.store(impl.inbox.size(), std::memory_order_release);
     if (item.message) {
       for (const auto& [id, peer] : impl.peers)
         if (peer->channel_id == item.message->sender_id) item.message->from = id;

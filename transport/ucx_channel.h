@@ -81,6 +81,11 @@ struct UcxChannelOptions {
   // micro-batch, a ping-pong's answer) is taken without the epoll wake-up. It costs a core
   // while it spins. 0: sleep as soon as nothing is under way.
   std::chrono::microseconds spin_when_idle{0};
+  // send() and recv() poll for their result for this long before they block on a condition
+  // variable: a send's completion or a message that comes within it is taken without the
+  // futex wake-up the progress thread would otherwise pay for the caller. It costs the
+  // caller's core while it spins. 0: block at once.
+  std::chrono::microseconds spin_in_calls{0};
   std::chrono::milliseconds close_timeout{2000};  // bound on the destructor's clean-up
 };
 

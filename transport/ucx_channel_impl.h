@@ -119,7 +119,8 @@ struct UcxChannel::Impl {
     Status status;                    // first error wins (progress thread until `done`)
     std::mutex mu;
     std::condition_variable cv;
-    bool done = false;  // guarded by mu
+    bool done = false;                // guarded by mu
+    std::atomic<bool> finished{false};  // `done`, for send()'s polling (opt.spin_in_calls)
   };
 
   // ---- one message being received ----
@@ -245,6 +246,7 @@ struct UcxChannel::Impl {
   std::condition_variable inbox_cv;
   std::deque<std::function<void()>> tasks;
   std::deque<InboxItem> inbox;
+  std::atomic<std::size_t> inbox_size{0};  // inbox.size(), for recv()'s polling (opt.spin_in_calls)
   std::map<PeerId, std::unique_ptr<Peer>> peers;  // map structure and Peer::failure: mu
   PeerId next_peer_id = 1;
   // The latest ids disconnect() took back (a send to one says so; an older one reads as

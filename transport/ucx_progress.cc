@@ -212,6 +212,7 @@ void UcxChannel::Impl::complete_send(SendOp& op) {
   op.requests.clear();  // all completed: releasing them ends UCX's use of the buffers
   std::lock_guard lock(op.mu);
   op.done = true;
+  op.finished.store(true, std::memory_order_release);
   op.cv.notify_all();
 }
 
@@ -461,6 +462,7 @@ bool UcxChannel::Impl::advance_incoming() {
   if (ready.empty()) return false;
   std::lock_guard lock(mu);
   for (auto& item : ready) inbox.push_back(std::move(item));
+  inbox_size.store(inbox.size(), std::memory_order_release);
   inbox_cv.notify_all();
   return true;
 }

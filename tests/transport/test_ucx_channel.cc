@@ -10,6 +10,8 @@
 #include <atomic>
 #include <chrono>
 #include <cstdlib>
+#include <cstring>
+#include <ctime>
 #include <filesystem>
 #include <map>
 #include <mutex>
@@ -311,6 +313,45 @@ TEST_P(UcxChannelTest, IdleSpinPollsAfterProgressThenSleeps) {
   EXPECT_FALSE(r->has_value());
   // Two progress threads spin 20 ms each, then sleep in epoll.
   EXPECT_LT(cpu_s, 0.2) << "the idle channels burned " << cpu_s << " s of CPU in 0.5 s";
+}
+
+// spin_in_calls: send() and recv() poll for their result before they block. Messages with
+// payloads past the eager limit (a send waits for the peer's rendezvous) go both ways; an
+// idle recv() spins its window, then sleeps out its timeout; a timeout shorter than the
+// window bounds the spin.
+TEST_P(UcxChannelTest, CallSpinTakesResultsThenBlocks) {
+  UcxChannelOptions spin;
+  spin.spin_in_calls = 20ms;
+  auto a = make_channel(transports(), "a", spin);
+  auto b = make_channel(transports(), "b", spin);
+  ASSERT_TRUE(a && b);
+  auto to_a = b->connect(a->address(), "a");
+  ASSERT_TRUE(to_a.ok()) << to_a.error();
+  auto to_b = a->connect(b->address(), "b");
+  ASSERT_TRUE(to_b.ok()) << to_b.error();
+  std::vector<std::byte> payload(64 << 10);
+  for (size_t i = 0; i < payload.size(); ++i) payload[i] = std::byte(i * 7);
+  for (int i = 0; i < 10; ++i) {
+    const std::string header = "ping " + std::to_string(i);
+    ASSERT_TRUE(b->send(*to_a, as_bytes(header), PayloadView{payload.data(), payload.size()}, 10s).ok());
+    Message m = recv_one(*a);
+    EXPECT_EQ(as_string_view(m.header), header);
+    ASSERT_EQ(m.payload.size(), payload.size());
+    EXPECT_EQ(std::memcmp(m.payload.data(), payload.data(), payload.size()), 0);
+    ASSERT_TRUE(a->send(*to_b, as_bytes("pong"), PayloadView{payload.data(), payload.size()}, 10s).ok());
+    EXPECT_EQ(as_string_view(recv_one(*b).header), "pong");
+  }
+  const auto t0 = Clock::now();
+  auto quick = a->recv(2ms);
+  EXPECT_LT(Clock::now() - t0, 15ms) << "a 2 ms receive spun past its timeout";
+  ASSERT_TRUE(quick.ok()) << quick.error();
+  EXPECT_FALSE(quick->has_value());
+  const std::clock_t cpu0 = std::clock();
+  auto idle = a->recv(500ms);
+  const double cpu_s = double(std::clock() - cpu0) / CLOCKS_PER_SEC;
+  ASSERT_TRUE(idle.ok()) << idle.error();
+  EXPECT_FALSE(idle->has_value());
+  EXPECT_LT(cpu_s, 0.2) << "an idle receive burned " << cpu_s << " s of CPU in 0.5 s";
 }
 
 // interrupt() wakes a recv() that waits (the coordinator's engine wakes so on a submitted
