@@ -60,8 +60,10 @@ void launch_pdl(const char* what, const char* file, int line, void (*kernel)(KAr
 // lock is held across the CUDA call: ranks are threads whose kernels wait for each other
 // (the custom all-reduce), and a rank blocked on a lock here while another sat in a CUDA call
 // that waited on its device could never arrive. Two threads may both set it: harmless.
+// `max_carveout`: the SM's L1/shared split set to the most shared memory too (cuBLASLt-like
+// tiles that want several blocks an SM).
 template <class... A>
-void allow_smem(void (*kernel)(A...), size_t bytes) {
+void allow_smem(void (*kernel)(A...), size_t bytes, bool max_carveout = false) {
   static std::mutex mu;
   static std::set<std::pair<const void*, int>> done;
   int dev = 0;
@@ -72,6 +74,9 @@ void allow_smem(void (*kernel)(A...), size_t bytes) {
     if (done.count(key)) return;
   }
   CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)));
+  if (max_carveout)
+    CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                    int(cudaSharedmemCarveoutMaxShared)));
   std::lock_guard lk(mu);
   done.insert(key);
 }

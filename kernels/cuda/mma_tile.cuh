@@ -33,7 +33,6 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
-#include <atomic>
 #include <cstdint>
 #include <string>
 #include <type_traits>
@@ -368,18 +367,9 @@ void launch_mma_tile_kernel(OutT* out, const T* in, const W* w, const float* sca
                             int N, int act, cudaStream_t stream, int splits, float* chains) {
   auto* kernel = mma_tile_kernel<T, W, OutT, Cfg, kAligned>;
   constexpr int kSmem = WeightTile<Cfg, W>::kSmemBytes;
-  // Over 48 KB of dynamic shared memory needs an opt-in per kernel and device (set once; a
-  // plain attribute call, legal during graph capture).
-  static std::atomic<uint64_t> configured{0};
-  int device = 0;
-  CUDA_CHECK(cudaGetDevice(&device));
-  const uint64_t bit = device < 64 ? uint64_t(1) << device : 0;
-  if (bit == 0 || (configured.load(std::memory_order_relaxed) & bit) == 0) {
-    CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
-    CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
-                                    int(cudaSharedmemCarveoutMaxShared)));
-    configured.fetch_or(bit, std::memory_order_relaxed);
-  }
+  // Over 48 KB of dynamic shared memory needs an opt-in per kernel and device (a plain
+  // attribute call, legal during graph capture), with all of the SM's carveout for it.
+  detail::allow_smem(kernel, size_t(kSmem), /*max_carveout=*/true);
   const dim3 grid(unsigned((T_ + Cfg::BM - 1) / Cfg::BM), unsigned((N + Cfg::BN - 1) / Cfg::BN), unsigned(splits));
   LAUNCH_PDL("mma_tile_kernel", kernel, grid, dim3(Cfg::kThreads), size_t(kSmem), stream, out, in, w, scales, bias,
              T_, K, N, act, splits > 1 ? chains : nullptr);
