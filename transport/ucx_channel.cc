@@ -386,12 +386,14 @@ Status UcxChannel::send(PeerId peer, std::span<const std::byte> header, PayloadV
 Expected<std::optional<Message>> UcxChannel::recv(std::chrono::milliseconds timeout) {
   Impl& impl = *impl_;
   Impl::InboxItem item;
-  spin_until(std::min<std::chrono::microseconds>(impl.opt.spin_in_calls, timeout),
-             [&] { return impl.inbox_size.load(std::memory_order_acquire) > 0; });
+  spin_until(std::min<std::chrono::microseconds>(impl.opt.spin_in_calls, timeout), [&] {
+    return impl.inbox_size.load(std::memory_order_acquire) > 0 || interrupt_seen_.load(std::memory_order_acquire);
+  });
   {
     std::unique_lock lock(impl.mu);
     const bool ready = impl.inbox_cv.wait_for(lock, timeout, [&] { return !impl.inbox.empty() || interrupted_; });
     interrupted_ = false;  // consumed by this recv, with a message or without
+    interrupt_seen_.store(false, std::memory_order_release);
     if (!ready || impl.inbox.empty()) return std::optional<Message>();
     item = std::move(impl.inbox.front());
     impl.inbox.pop_front();
@@ -411,6 +413,7 @@ void UcxChannel::interrupt() {
   {
     std::lock_guard lock(impl_->mu);
     interrupted_ = true;
+    interrupt_seen_.store(true, std::memory_order_release);
   }
   impl_->inbox_cv.notify_all();
 }

@@ -24,6 +24,7 @@
 // over TCP loopback (README.md).
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
@@ -133,6 +134,7 @@ class UcxChannel final : public Channel {
   explicit UcxChannel(std::unique_ptr<Impl> impl);
   std::unique_ptr<Impl> impl_;
   bool interrupted_ = false;  // interrupt() was called and no recv() has returned since; impl_->mu
+  std::atomic<bool> interrupt_seen_{false};  // interrupted_, for recv()'s polling (spin_in_calls)
 };
 
 }  // namespace conveyor::transport
