@@ -16,6 +16,7 @@
 #include <map>
 #include <mutex>
 #include <set>
+#include <span>
 #include <string>
 #include <thread>
 
@@ -285,6 +286,33 @@ TEST_P(UcxChannelTest, RecvTimesOutAndIdleChannelSleeps) {
   EXPECT_LT(cpu_s, 0.2) << "an idle channel burned " << cpu_s << " s of CPU in 0.5 s";
 }
 
+// Connects a and b both ways, then `rounds` times b sends a "ping" to a and a a "pong" back,
+// each with `payload`, checked on arrival (headers and bytes).
+void ping_pong(UcxChannel& a, UcxChannel& b, int rounds, std::span<const std::byte> payload) {
+  auto to_a = b.connect(a.address(), "a");
+  ASSERT_TRUE(to_a.ok()) << to_a.error();
+  auto to_b = a.connect(b.address(), "b");
+  ASSERT_TRUE(to_b.ok()) << to_b.error();
+  const PayloadView view{payload.data(), payload.size()};
+  auto expect_payload = [&](const Message& m) {
+    ASSERT_EQ(m.payload.size(), payload.size());
+    if (!payload.empty()) {
+      EXPECT_EQ(std::memcmp(m.payload.data(), payload.data(), payload.size()), 0);
+    }
+  };
+  for (int i = 0; i < rounds; ++i) {
+    const std::string header = "ping " + std::to_string(i);
+    ASSERT_TRUE(b.send(*to_a, as_bytes(header), view, 10s).ok());
+    Message m = recv_one(a);
+    EXPECT_EQ(as_string_view(m.header), header);
+    expect_payload(m);
+    ASSERT_TRUE(a.send(*to_b, as_bytes("pong"), view, 10s).ok());
+    Message back = recv_one(b);
+    EXPECT_EQ(as_string_view(back.header), "pong");
+    expect_payload(back);
+  }
+}
+
 // spin_when_idle: the progress threads poll for a while after their last progress (a
 // ping-pong's answer is taken without a wake-up), and sleep once it has passed: an exchange
 // goes through, and the half second after it costs far less than a busy core.
@@ -294,18 +322,7 @@ TEST_P(UcxChannelTest, IdleSpinPollsAfterProgressThenSleeps) {
   auto a = make_channel(transports(), "a", spin);
   auto b = make_channel(transports(), "b", spin);
   ASSERT_TRUE(a && b);
-  auto to_a = b->connect(a->address(), "a");
-  ASSERT_TRUE(to_a.ok()) << to_a.error();
-  auto to_b = a->connect(b->address(), "b");
-  ASSERT_TRUE(to_b.ok()) << to_b.error();
-  for (int i = 0; i < 20; ++i) {
-    const std::string header = "ping " + std::to_string(i);
-    ASSERT_TRUE(b->send(*to_a, as_bytes(header), {}, 10s).ok());
-    Message m = recv_one(*a);
-    EXPECT_EQ(as_string_view(m.header), header);
-    ASSERT_TRUE(a->send(*to_b, as_bytes("pong"), {}, 10s).ok());
-    EXPECT_EQ(as_string_view(recv_one(*b).header), "pong");
-  }
+  ASSERT_NO_FATAL_FAILURE(ping_pong(*a, *b, 20, {}));
   const std::clock_t cpu0 = std::clock();
   auto r = a->recv(500ms);
   const double cpu_s = double(std::clock() - cpu0) / CLOCKS_PER_SEC;
@@ -325,22 +342,9 @@ TEST_P(UcxChannelTest, CallSpinTakesResultsThenBlocks) {
   auto a = make_channel(transports(), "a", spin);
   auto b = make_channel(transports(), "b", spin);
   ASSERT_TRUE(a && b);
-  auto to_a = b->connect(a->address(), "a");
-  ASSERT_TRUE(to_a.ok()) << to_a.error();
-  auto to_b = a->connect(b->address(), "b");
-  ASSERT_TRUE(to_b.ok()) << to_b.error();
   std::vector<std::byte> payload(64 << 10);
   for (size_t i = 0; i < payload.size(); ++i) payload[i] = std::byte(i * 7);
-  for (int i = 0; i < 10; ++i) {
-    const std::string header = "ping " + std::to_string(i);
-    ASSERT_TRUE(b->send(*to_a, as_bytes(header), PayloadView{payload.data(), payload.size()}, 10s).ok());
-    Message m = recv_one(*a);
-    EXPECT_EQ(as_string_view(m.header), header);
-    ASSERT_EQ(m.payload.size(), payload.size());
-    EXPECT_EQ(std::memcmp(m.payload.data(), payload.data(), payload.size()), 0);
-    ASSERT_TRUE(a->send(*to_b, as_bytes("pong"), PayloadView{payload.data(), payload.size()}, 10s).ok());
-    EXPECT_EQ(as_string_view(recv_one(*b).header), "pong");
-  }
+  ASSERT_NO_FATAL_FAILURE(ping_pong(*a, *b, 10, payload));
   const auto t0 = Clock::now();
   auto quick = a->recv(2ms);
   EXPECT_LT(Clock::now() - t0, 100ms) << "a 2 ms receive spun past its timeout";
