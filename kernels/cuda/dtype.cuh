@@ -77,11 +77,14 @@ __host__ __device__ __forceinline__ bool aligned16(const void* p) {
 }
 
 // A warp's lanes' values combined by op over the butterflies 16, 8, 4, 2, 1: every lane gets
-// the result. op(v, the other lane's v): a + b for warp_sum, fmaxf for warp_max.
-template <class Op>
+// the result. op(v, the other lane's v): a + b for warp_sum, fmaxf for warp_max. kWidth < 32:
+// each group of kWidth neighbouring lanes on its own (butterflies kWidth / 2 .. 1); every
+// lane of the warp still takes part.
+template <int kWidth = 32, class Op>
 __device__ __forceinline__ float warp_reduce(float v, Op op) {
+  static_assert(kWidth >= 1 && kWidth <= 32 && (kWidth & (kWidth - 1)) == 0, "a power of two up to 32 lanes");
 #pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v = op(v, __shfl_xor_sync(0xffffffffu, v, o));
+  for (int o = kWidth / 2; o > 0; o >>= 1) v = op(v, __shfl_xor_sync(0xffffffffu, v, o));
   return v;
 }
 struct AddOp {
@@ -91,7 +94,10 @@ struct MaxOp {
   __device__ float operator()(float a, float b) const { return fmaxf(a, b); }
 };
 __device__ __forceinline__ float warp_sum(float v) { return warp_reduce(v, AddOp{}); }
-__device__ __forceinline__ float warp_max(float v) { return warp_reduce(v, MaxOp{}); }
+template <int kWidth = 32>
+__device__ __forceinline__ float warp_max(float v) {
+  return warp_reduce<kWidth>(v, MaxOp{});
+}
 
 // The reduction of a block W times as wide, whose thread threadIdx.x + w * blockDim.x held
 // v[w]: each warp's, then the warps' in its order (identity past the last), so the same bits

@@ -139,27 +139,20 @@ __global__ void __launch_bounds__(kFp8EpilogueThreads)
 #pragma unroll
       for (int j = 0; j < 8; ++j) v[j] = to_float(from_float<T>(epilogue_value(v[j], unscale, row_scale, c[j], b[j], 0)));
     }
-    // q: as fp8_scale_epilogue writes it. K and V: a head's lanes agree on its scale.
+    // q: as fp8_scale_epilogue writes it. K and V: a head's lanes agree on its scale (every
+    // lane takes part in the group's reduction; q's lanes' results are not used).
     const bool kv_col = n >= C;
     if (live && !kv_col) *reinterpret_cast<uint4*>(out + i) = pack8<T>(v);
-    float amax = 0.f;
-#pragma unroll
-    for (int j = 0; j < 8; ++j) amax = fmaxf(amax, fabsf(v[j]));
-#pragma unroll
-    for (int o = kLanes / 2; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+    __align__(8) uint8_t q[8];
+    const float s = quantize_kv_head<8, kLanes>(v, q);
     if (!live || !kv_col) continue;
     const int row = token_rows[r], t = token_pos[r];
     if (row < 0 || t < 0) continue;  // padding token
-    const float s = kv_fp8_scale(amax), rcp = fp8_rcp(s);
     const int64_t j = n - C, which = j / C, h = (j % C) / D, d = j % D;
     const int64_t page = kv.block_tables[int64_t(row) * kv.max_pages + t / kPageTokens];
     uint8_t* dst = static_cast<uint8_t*>(which == 0 ? kv.k : kv.v) + page * kv.page_stride +
                    (h * kPageTokens + t % kPageTokens) * D + d;
-    uint2 q;
-    uint8_t* qb = reinterpret_cast<uint8_t*>(&q);
-#pragma unroll
-    for (int k = 0; k < 8; ++k) qb[k] = quantize_one(v[k], rcp);
-    *reinterpret_cast<uint2*>(dst) = q;
+    *reinterpret_cast<uint2*>(dst) = *reinterpret_cast<const uint2*>(q);
     if (d == 0) (which == 0 ? kv.k_scale : kv.v_scale)[page * kv.scale_page_stride + h * kPageTokens + t % kPageTokens] = s;
   }
 }

@@ -62,16 +62,18 @@ __device__ __forceinline__ float kv_fp8_scale(float amax) {
   return __uint_as_float(max(e, 1u) << 23);  // (below the smallest normal: the smallest normal)
 }
 
-// One K or V head quantised for the cache, its values spread over a warp's lanes (N a lane;
-// zeros where a lane holds none): the head's scale (kv_fp8_scale of its largest magnitude,
-// returned to every lane) and each value's byte. Every lane of the warp takes part. The
-// prefill's append (paged_kv.cu) and the decode's new token (attention_tiles.cuh) both use it.
-template <int N>
+// One K or V head quantised for the cache, its values spread over the lanes of a group of
+// kLanes neighbouring lanes (a whole warp by default; N a lane; zeros where a lane holds none):
+// the head's scale (kv_fp8_scale of its largest magnitude, returned to every lane of the group)
+// and each value's byte. Every lane of the warp takes part. The prefill's append (paged_kv.cu),
+// the decode's new token (attention_tiles.cuh) and QKV's epilogue into the cache
+// (fp8_scale_epilogue_kv) use it.
+template <int N, int kLanes = 32>
 __device__ __forceinline__ float quantize_kv_head(const float (&x)[N], uint8_t (&q)[N]) {
   float amax = 0.f;
 #pragma unroll
   for (int i = 0; i < N; ++i) amax = fmaxf(amax, fabsf(x[i]));
-  const float s = kv_fp8_scale(warp_max(amax));  // max is exact in any order
+  const float s = kv_fp8_scale(warp_max<kLanes>(amax));  // max is exact in any order
   const float r = fp8_rcp(s);
 #pragma unroll
   for (int i = 0; i < N; ++i) q[i] = quantize_one(x[i], r);
