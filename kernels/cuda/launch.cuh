@@ -19,7 +19,6 @@
 
 #include <map>
 #include <mutex>
-#include <set>
 #include <utility>
 
 #include "kernels/cuda/check.h"
@@ -55,51 +54,60 @@ void launch_pdl(const char* what, const char* file, int line, void (*kernel)(KAr
   check_result(cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...), what, file, line);
 }
 
-// Raises a kernel's dynamic shared memory limit, once per kernel and device (the attribute
-// belongs to the device's context; several ranks of one process drive several devices). No
-// lock is held across the CUDA call: ranks are threads whose kernels wait for each other
-// (the custom all-reduce), and a rank blocked on a lock here while another sat in a CUDA call
-// that waited on its device could never arrive. Two threads may both set it: harmless.
+// A value per kernel and device, made once (make() on the device current at the call): what a
+// kernel sets up or asks belongs to the device's context, and several ranks of one process
+// drive several devices. No lock is held across make(): ranks are threads whose kernels wait
+// for each other (the custom all-reduce), and a rank blocked on a lock here while another sat
+// in a CUDA call that waited on its device could never arrive. Two threads may both make it:
+// harmless, the first stored wins.
+class PerKernelDevice {
+ public:
+  template <class Make>
+  int get(const void* kernel, Make&& make) {
+    int dev = 0;
+    CUDA_CHECK(cudaGetDevice(&dev));
+    const std::pair<const void*, int> key{kernel, dev};
+    {
+      std::lock_guard lk(mu_);
+      if (auto it = known_.find(key); it != known_.end()) return it->second;
+    }
+    const int value = make();
+    std::lock_guard lk(mu_);
+    return known_.emplace(key, value).first->second;
+  }
+
+ private:
+  std::mutex mu_;
+  std::map<std::pair<const void*, int>, int> known_;
+};
+
+// Raises a kernel's dynamic shared memory limit, once per kernel and device (PerKernelDevice).
 // `max_carveout`: the SM's L1/shared split set to the most shared memory too (cuBLASLt-like
 // tiles that want several blocks an SM).
 template <class... A>
 void allow_smem(void (*kernel)(A...), size_t bytes, bool max_carveout = false) {
-  static std::mutex mu;
-  static std::set<std::pair<const void*, int>> done;
-  int dev = 0;
-  CUDA_CHECK(cudaGetDevice(&dev));
-  const std::pair<const void*, int> key{reinterpret_cast<const void*>(kernel), dev};
-  {
-    std::lock_guard lk(mu);
-    if (done.count(key)) return;
-  }
-  CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)));
-  if (max_carveout)
-    CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
-                                    int(cudaSharedmemCarveoutMaxShared)));
-  std::lock_guard lk(mu);
-  done.insert(key);
+  static PerKernelDevice done;
+  done.get(reinterpret_cast<const void*>(kernel), [&] {
+    CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)));
+    if (max_carveout)
+      CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                      int(cudaSharedmemCarveoutMaxShared)));
+    return 1;
+  });
 }
 
 // The blocks of `kernel` (`threads` a block, `smem` bytes of dynamic shared memory, its
 // limit raised first where over 48 KB: allow_smem) an SM of the current device holds at once,
-// at least 1; asked once per kernel and device, as allow_smem (no lock across the CUDA call).
-// A kernel is asked about one block shape.
+// at least 1; asked once per kernel and device (PerKernelDevice). A kernel is asked about one
+// block shape.
 template <class... A>
 int blocks_per_sm(void (*kernel)(A...), int threads, size_t smem) {
-  static std::mutex mu;
-  static std::map<std::pair<const void*, int>, int> known;
-  int dev = 0;
-  CUDA_CHECK(cudaGetDevice(&dev));
-  const std::pair<const void*, int> key{reinterpret_cast<const void*>(kernel), dev};
-  {
-    std::lock_guard lk(mu);
-    if (auto it = known.find(key); it != known.end()) return it->second;
-  }
-  int n = 0;
-  CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, threads, smem));
-  std::lock_guard lk(mu);
-  return known.emplace(key, n > 0 ? n : 1).first->second;
+  static PerKernelDevice known;
+  return known.get(reinterpret_cast<const void*>(kernel), [&] {
+    int n = 0;
+    CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, threads, smem));
+    return n > 0 ? n : 1;
+  });
 }
 
 }  // namespace conveyor::cuda::detail
