@@ -313,7 +313,7 @@ json ClusterManager::cluster_json(const EngineStats& e) const {
                   {"stages", stages}});
   }
   return {{"model", cfg.model_name}, {"objective", objective_name(cfg.objective)}, {"workers", wj}, {"pipelines", pj},
-          {"queue", e.queue},
+          {"queue", e.queue}, {"outstanding", e.outstanding},
           {"queue_wait", queue_wait_name(e.queue_wait)}, {"max_queue", cfg.max_queue},
           {"in_flight_depth", pipelines.empty() ? 0 : in_flight_depth(pipelines.front())},
           {"plan", shape_json(current_shape())},
