@@ -37,8 +37,8 @@ struct Options {
   std::string join_token;  // "": none from the environment (secret: --check says set or unset)
   std::string api_key;     // "": none from the environment (secret)
   // A worker's micro-batches smaller than this go staged through host memory even where the
-  // direct GPU path is open (stage_worker/worker.cc says why 1 MiB).
-  int64_t direct_min_bytes = int64_t(1) << 20;
+  // direct GPU path is open (stage_worker/worker_impl.h says why 64 KiB).
+  int64_t direct_min_bytes = int64_t(64) << 10;
   // The data plane's progress thread keeps polling this many microseconds after its last
   // progress, and a send or a receive as long for its result, instead of sleeping
   // (UcxChannelOptions::spin_when_idle and spin_in_calls; 0: they sleep).

@@ -51,7 +51,7 @@ struct WorkerOptions {
   // On SIGTERM a worker with a stage waits this long for the coordinator to take it over.
   std::chrono::milliseconds drain_timeout{30000};
   // Micro-batches smaller than this go staged even where the direct GPU path is open
-  // (CONVEYOR_DIRECT_MIN_BYTES; worker.cc says why 1 MiB).
+  // (CONVEYOR_DIRECT_MIN_BYTES; worker_impl.h says why 64 KiB).
   int64_t direct_min_bytes = Options{}.direct_min_bytes;
   // The data plane's polling after progress (CONVEYOR_DATA_IDLE_SPIN_US), microseconds.
   int64_t data_idle_spin_us = Options{}.data_idle_spin_us;

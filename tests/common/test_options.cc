@@ -92,7 +92,7 @@ TEST(Options, DefaultsAreTodaysBehaviour) {
   EXPECT_EQ(o.trace_dir, "");
   EXPECT_EQ(o.join_token, "");
   EXPECT_EQ(o.api_key, "");
-  EXPECT_EQ(o.direct_min_bytes, int64_t(1) << 20);
+  EXPECT_EQ(o.direct_min_bytes, int64_t(64) << 10);
   EXPECT_EQ(o.data_idle_spin_us, 0);
   EXPECT_EQ(o.ucx_tls, "");
   // An empty variable counts as unset, as it did.
@@ -204,7 +204,7 @@ TEST(Options, CheckPrintsNameValueAndSource) {
   EXPECT_NE(worker.find("gemm.order = fixed (env CONVEYOR_GEMM_ORDER)\n"), std::string::npos) << worker;
   EXPECT_NE(worker.find("control.join_token = set (env CONVEYOR_JOIN_TOKEN)\n"), std::string::npos) << worker;
   EXPECT_NE(worker.find("trace.dir = unset (default, CONVEYOR_TRACE_DIR)\n"), std::string::npos) << worker;
-  EXPECT_NE(worker.find("data_plane.direct_min_bytes = 1048576 (default, CONVEYOR_DIRECT_MIN_BYTES)\n"),
+  EXPECT_NE(worker.find("data_plane.direct_min_bytes = 65536 (default, CONVEYOR_DIRECT_MIN_BYTES)\n"),
             std::string::npos)
       << worker;
   EXPECT_EQ(worker.find("s3cret"), std::string::npos) << "a secret printed: " << worker;
