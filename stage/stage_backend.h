@@ -105,6 +105,12 @@ class StageBackend {
   virtual int64_t kv_bytes_per_token() const = 0;
   // "cpu", "cuda:0 F16", ...: for logs and the cluster table.
   virtual std::string describe() const = 0;
+
+  // Ok while the backend can run steps. Otherwise why no step will run again in this process
+  // (a GPU's sticky fault, tensor-parallel ranks out of step): the worker then exits, so that
+  // the coordinator fails its work over as it does for a dead worker (a step that fails on
+  // its input alone leaves the backend healthy). The CPU backend is always healthy.
+  virtual Status health() const { return ok_status(); }
 };
 
 // Checks `in` against a micro-batch of `tokens` tokens of width `width`: an activation dtype

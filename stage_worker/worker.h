@@ -64,8 +64,10 @@ class Worker {
 
   // Runs until `stop` turns true (then hands its stage over first, see drain_timeout), a
   // `shutdown` arrives or the join is refused. Returns the process exit code (0: clean
-  // shutdown; 3: rejected by the coordinator).
+  // shutdown; 3: rejected by the coordinator). A step whose failure leaves the backend unable
+  // to run any other (StageBackend::health) ends the process at once with kExitBackendLost.
   int run(const std::atomic<bool>& stop);
+  static constexpr int kExitBackendLost = 4;
 
   struct Impl;
 

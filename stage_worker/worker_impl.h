@@ -213,6 +213,10 @@ struct Worker::Impl {
   // The stage as a step sees it; none (the micro-batch dropped) when it is not ready.
   std::optional<StepStage> ready_stage();
 
+  // After a failed step: ends the process (Worker::kExitBackendLost) when `ex`'s backend can
+  // run no other step (StageBackend::health); returns otherwise.
+  void leave_if_backend_lost(StageExecutor& ex, const Status& step);
+
   // Counts the time before the step that begins now: waiting for its input, or sitting with it.
   StepTiming start_step(bool was_ready, Clock::time_point arrived, Clock::time_point prev_end);
 

@@ -4,6 +4,8 @@
 // the heartbeat figures.
 #include <algorithm>
 #include <chrono>
+#include <cstdio>
+#include <cstdlib>
 #include <span>
 #include <string>
 
@@ -90,6 +92,7 @@ void Worker::Impl::run_step(transport::Message& msg, bool was_ready, Clock::time
   StepRecord rec;
   if (trace) rec = step_record(st->a, *batch, *st->ex, timing, out);
   if (!s) {
+    leave_if_backend_lost(*st->ex, s);
     result.error = opt.name + " (stage " + std::to_string(st->a.stage) + "): " + s.message();
     const auto s0 = Clock::now();
     send_result(st->coord, result);
@@ -99,6 +102,22 @@ void Worker::Impl::run_step(transport::Message& msg, bool was_ready, Clock::time
   if (st->a.next_address.empty()) return finish_last_stage(*st, result, rec, timing, ready_at_end.has_value());
   hand_on(*st, std::move(msg.header), *batch, std::move(result), out);
   write_trace(rec, timing, {});
+}
+
+// A backend that can run no other step (a GPU's sticky fault; tensor-parallel ranks out of step)
+// would fail every micro-batch sent here, and the coordinator would fail each request after its
+// replays. Ending the process instead turns it into a dead worker, which the coordinator fails
+// over (a spare takes the stage, or the plan shrinks) without losing a request. No clean-up:
+// destructors would call into the broken CUDA context, or wait on ranks stuck in an all-reduce.
+void Worker::Impl::leave_if_backend_lost(StageExecutor& ex, const Status& step) {
+  const Status health = ex.backend().health();
+  if (health) return;
+  spdlog::critical("{}: the stage can no longer run ({}), after a step failed ({}); exiting with status {} so "
+                   "that the coordinator fails its work over",
+                   opt.name, health.message(), step.message(), Worker::kExitBackendLost);
+  spdlog::default_logger()->flush();
+  std::fflush(nullptr);
+  std::_Exit(Worker::kExitBackendLost);
 }
 
 std::optional<Worker::Impl::StepStage> Worker::Impl::ready_stage() {

@@ -62,6 +62,7 @@ class GpuStageBackend final : public StageBackend {
   int64_t kv_capacity_tokens() const override { return stage_->kv_capacity_tokens(); }
   int64_t kv_bytes_per_token() const override { return stage_->kv_bytes_per_token(); }
   std::string describe() const override;
+  Status health() const override { return stage_->health(); }
 
   TpStage& stage() { return *stage_; }
 

@@ -13,6 +13,37 @@
 
 namespace conveyor::cuda {
 
+namespace {
+
+// The sticky fault `device`'s context holds, if any. cudaGetLastError clears what failed last
+// on this thread unless it was sticky; a sticky fault then comes back from any call that
+// touches the context, as from the event made here (which waits for nothing).
+Status sticky_fault(int device) {
+  int previous = -1;
+  if (cudaGetDevice(&previous) != cudaSuccess) previous = -1;
+  cudaError_t e = cudaSetDevice(device);
+  if (e == cudaSuccess) {
+    (void)cudaGetLastError();
+    cudaEvent_t event = nullptr;
+    e = cudaEventCreateWithFlags(&event, cudaEventDisableTiming);
+    if (e == cudaSuccess) e = cudaEventDestroy(event);
+  }
+  if (previous >= 0 && previous != device) (void)cudaSetDevice(previous);
+  if (e == cudaSuccess) return ok_status();
+  return Status::error("GPU " + std::to_string(device) + ": " + cudaGetErrorName(e) + " (" + cudaGetErrorString(e) +
+                       "); CUDA keeps this fault until the process exits");
+}
+
+}  // namespace
+
+Status TpStage::health() const {
+  if (!broken_.empty()) return Status::error(broken_);
+  for (size_t r = 0; r < devices_.size(); ++r)
+    if (Status s = sticky_fault(devices_[r]); !s)
+      return Status::error(name_ + ": rank " + std::to_string(r) + " on " + s.message());
+  return ok_status();
+}
+
 template <class F>
 Status TpStage::on_ranks(F&& fn) {
   if (!broken_.empty()) return Status::error(broken_);

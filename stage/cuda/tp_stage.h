@@ -104,6 +104,13 @@ class TpStage {
   int64_t decode_weight_bytes() const { return lead().decode_weight_bytes(); }
   std::string memory_report() const;  // one line per rank
 
+  // Ok while the stage can run calls. Otherwise why it never will again in this process: its
+  // ranks' all-reduces out of step (broken_), or a GPU whose CUDA context holds a sticky fault
+  // (an illegal address, a trap, an uncorrectable ECC error: CUDA returns it from every later
+  // call until the process exits). Does not wait for the GPUs. A call refused by its checks
+  // leaves the stage healthy.
+  Status health() const;
+
  private:
   TpStage() = default;
   // make(options of rank r) -> Expected<std::unique_ptr<GpuStage>>, on rank r's GPU.

@@ -280,6 +280,7 @@ TEST(TpStage, DecodeRefusedForRankZerosRowsLeavesTheRanksInStep) {
   Status refused = tp->decode(step, &next, none, &got);
   ASSERT_FALSE(refused.ok());
   EXPECT_NE(refused.message().find("sampling row"), std::string::npos) << refused.message();
+  EXPECT_TRUE(tp->health().ok()) << "a refused call leaves the stage usable: " << tp->health().message();
   const std::vector<cuda::SampleRow> rows(1, cuda::SampleRow{&greedy, {}, {}, 0});
   for (int r = 0; r < 2; ++r) EXPECT_EQ(tp->rank(r).cached_tokens(1), 4) << "rank " << r;
   Status st = tp->decode(step, &next, rows, &got);
@@ -287,6 +288,31 @@ TEST(TpStage, DecodeRefusedForRankZerosRowsLeavesTheRanksInStep) {
   EXPECT_GE(got, 0);
   EXPECT_LT(got, cfg.vocab_size);
   for (int r = 0; r < 2; ++r) EXPECT_EQ(tp->rank(r).cached_tokens(1), 5) << "rank " << r;
+}
+
+// A kernel's illegal address stays in the GPU's CUDA context for the rest of the process: the
+// stage's health then names the GPU and the fault (a worker exits on it, so that the coordinator
+// fails over). Run in a child process (gtest's "threadsafe" death test runs this test alone in
+// a fresh copy of the program), as the fault ends CUDA in the process that takes it.
+TEST(TpStage, HealthNamesAStickyGpuFault) {
+  if (!can_place(1)) GTEST_SKIP() << kNoPlace;
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  EXPECT_EXIT(
+      {
+        const ModelConfig cfg = tp_config();
+        const StageWeights w = random_stage_weights(cfg, 0, cfg.n_layer, 9);
+        auto tp = TpStage::create(w, {0}, options(DType::F16));
+        if (!tp) (std::fprintf(stderr, "create: %s\n", tp.error().c_str()), std::_Exit(2));
+        if (Status h = (*tp)->health(); !h) (std::fprintf(stderr, "unhealthy at start: %s\n", h.message().c_str()), std::_Exit(3));
+        cudaSetDevice(0);
+        // 1 Mi halves from address 4,096: nothing is mapped there.
+        cuda::gelu_forward(reinterpret_cast<cuda::half*>(uintptr_t(4096)), int64_t(1) << 20, nullptr);
+        std::fprintf(stderr, "synchronise: %s\n", cudaGetErrorName(cudaDeviceSynchronize()));
+        const Status h = (*tp)->health();
+        std::fprintf(stderr, "health: %s\n", h ? "ok" : h.message().c_str());
+        std::_Exit(h ? 4 : 0);
+      },
+      ::testing::ExitedWithCode(0), "health: tp-test: rank 0 on GPU 0: cudaErrorIllegalAddress");
 }
 
 }  // namespace
