@@ -556,7 +556,9 @@ void LocalCluster::serve() {
     for (Child& c : children) {
       int status = 0;
       if (c.pid > 0 && ::waitpid(c.pid, &status, WNOHANG) == c.pid) {
-        std::cerr << "conveyor local: " << c.name << " exited (status " << status << ")\n";
+        const fs::path log = log_path(c.name);
+        std::cerr << "conveyor local: " << c.name << " exited (" << exit_text(status)
+                  << (log.empty() ? std::string() : "; its log: " + log.string()) << ")\n";
         c.pid = -1;
       }
     }
