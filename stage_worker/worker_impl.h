@@ -90,8 +90,8 @@ struct Worker::Impl {
   // Micro-batches smaller than this go staged even where the direct path is open. Between two
   // H200s over NVLink (a worker a GPU, the deployment) a direct handoff took 57-73 us whatever
   // its size up to 1 MiB (UCX's rendezvous over TCP loopback, the data by cuda_ipc), a staged one
-  // 39-62 us at 16 KiB, 85-99 at 64 KiB and 343-384 at 1 MiB (docs/PERFORMANCE.md, "The handoff
-  // across two GPUs with UCX's CUDA transports").
+  // 39-62 us at 16 KiB, 85-99 at 64 KiB and 343-384 at 1 MiB (docs/PERFORMANCE.md, "Tensor
+  // parallel's fix on two GPUs, the handoff with UCX's CUDA transports, ...").
   // CONVEYOR_DIRECT_MIN_BYTES overrides it (0: every micro-batch direct).
   size_t direct_min_bytes() const { return size_t(opt.direct_min_bytes); }
   int64_t busy_ns_at_last_heartbeat = 0;
