@@ -16,7 +16,8 @@
 // --idle-spin-us N their spin_when_idle (the progress threads poll for N us after their last
 // progress even with nothing under way; 0, the default: they sleep), and --call-spin-us N their
 // spin_in_calls (send() and recv() poll for N us for their result before they block; 0, the
-// default: they block at once).
+// default: they block at once). --host-shm sets both channels' host_shared_memory (shared memory
+// between the two processes, each watching the other's process; ucx_channel.h).
 //
 // --auth: the channels without a secret (off, the default), with one as the daemons have
 // theirs (on: the handshake at connect, a MAC on every envelope, transport/data_auth.h), or
@@ -122,13 +123,16 @@ struct Args {
   long spin_us = -1;     // --spin-us: both channels' spin_while_pending (-1: the default)
   long idle_spin_us = 0;  // --idle-spin-us: both channels' spin_when_idle
   long call_spin_us = 0;  // --call-spin-us: both channels' spin_in_calls
+  bool host_shm = false;  // --host-shm: both channels' host_shared_memory
   std::string path;      // the handoff peer's path: "staged" or "direct"
   std::string auth = "off";  // off, on or both (the A/B)
 
   // The options both processes pass on to their peer: transports and spins.
   std::vector<std::string> peer_args() const {
-    return {"--transports", transports, "--spin-us", std::to_string(spin_us), "--idle-spin-us",
-            std::to_string(idle_spin_us), "--call-spin-us", std::to_string(call_spin_us)};
+    std::vector<std::string> a = {"--transports", transports, "--spin-us", std::to_string(spin_us), "--idle-spin-us",
+                                  std::to_string(idle_spin_us), "--call-spin-us", std::to_string(call_spin_us)};
+    if (host_shm) a.push_back("--host-shm");
+    return a;
   }
 };
 
@@ -142,6 +146,7 @@ UcxChannelOptions channel_options(const std::string& name, const Args& args, boo
   if (args.spin_us >= 0) options.spin_while_pending = std::chrono::microseconds(args.spin_us);
   options.spin_when_idle = std::chrono::microseconds(std::max(0L, args.idle_spin_us));
   options.spin_in_calls = std::chrono::microseconds(std::max(0L, args.call_spin_us));
+  options.host_shared_memory = args.host_shm;
   return options;
 }
 
@@ -587,6 +592,8 @@ int main(int argc, char** argv) {
       args.idle_spin_us = std::stol(next());
     else if (a == "--call-spin-us")
       args.call_spin_us = std::stol(next());
+    else if (a == "--host-shm")
+      args.host_shm = true;
     else if (a == "--peer-device")
       args.peer_device = std::stoi(next());
     else if (a == "--path")

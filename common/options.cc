@@ -188,6 +188,12 @@ void add_daemon_options(std::vector<OptionSpec>& s) {
                       .values = "0 to 1000000",
                       .scope = kBoth},
                      [](auto& o) -> auto& { return o.data_idle_spin_us; }, 0, 1000000));
+  s.push_back(flag({.name = "data_plane.shared_memory",
+                    .variable = "CONVEYOR_DATA_SHM",
+                    .meaning = "the data plane talks over shared memory with the daemons of its host that do too, "
+                               "each watching the other's process for its exit (0: TCP loopback, as between hosts)",
+                    .scope = kBoth},
+                   [](auto& o) -> auto& { return o.data_shared_memory; }));
 }
 
 // The kernels' (KernelOptions): a worker passes them down; kernels never read the environment.

@@ -43,6 +43,9 @@ struct Options {
   // progress, and a send or a receive as long for its result, instead of sleeping
   // (UcxChannelOptions::spin_when_idle and spin_in_calls; 0: they sleep).
   int64_t data_idle_spin_us = 0;
+  // The data plane talks over shared memory with the daemons of its own host that do too,
+  // each watching the other's process (UcxChannelOptions::host_shared_memory).
+  bool data_shared_memory = true;
   // UCX's own variables as the environment had them at start-up ("": unset, UCX's default).
   std::string ucx_tls, ucx_net_devices, ucx_keepalive_interval, ucx_tcp_conn_nb, ucx_tcp_max_poll;
 

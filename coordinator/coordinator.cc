@@ -48,6 +48,7 @@ Expected<std::unique_ptr<Coordinator>> Coordinator::start(ClusterConfig config,
   uopt.auth_secret = config.join_token;  // only channels that prove they know it may send (data_auth.h)
   uopt.spin_when_idle = std::chrono::microseconds(process_options().data_idle_spin_us);
   uopt.spin_in_calls = uopt.spin_when_idle;  // its callers' sends and receives poll as long
+  uopt.host_shared_memory = process_options().data_shared_memory;
   auto ch = transport::UcxChannel::create(uopt);
   if (!ch) return Status::error("coordinator: cannot create the UCX data plane: " + ch.error());
   impl->control = std::move(server).value();

@@ -462,6 +462,7 @@ Expected<std::unique_ptr<Worker>> Worker::create(WorkerOptions options) {
   uopt.progress_thread_init = impl->device.bind_thread;
   uopt.spin_when_idle = std::chrono::microseconds(options.data_idle_spin_us);
   uopt.spin_in_calls = uopt.spin_when_idle;  // the receive and sender threads poll as long
+  uopt.host_shared_memory = options.data_shared_memory;
   auto ch = transport::UcxChannel::create(uopt);
   if (!ch) return Status::error("worker: cannot create the UCX data plane: " + ch.error());
   impl->coordinator_at = *coordinator;

@@ -55,6 +55,7 @@ struct WorkerOptions {
   int64_t direct_min_bytes = Options{}.direct_min_bytes;
   // The data plane's polling after progress (CONVEYOR_DATA_IDLE_SPIN_US), microseconds.
   int64_t data_idle_spin_us = Options{}.data_idle_spin_us;
+  bool data_shared_memory = Options{}.data_shared_memory;  // CONVEYOR_DATA_SHM
 };
 
 class Worker {

@@ -135,6 +135,7 @@ conveyor::Status finish_options(Flags& f, const conveyor::Options& options) {
   opt.stage.gemm = options.kernels.gemm;
   opt.direct_min_bytes = options.direct_min_bytes;
   opt.data_idle_spin_us = options.data_idle_spin_us;
+  opt.data_shared_memory = options.data_shared_memory;
   if (conveyor::Status s = conveyor::apply_kernel_options(options.kernels); !s) return s;
   opt.stage.kv_cache_bytes = f.kv_mb << 20;
   if (f.kv_mb_given->count() > 0) opt.stage.gpu_kv_cache_max_bytes = f.kv_mb << 20;

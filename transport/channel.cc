@@ -49,10 +49,12 @@ constexpr std::size_t kPrefixBytes = 16;
 
 std::vector<std::byte> encode_channel_address(ChannelKind kind, std::uint32_t channel_id,
                                               std::span<const std::byte> body, std::uint16_t flags,
-                                              const AddressNonce* nonce) {
+                                              const AddressNonce* nonce, const HostIdentity* host) {
   const std::size_t nonce_bytes = nonce ? nonce->size() : 0;
+  const std::size_t host_bytes = host ? kHostIdentityBytes : 0;
   if (nonce) flags |= kAddressAuthenticated;
-  std::vector<std::byte> out(kPrefixBytes + nonce_bytes + body.size());
+  if (host) flags |= kAddressHostSharedMemory;
+  std::vector<std::byte> out(kPrefixBytes + nonce_bytes + host_bytes + body.size());
   std::memcpy(out.data(), kMagic, 4);
   out[4] = std::byte{kVersion};
   out[5] = std::byte{static_cast<std::uint8_t>(kind)};
@@ -61,7 +63,15 @@ std::vector<std::byte> encode_channel_address(ChannelKind kind, std::uint32_t ch
   std::memcpy(out.data() + 8, &channel_id, 4);
   std::memcpy(out.data() + 12, &body_bytes, 4);
   if (nonce) std::memcpy(out.data() + kPrefixBytes, nonce->data(), nonce_bytes);
-  if (!body.empty()) std::memcpy(out.data() + kPrefixBytes + nonce_bytes, body.data(), body.size());
+  if (host) {
+    std::byte* h = out.data() + kPrefixBytes + nonce_bytes;
+    std::memcpy(h, host->boot_id.data(), 16);
+    std::memcpy(h + 16, &host->pid, 4);
+    std::memcpy(h + 20, &host->start_ticks, 8);
+    std::memcpy(h + 28, &host->net_ns, 8);
+    std::memcpy(h + 36, &host->ipc_ns, 8);
+  }
+  if (!body.empty()) std::memcpy(out.data() + kPrefixBytes + nonce_bytes + host_bytes, body.data(), body.size());
   return out;
 }
 
@@ -84,11 +94,20 @@ Expected<ChannelAddress> parse_channel_address(std::span<const std::byte> blob) 
   std::memcpy(&a.channel_id, blob.data() + 8, 4);
   std::memcpy(&body_bytes, blob.data() + 12, 4);
   const std::size_t nonce_bytes = (a.flags & kAddressAuthenticated) ? a.nonce.size() : 0;
-  if (blob.size() != kPrefixBytes + nonce_bytes + body_bytes)
+  const std::size_t host_bytes = (a.flags & kAddressHostSharedMemory) ? kHostIdentityBytes : 0;
+  if (blob.size() != kPrefixBytes + nonce_bytes + host_bytes + body_bytes)
     return Status::error("channel address length " + std::to_string(blob.size()) +
                          " does not match its body length " + std::to_string(body_bytes));
   if (nonce_bytes) std::memcpy(a.nonce.data(), blob.data() + kPrefixBytes, nonce_bytes);
-  a.body = blob.subspan(kPrefixBytes + nonce_bytes);
+  if (host_bytes) {
+    const std::byte* h = blob.data() + kPrefixBytes + nonce_bytes;
+    std::memcpy(a.host.boot_id.data(), h, 16);
+    std::memcpy(&a.host.pid, h + 16, 4);
+    std::memcpy(&a.host.start_ticks, h + 20, 8);
+    std::memcpy(&a.host.net_ns, h + 28, 8);
+    std::memcpy(&a.host.ipc_ns, h + 36, 8);
+  }
+  a.body = blob.subspan(kPrefixBytes + nonce_bytes + host_bytes);
   return a;
 }
 

@@ -9,7 +9,9 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <cerrno>
 #include <cstdlib>
+#include <cstring>
 #include <future>
 
 #include "common/options.h"
@@ -111,6 +113,11 @@ Status UcxChannel::Impl::init() {
       cuda_memory = false;
   }
   takes_device = cuda_memory && static_cast<bool>(opt.device_allocator.allocate);
+  if (opt.host_shared_memory) {
+    auto me = this_process_identity();
+    if (me) host = *me;
+    else spdlog::warn("ucx channel '{}': no shared memory with this host's channels: {}", opt.name, me.error());
+  }
 
   ucp_worker_params_t wparams{};
   wparams.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE | UCP_WORKER_PARAM_FIELD_NAME;
@@ -126,7 +133,8 @@ Status UcxChannel::Impl::init() {
     CONVEYOR_UCX_CHECK(ucp_worker_get_address(worker.get(), &raw_address, &address_bytes));
     ucx::WorkerAddress address(worker.get(), raw_address, address_bytes);
     address_blob = encode_channel_address(ChannelKind::kUcx, channel_id, address.bytes(),
-                                          takes_device ? kAddressTakesDeviceMemory : 0, key ? &nonce : nullptr);
+                                          takes_device ? kAddressTakesDeviceMemory : 0, key ? &nonce : nullptr,
+                                          host ? &*host : nullptr);
   }
 
   CONVEYOR_UCX_CHECK(ucp_worker_get_efd(worker.get(), &worker_fd));
@@ -160,12 +168,13 @@ UcxChannel::Impl::~Impl() {
     for (auto& in : queue) in->request.reset();
   for (auto& in : abandoned) in->request.reset();
   for (auto& op : sends) op->requests.clear();
+  for (auto& [op, requests] : abandoned_sends) requests.clear();
   closing.clear();
   auto force_close = [](Peer& peer) {
     if (!peer.ep) return;
     ucp_request_param_t param{};
     param.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
-    param.flags = UCP_EP_CLOSE_FLAG_FORCE;
+    param.flags = peer.host_local ? 0 : UCP_EP_CLOSE_FLAG_FORCE;  // UCX refuses to force a NONE endpoint
     ucs_status_ptr_t r = ucp_ep_close_nbx(std::exchange(peer.ep, nullptr), &param);
     if (UCS_PTR_IS_PTR(r)) ucp_request_free(r);
   };
@@ -266,6 +275,18 @@ Expected<PeerId> UcxChannel::connect(std::span<const std::byte> peer_address, st
   peer->name = std::move(name);
   peer->channel_id = parsed->channel_id;
   peer->takes_device = (parsed->flags & kAddressTakesDeviceMemory) != 0;
+  if (impl_->host && (parsed->flags & kAddressHostSharedMemory) && impl_->host->same_host(parsed->host)) {
+    // Both ends decide alike (each names the other's process), as UCX wants the same error
+    // mode at both ends of a connection.
+    if (auto fd = open_process(parsed->host)) {
+      peer->host_local = true;
+      peer->pid = parsed->host.pid;
+      peer->pidfd = UniqueFd(*fd);
+    } else {
+      spdlog::info("ucx channel '{}': {} is on this host but not over shared memory: {}", impl_->opt.name, peer->name,
+                   fd.error());
+    }
+  }
   peer->address.assign(parsed->body.begin(), parsed->body.end());
   if (Status s = impl_->open_session(*peer, *parsed); !s.ok()) return Status::error("connect to '" + peer->name + "': " + s.message());
 
@@ -302,7 +323,8 @@ Expected<PeerId> UcxChannel::connect(std::span<const std::byte> peer_address, st
     params.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
                         UCP_EP_PARAM_FIELD_ERR_HANDLER | UCP_EP_PARAM_FIELD_NAME;
     params.address = reinterpret_cast<const ucp_address_t*>(raw->address.data());
-    params.err_mode = UCP_ERR_HANDLING_MODE_PEER;
+    // A host-local peer's death is seen through its pidfd (check_host_peers), not by UCX.
+    params.err_mode = raw->host_local ? UCP_ERR_HANDLING_MODE_NONE : UCP_ERR_HANDLING_MODE_PEER;
     params.err_handler.cb = &Impl::on_ep_error;
     params.err_handler.arg = raw;
     params.name = raw->name.c_str();
@@ -315,6 +337,15 @@ Expected<PeerId> UcxChannel::connect(std::span<const std::byte> peer_address, st
             "memory cannot, so UCX_TLS needs tcp or an RDMA transport)";
       result->set_value(Status::error(std::move(text)));
       return;
+    }
+    if (raw->host_local) {  // its exit wakes the progress thread
+      epoll_event ev{};
+      ev.events = EPOLLIN;
+      ev.data.fd = raw->pidfd.get();
+      if (::epoll_ctl(impl->epoll_fd.get(), EPOLL_CTL_ADD, raw->pidfd.get(), &ev) != 0)
+        spdlog::warn("ucx channel '{}': epoll_ctl on {}'s pidfd: {}; its exit is seen within a millisecond of "
+                     "progress instead",
+                     impl->opt.name, raw->name, std::strerror(errno));
     }
     {
       std::lock_guard lock(impl->mu);

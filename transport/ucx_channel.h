@@ -87,6 +87,13 @@ struct UcxChannelOptions {
   // futex wake-up the progress thread would otherwise pay for the caller. It costs the
   // caller's core while it spins. 0: block at once.
   std::chrono::microseconds spin_in_calls{0};
+  // Talk over shared memory (UCX's sysv/posix/cma, and cuda_ipc for device payloads) with the
+  // channels of this host that do too: a message of a few KiB then crosses in a third of the
+  // time TCP loopback takes. UCX 1.13's shared memory cannot detect a dead peer, so such an
+  // endpoint has no peer-failure handling (UCP_ERR_HANDLING_MODE_NONE) and the channel watches
+  // the peer's process itself (a pidfd; the address names the process by boot id, pid and start
+  // time). Both channels must set it; otherwise, or on another host, TCP or RDMA as before.
+  bool host_shared_memory = false;
   std::chrono::milliseconds close_timeout{2000};  // bound on the destructor's clean-up
 };
 

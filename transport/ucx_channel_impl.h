@@ -34,6 +34,7 @@
 #include "transport/buffer_pool.h"
 #include "transport/channel_address.h"
 #include "transport/data_auth.h"
+#include "transport/host_identity.h"
 #include "transport/ucx_channel.h"
 #include "transport/ucx_check.h"
 #include "transport/wire_format.h"
@@ -90,6 +91,12 @@ struct UcxChannel::Impl {
     std::string name;
     std::uint32_t channel_id = 0;
     bool takes_device = false;   // its address says it takes device payloads
+    // On this host and both channels talk over shared memory (host_shared_memory): the
+    // endpoint has no peer-failure handling (UCX 1.13's shared memory has none), so the
+    // peer's process is watched instead, through a pidfd (readable once it has exited).
+    bool host_local = false;
+    std::uint32_t pid = 0;
+    UniqueFd pidfd;
     // On an authenticated channel: the session key of the handshake connect() sent, and that
     // handshake's header (the nonce and proof), kept until the channel goes.
     std::optional<auth::Key> session;
@@ -193,6 +200,13 @@ struct UcxChannel::Impl {
   // session key it opens; an error when only one of the two channels is authenticated.
   Status open_session(Peer& peer, const ChannelAddress& to);
   bool close_failed_peers();
+  // Fails each host-local peer whose process has exited (its pidfd is readable). At most once a
+  // millisecond unless `now`: the progress thread spins through here.
+  bool check_host_peers(bool now);
+  // The sends to a host-local peer that failed: UCX will neither finish nor cancel their requests
+  // (its endpoint cannot be closed by force), so they end here, with the peer's failure; the
+  // requests are kept until the channel goes (`abandoned_sends`).
+  void abandon_sends(const Peer& peer);
   // disconnect(): the peer leaves the id map; a working endpoint is parked for the next
   // connect() to the same channel (see `parked`), any other is closed.
   void park_or_close(std::unique_ptr<Peer> peer);
@@ -226,6 +240,9 @@ struct UcxChannel::Impl {
   BufferPool device_pool;  // receive buffers in device memory (device_allocator; the direct path)
   std::uint32_t channel_id = 0;
   std::vector<std::byte> address_blob;
+  // This process, when opt.host_shared_memory (in the address, kAddressHostSharedMemory).
+  std::optional<HostIdentity> host;
+  Clock::time_point last_host_check{};
   bool cuda_memory = false;   // the context's memory types include CUDA (ucp_context_query)
   bool takes_device = false;  // cuda_memory and a device_allocator: advertised in the address
   // Set when opt.auth_secret is: the cluster's data-plane key, and this channel's nonce (in
@@ -274,6 +291,9 @@ struct UcxChannel::Impl {
   // Failed messages whose UCX request is still in flight: kept (buffers included) until
   // the request completes or the worker is destroyed.
   std::list<std::unique_ptr<Incoming>> abandoned;
+  // Sends to failed host-local peers, ended without UCX (abandon_sends): each op with the requests
+  // UCX still holds (their callbacks point at the op), until the channel goes.
+  std::list<std::pair<std::shared_ptr<SendOp>, std::vector<ucx::Request>>> abandoned_sends;
   // Remote channels this channel closed a connection to (a later connect's handshake says it
   // redials: replaces_closed).
   std::set<std::uint32_t> closed_channels;

@@ -3,6 +3,7 @@
 // queue into buffers of the advertised size, hands finished ones to recv() in order per
 // sender, reports failed peers, enforces deadlines, and sleeps in epoll when idle.
 #include <spdlog/spdlog.h>
+#include <poll.h>
 #include <sys/epoll.h>
 #include <sys/eventfd.h>
 #include <unistd.h>
@@ -27,6 +28,7 @@ void UcxChannel::Impl::loop() {
   for (;;) {
     bool busy = run_tasks();
     busy |= progress_burst();
+    busy |= check_host_peers(false);
     busy |= close_failed_peers();
     busy |= probe_incoming();
     busy |= advance_incoming();
@@ -72,6 +74,7 @@ void UcxChannel::Impl::loop() {
     std::uint64_t drained;
     while (::read(wake_fd.get(), &drained, sizeof(drained)) > 0) {
     }
+    check_host_peers(true);  // a peer's pidfd may be what woke it
     for (int i = 0; i < kIdleProgressCalls; ++i) ucp_worker_progress(worker.get());
   }
   // Fail whatever is still queued (post() takes no more once stopping is set).
@@ -559,14 +562,61 @@ std::unique_ptr<UcxChannel::Impl::Peer> UcxChannel::Impl::take_parked(std::uint3
 }
 
 // Forced: every request on the endpoint completes with an error at once. Otherwise UCX
-// first flushes what was sent (the close request completes when the peer has it).
+// first flushes what was sent (the close request completes when the peer has it). A host-local
+// peer's endpoint cannot be forced (UCX refuses it without peer-failure handling): its process
+// is no longer watched, its sends end here (abandon_sends), and the flush is not waited for.
 void UcxChannel::Impl::close_endpoint(Peer& peer, bool force) {
   if (!peer.ep) return;
+  if (peer.host_local) {
+    if (peer.pidfd.get() >= 0) ::epoll_ctl(epoll_fd.get(), EPOLL_CTL_DEL, peer.pidfd.get(), nullptr);
+    peer.pidfd = UniqueFd();
+    abandon_sends(peer);
+    force = false;
+  }
   ucp_request_param_t param{};
   param.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
   param.flags = force ? UCP_EP_CLOSE_FLAG_FORCE : 0;
   ucs_status_ptr_t r = ucp_ep_close_nbx(std::exchange(peer.ep, nullptr), &param);
   if (UCS_PTR_IS_PTR(r)) closing.push_back({ucx::Request(worker.get(), r), &peer, nullptr});
+}
+
+bool UcxChannel::Impl::check_host_peers(bool now) {
+  if (!host) return false;
+  const auto t = Clock::now();
+  if (!now && t - last_host_check < milliseconds(1)) return false;
+  last_host_check = t;
+  std::vector<Peer*> watched;
+  {
+    std::lock_guard lock(mu);
+    for (auto& [id, peer] : peers)
+      if (peer->pidfd.get() >= 0 && peer->failure.ok()) watched.push_back(peer.get());
+  }
+  for (auto& [channel, peer] : parked)
+    if (peer->pidfd.get() >= 0 && peer->failure.ok()) watched.push_back(peer.get());
+  bool any = false;
+  for (Peer* peer : watched) {
+    pollfd p{peer->pidfd.get(), POLLIN, 0};
+    if (::poll(&p, 1, 0) <= 0) continue;
+    // Level-triggered: it would wake every epoll_wait from now on.
+    ::epoll_ctl(epoll_fd.get(), EPOLL_CTL_DEL, peer->pidfd.get(), nullptr);
+    fail_peer(*peer, Status::error("its process (pid " + std::to_string(peer->pid) + ", this host) exited"));
+    any = true;
+  }
+  return any;
+}
+
+void UcxChannel::Impl::abandon_sends(const Peer& peer) {
+  for (const std::shared_ptr<SendOp>& op : sends) {
+    if (op->peer != peer.id || op->pending <= 0) continue;
+    if (op->status.ok()) {
+      std::lock_guard lock(mu);
+      op->status = Status::error("send to '" + peer.name + "': " +
+                                 (peer.failure.ok() ? std::string("endpoint closed") : peer.failure.message()));
+    }
+    abandoned_sends.emplace_back(op, std::move(op->requests));
+    op->requests.clear();
+    op->pending = 0;  // finish_sends() wakes the caller
+  }
 }
 
 void UcxChannel::Impl::check_deadlines(Clock::time_point now) {

@@ -67,7 +67,7 @@ TEST(Options, EveryDeclarationIsWholeAndUnique) {
                         "CONVEYOR_DETERMINISTIC", "CONVEYOR_FP8_FAST_ACCUM", "CONVEYOR_PDL", "CONVEYOR_INT8_GEMV_KSPLIT",
                         "CONVEYOR_CPU_THREADS", "CONVEYOR_TRACE_DIR", "UCX_TLS", "UCX_NET_DEVICES",
                         "UCX_KEEPALIVE_INTERVAL", "CONVEYOR_LOG_LEVEL", "CONVEYOR_JOIN_TOKEN", "CONVEYOR_API_KEY",
-                        "CONVEYOR_DIRECT_MIN_BYTES", "CONVEYOR_DATA_IDLE_SPIN_US", "UCX_TCP_CONN_NB",
+                        "CONVEYOR_DIRECT_MIN_BYTES", "CONVEYOR_DATA_IDLE_SPIN_US", "CONVEYOR_DATA_SHM", "UCX_TCP_CONN_NB",
                         "UCX_TCP_MAX_POLL"})
     EXPECT_NE(find_option(v), nullptr) << v << " is not declared";
   for (const char* v : {"UCX_TLS", "UCX_NET_DEVICES", "UCX_KEEPALIVE_INTERVAL", "UCX_TCP_CONN_NB", "UCX_TCP_MAX_POLL"})
@@ -93,6 +93,7 @@ TEST(Options, DefaultsAreTodaysBehaviour) {
   EXPECT_EQ(o.join_token, "");
   EXPECT_EQ(o.api_key, "");
   EXPECT_EQ(o.direct_min_bytes, int64_t(64) << 10);
+  EXPECT_TRUE(o.data_shared_memory);
   EXPECT_EQ(o.data_idle_spin_us, 0);
   EXPECT_EQ(o.ucx_tls, "");
   // An empty variable counts as unset, as it did.
@@ -118,6 +119,7 @@ TEST(Options, EachKindParses) {
                              {"CONVEYOR_API_KEY", "k"},
                              {"CONVEYOR_DIRECT_MIN_BYTES", "0"},
                              {"CONVEYOR_DATA_IDLE_SPIN_US", "300"},
+                             {"CONVEYOR_DATA_SHM", "0"},
                              {"UCX_TLS", "tcp,self"},
                              {"UCX_NET_DEVICES", "lo"},
                              {"UCX_KEEPALIVE_INTERVAL", "2s"},
@@ -140,6 +142,7 @@ TEST(Options, EachKindParses) {
   EXPECT_EQ(o.api_key, "k");
   EXPECT_EQ(o.direct_min_bytes, 0);
   EXPECT_EQ(o.data_idle_spin_us, 300);
+  EXPECT_FALSE(o.data_shared_memory);
   EXPECT_EQ(o.ucx_tls, "tcp,self");
   EXPECT_EQ(o.ucx_net_devices, "lo");
   EXPECT_EQ(o.ucx_keepalive_interval, "2s");

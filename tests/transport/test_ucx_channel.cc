@@ -215,7 +215,8 @@ TEST_P(UcxChannelTest, DevicePathIsNegotiatedByAddress) {
   EXPECT_EQ((gpu_address->flags & kAddressTakesDeviceMemory) != 0, gpu->takes_device_memory());
   auto plain_address = parse_channel_address(plain->address());
   ASSERT_TRUE(plain_address.ok());
-  EXPECT_EQ(plain_address->flags, 0);
+  EXPECT_EQ(plain_address->flags & ~kAddressHostSharedMemory, 0);
+  EXPECT_EQ((plain_address->flags & kAddressHostSharedMemory) != 0, transports() == kHostShm);
 
   auto to_plain = gpu->connect(plain->address(), "plain");
   auto to_gpu = plain->connect(gpu->address(), "gpu");
@@ -548,13 +549,16 @@ TEST_P(UcxChannelTest, LoopbackDeviceAloneCarriesEverySize) {
   }
   auto info = a->transport_info(*to_b);
   ASSERT_TRUE(info.ok()) << info.error();
-  EXPECT_NE(info->find("/lo"), std::string::npos) << *info;
+  // With host_shared_memory the two channels of this process talk over shared memory instead.
+  if (transports() == kHostShm) EXPECT_NE(info->find("memory"), std::string::npos) << *info;
+  else EXPECT_NE(info->find("/lo"), std::string::npos) << *info;
   EXPECT_EQ(info->find("eth"), std::string::npos) << "an interface other than lo: " << *info;
 }
 
-INSTANTIATE_TEST_SUITE_P(Transports, UcxChannelTest, ::testing::Values("", "tcp"), transports_name);
+INSTANTIATE_TEST_SUITE_P(Transports, UcxChannelTest, ::testing::Values("", "tcp", kHostShm), transports_name);
 INSTANTIATE_TEST_SUITE_P(Paths, UcxPathTest,
-                         ::testing::Combine(::testing::Values("", "tcp"), ::testing::Values(Path::kStaged, Path::kDirect)),
+                         ::testing::Combine(::testing::Values("", "tcp", kHostShm),
+                                            ::testing::Values(Path::kStaged, Path::kDirect)),
                          path_name);
 
 }  // namespace

@@ -279,9 +279,10 @@ TEST_P(UcxChannelTest, TwoSenderProcessesToOneReceiver) {
   EXPECT_EQ(p2->process.wait_exit(10s), 0);
 }
 
-INSTANTIATE_TEST_SUITE_P(Transports, UcxChannelTest, ::testing::Values("", "tcp"), transports_name);
+INSTANTIATE_TEST_SUITE_P(Transports, UcxChannelTest, ::testing::Values("", "tcp", kHostShm), transports_name);
 INSTANTIATE_TEST_SUITE_P(Paths, UcxPathTest,
-                         ::testing::Combine(::testing::Values("", "tcp"), ::testing::Values(Path::kStaged, Path::kDirect)),
+                         ::testing::Combine(::testing::Values("", "tcp", kHostShm),
+                                            ::testing::Values(Path::kStaged, Path::kDirect)),
                          path_name);
 
 // ------------------------------------------------------------------ the peer process

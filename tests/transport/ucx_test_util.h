@@ -38,10 +38,14 @@ inline constexpr std::size_t KiB = 1024, MiB = 1024 * KiB;
 // to a peer. Offering every interface, a channel beside such a test connected once to a
 // bridge that then went away ("connection establishment ... was unsuccessful", then
 // "Endpoint timeout"; 2 of 728 tests, with the netns tests repeated beside the suite).
+// `transports` "shm": UCX's default choice, with host_shared_memory (two channels of this host
+// then talk over shared memory, each watching the other's process).
+inline constexpr const char* kHostShm = "shm";
 inline std::unique_ptr<UcxChannel> make_channel(const std::string& transports, const std::string& name,
                                          UcxChannelOptions options = {}) {
   options.name = name;
-  options.transports = transports;
+  options.transports = transports == kHostShm ? std::string() : transports;
+  if (transports == kHostShm) options.host_shared_memory = true;
   if (options.net_devices.empty()) options.net_devices = "lo";
   auto ch = UcxChannel::create(options);
   EXPECT_TRUE(ch.ok()) << ch.error();
