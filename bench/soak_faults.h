@@ -7,7 +7,9 @@
 //   drain    the admin API drains a serving worker (a spare takes its stage); the drained
 //            worker is then sent SIGTERM and a fresh one joins
 //   replan   the admin API re-plans to another shape (stages x replicas), and back
-//   reset    the coordinator's TCP connections to a serving worker are reset (`ss -K`)
+//   reset    the coordinator's TCP connections to a serving worker are reset (`ss -K`; only
+//            with CONVEYOR_DATA_SHM=0, as the daemons of one host otherwise move micro-batches
+//            over shared memory, which has no connection to reset)
 //   restart  the coordinator is SIGKILLed and started again on its ports; the workers find
 //            it, its clients lose their connections (and send their requests again)
 //
@@ -63,7 +65,8 @@ class FaultInjector {
   FaultInjector(Cluster& cluster, netns_test::NetnsCluster* netns, uint64_t seed, SoakState& state, int stages,
                 int replicas)
       : c_(cluster), netns_(netns), rng_(seed), s_(state), stages_(stages), replicas_(replicas) {
-    has_ss_ = !netns_ && std::system("ss -V >/dev/null 2>&1") == 0;
+    const char* shm = std::getenv("CONVEYOR_DATA_SHM");
+    has_ss_ = !netns_ && shm && std::string(shm) == "0" && std::system("ss -V >/dev/null 2>&1") == 0;
     for (size_t i = 0; i < c_.workers.size(); ++i) {
       names_.push_back(netns_ ? "n" + std::to_string(i + 1) : "w" + std::to_string(i));
       nodes_.push_back(netns_ ? names_.back() : "");

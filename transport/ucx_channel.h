@@ -21,7 +21,8 @@
 // applies when set, else UCX's default selection: RDMA or TCP; likewise `net_devices`
 // (UCX_NET_DEVICES) keeps a daemon that knows its cluster address on that interface. UCX 1.13 will not use its
 // shared-memory transports with peer-failure detection, so two processes on one host talk
-// over TCP loopback (README.md).
+// over TCP loopback, unless both set host_shared_memory: then over shared memory, each
+// watching the other's process itself (README.md).
 #pragma once
 
 #include <atomic>

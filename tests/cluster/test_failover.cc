@@ -149,10 +149,12 @@ TEST(Drain, ServingWorkersUnderLoadLoseNothing) {
 
 // The coordinator's data-plane connection to a serving worker is reset (twice, at random
 // moments) while both stay alive: the pipeline is replayed on fresh connections and every
-// answer is still the engine's.
+// answer is still the engine's. Over TCP (CONVEYOR_DATA_SHM=0): by default the daemons of one
+// host talk over shared memory, which has no connection for `ss -K` to reset.
 class DataPlaneReset : public ::testing::TestWithParam<uint32_t> {};
 TEST_P(DataPlaneReset, CoordinatorConnectionLosesNothing) {
   if (std::system("ss -V >/dev/null 2>&1") != 0) GTEST_SKIP() << "ss (iproute2) is missing";
+  testing::ScopedEnv over_tcp("CONVEYOR_DATA_SHM", "0");
   Cluster cluster;
   ASSERT_TRUE(cluster.start("reset-" + std::to_string(GetParam()), 3, 4, "heartbeat: {interval_ms: 200, liveness_ms: 2000}\n"));
   // Replays are the point: a reset can also fail a batch in flight between two workers while
