@@ -70,6 +70,7 @@ std::vector<std::byte> encode_channel_address(ChannelKind kind, std::uint32_t ch
     std::memcpy(h + 20, &host->start_ticks, 8);
     std::memcpy(h + 28, &host->net_ns, 8);
     std::memcpy(h + 36, &host->ipc_ns, 8);
+    std::memcpy(h + 44, &host->uid, 4);
   }
   if (!body.empty()) std::memcpy(out.data() + kPrefixBytes + nonce_bytes + host_bytes, body.data(), body.size());
   return out;
@@ -106,6 +107,7 @@ Expected<ChannelAddress> parse_channel_address(std::span<const std::byte> blob) 
     std::memcpy(&a.host.start_ticks, h + 20, 8);
     std::memcpy(&a.host.net_ns, h + 28, 8);
     std::memcpy(&a.host.ipc_ns, h + 36, 8);
+    std::memcpy(&a.host.uid, h + 44, 4);
   }
   a.body = blob.subspan(kPrefixBytes + nonce_bytes + host_bytes);
   return a;

@@ -11,8 +11,8 @@
 //   8       4      channel id (the id carried in every message the channel sends)
 //   12      4      body length in bytes
 //  [        16     with flags bit 1: the channel's nonce for handshakes (data_auth.h)]
-//  [        44     with flags bit 2: its process (host_identity.h): boot id 16, pid 4, start 8,
-//                  network namespace 8, IPC namespace 8]
+//  [        48     with flags bit 2: its process (host_identity.h): boot id 16, pid 4, start 8,
+//                  network namespace 8, IPC namespace 8, user 4]
 //           n      body: the ucp worker address (kind 1) or the mailbox number (kind 2)
 //
 // Little-endian, like the data-plane wire format (wire_format.h).

@@ -57,6 +57,7 @@ Expected<HostIdentity> this_process_identity() {
   if (!boot) return boot.status();
   me.boot_id = *boot;
   me.pid = std::uint32_t(::getpid());
+  me.uid = std::uint32_t(::getuid());
   auto start = process_start_ticks(me.pid);
   if (!start) return start.status();
   me.start_ticks = *start;
@@ -71,7 +72,7 @@ Expected<HostIdentity> this_process_identity() {
 Expected<int> open_process(const HostIdentity& who) {
   auto me = this_process_identity();
   if (!me) return me.status();
-  if (!me->same_host(who)) return Status::error("another host, or other network or IPC namespaces");
+  if (!me->same_host(who)) return Status::error("another host, other network or IPC namespaces, or another user");
   const int fd = int(::syscall(SYS_pidfd_open, pid_t(who.pid), 0));
   if (fd < 0) return Status::error("pidfd_open(" + std::to_string(who.pid) + "): " + std::strerror(errno));
   // Checked after the pidfd is open, so the descriptor is on the process whose start time agrees.
