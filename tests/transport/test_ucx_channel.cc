@@ -1,6 +1,7 @@
 // UcxChannel: two channels in one process (test_ucx_processes.cc: across processes). Every
-// test runs twice: with UCX's default transport choice and with UCX_TLS=tcp (an environment
-// UCX_TLS, when set, overrides both). The wire-format and ordering tests (UcxPathTest) run
+// test runs three times: with UCX's default transport choice, with UCX_TLS=tcp, and with
+// host_shared_memory (shared memory, each channel watching the other's process; an environment
+// UCX_TLS, when set, overrides all three). The wire-format and ordering tests (UcxPathTest) run
 // over both data paths as well: staged (payloads in host memory) and direct (payloads sent
 // from and received into CUDA device memory; skipped without a GPU or a UCX built with CUDA;
 // "tcp" is then UCX_TLS=tcp,cuda_copy, as UCX needs cuda_copy to move device memory at all).

@@ -189,7 +189,7 @@ class UcxPathTest : public ::testing::TestWithParam<std::tuple<std::string, Path
 };
 
 // Both fixtures run under each transport choice, UcxPathTest over both paths as well:
-// Transports/UcxChannelTest.X/{Default,tcp}, Paths/UcxPathTest.X/{Default,tcp}_{Staged,Direct}.
+// Transports/UcxChannelTest.X/{Default,tcp,shm}, Paths/UcxPathTest.X/{Default,tcp,shm}_{Staged,Direct}.
 inline std::string transports_name(const ::testing::TestParamInfo<std::string>& info) {
   return info.param.empty() ? std::string("Default") : info.param;
 }
