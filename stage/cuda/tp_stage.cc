@@ -19,19 +19,16 @@ namespace {
 // on this thread unless it was sticky; a sticky fault then comes back from any call that
 // touches the context, as from the event made here (which waits for nothing).
 Status sticky_fault(int device) {
-  int previous = -1;
-  if (cudaGetDevice(&previous) != cudaSuccess) previous = -1;
-  cudaError_t e = cudaSetDevice(device);
-  if (e == cudaSuccess) {
+  const Status s = guard("GPU " + std::to_string(device), [&] {
+    DeviceGuard on(device);
     (void)cudaGetLastError();
     cudaEvent_t event = nullptr;
-    e = cudaEventCreateWithFlags(&event, cudaEventDisableTiming);
-    if (e == cudaSuccess) e = cudaEventDestroy(event);
-  }
-  if (previous >= 0 && previous != device) (void)cudaSetDevice(previous);
-  if (e == cudaSuccess) return ok_status();
-  return Status::error("GPU " + std::to_string(device) + ": " + cudaGetErrorName(e) + " (" + cudaGetErrorString(e) +
-                       "); CUDA keeps this fault until the process exits");
+    CUDA_CHECK(cudaEventCreateWithFlags(&event, cudaEventDisableTiming));
+    CUDA_CHECK(cudaEventDestroy(event));
+    return ok_status();
+  });
+  if (s) return s;
+  return Status::error(s.message() + "; CUDA keeps this fault until the process exits");
 }
 
 }  // namespace
