@@ -1,5 +1,7 @@
 #include "stage_worker/handoff.h"
 
+#include <spdlog/spdlog.h>
+
 #include <stdexcept>
 
 namespace conveyor {
@@ -96,6 +98,15 @@ bool Handoff::idle() {
   return queue_.empty() && !sending_;
 }
 
+void Handoff::retire(Slot& s) {
+  retired_bytes_ += s.capacity;
+  spdlog::warn("handoff: a send failed, so its {} slot of {} bytes is kept unwritten while the peer may still read "
+               "it ({} bytes kept so far); the next micro-batch takes fresh memory",
+               s.device ? "device" : "host", s.capacity, retired_bytes_);
+  retired_.push_back(std::move(s.data));
+  s.capacity = 0;
+}
+
 void Handoff::run() {
   std::unique_lock lock(mu_);
   for (;;) {
@@ -115,6 +126,7 @@ void Handoff::run() {
         std::memory_order_relaxed);
     if (!sent && send.on_failure) send.on_failure(sent);
     lock.lock();
+    if (!sent && send.bytes > 0) retire(slots_[size_t(send.slot)]);
     slots_[size_t(send.slot)].busy = false;
     sending_ = false;
     changed_.notify_all();

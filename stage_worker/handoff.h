@@ -17,7 +17,10 @@
 // too (a header and no payload, in a slot of 0 bytes), so that step need not wait for the send.
 //
 // Sends go out in the order they were queued. A failed send calls the closure queued with
-// it, on the sender thread.
+// it, on the sender thread, and retires its slot's memory: the peer may still read it
+// (transport::Channel::send), so it is kept, never written again, until the Handoff goes, and
+// the slot takes fresh memory for the next micro-batch. A failed send is a failed neighbour,
+// so this costs a slot's memory per failover at most.
 #pragma once
 
 #include <atomic>
@@ -96,6 +99,7 @@ class Handoff {
     OnFailure on_failure;
   };
   void run();
+  void retire(Slot& s);  // under mu_, by the sender thread
 
   transport::Channel& channel_;
   const std::chrono::milliseconds timeout_;
@@ -108,6 +112,9 @@ class Handoff {
   bool interrupted_ = false;  // guarded by mu_
   std::atomic<int64_t> send_ns_total_{0};
   std::atomic<int64_t> device_sends_{0};
+  // The memory of slots whose send failed (retire), and its total.
+  std::vector<std::shared_ptr<std::byte[]>> retired_;
+  size_t retired_bytes_ = 0;
   std::thread sender_;
 };
 

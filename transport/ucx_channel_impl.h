@@ -113,6 +113,10 @@ struct UcxChannel::Impl {
     PeerId peer = kNoPeer;
     std::span<const std::byte> header;
     PayloadView payload;
+    // To a host-local peer: the header and an inline payload copied here (`header` and
+    // `payload` then point into it), as the peer may still read them after the send is given
+    // up (abandon_sends) and the caller has freed or rewritten its own.
+    std::vector<std::byte> envelope_copy;
     bool hello = false;   // the handshake connect() sends first (wire::kFlagHello)
     bool redial = false;  // and the sender's earlier connections to that channel are closed (kFlagRedial)
     Clock::time_point deadline;
@@ -207,6 +211,8 @@ struct UcxChannel::Impl {
   // (its endpoint cannot be closed by force), so they end here, with the peer's failure; the
   // requests are kept until the channel goes (`abandoned_sends`).
   void abandon_sends(const Peer& peer);
+  // Copies a send's header (and an inline payload) into the op (SendOp::envelope_copy).
+  static void keep_envelope(SendOp& op, bool inline_payload);
   // disconnect(): the peer leaves the id map; a working endpoint is parked for the next
   // connect() to the same channel (see `parked`), any other is closed.
   void park_or_close(std::unique_ptr<Peer> peer);

@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <future>
 
 #include "transport/channel_address.h"
@@ -135,6 +136,7 @@ void UcxChannel::Impl::start_send(const std::shared_ptr<SendOp>& op) {
 
   // A device payload always goes as its own message (UCX moves it GPU to GPU).
   const bool inline_payload = !device && op->payload.bytes <= opt.inline_payload_bytes;
+  if (peer->host_local) keep_envelope(*op, inline_payload);
   op->prefix.sender_id = channel_id;
   op->prefix.header_bytes = static_cast<std::uint32_t>(op->header.size());
   op->prefix.payload_bytes = op->payload.bytes;
@@ -180,6 +182,18 @@ void UcxChannel::Impl::start_send(const std::shared_ptr<SendOp>& op) {
     issue(op->payload.data, op->payload.bytes, wire::payload_tag(channel_id, op->prefix.seq));
   }
   sends.push_back(op);  // finish_sends() completes it once nothing is pending
+}
+
+void UcxChannel::Impl::keep_envelope(SendOp& op, bool inline_payload) {
+  const std::size_t payload = inline_payload ? op.payload.bytes : 0;
+  op.envelope_copy.resize(op.header.size() + payload);
+  std::byte* at = op.envelope_copy.data();
+  if (!op.header.empty()) std::memcpy(at, op.header.data(), op.header.size());
+  op.header = {at, op.header.size()};
+  if (payload) {
+    std::memcpy(at + op.header.size(), op.payload.data, payload);
+    op.payload.data = at + op.header.size();
+  }
 }
 
 void UcxChannel::Impl::on_send_done(void* /*request*/, ucs_status_t status, void* user_data) {

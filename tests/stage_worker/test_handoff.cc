@@ -1,7 +1,8 @@
 // The stage worker's outgoing side (stage_worker/handoff.h): sends leave in the order they
 // were queued, from slots that are reused only once their send has returned; with every slot
 // in flight the compute thread waits (a stalled next stage stalls this one, over real UCX on
-// loopback); a failed send reaches the closure queued with it; drain() returns once all is
+// loopback); a failed send reaches the closure queued with it and its slot's memory is never
+// written again (the peer may still read it); drain() returns once all is
 // sent; interrupted waits (a stopping stage) end at once. Device slots (the direct path): a slot changes kind when asked for the other kind, a
 // channel that cannot move device memory refuses its send, and on a GPU with a UCX built with
 // CUDA two device slots carry micro-batches GPU to GPU in order.
@@ -90,15 +91,28 @@ TEST(Handoff, AFailedSendReachesItsClosure) {
   ASSERT_TRUE(to_b) << to_b.error();
   b.reset();  // the next stage dies
   Handoff h(a, 2, 1s);
+  std::weak_ptr<std::byte[]> failed_memory;
+  const int first = *h.acquire(64, [&](size_t n) {
+    auto p = heap(n);
+    failed_memory = p;
+    return p;
+  });
   std::promise<std::string> failed;
-  send_filled(h, *to_b, 1, 64, [&](const Status& s) { failed.set_value(s.message()); });
+  h.submit(first, *to_b, {std::byte{1}}, 64, [&](const Status& s) { failed.set_value(s.message()); });
   auto f = failed.get_future();
   ASSERT_EQ(f.wait_for(5s), std::future_status::ready);
   EXPECT_FALSE(f.get().empty());
   h.drain();
-  // The slot came back: both can be taken again.
-  const int x = *h.acquire(64, heap), y = *h.acquire(64, heap);
+  // The slot came back: both can be taken again. The failed one's memory is retired, not
+  // reused (the peer may still read it: transport::Channel::send): kept alive, and the slot
+  // asks for fresh memory.
+  int allocations = 0;
+  auto count = [&](size_t n) { ++allocations; return heap(n); };
+  const int x = *h.acquire(64, count), y = *h.acquire(64, count);
   EXPECT_NE(x, y);
+  EXPECT_EQ(allocations, 2);
+  EXPECT_FALSE(failed_memory.expired()) << "a failed send's memory was freed while the peer may read it";
+  for (int i : {x, y}) EXPECT_NE(h.slot(i).data(), failed_memory.lock().get());
   h.cancel(x), h.cancel(y);
 }
 
