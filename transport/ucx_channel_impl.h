@@ -300,6 +300,9 @@ struct UcxChannel::Impl {
   // Sends to failed host-local peers, ended without UCX (abandon_sends): each op with the requests
   // UCX still holds (their callbacks point at the op), until the channel goes.
   std::list<std::pair<std::shared_ptr<SendOp>, std::vector<ucx::Request>>> abandoned_sends;
+  // The envelope copies of other failed sends to host-local peers, kept unwritten until the
+  // channel goes for the same reason: the peer may still read them (SendOp::envelope_copy).
+  std::vector<std::vector<std::byte>> failed_envelopes;
   // Remote channels this channel closed a connection to (a later connect's handshake says it
   // redials: replaces_closed).
   std::set<std::uint32_t> closed_channels;

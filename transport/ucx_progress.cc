@@ -218,6 +218,8 @@ bool UcxChannel::Impl::finish_sends() {
       if (p && !p->failure.ok()) text += " (" + p->failure.message() + ")";
       op.status = Status::error(std::move(text));
     }
+    // A failed send's envelope copy (a host-local peer's) may still be read by that peer.
+    if (!op.status.ok() && !op.envelope_copy.empty()) failed_envelopes.push_back(std::move(op.envelope_copy));
     complete_send(op);
     it = sends.erase(it);
     any = true;
