@@ -119,6 +119,7 @@ void Handoff::run() {
     const Slot& s = slots_[size_t(send.slot)];
     const auto t0 = std::chrono::steady_clock::now();
     const bool device = s.device && send.bytes > 0;
+    const bool lent = send.bytes > 0 && channel_.peer_reads_failed_payloads(send.peer, device);
     const Status sent = channel_.send(send.peer, send.header, {s.data.get(), send.bytes, device}, timeout_);
     if (device && sent) device_sends_.fetch_add(1, std::memory_order_relaxed);
     send_ns_total_.fetch_add(
@@ -126,7 +127,7 @@ void Handoff::run() {
         std::memory_order_relaxed);
     if (!sent && send.on_failure) send.on_failure(sent);
     lock.lock();
-    if (!sent && send.bytes > 0) retire(slots_[size_t(send.slot)]);
+    if (!sent && lent) retire(slots_[size_t(send.slot)]);
     slots_[size_t(send.slot)].busy = false;
     sending_ = false;
     changed_.notify_all();

@@ -17,10 +17,11 @@
 // too (a header and no payload, in a slot of 0 bytes), so that step need not wait for the send.
 //
 // Sends go out in the order they were queued. A failed send calls the closure queued with
-// it, on the sender thread, and retires its slot's memory: the peer may still read it
-// (transport::Channel::send), so it is kept, never written again, until the Handoff goes, and
-// the slot takes fresh memory for the next micro-batch. A failed send is a failed neighbour,
-// so this costs a slot's memory per failover at most.
+// it, on the sender thread. Where the peer may still read its payload
+// (transport::Channel::peer_reads_failed_payloads: a device slot, or a peer over shared
+// memory), the slot's memory is retired: kept, never written again, until the Handoff goes,
+// and the slot takes fresh memory for the next micro-batch. A failed send is a failed
+// neighbour, so this costs a slot's memory per failover at most.
 #pragma once
 
 #include <atomic>

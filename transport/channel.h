@@ -3,8 +3,9 @@
 // processes and hosts) and InProcChannel (inproc_channel.h, inside one process, for tests).
 //
 // Ownership is explicit: send() borrows the caller's header and payload and returns only
-// when both may be reused (or freed), with one exception: the payload of a send that failed
-// (below); recv() hands back a Message that owns its buffers.
+// when both may be reused (or freed), with one exception: the payload of a send that failed,
+// where peer_reads_failed_payloads says so (below); recv() hands back a Message that owns its
+// buffers.
 //
 // Peers: a channel publishes address() (bytes the control plane carries to other workers);
 // connect(address) turns a peer's address into a local PeerId to send to. A channel
@@ -110,14 +111,15 @@ class Channel {
   // peer is unknown or has failed, or when the transfer does not complete within `timeout`
   // (the peer is then marked failed: a stuck peer is treated like a dead one).
   //
-  // A payload whose send failed may still be read by the peer, however its send ended: a
-  // peer reads a large payload from the sender's memory (UCX's rendezvous: cma between the
-  // processes of one host, cuda_ipc for device memory), and nothing can take that access
-  // back from a peer that was only stopped, not dead. So a caller must not write such a
-  // payload's memory again, nor free it, while the peer lives; it takes fresh memory for the
-  // next send (the stage worker's Handoff retires the slot). Without that, a resumed peer could
-  // receive bytes written after the failure: an altered message. The header is safe to reuse
-  // at once (the channel sends its own copy where it could be read late).
+  // Where peer_reads_failed_payloads(peer, device) says so, a payload whose send failed may
+  // still be read by the peer, however its send ended: the peer reads a large payload from
+  // the sender's memory (UCX's rendezvous: cma between the processes of one host, cuda_ipc for
+  // device memory), and nothing can take that access back from a peer that was only stopped,
+  // not dead. A caller must then not write such a payload's memory again, nor free it, while
+  // the peer lives; it takes fresh memory for the next send (the stage worker's Handoff
+  // retires the slot). Without that, a resumed peer could receive bytes written after the
+  // failure: an altered message. The header is safe to reuse at once (the channel sends its
+  // own copy where it could be read late).
   virtual Status send(PeerId peer, std::span<const std::byte> header, PayloadView payload,
                       std::chrono::milliseconds timeout) = 0;
 
@@ -142,6 +144,9 @@ class Channel {
   // sends device payloads only when both hold; otherwise it stages through host memory.
   virtual bool sends_device_memory() const { return false; }
   virtual bool peer_takes_device_memory(PeerId /*peer*/) const { return false; }
+  // Whether `peer` may still read a payload (in device memory when `device`) after a send of
+  // it to that peer failed (send above). Ask before the send: an unknown peer reads nothing.
+  virtual bool peer_reads_failed_payloads(PeerId /*peer*/, bool /*device*/) const { return false; }
 };
 
 // Views of common header types as bytes.

@@ -471,6 +471,12 @@ bool UcxChannel::peer_takes_device_memory(PeerId peer) const {
   return it != impl_->peers.end() && it->second->takes_device;
 }
 
+bool UcxChannel::peer_reads_failed_payloads(PeerId peer, bool device) const {
+  std::lock_guard lock(impl_->mu);
+  auto it = impl_->peers.find(peer);
+  return it != impl_->peers.end() && (device || it->second->host_local);
+}
+
 Expected<std::string> UcxChannel::transport_info(PeerId peer) {
   auto result = std::make_shared<std::promise<Expected<std::string>>>();
   auto future = result->get_future();

@@ -123,6 +123,10 @@ class UcxChannel final : public Channel {
   bool takes_device_memory() const;
   bool sends_device_memory() const override { return supports_cuda_memory(); }
   bool peer_takes_device_memory(PeerId peer) const override;
+  // A device payload (cuda_ipc lets the peer read it, over any transport of the tags), and any
+  // payload to a peer over shared memory (cma). A host payload over TCP or RDMA is pushed by
+  // the sender's UCX, which a forced close stops.
+  bool peer_reads_failed_payloads(PeerId peer, bool device) const override;
 
   // Messages dropped because their sender had not proved it belongs (no handshake, a wrong
   // key, a replayed handshake) or their MAC was wrong; 0 on a channel without auth_secret.

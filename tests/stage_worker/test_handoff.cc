@@ -91,26 +91,60 @@ TEST(Handoff, AFailedSendReachesItsClosure) {
   ASSERT_TRUE(to_b) << to_b.error();
   b.reset();  // the next stage dies
   Handoff h(a, 2, 1s);
+  std::promise<std::string> failed;
+  send_filled(h, *to_b, 1, 64, [&](const Status& s) { failed.set_value(s.message()); });
+  auto f = failed.get_future();
+  ASSERT_EQ(f.wait_for(5s), std::future_status::ready);
+  EXPECT_FALSE(f.get().empty());
+  h.drain();
+  // The slot came back: both can be taken again. Its memory is reused: an in-process peer
+  // never reads a payload after its send (the channel copies it).
+  int allocations = 0;
+  auto count = [&](size_t n) { ++allocations; return heap(n); };
+  const int x = *h.acquire(64, count), y = *h.acquire(64, count);
+  EXPECT_NE(x, y);
+  EXPECT_EQ(allocations, 1) << "only the slot never used asks for memory";
+  h.cancel(x), h.cancel(y);
+}
+
+// A peer over shared memory may still read a payload after its send failed (a stopped peer,
+// resumed): the slot's memory is retired, kept alive and never written again, and the slot
+// asks for fresh memory. Here the peer's channel goes away with a rendezvous send (256 KiB)
+// under way, so the send ends by its timeout.
+TEST(Handoff, AFailedSendThePeerMayStillReadRetiresTheSlot) {
+  transport::UcxChannelOptions o;
+  o.net_devices = "lo";
+  o.host_shared_memory = true;
+  o.name = "sender";
+  auto tx = transport::UcxChannel::create(o);
+  ASSERT_TRUE(tx) << tx.error();
+  o.name = "receiver";
+  auto rx = transport::UcxChannel::create(o);
+  ASSERT_TRUE(rx) << rx.error();
+  auto peer = (*tx)->connect((*rx)->address(), "receiver");
+  ASSERT_TRUE(peer) << peer.error();
+  if (!(*tx)->peer_reads_failed_payloads(*peer, false))
+    GTEST_SKIP() << "no shared memory between this process's channels (no pidfd here?)";
+  rx->reset();  // the next stage goes, with nothing taken
+  constexpr size_t kBytes = 256 << 10;
+  Handoff h(**tx, 2, 500ms);
   std::weak_ptr<std::byte[]> failed_memory;
-  const int first = *h.acquire(64, [&](size_t n) {
+  const int first = *h.acquire(kBytes, [&](size_t n) {
     auto p = heap(n);
     failed_memory = p;
     return p;
   });
   std::promise<std::string> failed;
-  h.submit(first, *to_b, {std::byte{1}}, 64, [&](const Status& s) { failed.set_value(s.message()); });
+  h.submit(first, *peer, {std::byte{1}}, kBytes, [&](const Status& s) { failed.set_value(s.message()); });
   auto f = failed.get_future();
-  ASSERT_EQ(f.wait_for(5s), std::future_status::ready);
+  ASSERT_EQ(f.wait_for(10s), std::future_status::ready) << "the send to a gone peer did not fail";
   EXPECT_FALSE(f.get().empty());
   h.drain();
-  // The slot came back: both can be taken again. The failed one's memory is retired, not
-  // reused (the peer may still read it: transport::Channel::send): kept alive, and the slot
-  // asks for fresh memory.
   int allocations = 0;
   auto count = [&](size_t n) { ++allocations; return heap(n); };
-  const int x = *h.acquire(64, count), y = *h.acquire(64, count);
+  const int x = *h.acquire(kBytes, count), y = *h.acquire(kBytes, count);
   EXPECT_NE(x, y);
-  EXPECT_EQ(allocations, 2);
+  EXPECT_EQ(allocations, 2) << "the failed slot's memory was handed out again";
   EXPECT_FALSE(failed_memory.expired()) << "a failed send's memory was freed while the peer may read it";
   for (int i : {x, y}) EXPECT_NE(h.slot(i).data(), failed_memory.lock().get());
   h.cancel(x), h.cancel(y);

@@ -238,6 +238,21 @@ TEST_P(UcxChannelTest, DevicePathIsNegotiatedByAddress) {
   std::cout << "[ memory ] UCX moves CUDA memory: " << (gpu->supports_cuda_memory() ? "yes" : "no") << "\n";
 }
 
+// Whose failed payloads a peer may still read (Channel::send): a device payload's (cuda_ipc
+// reads the sender's memory over any transport), and over shared memory any payload's (cma);
+// a host payload over TCP is pushed by the sender, whose forced close stops it. An unknown
+// peer reads nothing.
+TEST_P(UcxChannelTest, PeerReadsFailedPayloadsWhereItReadsTheSendersMemory) {
+  auto a = make_channel(transports(), "a");
+  auto b = make_channel(transports(), "b");
+  ASSERT_TRUE(a && b);
+  auto to_b = a->connect(b->address(), "b");
+  ASSERT_TRUE(to_b.ok()) << to_b.error();
+  EXPECT_TRUE(a->peer_reads_failed_payloads(*to_b, /*device=*/true));
+  EXPECT_EQ(a->peer_reads_failed_payloads(*to_b, /*device=*/false), transports() == kHostShm);
+  EXPECT_FALSE(a->peer_reads_failed_payloads(*to_b + 100, true));
+}
+
 TEST_P(UcxChannelTest, ConcurrentSendersToOneReceiver) {
   auto r = make_channel(transports(), "r");
   auto s1 = make_channel(transports(), "s1");
