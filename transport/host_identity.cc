@@ -69,10 +69,8 @@ Expected<HostIdentity> this_process_identity() {
   return me;
 }
 
-Expected<int> open_process(const HostIdentity& who) {
-  auto me = this_process_identity();
-  if (!me) return me.status();
-  if (!me->same_host(who)) return Status::error("another host, other network or IPC namespaces, or another user");
+Expected<int> open_process(const HostIdentity& me, const HostIdentity& who) {
+  if (!me.same_host(who)) return Status::error("another host, other network or IPC namespaces, or another user");
   const int fd = int(::syscall(SYS_pidfd_open, pid_t(who.pid), 0));
   if (fd < 0) return Status::error("pidfd_open(" + std::to_string(who.pid) + "): " + std::strerror(errno));
   // Checked after the pidfd is open, so the descriptor is on the process whose start time agrees.

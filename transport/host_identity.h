@@ -34,9 +34,10 @@ inline constexpr std::size_t kHostIdentityBytes = 16 + 4 + 8 + 8 + 8 + 4;
 Expected<HostIdentity> this_process_identity();
 
 // A pidfd (pidfd_open: readable once the process has exited) on the process `who` names, when
-// it runs on this host and is that process; the caller owns the descriptor. An error names why
-// not (another host, no such process, another process with that pid, no pidfd_open).
-Expected<int> open_process(const HostIdentity& who);
+// it runs on the host of `me` (this process's identity) and is that process; the caller owns
+// the descriptor. An error names why not (another host, no such process, another process with
+// that pid, no pidfd_open).
+Expected<int> open_process(const HostIdentity& me, const HostIdentity& who);
 
 // The start time of process `pid` as /proc/<pid>/stat gives it.
 Expected<std::uint64_t> process_start_ticks(std::uint32_t pid);

@@ -278,7 +278,7 @@ Expected<PeerId> UcxChannel::connect(std::span<const std::byte> peer_address, st
   if (impl_->host && (parsed->flags & kAddressHostSharedMemory) && impl_->host->same_host(parsed->host)) {
     // Both ends decide alike (each names the other's process), as UCX wants the same error
     // mode at both ends of a connection.
-    if (auto fd = open_process(parsed->host)) {
+    if (auto fd = open_process(*impl_->host, parsed->host)) {
       peer->host_local = true;
       peer->pid = parsed->host.pid;
       peer->pidfd = UniqueFd(*fd);
