@@ -50,7 +50,7 @@ using cluster_test::CallOptions;
 
 namespace {
 
-struct Options {
+struct SoakOptions {
   double duration_s = 120;
   uint64_t seed = 0;
   int clients = 6, pool = 48, stages = 3, replicas = 2, spares = 2;
@@ -225,7 +225,7 @@ struct EpochWatch {
 };
 
 // The faults, one after another, until the time is up.
-void fault_loop(SoakState& s, FaultInjector& faults, const Options& o, const Clock::time_point end) {
+void fault_loop(SoakState& s, FaultInjector& faults, const SoakOptions& o, const Clock::time_point end) {
   std::mt19937_64 rng(o.seed * 31 + 7);
   while (Clock::now() < end) {
     const double gap = o.fault_gap_s * (0.5 + double(rng() % 1000) / 1000.0);
@@ -251,7 +251,7 @@ std::pair<double, double> longest(const std::vector<std::pair<double, double>>& 
   return {all, no_restart};
 }
 
-int report(Tally& t, SoakState& s, FaultInjector& faults, const EpochWatch& epochs, const Options& o) {
+int report(Tally& t, SoakState& s, FaultInjector& faults, const EpochWatch& epochs, const SoakOptions& o) {
   std::lock_guard lk(t.mu);
   const auto [stall, stall_no_restart] = longest(t.stalls, s);
   const auto [gap, gap_no_restart] = longest(t.stream_gaps, s);
@@ -278,7 +278,7 @@ int report(Tally& t, SoakState& s, FaultInjector& faults, const EpochWatch& epoc
 
 // Starts the cluster: on nodes of their own when `o.netns` allows and the machine can (one
 // node more than the workers, for a fresh worker while one is down), else on loopback.
-bool start_cluster(netns_test::NetnsCluster& nc, const Options& o, bool& on_nodes) {
+bool start_cluster(netns_test::NetnsCluster& nc, const SoakOptions& o, bool& on_nodes) {
   Cluster& cluster = nc.cluster;
   cluster.replicas = o.replicas;
   cluster.faults_expected = true;
@@ -300,7 +300,7 @@ bool start_cluster(netns_test::NetnsCluster& nc, const Options& o, bool& on_node
   return bool(r);
 }
 
-int run(const Options& o) {
+int run(const SoakOptions& o) {
   netns_test::NetnsCluster nc;  // its topology stays empty on loopback
   Cluster& cluster = nc.cluster;
   bool on_nodes = false;
@@ -351,7 +351,7 @@ int run(const Options& o) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  Options o;
+  SoakOptions o;
   CLI::App app{"conveyor-bench-soak: a CPU cluster under a mixed load and random faults; every answer checked"};
   app.add_option("--duration", o.duration_s, "seconds of load and faults (after the fault-free pass)")->check(CLI::Range(1.0, 86400.0));
   app.add_option("--seed", o.seed, "the seed of the pool, the clients and the faults (default: a random one, printed)");

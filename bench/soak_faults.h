@@ -38,6 +38,7 @@
 #include <string>
 #include <vector>
 
+#include "common/options.h"
 #include "tests/cluster/cluster_harness.h"
 #include "tests/cluster/connection_reset.h"
 #include "tests/netns/netns_cluster.h"
@@ -65,8 +66,8 @@ class FaultInjector {
   FaultInjector(Cluster& cluster, netns_test::NetnsCluster* netns, uint64_t seed, SoakState& state, int stages,
                 int replicas)
       : c_(cluster), netns_(netns), rng_(seed), s_(state), stages_(stages), replicas_(replicas) {
-    const char* shm = std::getenv("CONVEYOR_DATA_SHM");
-    has_ss_ = !netns_ && shm && std::string(shm) == "0" && std::system("ss -V >/dev/null 2>&1") == 0;
+    // The daemons inherit this process's environment, and read CONVEYOR_DATA_SHM as it does.
+    has_ss_ = !netns_ && !process_options().data_shared_memory && std::system("ss -V >/dev/null 2>&1") == 0;
     for (size_t i = 0; i < c_.workers.size(); ++i) {
       names_.push_back(netns_ ? "n" + std::to_string(i + 1) : "w" + std::to_string(i));
       nodes_.push_back(netns_ ? names_.back() : "");
